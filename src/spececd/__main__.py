@@ -1,0 +1,3 @@
+from spececd.cli import main
+
+raise SystemExit(main())

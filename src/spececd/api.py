@@ -1,0 +1,159 @@
+"""The Python API: load a draft/target pair, stream or collect completions.
+
+    from spececd import Generator
+
+    gen = Generator.load(draft="models/draft", target="models/target", device="cpu")
+    for chunk in gen.stream("def parse(line):", max_tokens=64, temperature=0.7, seed=1):
+        print(chunk.text, end="", flush=True)       # chunk.source: "draft" or "target"
+    completion = gen.generate("import os\n", max_tokens=32, temperature=0)
+    print(completion.token_ids, completion.stats.acceptance_rate)
+
+In-process generation runs the verifier behind an in-memory transport: the same frames,
+session state machines and verification as the networked edge/cloud split.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
+from spececd.backends.registry import load_backend
+from spececd.cloud.verifier import VerifierService
+from spececd.core.sampling import Mode, SamplingParams, check_token_ids
+from spececd.core.stats import GenerationStats
+from spececd.edge.client import EdgeClient
+from spececd.edge.drafter import DEFAULT_MAX_SUPPORT, Drafter
+from spececd.errors import InputError
+from spececd.transports.memory import MemoryTransport
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    token_ids: tuple[int, ...]
+    text: str
+    source: str  # "draft": drafted and accepted; "target": supplied by the verifier
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (a stop token), "length" (max_tokens or the context)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas. Decodes a short window that
+    starts before the new ids, so tokenizers that render a token differently at the start
+    of a text (SentencePiece's leading space) come out right, and holds text back while it
+    ends in a partial UTF-8 character (byte-level BPE tokens can split one)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decoding window
+        self._read = 0  # ids before this are emitted
+
+    def push(self, ids: Sequence[int]) -> str:
+        self._ids.extend(ids)
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        text = self._tokenizer.decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+
+class Generator:
+    """Speculative generation with a local drafter and a verifier reached by a transport."""
+
+    def __init__(self, draft: Backend, target: Backend, *, mode: str = "exact", k: int = 4,
+                 max_support: int = DEFAULT_MAX_SUPPORT) -> None:
+        if k < 1:
+            raise InputError(f"k (draft tokens per round) must be >= 1, got {k}")
+        try:
+            self.mode = Mode(mode)
+        except ValueError:
+            raise InputError(f"unknown mode {mode!r}: use exact, match or greedy") from None
+        self.k = k
+        self.draft_backend, self.target_backend = draft, target
+        self.tokenizer = draft.tokenizer
+        self.service = VerifierService(target)
+        fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        self.client = EdgeClient(Drafter(draft, max_support), lambda: MemoryTransport(self.service),
+                                 fingerprint, min(draft.max_context, target.max_context))
+
+    @classmethod
+    def load(cls, draft: str, target: str, *, device: str = "auto", dtype: str = "auto",
+             mode: str = "exact", k: int = 4, max_support: int = DEFAULT_MAX_SUPPORT
+             ) -> Generator:
+        draft_backend = load_backend(draft, device=device, dtype=dtype)
+        target_backend = load_backend(target, device=device, dtype=dtype)
+        if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
+                != tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)):
+            raise InputError(f"draft {draft!r} and target {target!r} have incompatible "
+                             f"tokenizers or vocabularies; pick a draft model that shares the "
+                             f"target's tokenizer")
+        return cls(draft_backend, target_backend, mode=mode, k=k, max_support=max_support)
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise InputError("the prompt is empty: give some text or token ids")
+        check_token_ids(ids, min(self.draft_backend.vocab_size, self.target_backend.vocab_size),
+                        "the prompt")
+        limit = self.client.max_context
+        if len(ids) >= limit:
+            raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
+                             f"{limit}, leaving no room to generate: shorten the prompt")
+        return ids
+
+    def params(self, *, max_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None,
+               stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
+        if self.mode is Mode.GREEDY:
+            temperature = 0.0
+        stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=secrets.randbits(62) if seed is None else seed,
+                              max_tokens=max_tokens, stop_token_ids=tuple(stops))
+
+    def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats
+                ) -> Iterator[StreamChunk]:
+        decoder = IncrementalDecoder(self.tokenizer)
+        for out in self.client.rounds(ids, params, self.mode, self.k, stats):
+            for source, part in (("draft", out.token_ids[:out.from_draft]),
+                                 ("target", out.token_ids[out.from_draft:])):
+                if part:
+                    yield StreamChunk(part, decoder.push(part), source)
+
+    def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None,
+               **sampling: Any) -> Iterator[StreamChunk]:
+        """Yield the completion as it is verified (see :meth:`params` for the options);
+        ``stats``, when given, is filled in as generation goes."""
+        ids = self.prompt_ids(prompt)
+        yield from self._stream(ids, self.params(**sampling), stats or GenerationStats())
+
+    def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
+        return self.generate_n(prompt, 1, **sampling)[0]
+
+    def generate_n(self, prompt: str | Sequence[int], n: int, **sampling: Any
+                   ) -> list[Completion]:
+        """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...)."""
+        ids = self.prompt_ids(prompt)
+        base = self.params(**sampling)
+        assert base.seed is not None
+        completions = []
+        for i in range(n):
+            params = replace(base, seed=base.seed + i)
+            stats = GenerationStats()
+            token_ids: list[int] = []
+            for chunk in self._stream(ids, params, stats):
+                token_ids.extend(chunk.token_ids)
+            stopped = bool(token_ids) and token_ids[-1] in params.stop_token_ids
+            completions.append(Completion(token_ids, self.tokenizer.decode(token_ids),
+                                          "stop" if stopped else "length", stats))
+        return completions

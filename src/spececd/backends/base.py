@@ -1,0 +1,75 @@
+"""The interface every model runtime implements (ARCHITECTURE §4, layer 3).
+
+A :class:`Backend` is a loaded model plus its tokenizer. It hands out
+:class:`CachedSequence` objects, each a KV cache over one token sequence, so that one loaded
+target can serve many sessions. A sequence knows three operations:
+
+- ``extend(ids, keep)``: run the model over ``ids`` appended to the cached tokens and return
+  the logits of the last ``keep`` new positions, ``[keep, vocab]`` float32 (``keep=None``:
+  all of them; ``keep=0``: none, e.g. a prefill);
+- ``truncate(n)``: forget every token after the first ``n`` (KV rollback);
+- ``tokens``: the cached token ids.
+
+Logits at position ``i`` are the model's prediction for token ``i + 1``. The contract
+checked by the conformance suite: after any sequence of extend/truncate calls, ``extend``
+returns the logits a fresh forward pass over the same tokens would give.
+
+Heavy imports (torch, llama_cpp, ...) live in each backend's own module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from spececd.protocol.messages import Fingerprint
+
+
+class Tokenizer(Protocol):
+    """What SpecECD needs of a tokenizer."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def vocab_tokens(self) -> list[str]: ...  # token string of each id, in id order
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None: ...
+
+
+class CachedSequence(Protocol):
+    @property
+    def tokens(self) -> list[int]: ...
+    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray: ...
+    def truncate(self, n: int) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+    vocab_size: int  # width of the logits
+    max_context: int  # positions the model supports
+    tokenizer: Tokenizer
+
+    def new_sequence(self) -> CachedSequence: ...
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:
+    """Two models are compatible when their tokenizers map the same strings to the same ids
+    and their logits have the same width; the file format does not matter."""
+    digest = hashlib.sha256("\n".join(tokenizer.vocab_tokens()).encode("utf-8", "surrogatepass"))
+    return Fingerprint(vocab_size=vocab_size, tokenizer_hash=digest.hexdigest())
+
+
+def sync(sequence: CachedSequence, context: Sequence[int]) -> list[int]:
+    """Cut ``sequence`` to the longest cached prefix of ``context`` shorter than it; return
+    the tokens of ``context`` still to be fed (never empty when ``context`` is not)."""
+    cached = sequence.tokens
+    n = min(len(cached), len(context) - 1)
+    if cached[:n] != list(context[:n]):  # rare: a rollback past a verdict or a new history
+        differs = np.asarray(cached[:n]) != np.asarray(context[:n])
+        n = int(np.argmax(differs))
+    if n < len(cached):
+        sequence.truncate(n)
+    return list(context[n:])

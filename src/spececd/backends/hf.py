@@ -1,0 +1,178 @@
+"""Hugging Face transformers on PyTorch: any causal LM from a local folder or a hub id.
+
+Loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` on ``cpu``, ``cuda``, ``mps`` or
+``auto`` (the best available; a requested device that is missing falls back to the CPU
+with a one-line warning). Each :class:`HFSequence` owns a ``DynamicCache``; rollback is
+``DynamicCache.crop`` (transformers 5: a negative count of tokens to remove).
+
+This module is the only one that imports torch and transformers for inference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from spececd.errors import InputError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def available_devices() -> list[dict[str, str]]:
+    """Every device torch can use here, with a short description."""
+    devices = [{"device": "cpu", "backend": "hf", "detail": f"{torch.get_num_threads()} threads"}]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            devices.append({"device": f"cuda:{i}", "backend": "hf",
+                            "detail": f"{props.name}, {props.total_memory / 2**30:.0f} GiB"})
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append({"device": "mps", "backend": "hf", "detail": "Apple Metal"})
+    return devices
+
+
+def resolve_device(device: str) -> torch.device:
+    """Map ``auto``/``cpu``/``cuda[:i]``/``mps`` to a usable device, warning on fallback."""
+    mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if mps_ok else "cpu")
+    if device.startswith("cuda"):
+        if torch.cuda.is_available():
+            return torch.device(device)
+        log.warning("device %s requested but CUDA is not available; falling back to cpu", device)
+        return torch.device("cpu")
+    if device == "mps":
+        if mps_ok:
+            return torch.device("mps")
+        log.warning("device mps requested but Metal is not available; falling back to cpu")
+        return torch.device("cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    raise InputError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps "
+                     f"(`spececd devices` lists what is usable here)")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class HFTokenizer:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def vocab_tokens(self) -> list[str]:
+        vocab = self._tok.get_vocab()
+        by_id = [""] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            by_id[i] = token
+        return by_id
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+        if not getattr(self._tok, "chat_template", None):
+            return None
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        return list(ids)
+
+
+class HFSequence:
+    def __init__(self, backend: HFBackend) -> None:
+        self._backend = backend
+        self._tokens: list[int] = []
+        self._cache = self._new_cache()
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self._backend.model.config)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    @torch.inference_mode()
+    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray:
+        n = len(ids)
+        keep = n if keep is None else keep
+        if not 0 <= keep <= n:
+            raise ValueError(f"keep must be in [0, {n}], got {keep}")
+        if n == 0:
+            return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
+        start = len(self._tokens)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._backend.device)
+        positions = torch.arange(start, start + n, device=self._backend.device)
+        out = self._backend.model(input_ids=input_ids, past_key_values=self._cache,
+                                  use_cache=True, cache_position=positions,
+                                  position_ids=positions[None, :], logits_to_keep=max(keep, 1))
+        self._cache = out.past_key_values
+        self._tokens.extend(int(t) for t in ids)
+        if keep == 0:
+            return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
+        return out.logits[0, -keep:].float().cpu().numpy()  # type: ignore[no-any-return]
+
+    def truncate(self, n: int) -> None:
+        remove = len(self._tokens) - n
+        if remove <= 0:
+            return
+        if n == 0:
+            self._cache = self._new_cache()
+        else:
+            self._cache.crop(-remove)
+        del self._tokens[n:]
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, self.device)
+        local = Path(model).expanduser()
+        if local.exists() and not (local / "config.json").is_file():
+            raise InputError(f"model folder {model!r} has no config.json: point at a folder "
+                             f"saved with save_pretrained, or at a hub id")
+        source = str(local) if local.exists() else model
+        looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
+        if not local.exists() and looks_like_path:
+            raise InputError(f"model {model!r} not found: no such folder")
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+            hf_tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"could not load model {model!r}: not a local folder, and the hub "
+                             f"id could not be loaded ({str(exc).splitlines()[0]})") from None
+        self.model.to(self.device).eval()
+        config = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = hf_tokenizer.eos_token_id
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+        self.tokenizer = HFTokenizer(hf_tokenizer, eos_ids)
+        self.description = f"{model} ({type(self.model).__name__}, {torch_dtype}, {self.device})"
+
+    def new_sequence(self) -> HFSequence:
+        return HFSequence(self)

@@ -1,0 +1,80 @@
+"""The verifier service: target model, sessions, and one verification per draft.
+
+:class:`VerifierService` owns the loaded target and the limits; each connection gets a
+:class:`Connection` that feeds frames through a :class:`CloudSession` state machine and
+runs the verification it asks for: one target forward pass over the tokens the cache
+lacks plus the drafted block, then :func:`spececd.core.verify.verify`. The target's KV
+cache is rolled back lazily, at the start of the next round, to what the verdict kept.
+
+Transports (in-memory, WebSocket, ...) only move frames to and from a Connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
+from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
+from spececd.core.verify import VerifyResult, verify
+from spececd.protocol.session import CloudSession, Limits, State, VerifyRequest
+
+log = logging.getLogger(__name__)
+
+
+def run_verification(sequence: CachedSequence, request: VerifyRequest) -> VerifyResult:
+    """Verify ``request.tokens`` after ``request.context`` on the target's cached sequence."""
+    k = len(request.tokens)
+    feed = sync(sequence, request.context)
+    logits = sequence.extend([*feed, *request.tokens], keep=k + 1)  # [k + 1, vocab]
+    target_probs = process_logits(logits, request.params)
+    assert request.params.seed is not None
+    rng = round_rng(request.params.seed, VERIFIER_STREAM, len(request.context))
+    return verify(request.tokens, target_probs, rng, request.mode, request.draft_probs)
+
+
+class VerifierService:
+    def __init__(self, backend: Backend, limits: Limits | None = None,
+                 auth_token: str = "") -> None:
+        limits = limits or Limits()
+        self.backend = backend
+        self.limits = Limits(max_draft=limits.max_draft,
+                             max_context=min(limits.max_context, backend.max_context),
+                             max_message_bytes=limits.max_message_bytes)
+        self.fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+        self.auth_token = auth_token
+
+    def connect(self) -> Connection:
+        return Connection(self)
+
+
+class Connection:
+    """One client connection: a session state machine and, once used, a KV cache."""
+
+    def __init__(self, service: VerifierService) -> None:
+        self.service = service
+        self.session = CloudSession(service.fingerprint, service.limits, service.auth_token)
+        self.sequence: CachedSequence | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.session.state is State.CLOSED
+
+    def receive(self, frame: bytes) -> list[bytes]:
+        """Handle one frame from the edge; return the frames to send back."""
+        out = self.session.receive(frame)
+        if out is None:
+            self.close()
+            return []
+        if isinstance(out, bytes):
+            return [out]
+        if self.sequence is None:
+            self.sequence = self.service.backend.new_sequence()
+        t0 = time.perf_counter()
+        result = run_verification(self.sequence, out)
+        verify_s = time.perf_counter() - t0
+        return [self.session.verdict(out, result.num_accepted, result.next_token, verify_s)]
+
+    def close(self) -> None:
+        self.session.state = State.CLOSED
+        self.sequence = None  # frees the KV cache

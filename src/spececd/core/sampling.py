@@ -1,0 +1,172 @@
+"""Sampling parameters, logits processing and sampling: pure NumPy, explicit RNG.
+
+`process_logits` turns raw logits into the distribution a model samples from, applying
+temperature, then top-k, then top-p, with the semantics of transformers'
+``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (ties with the k-th score are kept) and
+``TopPLogitsWarper`` (the smallest set whose mass exceeds ``top_p``, at least one token).
+Temperature 0 means greedy: a one-hot distribution on the first argmax.
+
+The drafter's distribution is sent to the verifier as a :class:`SparseProbs` (support ids
+plus probabilities). Both sides read it through :meth:`SparseProbs.normalized`, so the
+drafter samples from exactly the distribution the verifier sees: that is what keeps
+``exact`` verification lossless.
+
+Randomness is never global: every draw takes a ``numpy.random.Generator``. `round_rng`
+derives one from (seed, stream, position), so a round's randomness depends only on where
+it is in the sequence, never on what happened before; a retried or resumed round draws
+the same numbers.
+
+This module knows nothing about models, tokenizers or the network.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spececd.errors import InputError
+
+# Streams of `round_rng`: the verifier's and the drafter's randomness must be independent.
+VERIFIER_STREAM = 0
+DRAFTER_STREAM = 1
+
+
+class Mode(str, enum.Enum):
+    """How the verifier decides which drafted tokens to keep (ARCHITECTURE §3)."""
+
+    EXACT = "exact"  # Leviathan et al. rejection sampling; needs draft_probs
+    MATCH = "match"  # verifier samples its own token, keeps drafts while equal
+    GREEDY = "greedy"  # temperature 0: keep drafts while they equal the target argmax
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-session generation settings, applied identically by drafter and verifier.
+
+    ``top_k = 0`` and ``top_p = 1.0`` disable those filters; ``temperature = 0`` is greedy.
+    ``seed = None`` lets the caller pick a fresh random seed.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(
+                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if self.top_k < 0:
+            raise InputError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"top-p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.max_tokens < 1:
+            raise InputError(f"max-tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def round_rng(seed: int, stream: int, position: int) -> np.random.Generator:
+    """The generator for one round: a pure function of seed, stream and position."""
+    return np.random.default_rng([seed, stream, position])
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:  # [n, vocab] -> [n, vocab]
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)  # type: ignore[no-any-return]
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Logits ``[n, vocab]`` to float64 probabilities ``[n, vocab]`` per `params`."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
+    n, vocab = logits.shape
+    if params.greedy:
+        probs = np.zeros((n, vocab), dtype=np.float64)
+        probs[np.arange(n), logits.argmax(axis=-1)] = 1.0
+        return probs
+    scores = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < vocab:
+        kth = np.partition(scores, vocab - params.top_k, axis=-1)[:, vocab - params.top_k]
+        scores[scores < kth[:, None]] = -np.inf
+    if params.top_p < 1.0:
+        order = np.argsort(scores, axis=-1, kind="stable")  # ascending
+        cumulative = np.cumsum(_softmax(np.take_along_axis(scores, order, axis=-1)), axis=-1)
+        remove = cumulative <= 1.0 - params.top_p
+        remove[:, -1] = False  # always keep the most likely token
+        np.put_along_axis(
+            scores, order, np.where(remove, -np.inf, np.take_along_axis(scores, order, -1)), -1
+        )
+    return _softmax(scores)
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from ``probs`` ``[vocab]`` (non-negative, positive sum) by inverse CDF."""
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    # Rounding can push the draw past the end; land on the last token with mass.
+    return min(index, int(np.flatnonzero(probs)[-1]))
+
+
+@dataclass(frozen=True)
+class SparseProbs:
+    """A draft distribution over a support: ``ids`` ``[m]`` int64, ``probs`` ``[m]`` float32.
+
+    The distribution is ``probs / probs.sum()`` (see :meth:`normalized`); ids are unique.
+    """
+
+    ids: np.ndarray
+    probs: np.ndarray
+
+    def normalized(self) -> np.ndarray:  # [m] float64
+        p = self.probs.astype(np.float64)
+        return p / p.sum()  # type: ignore[no-any-return]
+
+    def prob_of(self, token: int) -> float:
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.normalized()[hit[0]]) if hit.size else 0.0
+
+    def dense(self, vocab: int) -> np.ndarray:  # [vocab] float64
+        out = np.zeros(vocab, dtype=np.float64)
+        out[self.ids] = self.normalized()
+        return out
+
+    @classmethod
+    def from_dense(cls, probs: np.ndarray, max_support: int = 0) -> SparseProbs:
+        """The non-zero part of ``probs`` ``[vocab]``, cut to the ``max_support`` most
+        likely tokens when ``max_support > 0`` (the drafter then samples from the cut)."""
+        ids = np.flatnonzero(probs)
+        if 0 < max_support < ids.size:
+            ids = ids[np.argpartition(probs[ids], ids.size - max_support)[-max_support:]]
+            ids.sort()
+        kept = probs[ids]
+        return cls(ids=ids.astype(np.int64), probs=(kept / kept.sum()).astype(np.float32))
+
+
+def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: int) -> SparseProbs:
+    """The sparse distribution a drafter samples from, for one position's ``logits`` ``[vocab]``."""
+    return SparseProbs.from_dense(process_logits(logits[None, :], params)[0], max_support)
+
+
+def sample_sparse(dist: SparseProbs, rng: np.random.Generator) -> int:
+    return int(dist.ids[sample(dist.normalized(), rng)])
+
+
+def check_token_ids(ids: Sequence[int], vocab: int, what: str) -> None:
+    """Raise :class:`InputError` when any id falls outside ``[0, vocab)``."""
+    bad = [t for t in ids if not (0 <= t < vocab)]
+    if bad:
+        raise InputError(
+            f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+        )

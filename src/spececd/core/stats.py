@@ -1,0 +1,79 @@
+"""Generation statistics with the definitions of ARCHITECTURE §2.
+
+- acceptance rate = accepted / drafted over all rounds (a round's drafts all count, also
+  the first position: it is never assumed accepted);
+- mean accepted length = (accepted + rounds) / rounds, the tokens gained per target pass.
+
+Counts are the verifier's raw verdicts, before stop tokens or ``max_tokens`` clip the
+output; ``generated`` counts what was actually emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    generated: int = 0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    # accepted_by_position[i]: rounds whose drafted token i was accepted;
+    # drafted_by_position[i]: rounds that drafted a token at position i.
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts, n in ((self.drafted_by_position, drafted),
+                          (self.accepted_by_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def merge(self, other: GenerationStats) -> None:
+        for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
+                     "verify_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
+                             (self.accepted_by_position, other.accepted_by_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "rounds": self.rounds,
+            "generated": self.generated,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_len": round(self.mean_accepted_len, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "wall_s": round(self.wall_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "acceptance_by_position": [
+                round(a / d, 4) if d else 0.0
+                for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+            ],
+        }

@@ -1,0 +1,67 @@
+"""Verification of one draft block: which drafted tokens to keep, and the token to add.
+
+Terms (ARCHITECTURE §2):
+
+- accepted: the drafted tokens kept, always a prefix of the block;
+- correction: at the first rejected position, the token the verifier emits instead;
+- bonus: when all ``k`` drafted tokens are accepted, one more token drawn from
+  ``target_probs[k]``.
+
+So every round emits ``num_accepted + 1`` tokens. Modes:
+
+- ``exact`` (Leviathan et al. 2023, Algorithm 1): accept drafted ``x`` with probability
+  ``min(1, target_probs[x] / draft_probs[x])``; the correction is drawn from
+  ``norm(max(0, target_probs - draft_probs))``. Needs the drafter's distribution.
+- ``match``: draw the verifier's own token from ``target_probs`` at each position and keep
+  drafted tokens while they are equal; the first unequal draw is the correction.
+- ``greedy``: ``match`` with one-hot ``target_probs`` (temperature 0), i.e. keep drafted
+  tokens while they equal the target's argmax.
+
+All three emit tokens distributed exactly as the target alone would. This module is pure:
+arrays and an explicit RNG in, a frozen result out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from spececd.core.sampling import Mode, SparseProbs, sample
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    next_token: int  # the correction if num_accepted < k, else the bonus
+
+
+def verify(
+    draft_tokens: Sequence[int],  # [k]
+    target_probs: np.ndarray,  # [k + 1, vocab]
+    rng: np.random.Generator,
+    mode: Mode,
+    draft_probs: Sequence[SparseProbs] | None = None,  # [k], required in exact mode
+) -> VerifyResult:
+    k = len(draft_tokens)
+    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs must be [k + 1, vocab] = [{k + 1}, V], "
+                         f"got {target_probs.shape}")
+    if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != k):
+        raise ValueError("exact mode needs one draft distribution per drafted token")
+    for i, token in enumerate(draft_tokens):
+        if mode is Mode.EXACT:
+            assert draft_probs is not None
+            target_p, draft_p = target_probs[i, token], draft_probs[i].prob_of(token)
+            if rng.random() < min(1.0, target_p / draft_p):
+                continue
+            residual = np.maximum(target_probs[i] - draft_probs[i].dense(target_probs.shape[1]), 0)
+            # A zero residual means target == draft here, where rejection has probability 0;
+            # only rounding gets us here, and the target distribution is then the residual.
+            correction = sample(residual if residual.sum() > 0 else target_probs[i], rng)
+            return VerifyResult(num_accepted=i, next_token=correction)
+        own = sample(target_probs[i], rng)
+        if own != token:
+            return VerifyResult(num_accepted=i, next_token=own)
+    return VerifyResult(num_accepted=k, next_token=sample(target_probs[k], rng))

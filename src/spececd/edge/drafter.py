@@ -1,0 +1,71 @@
+"""The drafter: proposes a block of tokens with the draft model and remembers the
+distribution each was drawn from.
+
+It keeps one KV cache across rounds and rolls it back lazily: each call first cuts the
+cache to the longest prefix it shares with the (authoritative) history, so a rejected
+block costs nothing extra and an accepted one is reused. The last drafted token is never
+fed to the model; the next call feeds it if the verifier kept it.
+
+What it samples from depends on the mode:
+
+- ``exact``: the processed distribution (temperature, top-k, top-p), truncated to the
+  ``max_support`` most likely tokens, and it reports exactly that distribution;
+- ``match``: the full processed distribution; nothing is reported;
+- temperature 0 (or ``greedy``): the argmax; nothing is reported.
+
+The drafter knows nothing about the network or the verifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from spececd.backends.base import Backend, sync
+from spececd.core.sampling import (
+    DRAFTER_STREAM,
+    Mode,
+    SamplingParams,
+    SparseProbs,
+    draft_distribution,
+    process_logits,
+    round_rng,
+    sample,
+    sample_sparse,
+)
+
+DEFAULT_MAX_SUPPORT = 64
+
+
+class Drafter:
+    def __init__(self, backend: Backend, max_support: int = DEFAULT_MAX_SUPPORT) -> None:
+        if max_support < 1:
+            raise ValueError("max_support must be >= 1")
+        self.backend = backend
+        self.max_support = max_support
+        self.sequence = backend.new_sequence()
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        """Draft ``k`` tokens after ``history``; return them and, in exact sampling mode,
+        the distribution each was drawn from."""
+        feed = sync(self.sequence, history)
+        tokens: list[int] = []
+        dists: list[SparseProbs] = []
+        report = mode is Mode.EXACT and not params.greedy
+        for i in range(k):
+            logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
+            if params.greedy:
+                token = int(np.argmax(logits))
+            else:
+                rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
+                if report:
+                    dist = draft_distribution(logits, params, self.max_support)
+                    dists.append(dist)
+                    token = sample_sparse(dist, rng)
+                else:
+                    token = sample(process_logits(logits[None, :], params)[0], rng)
+            tokens.append(token)
+            feed = [token]
+        return tuple(tokens), (tuple(dists) if report else None)

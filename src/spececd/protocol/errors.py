@@ -1,0 +1,86 @@
+"""The wire's error hierarchy.
+
+Every problem the verifier finds with what an edge sent is a :class:`ProtocolError`
+subclass with a stable ``code``. The server answers it with an ``Error`` message carrying
+that code and a readable message, and keeps serving; the edge turns a received ``Error``
+back into the same class (:func:`error_for_code`). ``fatal`` errors end the session
+(the server closes it); the others reject one message and leave the session usable.
+
+    ProtocolError
+    ├── MalformedFrame        not a decodable message, or fields of the wrong type
+    ├── UnexpectedMessage     a valid message in the wrong state (e.g. a draft before hello)
+    ├── VersionMismatch       protocol versions differ                          (fatal)
+    ├── IncompatibleModels    tokenizer fingerprints or vocabularies differ      (fatal)
+    ├── AuthFailed            missing or wrong bearer token                      (fatal)
+    ├── InvalidTokens         a token id outside the vocabulary
+    ├── InvalidProbabilities  NaN, negative, non-normalised or inconsistent draft_probs
+    ├── LimitExceeded         over a configured limit (draft length, context, message size)
+    ├── OutOfOrder            a sequence number or context length that does not follow
+    └── ServerBusy            no capacity for another session                    (fatal)
+"""
+
+from __future__ import annotations
+
+from spececd.errors import SpecECDError
+
+
+class ProtocolError(SpecECDError):
+    code = "protocol_error"
+    fatal = False
+
+
+class MalformedFrame(ProtocolError):
+    code = "malformed_frame"
+
+
+class UnexpectedMessage(ProtocolError):
+    code = "unexpected_message"
+
+
+class VersionMismatch(ProtocolError):
+    code = "version_mismatch"
+    fatal = True
+
+
+class IncompatibleModels(ProtocolError):
+    code = "incompatible_models"
+    fatal = True
+
+
+class AuthFailed(ProtocolError):
+    code = "auth_failed"
+    fatal = True
+
+
+class InvalidTokens(ProtocolError):
+    code = "invalid_tokens"
+
+
+class InvalidProbabilities(ProtocolError):
+    code = "invalid_probabilities"
+
+
+class LimitExceeded(ProtocolError):
+    code = "limit_exceeded"
+
+
+class OutOfOrder(ProtocolError):
+    code = "out_of_order"
+
+
+class ServerBusy(ProtocolError):
+    code = "server_busy"
+    fatal = True
+
+
+_BY_CODE: dict[str, type[ProtocolError]] = {
+    cls.code: cls
+    for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
+                IncompatibleModels, AuthFailed, InvalidTokens, InvalidProbabilities,
+                LimitExceeded, OutOfOrder, ServerBusy)
+}
+
+
+def error_for_code(code: str, message: str) -> ProtocolError:
+    """The exception an edge raises for an ``Error`` message it received."""
+    return _BY_CODE.get(code, ProtocolError)(message)

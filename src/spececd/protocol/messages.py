@@ -1,0 +1,215 @@
+"""Wire messages: frozen dataclasses with a compact msgpack encoding. Sans-I/O.
+
+A frame is one msgpack array ``[type, field, field, ...]``. Token ids travel as msgpack
+integers (1-3 bytes each for vocabularies under 65,536); a draft distribution travels as
+raw little-endian arrays (uint32 ids, float32 probabilities) so that the verifier reads
+exactly the numbers the drafter sampled from.
+
+`decode` checks structure and types only and raises :class:`MalformedFrame`; what a value
+means (a token id in range, a context length that follows) is checked by the session state
+machines, which know the vocabulary and the limits.
+
+Exchange (ARCHITECTURE §5)::
+
+    edge                                   cloud
+    Hello(version, fingerprint, sampling, mode, auth)  ->
+                                           <- Welcome(session_id, limits)
+    Draft(seq, context_len, prefix, tokens, draft_probs) ->
+                                           <- Verdict(seq, num_accepted, next_token, verify_s)
+    ...
+    Close ->
+
+``Draft.context_len`` is the length of the server-side context the draft builds on; the
+server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
+chat turn, or the whole history when resuming), then verifies ``tokens``. Any message may
+be answered by ``Error(code, message, seq, fatal)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import msgpack
+import numpy as np
+
+from spececd.core.sampling import SparseProbs
+from spececd.protocol.errors import MalformedFrame
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Model compatibility: the vocabulary size and a hash of the tokenizer's vocabulary."""
+
+    vocab_size: int
+    tokenizer_hash: str
+
+
+@dataclass(frozen=True)
+class Hello:
+    TYPE: ClassVar[int] = 1
+    protocol_version: int
+    fingerprint: Fingerprint
+    mode: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    auth_token: str = ""
+
+
+@dataclass(frozen=True)
+class Welcome:
+    TYPE: ClassVar[int] = 2
+    session_id: str
+    protocol_version: int
+    max_draft: int
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Draft:
+    TYPE: ClassVar[int] = 3
+    seq: int
+    context_len: int
+    prefix: tuple[int, ...]
+    tokens: tuple[int, ...]
+    draft_probs: tuple[SparseProbs, ...] | None = None  # one per token, exact mode only
+
+
+@dataclass(frozen=True)
+class Verdict:
+    TYPE: ClassVar[int] = 4
+    seq: int
+    num_accepted: int
+    next_token: int
+    verify_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Close:
+    TYPE: ClassVar[int] = 5
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Error:
+    TYPE: ClassVar[int] = 6
+    code: str
+    message: str
+    seq: int = -1
+    fatal: bool = False
+
+
+Message = Union[Hello, Welcome, Draft, Verdict, Close, Error]
+
+_EMPTY: tuple[Any, ...] = ()
+
+
+def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:
+    if dists is None:
+        return None
+    sizes = [int(d.ids.size) for d in dists]
+    ids = np.concatenate([d.ids for d in dists] or [np.zeros(0)]).astype("<u4").tobytes()
+    probs = np.concatenate([d.probs for d in dists] or [np.zeros(0)]).astype("<f4").tobytes()
+    return [sizes, ids, probs]
+
+
+def encode(message: Message) -> bytes:
+    if isinstance(message, Hello):
+        fp = message.fingerprint
+        body: list[Any] = [message.protocol_version, fp.vocab_size, fp.tokenizer_hash,
+                           message.mode, message.temperature, message.top_k, message.top_p,
+                           message.seed, message.auth_token]
+    elif isinstance(message, Welcome):
+        body = [message.session_id, message.protocol_version, message.max_draft,
+                message.max_context]
+    elif isinstance(message, Draft):
+        body = [message.seq, message.context_len, list(message.prefix), list(message.tokens),
+                _pack_probs(message.draft_probs)]
+    elif isinstance(message, Verdict):
+        body = [message.seq, message.num_accepted, message.next_token, message.verify_s]
+    elif isinstance(message, Close):
+        body = [message.reason]
+    else:
+        body = [message.code, message.message, message.seq, message.fatal]
+    return msgpack.packb([message.TYPE, *body], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+# Field types per message, for structural checks on decode.
+_INT, _NUM, _STR, _BOOL, _IDS = "int", "num", "str", "bool", "ids"
+_SCHEMA: dict[int, tuple[str, ...]] = {
+    Hello.TYPE: (_INT, _INT, _STR, _STR, _NUM, _INT, _NUM, _INT, _STR),
+    Welcome.TYPE: (_STR, _INT, _INT, _INT),
+    Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
+    Verdict.TYPE: (_INT, _INT, _INT, _NUM),
+    Close.TYPE: (_STR,),
+    Error.TYPE: (_STR, _STR, _INT, _BOOL),
+}
+
+
+def _check(kind: str, value: Any) -> bool:
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _NUM:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _IDS:
+        return isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return value is None or (  # probs: [sizes, ids bytes, probs bytes]
+        isinstance(value, list) and len(value) == 3 and _check(_IDS, value[0])
+        and isinstance(value[1], bytes) and isinstance(value[2], bytes))
+
+
+def _unpack_probs(value: list[Any] | None, k: int) -> tuple[SparseProbs, ...] | None:
+    if value is None:
+        return None
+    sizes, id_bytes, prob_bytes = value
+    total = sum(sizes)
+    if len(sizes) != k or min(sizes, default=1) < 1 or len(id_bytes) != 4 * total \
+            or len(prob_bytes) != 4 * total:
+        raise MalformedFrame("draft_probs: sizes do not match the drafted tokens or the data")
+    ids = np.frombuffer(id_bytes, dtype="<u4").astype(np.int64)
+    probs = np.frombuffer(prob_bytes, dtype="<f4").astype(np.float32)
+    bounds = np.cumsum([0, *sizes])
+    return tuple(SparseProbs(ids=ids[a:b], probs=probs[a:b])
+                 for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; raise :class:`MalformedFrame` if it is not a well-formed message."""
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedFrame(f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(raw, list) or not raw or not _check(_INT, raw[0]):
+        raise MalformedFrame("frame must be a msgpack array starting with a message type")
+    kind, body = raw[0], raw[1:]
+    schema = _SCHEMA.get(kind)
+    if schema is None:
+        raise MalformedFrame(f"unknown message type {kind}")
+    if len(body) != len(schema) or not all(_check(s, v) for s, v in zip(schema, body)):
+        raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
+    if kind == Hello.TYPE:
+        return Hello(body[0], Fingerprint(body[1], body[2]), body[3], float(body[4]), body[5],
+                     float(body[6]), body[7], body[8])
+    if kind == Welcome.TYPE:
+        return Welcome(*body)
+    if kind == Draft.TYPE:
+        return Draft(body[0], body[1], tuple(body[2]), tuple(body[3]),
+                     _unpack_probs(body[4], len(body[3])))
+    if kind == Verdict.TYPE:
+        return Verdict(body[0], body[1], body[2], float(body[3]))
+    if kind == Close.TYPE:
+        return Close(*body)
+    return Error(*body)
+
+
+__all__ = ["PROTOCOL_VERSION", "Close", "Draft", "Error", "Fingerprint", "Hello", "Message",
+           "Verdict", "Welcome", "decode", "encode"]

@@ -1,0 +1,248 @@
+"""Session state machines of both sides. Sans-I/O: bytes in, bytes or requests out.
+
+:class:`CloudSession` (one per connection on the verifier) validates every frame against
+the session state and the server's limits. A valid draft becomes a
+:class:`VerifyRequest` for whoever owns the target model; its answer goes back through
+:meth:`CloudSession.verdict`, which returns the frame to send. Anything invalid becomes an
+``Error`` frame; a fatal one also closes the session. The machine never raises at its
+caller for bad input, never awaits and never touches a model.
+
+:class:`EdgeSession` is the drafter's side: it numbers drafts, tracks what context the
+server holds, and turns received frames into messages (or raises the
+:class:`~spececd.protocol.errors.ProtocolError` an ``Error`` frame names).
+
+The server's context is only a cache of the edge's authoritative history: a draft says how
+much of it it builds on (``context_len``) and what to append first (``prefix``), so after a
+lost verdict, a reconnect or a server restart the edge re-sends and the result is the same.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.protocol import messages as m
+from spececd.protocol.errors import (
+    AuthFailed,
+    IncompatibleModels,
+    InvalidProbabilities,
+    InvalidTokens,
+    LimitExceeded,
+    OutOfOrder,
+    ProtocolError,
+    UnexpectedMessage,
+    VersionMismatch,
+    error_for_code,
+)
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side limits; every one is checked per message."""
+
+    max_draft: int = 64
+    max_context: int = 4096
+    max_message_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """A validated draft: verify ``tokens`` after ``context`` (never empty)."""
+
+    seq: int
+    context: tuple[int, ...]
+    tokens: tuple[int, ...]
+    draft_probs: tuple[SparseProbs, ...] | None
+    mode: Mode
+    params: SamplingParams
+
+
+class State(enum.Enum):
+    AWAIT_HELLO = "await_hello"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class CloudSession:
+    def __init__(self, fingerprint: m.Fingerprint, limits: Limits, auth_token: str = "") -> None:
+        self.fingerprint = fingerprint
+        self.limits = limits
+        self._auth_token = auth_token
+        self.state = State.AWAIT_HELLO
+        self.session_id = uuid.uuid4().hex
+        self.mode = Mode.GREEDY
+        self.params = SamplingParams()
+        self.context: tuple[int, ...] = ()
+        self._last_seq = -1
+        self._last_frame = b""  # the last draft frame, and the verdict frame it got
+        self._last_verdict = b""
+
+    # -- input ------------------------------------------------------------------------
+    def receive(self, frame: bytes) -> bytes | VerifyRequest | None:
+        """Handle one frame: the reply to send, a verification to run, or None (closed)."""
+        seq = -1
+        try:
+            if len(frame) > self.limits.max_message_bytes:
+                raise LimitExceeded(f"message of {len(frame)} bytes is over the limit of "
+                                    f"{self.limits.max_message_bytes}")
+            if frame == self._last_frame and self._last_verdict:
+                return self._last_verdict  # a retransmission: answer again, verify nothing
+            message = m.decode(frame)
+            if isinstance(message, m.Draft):
+                self._last_frame, self._last_verdict = frame, b""
+            seq = message.seq if isinstance(message, m.Draft) else -1
+            return self._handle(message)
+        except ProtocolError as exc:
+            return self.error(exc, seq)
+
+    def error(self, exc: ProtocolError, seq: int = -1) -> bytes:
+        if exc.fatal:
+            self.state = State.CLOSED
+        return m.encode(m.Error(exc.code, str(exc), seq, exc.fatal))
+
+    def _handle(self, message: m.Message) -> bytes | VerifyRequest | None:
+        if self.state is State.CLOSED:
+            raise UnexpectedMessage("the session is closed; open a new connection")
+        if isinstance(message, m.Close):
+            self.state = State.CLOSED
+            return None
+        if self.state is State.AWAIT_HELLO:
+            if not isinstance(message, m.Hello):
+                raise UnexpectedMessage(f"expected hello first, got {type(message).__name__}")
+            return self._hello(message)
+        if not isinstance(message, m.Draft):
+            raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
+        return self._draft(message)
+
+    def _hello(self, hello: m.Hello) -> bytes:
+        if hello.protocol_version != m.PROTOCOL_VERSION:
+            raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
+                                  f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
+        if self._auth_token and not hmac.compare_digest(
+                hello.auth_token.encode(), self._auth_token.encode()):
+            raise AuthFailed("missing or wrong auth token")
+        if hello.fingerprint != self.fingerprint:
+            raise IncompatibleModels(
+                f"draft and target models are incompatible: edge has vocabulary "
+                f"{hello.fingerprint.vocab_size} / tokenizer {hello.fingerprint.tokenizer_hash[:12]}, "
+                f"server has {self.fingerprint.vocab_size} / {self.fingerprint.tokenizer_hash[:12]}; "
+                f"use a draft model with the target's tokenizer")
+        try:
+            self.params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
+                                         top_p=hello.top_p, seed=hello.seed)
+            # At temperature 0 every mode is greedy verification.
+            self.mode = Mode.GREEDY if self.params.greedy else Mode(hello.mode)
+        except ValueError as exc:
+            raise UnexpectedMessage(f"bad session parameters: {exc}") from None
+        self.state = State.READY
+        return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
+                                  self.limits.max_context))
+
+    def _draft(self, draft: m.Draft) -> bytes | VerifyRequest:
+        if draft.seq <= self._last_seq:
+            raise OutOfOrder(f"draft seq {draft.seq} does not follow {self._last_seq}")
+        if not 0 <= draft.context_len <= len(self.context):
+            raise OutOfOrder(f"draft builds on {draft.context_len} tokens of context, the server "
+                             f"holds {len(self.context)}; re-send the history as prefix")
+        k = len(draft.tokens)
+        if k > self.limits.max_draft:
+            raise LimitExceeded(f"draft of {k} tokens is over the limit of {self.limits.max_draft}")
+        context = self.context[:draft.context_len] + draft.prefix
+        if not context:
+            raise OutOfOrder("a draft needs at least one token of context (send the prompt)")
+        if len(context) + k + 1 > self.limits.max_context:
+            raise LimitExceeded(f"context of {len(context) + k + 1} tokens is over the limit "
+                                f"of {self.limits.max_context}")
+        vocab = self.fingerprint.vocab_size
+        if any(not 0 <= t < vocab for t in draft.prefix + draft.tokens):
+            raise InvalidTokens(f"token ids must be in [0, {vocab})")
+        if self.mode is Mode.EXACT:
+            if draft.draft_probs is None:
+                raise InvalidProbabilities("exact mode needs draft_probs for every drafted token")
+            for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs)):
+                _check_distribution(i, token, dist, vocab)
+        self._last_seq = draft.seq
+        self.context = context
+        return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
+                             self.params)
+
+    # -- output -----------------------------------------------------------------------
+    def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
+                verify_s: float) -> bytes:
+        """Record the verifier's decision for `request`; return the frame to send."""
+        self.context = request.context + request.tokens[:num_accepted] + (next_token,)
+        self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s))
+        return self._last_verdict
+
+
+def _check_distribution(i: int, token: int, dist: SparseProbs, vocab: int) -> None:
+    ids, probs = dist.ids, dist.probs
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise InvalidTokens(f"draft_probs[{i}] has ids outside [0, {vocab})")
+    if np.unique(ids).size != ids.size:
+        raise InvalidProbabilities(f"draft_probs[{i}] repeats an id")
+    if not np.all(np.isfinite(probs)) or np.any(probs < 0):
+        raise InvalidProbabilities(f"draft_probs[{i}] has NaN, infinite or negative values")
+    if abs(float(probs.astype(np.float64).sum()) - 1.0) > PROB_SUM_TOLERANCE:
+        raise InvalidProbabilities(f"draft_probs[{i}] sums to {probs.sum():.6f}, not 1")
+    if dist.prob_of(token) <= 0:
+        raise InvalidProbabilities(f"drafted token {token} at {i} has zero draft probability")
+
+
+class EdgeSession:
+    """The drafter's side of one session: numbers drafts and tracks what the server holds.
+
+    The caller keeps the authoritative token history and passes it to :meth:`draft`; the
+    session sends only what the server lacks. After :meth:`hello` (a new connection, or a
+    server that lost its state) the server holds nothing, so the next draft carries the
+    whole history.
+    """
+
+    def __init__(self, fingerprint: m.Fingerprint, mode: Mode, params: SamplingParams,
+                 auth_token: str = "") -> None:
+        if params.seed is None:
+            raise ValueError("the edge session needs a concrete seed")
+        self.hello_message = m.Hello(m.PROTOCOL_VERSION, fingerprint, mode.value,
+                                     params.temperature, params.top_k, params.top_p,
+                                     params.seed, auth_token)
+        self.welcome: m.Welcome | None = None
+        self.server_len = 0  # tokens of the edge's history the server holds
+        self._seq = 0
+        self._pending: m.Draft | None = None
+
+    def hello(self) -> bytes:
+        self.welcome, self.server_len, self._pending = None, 0, None
+        return m.encode(self.hello_message)
+
+    def draft(self, history: tuple[int, ...] | list[int], tokens: tuple[int, ...],
+              draft_probs: tuple[SparseProbs, ...] | None) -> bytes:
+        """The frame for a draft of ``tokens`` continuing ``history``."""
+        self._seq += 1
+        self._pending = m.Draft(self._seq, self.server_len, tuple(history[self.server_len:]),
+                                tokens, draft_probs)
+        return m.encode(self._pending)
+
+    def receive(self, frame: bytes) -> m.Welcome | m.Verdict:
+        message = m.decode(frame)
+        if isinstance(message, m.Error):
+            raise error_for_code(message.code, message.message)
+        if isinstance(message, m.Welcome) and self.welcome is None:
+            self.welcome = message
+            return message
+        pending = self._pending
+        if isinstance(message, m.Verdict) and pending is not None and message.seq == pending.seq:
+            if not 0 <= message.num_accepted <= len(pending.tokens):
+                raise UnexpectedMessage(f"verdict accepts {message.num_accepted} of "
+                                        f"{len(pending.tokens)} drafted tokens")
+            self.server_len = (pending.context_len + len(pending.prefix)
+                               + message.num_accepted + 1)
+            self._pending = None
+            return message
+        raise UnexpectedMessage(f"unexpected {type(message).__name__} from the server")

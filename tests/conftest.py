@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random-init models of real architectures, built here, offline.
+
+Each model folder holds a ``save_pretrained`` model and a byte-level BPE tokenizer trained
+on a few standard-library files, so ``AutoModelForCausalLM``/``AutoTokenizer`` load them
+like any hub model.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "models"
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "bisect.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS,
+                                   pad_token=EOS)
+
+
+def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: int = 2,
+                hidden: int = 64) -> Path:
+    import torch
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    common: dict[str, Any] = dict(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos,
+                                  pad_token_id=eos)
+    if arch == "llama":
+        model: Any = LlamaForCausalLM(LlamaConfig(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **common))
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=4,
+                                           n_positions=256, **common))
+    else:
+        raise ValueError(arch)
+    # Random init gives nearly uniform logits; sharpen them so that sampling tests see a
+    # real distribution and greedy argmaxes are not near-ties.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return train_tokenizer(512)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dict[str, Path]:
+    """Tiny random-init Llama, Qwen2 and GPT-2 folders, plus a Llama draft/target pair."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": build_model("llama", root / "llama", tokenizer, seed=0),
+        "qwen2": build_model("qwen2", root / "qwen2", tokenizer, seed=1),
+        "gpt2": build_model("gpt2", root / "gpt2", tokenizer, seed=2),
+        "draft": build_model("llama", root / "draft", tokenizer, seed=3, layers=1, hidden=32),
+    }
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose tokenizer differs from the others (a different vocabulary)."""
+    root = tmp_path_factory.mktemp("other")
+    return build_model("llama", root / "llama", train_tokenizer(300), seed=4)
+
+
+def default_pair_present() -> bool:
+    return (MODELS / "target" / "config.json").is_file() and \
+        (MODELS / "draft" / "config.json").is_file()
+
+
+requires_default_pair = pytest.mark.skipif(
+    not default_pair_present(), reason="the default pair under models/ is not trained yet")
