@@ -14,6 +14,8 @@ Stages (each can be run alone, in this order):
 - ``draft``: train the draft Llama, first on the train stream (cross-entropy), then
   distilled from the trained target (KL(target || draft) mixed with cross-entropy), which
   raises the draft's agreement with the target.
+- ``prompts``: 20 prompts cut from held-out files (``OUT/heldout_prompts.json``), used by
+  ``spececd demo`` and the greedy-identity test.
 - ``eval``: held-out loss of both models and their greedy agreement (share of positions
   where the draft's argmax equals the target's), written to ``OUT/metrics.json``, plus the
   loss curves in ``OUT/loss_curves.png``.
@@ -369,15 +371,38 @@ def plot_curves(out: Path) -> None:
     fig.savefig(out / "loss_curves.png", dpi=110)
 
 
+def stage_prompts(out: Path) -> None:
+    """20 prompts from the held-out files, for the demo and the greedy-identity test: in
+    each of 20 files spread over the held-out list, the first function definition with
+    up to four lines before it and its first body line."""
+    data = json.loads((out / ".cache" / "data.json").read_text())
+    root, names = Path(data["stdlib"]), data["heldout_file_names"]
+    prompts: list[str] = []
+    for name in names:
+        lines = (root / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        for i, line in enumerate(lines[:-1]):
+            if line.lstrip().startswith("def ") and line.rstrip().endswith(":") \
+                    and lines[i + 1].strip():
+                prompt = "".join(lines[max(0, i - 4):i + 2])
+                if 40 <= len(prompt) <= 600:
+                    prompts.append(prompt)
+                    break
+    step = len(prompts) / 20
+    chosen = [prompts[int(i * step)] for i in range(20)]
+    (out / "heldout_prompts.json").write_text(json.dumps(chosen, indent=1))
+    log(f"wrote 20 prompts from {len(prompts)} candidate held-out files")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("stage", choices=["data", "target", "draft", "eval", "all"])
+    parser.add_argument("stage", choices=["data", "target", "draft", "eval", "prompts", "all"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    stages = ["data", "target", "draft", "eval"] if args.stage == "all" else [args.stage]
+    stages = (["data", "target", "draft", "eval", "prompts"] if args.stage == "all"
+              else [args.stage])
     for stage in stages:
         t0 = time.perf_counter()
         if stage == "data":
@@ -386,8 +411,10 @@ def main() -> None:
             stage_target(args.out, args.seed)
         elif stage == "draft":
             stage_draft(args.out, args.seed)
-        else:
+        elif stage == "eval":
             stage_eval(args.out)
+        else:
+            stage_prompts(args.out)
         log(f"stage {stage} took {time.perf_counter() - t0:.0f} s")
 
 

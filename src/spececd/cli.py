@@ -165,7 +165,8 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
         try:
             return str(args.prompt_file.read_text())
         except OSError as exc:
-            raise InputError(f"cannot read prompt file {args.prompt_file}: {exc.strerror}") from None
+            raise InputError(f"cannot read prompt file {args.prompt_file}: "
+                             f"{exc.strerror}") from None
     try:
         return [int(t) for t in str(args.prompt_ids).split(",") if t.strip()]
     except ValueError:
@@ -236,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="spececd: %(message)s")
+    if not args.verbose:  # the hub client retries loudly when it cannot connect
+        for name in ("huggingface_hub", "httpx", "transformers"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     try:
         if args.command == "generate":
             return cmd_generate(args)

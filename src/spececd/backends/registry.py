@@ -15,7 +15,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto",
     """Load ``model`` (a local folder or a hub id) with the named backend."""
     if backend not in ("auto", *BACKENDS):
         raise InputError(f"unknown backend {backend!r}: use one of auto, {', '.join(BACKENDS)}")
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+    if not all(importlib.util.find_spec(name) for name in ("torch", "transformers")):
         raise InputError("the Hugging Face backend needs torch and transformers: "
                          "pip install torch==2.13.0 'spececd[hf]'")
     from spececd.backends.hf import HFBackend

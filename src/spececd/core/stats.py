@@ -74,6 +74,6 @@ class GenerationStats:
             "verify_s": round(self.verify_s, 4),
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
-                for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+                for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=False)
             ],
         }

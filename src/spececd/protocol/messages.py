@@ -27,10 +27,11 @@ be answered by ``Error(code, message, seq, fatal)``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from spececd.core.sampling import SparseProbs
@@ -103,7 +104,7 @@ class Error:
     fatal: bool = False
 
 
-Message = Union[Hello, Welcome, Draft, Verdict, Close, Error]
+Message = Hello | Welcome | Draft | Verdict | Close | Error
 
 _EMPTY: tuple[Any, ...] = ()
 
@@ -179,7 +180,7 @@ def _unpack_probs(value: list[Any] | None, k: int) -> tuple[SparseProbs, ...] | 
     probs = np.frombuffer(prob_bytes, dtype="<f4").astype(np.float32)
     bounds = np.cumsum([0, *sizes])
     return tuple(SparseProbs(ids=ids[a:b], probs=probs[a:b])
-                 for a, b in zip(bounds[:-1], bounds[1:]))
+                 for a, b in itertools.pairwise(bounds))
 
 
 def decode(frame: bytes) -> Message:
@@ -194,7 +195,7 @@ def decode(frame: bytes) -> Message:
     schema = _SCHEMA.get(kind)
     if schema is None:
         raise MalformedFrame(f"unknown message type {kind}")
-    if len(body) != len(schema) or not all(_check(s, v) for s, v in zip(schema, body)):
+    if len(body) != len(schema) or not all(map(_check, schema, body)):
         raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
     if kind == Hello.TYPE:
         return Hello(body[0], Fingerprint(body[1], body[2]), body[3], float(body[4]), body[5],

@@ -131,8 +131,9 @@ class CloudSession:
         if hello.fingerprint != self.fingerprint:
             raise IncompatibleModels(
                 f"draft and target models are incompatible: edge has vocabulary "
-                f"{hello.fingerprint.vocab_size} / tokenizer {hello.fingerprint.tokenizer_hash[:12]}, "
-                f"server has {self.fingerprint.vocab_size} / {self.fingerprint.tokenizer_hash[:12]}; "
+                f"{hello.fingerprint.vocab_size} / tokenizer "
+                f"{hello.fingerprint.tokenizer_hash[:12]}, server has "
+                f"{self.fingerprint.vocab_size} / {self.fingerprint.tokenizer_hash[:12]}; "
                 f"use a draft model with the target's tokenizer")
         try:
             self.params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
@@ -166,7 +167,7 @@ class CloudSession:
         if self.mode is Mode.EXACT:
             if draft.draft_probs is None:
                 raise InvalidProbabilities("exact mode needs draft_probs for every drafted token")
-            for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs)):
+            for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs, strict=False)):
                 _check_distribution(i, token, dist, vocab)
         self._last_seq = draft.seq
         self.context = context

@@ -1,0 +1,107 @@
+"""In-process generation end to end: greedy output identical to the target alone, exact
+stopping, streaming, seeds. Runs through the same frames and session state machines as
+the networked path (the in-memory transport)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from spececd.api import Generator  # noqa: E402
+from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+
+PROMPTS = ["def parse(line):\n    ", "import os\n\nclass ", "    for key, value in ",
+           "\"\"\"Utilities for ", "x = [i * i for i in "]
+
+
+def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def tiny_gen(tiny_models: dict[str, Path]) -> Generator:
+    return Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
+                          dtype="float32", k=4)
+
+
+@pytest.mark.parametrize("mode", ["exact", "match", "greedy"])
+def test_greedy_is_identical_to_the_target_alone(mode: str, tiny_models: dict[str, Path],
+                                                 tiny_gen: Generator) -> None:
+    tiny_gen.mode = type(tiny_gen.mode)(mode)
+    for prompt in PROMPTS:
+        ids = tiny_gen.prompt_ids(prompt)
+        ours = tiny_gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
+        assert ours.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
+    tiny_gen.mode = type(tiny_gen.mode)("exact")
+
+
+def test_draft_of_the_target_itself_accepts_everything(tiny_models: dict[str, Path]) -> None:
+    gen = Generator.load(str(tiny_models["llama"]), str(tiny_models["llama"]), device="cpu",
+                         dtype="float32", k=4)
+    out = gen.generate("def f(x):", max_tokens=21, temperature=0, stop_token_ids=[])
+    assert out.stats.acceptance_rate == 1.0
+    # Four rounds of 4 accepted + 1 bonus, then one round drafting nothing for the last token.
+    assert (out.stats.rounds, out.stats.drafted, out.stats.accepted) == (5, 16, 16)
+    assert out.stats.mean_accepted_len == pytest.approx((16 + 5) / 5)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9, 17])
+def test_max_tokens_is_exact(max_tokens: int, tiny_gen: Generator) -> None:
+    for temperature in (0.0, 1.0):
+        out = tiny_gen.generate("x = ", max_tokens=max_tokens, temperature=temperature, seed=1,
+                                stop_token_ids=[])
+        assert len(out.token_ids) == max_tokens
+        assert out.finish_reason == "length"
+
+
+def test_stop_token_ends_generation_exactly(tiny_models: dict[str, Path],
+                                            tiny_gen: Generator) -> None:
+    ids = tiny_gen.prompt_ids(PROMPTS[0])
+    reference = hf_greedy(tiny_models["llama"], ids, 40)
+    for position in (0, 3, 10):
+        stop = reference[position]
+        first = reference.index(stop)
+        out = tiny_gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[stop])
+        assert out.token_ids == reference[:first + 1]
+        assert out.finish_reason == "stop"
+
+
+def test_stream_equals_generate_and_marks_sources(tiny_gen: Generator) -> None:
+    chunks = list(tiny_gen.stream(PROMPTS[1], max_tokens=30, temperature=0.8, seed=11))
+    whole = tiny_gen.generate(PROMPTS[1], max_tokens=30, temperature=0.8, seed=11)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert {c.source for c in chunks} <= {"draft", "target"}
+    assert sum(len(c.token_ids) for c in chunks if c.source == "target") == whole.stats.rounds
+
+
+def test_seed_makes_sampling_reproducible(tiny_gen: Generator) -> None:
+    a = tiny_gen.generate_n(PROMPTS[2], 3, max_tokens=20, temperature=1.0, seed=5)
+    b = tiny_gen.generate_n(PROMPTS[2], 3, max_tokens=20, temperature=1.0, seed=5)
+    c = tiny_gen.generate(PROMPTS[2], max_tokens=20, temperature=1.0, seed=6)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert a[1].token_ids == c.token_ids  # completion i uses seed + i
+    assert len({tuple(x.token_ids) for x in a}) > 1
+
+
+@requires_default_pair
+def test_default_pair_greedy_identical_on_20_heldout_prompts() -> None:
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())
+    assert len(prompts) == 20
+    gen = Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
+                         dtype="float32", k=4)
+    accepted = drafted = 0
+    for prompt in prompts:
+        ids = gen.prompt_ids(prompt)
+        ours = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
+        assert ours.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
+        accepted, drafted = accepted + ours.stats.accepted, drafted + ours.stats.drafted
+    assert accepted / drafted > 0.3  # the trained pair really agrees

@@ -1,0 +1,57 @@
+"""Encode/decode round trips and structural validation of wire messages. No sockets."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from spececd.core.sampling import SparseProbs
+from spececd.protocol import messages as m
+from spececd.protocol.errors import MalformedFrame
+
+FP = m.Fingerprint(512, "ab" * 32)
+
+
+@pytest.mark.parametrize("message", [
+    m.Hello(1, FP, "exact", 0.7, 5, 0.9, 123, "secret"),
+    m.Welcome("s1", 1, 16, 4096),
+    m.Draft(3, 10, (1, 2, 3), (4, 5), None),
+    m.Draft(1, 0, (), (), None),
+    m.Verdict(3, 1, 77, 0.0125),
+    m.Close("done"),
+    m.Error("limit_exceeded", "too long", 4, False),
+])
+def test_round_trip(message: m.Message) -> None:
+    assert m.decode(m.encode(message)) == message
+
+
+def test_draft_probs_round_trip_exactly() -> None:
+    dists = (SparseProbs(np.array([1, 7, 300]), np.array([0.5, 0.25, 0.25], np.float32)),
+             SparseProbs(np.array([9]), np.array([1.0], np.float32)))
+    decoded = m.decode(m.encode(m.Draft(1, 5, (), (7, 9), dists)))
+    assert isinstance(decoded, m.Draft) and decoded.draft_probs is not None
+    for a, b in zip(dists, decoded.draft_probs, strict=False):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.probs, b.probs)
+
+
+def test_greedy_draft_is_a_few_bytes_per_token() -> None:
+    frame = m.encode(m.Draft(1000, 300, (), (17, 4000, 99, 12), None))
+    assert len(frame) <= 20
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x00", msgpack.packb([]), msgpack.packb({"a": 1}), msgpack.packb([99, 1]),
+    msgpack.packb([3, 1, 0, [1], [2]]),  # missing draft_probs field
+    msgpack.packb([3, "1", 0, [1], [2], None]),  # seq as a string
+    msgpack.packb([3, 1, 0, [1.5], [2], None]),  # a float token id
+    msgpack.packb([3, 1, 0, [1], [2], [[2], b"\x00" * 4, b"\x00" * 4]]),  # sizes mismatch k
+    msgpack.packb([3, 1, 0, [1], [2], [[1], b"\x00" * 3, b"\x00" * 4]]),  # short id bytes
+    msgpack.packb([3, 1, 0, [1], [2], [[0], b"", b""]]),  # empty support
+    msgpack.packb([1, True, 5, "h", "exact", 1.0, 0, 1.0, 1, ""]),  # bool as version
+    msgpack.packb([4, 1, 0, 5]),  # verdict missing verify_s
+])
+def test_malformed_frames_raise(frame: bytes) -> None:
+    with pytest.raises(MalformedFrame):
+        m.decode(frame)

@@ -1,0 +1,177 @@
+"""Both session state machines, driven by frames alone: no sockets, no models."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.protocol import messages as m
+from spececd.protocol.errors import (
+    AuthFailed,
+    IncompatibleModels,
+    OutOfOrder,
+    UnexpectedMessage,
+)
+from spececd.protocol.session import CloudSession, EdgeSession, Limits, State, VerifyRequest
+
+FP = m.Fingerprint(100, "f" * 64)
+LIMITS = Limits(max_draft=4, max_context=32, max_message_bytes=4096)
+
+
+def hello(**kw: object) -> bytes:
+    fields = dict(protocol_version=1, fingerprint=FP, mode="exact", temperature=1.0, top_k=0,
+                  top_p=1.0, seed=5, auth_token="")
+    fields.update(kw)
+    return m.encode(m.Hello(**fields))  # type: ignore[arg-type]
+
+
+def ready(**kw: object) -> CloudSession:
+    session = CloudSession(FP, LIMITS, **kw)  # type: ignore[arg-type]
+    reply = session.receive(hello(auth_token=kw.get("auth_token", "")))
+    assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
+    return session
+
+
+def error_of(reply: object) -> m.Error:
+    assert isinstance(reply, bytes)
+    message = m.decode(reply)
+    assert isinstance(message, m.Error), message
+    return message
+
+
+def q(token: int) -> SparseProbs:
+    return SparseProbs(np.array([token, 50]), np.array([0.75, 0.25], np.float32))
+
+
+def draft(seq: int, context_len: int, prefix: tuple[int, ...], tokens: tuple[int, ...],
+          probs: object = "auto") -> bytes:
+    dists = tuple(q(t) for t in tokens) if probs == "auto" else probs
+    return m.encode(m.Draft(seq, context_len, prefix, tokens, dists))  # type: ignore[arg-type]
+
+
+def test_hello_then_draft_gives_a_verify_request_and_a_verdict() -> None:
+    session = ready()
+    request = session.receive(draft(1, 0, (1, 2, 3), (4, 5)))
+    assert isinstance(request, VerifyRequest)
+    assert request.context == (1, 2, 3) and request.tokens == (4, 5)
+    assert request.mode is Mode.EXACT and request.params.seed == 5
+    verdict = m.decode(session.verdict(request, 1, 9, 0.01))
+    assert verdict == m.Verdict(1, 1, 9, 0.01)
+    assert session.context == (1, 2, 3, 4, 9)
+
+
+@pytest.mark.parametrize("frame,code,fatal", [
+    (hello(protocol_version=2), "version_mismatch", True),
+    (hello(fingerprint=m.Fingerprint(100, "0" * 64)), "incompatible_models", True),
+    (hello(fingerprint=m.Fingerprint(101, "f" * 64)), "incompatible_models", True),
+    (hello(mode="fast"), "unexpected_message", False),
+    (hello(temperature=-1.0), "unexpected_message", False),
+    (draft(1, 0, (1,), (2,)), "unexpected_message", False),
+    (b"\x93garbage", "malformed_frame", False),
+    (b"x" * 5000, "limit_exceeded", False),
+])
+def test_bad_handshakes_get_typed_errors(frame: bytes, code: str, fatal: bool) -> None:
+    session = CloudSession(FP, LIMITS)
+    error = error_of(session.receive(frame))
+    assert (error.code, error.fatal) == (code, fatal)
+    assert (session.state is State.CLOSED) == fatal
+
+
+def test_auth_token_is_required_and_checked() -> None:
+    session = CloudSession(FP, LIMITS, auth_token="s3cret")
+    assert error_of(session.receive(hello())).code == "auth_failed"
+    session = CloudSession(FP, LIMITS, auth_token="s3cret")
+    assert error_of(session.receive(hello(auth_token="wrong"))).code == "auth_failed"
+    assert isinstance(ready(auth_token="s3cret"), CloudSession)
+
+
+@pytest.mark.parametrize("frame,code", [
+    (draft(1, 0, (), (4,)), "out_of_order"),  # no context at all
+    (draft(1, 5, (1,), (4,)), "out_of_order"),  # builds on context the server lacks
+    (draft(1, 0, (1,), (1, 2, 3, 4, 5)), "limit_exceeded"),  # k over max_draft
+    (draft(1, 0, tuple(range(30)), (1, 2)), "limit_exceeded"),  # context over max_context
+    (draft(1, 0, (1, 100), (2,)), "invalid_tokens"),
+    (draft(1, 0, (1,), (-1,), None), "invalid_tokens"),
+    (draft(1, 0, (1,), (2,), None), "invalid_probabilities"),  # exact mode needs them
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2]), np.array([np.nan], np.float32)),)),
+     "invalid_probabilities"),
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 3]), np.array([1.5, -0.5], np.float32)),)),
+     "invalid_probabilities"),
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 3]), np.array([0.5, 0.2], np.float32)),)),
+     "invalid_probabilities"),
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([3]), np.array([1.0], np.float32)),)),
+     "invalid_probabilities"),  # drafted token outside its own support
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 2]), np.array([0.5, 0.5], np.float32)),)),
+     "invalid_probabilities"),
+    (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 500]), np.array([0.5, 0.5], np.float32)),)),
+     "invalid_tokens"),
+    (hello(), "unexpected_message"),  # a second hello
+    (msgpack.packb([4, 1, 0, 5, 0.0]), "unexpected_message"),  # a verdict from the edge
+])
+def test_bad_drafts_are_rejected_and_the_session_survives(frame: bytes, code: str) -> None:
+    session = ready()
+    error = error_of(session.receive(frame))
+    assert error.code == code and not error.fatal
+    assert isinstance(session.receive(draft(7, 0, (1, 2), (3,))), VerifyRequest)
+
+
+def test_retransmitted_draft_gets_the_same_verdict_without_reverifying() -> None:
+    session = ready()
+    frame = draft(1, 0, (1, 2), (3, 4))
+    request = session.receive(frame)
+    assert isinstance(request, VerifyRequest)
+    verdict = session.verdict(request, 2, 6, 0.0)
+    assert session.receive(frame) == verdict
+    assert session.context == (1, 2, 3, 4, 6)
+
+
+def test_sequence_numbers_must_increase() -> None:
+    session = ready()
+    request = session.receive(draft(5, 0, (1,), (2,)))
+    assert isinstance(request, VerifyRequest)
+    session.verdict(request, 0, 3, 0.0)
+    assert error_of(session.receive(draft(4, 2, (), (3,)))).code == "out_of_order"
+
+
+def test_close_ends_the_session() -> None:
+    session = ready()
+    assert session.receive(m.encode(m.Close())) is None
+    assert session.state is State.CLOSED
+    assert error_of(session.receive(draft(1, 0, (1,), (2,)))).code == "unexpected_message"
+
+
+def test_edge_and_cloud_sessions_talk_and_resume() -> None:
+    params = SamplingParams(temperature=1.0, seed=3)
+    edge = EdgeSession(FP, Mode.MATCH, params)
+    cloud = CloudSession(FP, LIMITS)
+    edge.receive(cloud.receive(edge.hello()))  # type: ignore[arg-type]
+    history = [1, 2, 3]
+    request = cloud.receive(edge.draft(history, (4, 5), None))
+    assert isinstance(request, VerifyRequest) and request.context == (1, 2, 3)
+    verdict = edge.receive(cloud.verdict(request, 1, 8, 0.0))
+    assert isinstance(verdict, m.Verdict)
+    history += [4, 8]
+    assert edge.server_len == 5
+    # Only the new draft travels; the server already holds the history.
+    frame = edge.draft(history, (9,), None)
+    decoded = m.decode(frame)
+    assert isinstance(decoded, m.Draft) and decoded.prefix == () and decoded.context_len == 5
+    # A new server (restart): after hello the whole history travels again.
+    cloud = CloudSession(FP, LIMITS)
+    edge.receive(cloud.receive(edge.hello()))  # type: ignore[arg-type]
+    request = cloud.receive(edge.draft(history, (9,), None))
+    assert isinstance(request, VerifyRequest) and request.context == tuple(history)
+
+
+def test_edge_raises_the_typed_error_it_receives() -> None:
+    edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=1))
+    with pytest.raises(IncompatibleModels):
+        edge.receive(m.encode(m.Error("incompatible_models", "no", -1, True)))
+    with pytest.raises(AuthFailed):
+        edge.receive(m.encode(m.Error("auth_failed", "no", -1, True)))
+    with pytest.raises(UnexpectedMessage):
+        edge.receive(m.encode(m.Verdict(1, 0, 1, 0.0)))  # no draft pending
+    with pytest.raises(OutOfOrder):
+        edge.receive(m.encode(m.Error("out_of_order", "no", 1, False)))

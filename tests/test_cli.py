@@ -1,0 +1,130 @@
+"""The command line: JSON output, streaming, the demo, devices, and one-line errors with
+exit status 2 for every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from spececd.api import Generator
+from spececd.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def pair(tiny_models: dict[str, Path]) -> list[str]:
+    return ["--draft-model", str(tiny_models["draft"]), "--target-model",
+            str(tiny_models["llama"]), "--device", "cpu"]
+
+
+def test_generate_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str],
+                                                 pair: list[str],
+                                                 tiny_models: dict[str, Path]) -> None:
+    code, out, _ = run(capsys, "generate", *pair, "--prompt", "def f(x):", "--max-tokens", "12",
+                       "--temperature", "0", "--json", "--k", "3")
+    assert code == 0
+    result = json.loads(out)
+    (completion,) = result["completions"]
+    assert set(completion) >= {"token_ids", "text"} and len(completion["token_ids"]) <= 12
+    for key in ("drafted", "accepted", "rounds", "acceptance_rate", "mean_accepted_len",
+                "tokens_per_s", "wall_s"):
+        assert key in result["stats"]
+    gen = Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu")
+    assert completion["token_ids"] == gen.generate("def f(x):", max_tokens=12,
+                                                   temperature=0).token_ids
+
+
+def test_generate_n_draws_independent_completions(capsys: pytest.CaptureFixture[str],
+                                                  pair: list[str]) -> None:
+    code, out, _ = run(capsys, "generate", *pair, "--prompt-ids", "5,6,7", "--max-tokens", "6",
+                       "--n", "4", "--seed", "3", "--top-k", "20", "--top-p", "0.9", "--json",
+                       "--mode", "match")
+    assert code == 0
+    completions = json.loads(out)["completions"]
+    assert len(completions) == 4 and len({tuple(c["token_ids"]) for c in completions}) > 1
+
+
+def test_generate_streams_text_and_a_summary(capsys: pytest.CaptureFixture[str],
+                                             pair: list[str]) -> None:
+    code, out, err = run(capsys, "generate", *pair, "--prompt", "import os", "--max-tokens", "8",
+                         "--seed", "1", "--color", "never")
+    assert code == 0 and "\033[" not in out
+    assert "tokens/s" in err and "acceptance" in err and "mean accepted length" in err
+
+
+@pytest.fixture()
+def bad_cases(tiny_models: dict[str, Path], other_tokenizer_model: Path,
+              tmp_path: Path) -> dict[str, list[str]]:
+    draft, target = str(tiny_models["draft"]), str(tiny_models["llama"])
+    ok = ["--draft-model", draft, "--target-model", target, "--device", "cpu"]
+    return {
+        "unknown model path": ["--draft-model", str(tmp_path / "nope"), "--target-model", target,
+                               "--prompt", "x"],
+        "incompatible tokenizers": ["--draft-model", str(other_tokenizer_model),
+                                    "--target-model", target, "--prompt", "x"],
+        "negative temperature": [*ok, "--prompt", "x", "--temperature", "-0.5"],
+        "top-p above 1": [*ok, "--prompt", "x", "--top-p", "1.5"],
+        "top-p zero": [*ok, "--prompt", "x", "--top-p", "0"],
+        "k below 1": [*ok, "--prompt", "x", "--k", "0"],
+        "empty prompt": [*ok, "--prompt", ""],
+        "empty prompt file": [*ok, "--prompt-file", os.devnull],
+        "prompt longer than the context": [*ok, "--prompt-ids", ",".join(["5"] * 300)],
+        "out-of-vocabulary ids": [*ok, "--prompt-ids", "1,2,100000"],
+        "malformed ids": [*ok, "--prompt-ids", "1,two,3"],
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "unknown model path", "incompatible tokenizers", "negative temperature", "top-p above 1",
+    "top-p zero", "k below 1", "empty prompt", "empty prompt file",
+    "prompt longer than the context", "out-of-vocabulary ids", "malformed ids"])
+def test_bad_input_is_one_line_and_exit_2(case: str, bad_cases: dict[str, list[str]],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "generate", *bad_cases[case])
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spececd: error: "), err
+    assert "Traceback" not in err and out == ""
+
+
+def test_devices_lists_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "devices", "--json")
+    assert code == 0 and any(d["device"] == "cpu" for d in json.loads(out))
+
+
+def test_demo_runs_on_a_models_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                      tiny_models: dict[str, Path],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(tiny_models["draft"], tmp_path / "draft")
+    shutil.copytree(tiny_models["llama"], tmp_path / "target")
+    (tmp_path / "heldout_prompts.json").write_text(json.dumps(["def a():\n", "class B:\n"]))
+    monkeypatch.setenv("SPECECD_MODELS", str(tmp_path))
+    code, out, _ = run(capsys, "demo", "--device", "cpu", "--max-tokens", "10",
+                       "--color", "always")
+    assert code == 0
+    assert out.count("tokens/s") == 3  # one summary per prompt and one overall
+    assert "\033[32m" in out or "\033[1;33m" in out
+
+
+def test_module_and_console_script_run() -> None:
+    result = subprocess.run([sys.executable, "-m", "spececd", "--help"], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0 and "generate" in result.stdout
+    script = shutil.which("spececd")
+    assert script is not None
+    result = subprocess.run([script, "generate", "--help"], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0 and "--max-tokens" in result.stdout
