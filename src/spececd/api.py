@@ -15,7 +15,7 @@ session state machines and verification as the networked edge/cloud split.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,9 +24,10 @@ from spececd.backends.registry import load_backend
 from spececd.cloud.verifier import VerifierService
 from spececd.core.sampling import Mode, SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
-from spececd.edge.client import EdgeClient
+from spececd.edge.client import EdgeClient, Reconnect
 from spececd.edge.drafter import DEFAULT_MAX_SUPPORT, Drafter
 from spececd.errors import InputError
+from spececd.transports.base import Transport
 from spececd.transports.memory import MemoryTransport
 
 
@@ -34,7 +35,9 @@ from spececd.transports.memory import MemoryTransport
 class StreamChunk:
     token_ids: tuple[int, ...]
     text: str
-    source: str  # "draft": drafted and accepted; "target": supplied by the verifier
+    # "draft": drafted and accepted; "target": supplied by the verifier; "fallback": the
+    # draft model's, unverified (the verifier was unreachable and fallback="draft")
+    source: str
 
 
 @dataclass
@@ -68,12 +71,19 @@ class IncrementalDecoder:
 
 
 class Generator:
-    """Speculative generation with a local drafter and a verifier reached by a transport."""
+    """Speculative generation with a local drafter and a verifier reached by a transport:
+    in this process (``target=``) or on a server (``server="ws://host:port"``)."""
 
-    def __init__(self, draft: Backend, target: Backend, *, mode: str = "exact", k: int = 4,
-                 max_support: int = DEFAULT_MAX_SUPPORT) -> None:
+    def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
+                 mode: str = "exact", k: int = 4, max_support: int = DEFAULT_MAX_SUPPORT,
+                 auth_token: str = "", reconnect: Reconnect | None = None,
+                 fallback: str = "none", target: Backend | None = None) -> None:
         if k < 1:
             raise InputError(f"k (draft tokens per round) must be >= 1, got {k}")
+        if max_support < 1:
+            raise InputError(f"max-support must be >= 1, got {max_support}")
+        if fallback not in ("none", "draft"):
+            raise InputError(f"fallback must be 'none' or 'draft', got {fallback!r}")
         try:
             self.mode = Mode(mode)
         except ValueError:
@@ -81,30 +91,59 @@ class Generator:
         self.k = k
         self.draft_backend, self.target_backend = draft, target
         self.tokenizer = draft.tokenizer
-        self.service = VerifierService(target)
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-        self.client = EdgeClient(Drafter(draft, max_support), lambda: MemoryTransport(self.service),
-                                 fingerprint, min(draft.max_context, target.max_context))
+        self.client = EdgeClient(Drafter(draft, max_support), connect, fingerprint,
+                                 max_context, auth_token, reconnect, fallback)
 
     @classmethod
-    def load(cls, draft: str, target: str, *, device: str = "auto", dtype: str = "auto",
-             mode: str = "exact", k: int = 4, max_support: int = DEFAULT_MAX_SUPPORT
-             ) -> Generator:
+    def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
+             device: str = "auto", dtype: str = "auto", mode: str = "exact", k: int = 4,
+             max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
+             reconnect: Reconnect | None = None, fallback: str = "none",
+             tls_ca: str | None = None, tls_verify: bool = True) -> Generator:
+        """Load the draft model and reach the target: load it here (``target``) or connect
+        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL)."""
+        if (target is None) == (server is None):
+            raise InputError("give either a target model (in-process) or a server URL")
         draft_backend = load_backend(draft, device=device, dtype=dtype)
+        if server is not None:
+            if not server.startswith(("ws://", "wss://")):
+                raise InputError(f"server URL must start with ws:// or wss://, got {server!r}")
+            from spececd.transports.websocket import WebSocketTransport, client_ssl_context
+
+            context = (client_ssl_context(tls_ca, tls_verify)
+                       if server.startswith("wss://") else None)
+            return cls(draft_backend, lambda: WebSocketTransport(server, ssl_context=context),
+                       max_context=draft_backend.max_context, mode=mode, k=k,
+                       max_support=max_support, auth_token=auth_token, reconnect=reconnect,
+                       fallback=fallback)
+        assert target is not None
         target_backend = load_backend(target, device=device, dtype=dtype)
         if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
                 != tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)):
             raise InputError(f"draft {draft!r} and target {target!r} have incompatible "
                              f"tokenizers or vocabularies; pick a draft model that shares the "
                              f"target's tokenizer")
-        return cls(draft_backend, target_backend, mode=mode, k=k, max_support=max_support)
+        service = VerifierService(target_backend)
+        return cls(draft_backend, lambda: MemoryTransport(service),
+                   max_context=min(draft_backend.max_context, service.limits.max_context),
+                   mode=mode, k=k, max_support=max_support, fallback=fallback,
+                   target=target_backend)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
             raise InputError("the prompt is empty: give some text or token ids")
-        check_token_ids(ids, min(self.draft_backend.vocab_size, self.target_backend.vocab_size),
-                        "the prompt")
+        check_token_ids(ids, self.draft_backend.vocab_size, "the prompt")
         limit = self.client.max_context
         if len(ids) >= limit:
             raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
@@ -125,8 +164,9 @@ class Generator:
                 ) -> Iterator[StreamChunk]:
         decoder = IncrementalDecoder(self.tokenizer)
         for out in self.client.rounds(ids, params, self.mode, self.k, stats):
+            verified = "fallback" if out.fallback else "target"
             for source, part in (("draft", out.token_ids[:out.from_draft]),
-                                 ("target", out.token_ids[out.from_draft:])):
+                                 (verified, out.token_ids[out.from_draft:])):
                 if part:
                     yield StreamChunk(part, decoder.push(part), source)
 

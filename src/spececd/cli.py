@@ -1,7 +1,10 @@
 """The ``spececd`` command line. It owns the terminal: library code only logs.
 
     spececd demo                     the default pair, in-process, on built-in prompts
-    spececd generate ...             one prompt, streamed or as JSON (--json)
+    spececd generate ...             one prompt, streamed or as JSON (--json); in-process,
+                                     or against a server with --server ws://HOST:PORT
+    spececd chat --server ...        an interactive chat, streaming the replies
+    spececd serve ...                the verifier server (the cloud side)
     spececd devices                  the devices this machine can run models on
 
 Errors a user can cause print one line, ``spececd: error: ...``, and exit with status 2.
@@ -10,14 +13,19 @@ Errors a user can cause print one line, ``spececd: error: ...``, and exit with s
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from spececd import config
+from spececd.config import EdgeConfig, ServerConfig
 from spececd.core.stats import GenerationStats
 from spececd.errors import InputError, SpecECDError
 from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMismatch
@@ -25,7 +33,8 @@ from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMisma
 log = logging.getLogger("spececd")
 
 USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch)
-DRAFT_COLOUR, TARGET_COLOUR, RESET = "\033[32m", "\033[1;33m", "\033[0m"
+COLOURS = {"draft": "\033[32m", "target": "\033[1;33m", "fallback": "\033[2;31m"}
+RESET = "\033[0m"
 
 
 def models_dir() -> Path:
@@ -50,33 +59,60 @@ def demo_prompts() -> list[str]:
     return list(json.loads(path.read_text()))
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def add_model_options(p: argparse.ArgumentParser, cls: type = EdgeConfig,
+                      draft: bool = True) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--draft-model", help="draft model: local folder or hub id "
-                   "(default: the project's trained draft)")
+    if draft:
+        g.add_argument("--draft-model", help="draft model: local folder or hub id "
+                       "(default: the project's trained draft)")
     g.add_argument("--target-model", help="target model: local folder or hub id "
                    "(default: the project's trained target)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps "
-                   "(default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 "
-                   "(default: float32 on cpu, bfloat16 on GPUs)")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
+                   "(default: auto = float32 on cpu, bfloat16 on GPUs)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--config", type=Path, help="config.toml to read settings from; flags and "
+                   "SPECECD_* environment variables override it")
 
 
-def add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
+                         max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=temperature,
-                   help=f"0 = greedy (default: {temperature})")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--max-tokens", type=int,
+                   help=f"tokens to generate at most (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, help=f"0 = greedy (default: {temperature})")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
-    g.add_argument("--k", type=int, default=4, help="drafted tokens per round (default: 4)")
-    g.add_argument("--mode", default="exact", choices=["exact", "match", "greedy"],
-                   help="verification: exact (Leviathan et al.), match (token ids only), "
-                   "greedy (temperature 0)")
-    g.add_argument("--max-support", type=int, default=64,
+    g.add_argument("--k", type=int, help="drafted tokens per round (default: 4)")
+    g.add_argument("--mode", choices=["exact", "match", "greedy"],
+                   help="verification: exact (Leviathan et al., default), match (token ids "
+                   "only), greedy (temperature 0)")
+    g.add_argument("--max-support", type=int,
                    help="exact mode: draft distribution cut to this many tokens (default: 64)")
+
+
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network (edge + cloud)")
+    g.add_argument("--server", help="verifier URL, ws://HOST:PORT or wss://HOST:PORT; without "
+                   "it the target runs in this process")
+    g.add_argument("--auth-token-file", help="file holding the bearer token "
+                   "(default: $SPECECD_AUTH_TOKEN)")
+    g.add_argument("--tls-ca", help="CA certificate to verify a wss:// server with")
+    g.add_argument("--insecure", dest="tls_verify", action="store_const", const=False,
+                   help="do not verify the server's TLS certificate")
+    g.add_argument("--reconnect-attempts", type=int,
+                   help="reconnections tried when the link fails (default: 5)")
+    g.add_argument("--reconnect-delay", type=float,
+                   help="seconds before the first reconnection, doubled each time "
+                   "(default: 0.25)")
+    g.add_argument("--fallback", choices=["none", "draft"],
+                   help="when the verifier is unreachable: none = fail (default), draft = "
+                   "finish with the draft model alone, marked as such")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the default pair in-process on built-in prompts")
     add_model_options(demo)
-    add_sampling_options(demo, temperature=0.0)
+    add_sampling_options(demo, temperature=0.0, max_tokens=64)
     demo.add_argument("--num-prompts", type=int, default=3, help="built-in prompts to run")
     demo.add_argument("--color", choices=["auto", "always", "never"], default="auto")
-    demo.set_defaults(max_tokens=64)
+    demo.set_defaults(demo_defaults={"temperature": 0.0, "max_tokens": 64})
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -100,34 +136,76 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     add_model_options(gen)
     add_sampling_options(gen, temperature=1.0)
+    add_network_options(gen)
     gen.add_argument("--n", type=int, default=1, help="independent completions to draw")
     gen.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
     gen.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming the replies")
+    add_model_options(chat)
+    add_sampling_options(chat, temperature=1.0)
+    add_network_options(chat)
+    chat.add_argument("--system", default="", help="system prompt")
+    chat.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
+    serve = sub.add_parser("serve", help="run the verifier server (the cloud side)")
+    add_model_options(serve, ServerConfig, draft=False)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", help="address to listen on (default: "
+                   f"{_default(ServerConfig, 'host')})")
+    g.add_argument("--port", type=int, help=f"port (default: {_default(ServerConfig, 'port')})")
+    g.add_argument("--max-sessions", type=int, help="concurrent sessions at most (default: "
+                   f"{_default(ServerConfig, 'max_sessions')})")
+    g.add_argument("--max-context", type=int, help="context tokens per session at most "
+                   f"(default: {_default(ServerConfig, 'max_context')}, and the model's own)")
+    g.add_argument("--max-draft", type=int, help="drafted tokens per round at most (default: "
+                   f"{_default(ServerConfig, 'max_draft')})")
+    g.add_argument("--max-message-bytes", type=int, help="largest frame accepted (default: "
+                   f"{_default(ServerConfig, 'max_message_bytes')})")
+    g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
+                   f"evicted (default: {_default(ServerConfig, 'idle_timeout')})")
+    g.add_argument("--auth-token-file", help="require this bearer token (file's first line; "
+                   "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
+    g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
+    g.add_argument("--tls-key", help="TLS private key (PEM)")
 
     dev = sub.add_parser("devices", help="list the devices models can run on here")
     dev.add_argument("--json", action="store_true")
     return parser
 
 
-def load_generator(args: argparse.Namespace) -> Any:
-    if args.threads:
+def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    flags = {k: v for k, v in vars(args).items() if v is not None}
+    for key, value in getattr(args, "demo_defaults", {}).items():
+        flags.setdefault(key, value)
+    return config.load(EdgeConfig, args.config, flags)
+
+
+def load_generator(cfg: EdgeConfig) -> Any:
+    if cfg.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(cfg.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     from spececd.api import Generator
+    from spececd.edge.client import Reconnect
 
-    return Generator.load(args.draft_model or default_model("draft"),
-                          args.target_model or default_model("target"),
-                          device=args.device, dtype=args.dtype, mode=args.mode, k=args.k,
-                          max_support=args.max_support)
+    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
+                                  max_support=cfg.max_support, fallback=cfg.fallback)
+    draft = cfg.draft_model or default_model("draft")
+    if cfg.server:
+        return Generator.load(draft, server=cfg.server,
+                              auth_token=config.auth_token(cfg.auth_token_file),
+                              reconnect=Reconnect(cfg.reconnect_attempts, cfg.reconnect_delay),
+                              tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify, **common)
+    return Generator.load(draft, cfg.target_model or default_model("target"), **common)
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed)
+def sampling_kwargs(cfg: EdgeConfig, seed: int | None) -> dict[str, Any]:
+    return dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                top_p=cfg.top_p, seed=seed)
 
 
 def use_colour(choice: str, stream: TextIO) -> bool:
@@ -141,10 +219,14 @@ def stream_completion(gen: Any, prompt: str | list[int], kwargs: dict[str, Any],
     """Print one completion as it is verified, accepted drafts and target tokens told apart
     by colour; return its statistics."""
     stats = GenerationStats()
+    warned = False
     for chunk in gen.stream(prompt, stats, **kwargs):
+        if chunk.source == "fallback" and not warned:
+            warned = True
+            print("\nspececd: the verifier is unreachable; the rest is the draft model's "
+                  "alone, unverified", file=sys.stderr)
         if colour and chunk.text:
-            out.write((DRAFT_COLOUR if chunk.source == "draft" else TARGET_COLOUR)
-                      + chunk.text + RESET)
+            out.write(COLOURS[chunk.source] + chunk.text + RESET)
         else:
             out.write(chunk.text)
         out.flush()
@@ -153,9 +235,12 @@ def stream_completion(gen: Any, prompt: str | list[int], kwargs: dict[str, Any],
 
 
 def summary_line(stats: GenerationStats) -> str:
-    return (f"{stats.tokens_per_s:.1f} tokens/s · acceptance {stats.acceptance_rate:.1%} · "
+    line = (f"{stats.tokens_per_s:.1f} tokens/s · acceptance {stats.acceptance_rate:.1%} · "
             f"mean accepted length {stats.mean_accepted_len:.2f} · {stats.generated} tokens "
             f"in {stats.wall_s:.2f} s")
+    if stats.fallback:
+        line += f" · {stats.fallback_tokens} tokens from the draft alone (verifier unreachable)"
+    return line
 
 
 def parse_prompt(args: argparse.Namespace) -> str | list[int]:
@@ -178,46 +263,144 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
     prompt = parse_prompt(args)
-    gen = load_generator(args)
-    kwargs = sampling_kwargs(args)
-    if args.json:
-        completions = gen.generate_n(prompt, args.n, **kwargs)
-        total = GenerationStats()
-        for c in completions:
-            total.merge(c.stats)
-        print(json.dumps({
-            "completions": [{"token_ids": c.token_ids, "text": c.text,
-                             "finish_reason": c.finish_reason} for c in completions],
-            "stats": total.as_dict(),
-        }))
-        return 0
-    colour = use_colour(args.color, sys.stdout)
-    base_seed = gen.params(**kwargs).seed
-    for i in range(args.n):
-        if args.n > 1:
-            print(f"--- completion {i + 1}/{args.n}", file=sys.stderr)
-        stats = stream_completion(gen, prompt, {**kwargs, "seed": base_seed + i}, colour,
-                                  sys.stdout)
-        print(summary_line(stats), file=sys.stderr)
+    cfg = edge_config(args)
+    with load_generator(cfg) as gen:
+        kwargs = sampling_kwargs(cfg, args.seed)
+        if args.json:
+            completions = gen.generate_n(prompt, args.n, **kwargs)
+            total = GenerationStats()
+            for c in completions:
+                total.merge(c.stats)
+            print(json.dumps({
+                "completions": [{"token_ids": c.token_ids, "text": c.text,
+                                 "finish_reason": c.finish_reason} for c in completions],
+                "stats": total.as_dict(),
+            }))
+            return 0
+        colour = use_colour(args.color, sys.stdout)
+        base_seed = gen.params(**kwargs).seed
+        for i in range(args.n):
+            if args.n > 1:
+                print(f"--- completion {i + 1}/{args.n}", file=sys.stderr)
+            stats = stream_completion(gen, prompt, {**kwargs, "seed": base_seed + i}, colour,
+                                      sys.stdout)
+            print(summary_line(stats), file=sys.stderr)
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    gen = load_generator(args)
-    colour = use_colour(args.color, sys.stdout)
-    kwargs = sampling_kwargs(args)
-    print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
-          f"              target {gen.target_backend.description}\n"
-          f"mode {gen.mode.value}, k={gen.k}, temperature {args.temperature}"
-          + (f"\n{DRAFT_COLOUR}drafted and accepted{RESET} · "
-             f"{TARGET_COLOUR}supplied by the target{RESET}" if colour else ""))
-    total = GenerationStats()
-    for i, prompt in enumerate(demo_prompts()[:args.num_prompts]):
-        print(f"\n=== prompt {i + 1} ===\n{prompt}", end="")
-        stats = stream_completion(gen, prompt, kwargs, colour, sys.stdout)
-        print(f"--- {summary_line(stats)}")
-        total.merge(stats)
-    print(f"\nall prompts: {summary_line(total)}")
+    cfg = edge_config(args)
+    with load_generator(cfg) as gen:
+        colour = use_colour(args.color, sys.stdout)
+        kwargs = sampling_kwargs(cfg, args.seed)
+        target = gen.target_backend.description if gen.target_backend else cfg.server
+        print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
+              f"              target {target}\n"
+              f"mode {gen.mode.value}, k={gen.k}, temperature {cfg.temperature}"
+              + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
+                 f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
+        total = GenerationStats()
+        for i, prompt in enumerate(demo_prompts()[:args.num_prompts]):
+            print(f"\n=== prompt {i + 1} ===\n{prompt}", end="")
+            stats = stream_completion(gen, prompt, kwargs, colour, sys.stdout)
+            print(f"--- {summary_line(stats)}")
+            total.merge(stats)
+        print(f"\nall prompts: {summary_line(total)}")
+    return 0
+
+
+def chat_prompt(gen: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation as token ids: the tokenizer's chat template when it has one, else a
+    plain transcript."""
+    ids = gen.tokenizer.apply_chat_template(messages)
+    if ids is not None:
+        return list(ids)
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+    return list(gen.tokenizer.encode(text + "Assistant:"))
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    cfg = edge_config(args)
+    with load_generator(cfg) as gen:
+        colour = use_colour(args.color, sys.stdout)
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        interactive = sys.stdin.isatty()
+        print("SpecECD chat: an empty line or Ctrl-D ends it.", file=sys.stderr)
+        seed = args.seed
+        while True:
+            if interactive:
+                print("you> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line.strip():
+                return 0
+            messages.append({"role": "user", "content": line.strip()})
+            out = io.StringIO()
+            sys.stdout.write("assistant> ")
+            stats = stream_completion(gen, chat_prompt(gen, messages),
+                                      sampling_kwargs(cfg, seed), colour, Tee(sys.stdout, out))
+            messages.append({"role": "assistant", "content": strip_ansi(out.getvalue()).strip()})
+            print(summary_line(stats), file=sys.stderr)
+            seed = None if seed is None else seed + 1
+
+
+class Tee(io.TextIOBase):
+    def __init__(self, *streams: TextIO) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    cfg = config.load(ServerConfig, args.config,
+                      {k: v for k, v in vars(args).items() if v is not None})
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise InputError("TLS needs both --tls-cert and --tls-key")
+    token = config.auth_token(cfg.auth_token_file)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    from spececd.backends.registry import load_backend
+    from spececd.cloud.server import ServerPolicy, VerifierServer
+    from spececd.cloud.verifier import VerifierService
+    from spececd.protocol.session import Limits
+    from spececd.transports import websocket
+
+    backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
+                           dtype=cfg.dtype)
+    service = VerifierService(backend, Limits(cfg.max_draft, cfg.max_context,
+                                              cfg.max_message_bytes), token)
+    server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout))
+    context = websocket.server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+    scheme = "wss" if context else "ws"
+
+    def ready(ws_server: Any) -> None:
+        port = ws_server.sockets[0].getsockname()[1]
+        print(f"spececd: serving {backend.description} on {scheme}://{cfg.host}:{port}"
+              f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(websocket.serve(server, cfg.host, cfg.port, context, ready))
+    except OSError as exc:
+        raise InputError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+    finally:
+        server.shutdown()
     return 0
 
 
@@ -233,19 +416,19 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "chat": cmd_chat, "serve": cmd_serve,
+            "devices": cmd_devices}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="spececd: %(message)s")
     if not args.verbose:  # the hub client retries loudly when it cannot connect
-        for name in ("huggingface_hub", "httpx", "transformers"):
+        for name in ("huggingface_hub", "httpx", "transformers", "websockets"):
             logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "demo":
-            return cmd_demo(args)
-        return cmd_devices(args)
+        return COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"spececd: error: {exc}", file=sys.stderr)
         return 2

@@ -107,7 +107,6 @@ def test_auth_token_is_required_and_checked() -> None:
      "invalid_probabilities"),
     (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 500]), np.array([0.5, 0.5], np.float32)),)),
      "invalid_tokens"),
-    (hello(), "unexpected_message"),  # a second hello
     (msgpack.packb([4, 1, 0, 5, 0.0]), "unexpected_message"),  # a verdict from the edge
 ])
 def test_bad_drafts_are_rejected_and_the_session_survives(frame: bytes, code: str) -> None:
@@ -133,6 +132,18 @@ def test_sequence_numbers_must_increase() -> None:
     assert isinstance(request, VerifyRequest)
     session.verdict(request, 0, 3, 0.0)
     assert error_of(session.receive(draft(4, 2, (), (3,)))).code == "out_of_order"
+
+
+def test_a_new_hello_starts_a_new_generation_on_the_connection() -> None:
+    session = ready()
+    request = session.receive(draft(1, 0, (1, 2), (3,)))
+    assert isinstance(request, VerifyRequest)
+    session.verdict(request, 1, 4, 0.0)
+    reply = session.receive(hello(seed=9, mode="match"))
+    assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
+    assert session.context == () and session.params.seed == 9 and session.mode is Mode.MATCH
+    request = session.receive(draft(1, 0, (1, 2, 3, 4), (5,), None))  # seq starts again
+    assert isinstance(request, VerifyRequest) and request.context == (1, 2, 3, 4)
 
 
 def test_close_ends_the_session() -> None:

@@ -22,7 +22,13 @@ class GenerationStats:
     generated: int = 0
     wall_s: float = 0.0
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # as reported by the verifier
+    network_s: float = 0.0  # round trips minus the verifier's reported time
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reconnects: int = 0
+    fallback: bool = False  # the verifier was unreachable and the draft finished alone
+    fallback_tokens: int = 0
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
     accepted_by_position: list[int] = field(default_factory=list)
@@ -40,8 +46,10 @@ class GenerationStats:
 
     def merge(self, other: GenerationStats) -> None:
         for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
-                     "verify_s"):
+                     "verify_s", "network_s", "bytes_sent", "bytes_received", "reconnects",
+                     "fallback_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.fallback = self.fallback or other.fallback
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -72,6 +80,14 @@ class GenerationStats:
             "wall_s": round(self.wall_s, 4),
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
+            "network_s": round(self.network_s, 4),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "bytes_per_token": round((self.bytes_sent + self.bytes_received)
+                                     / max(1, self.generated), 2),
+            "reconnects": self.reconnects,
+            "fallback": self.fallback,
+            "fallback_tokens": self.fallback_tokens,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
                 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=False)

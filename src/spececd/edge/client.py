@@ -6,11 +6,21 @@ appends the verdict's accepted tokens plus the verifier's own token to the histo
 tokens and ``max_tokens`` are applied here, exactly (:func:`clip_emitted`), and ``k`` is
 cut so that no round drafts past the token budget.
 
+The link is kept open across generations. When it fails (``ConnectionError`` from the
+transport) the client reconnects with exponential backoff, greets the server again and
+re-sends the draft with the whole history as its prefix; randomness depends only on
+(seed, position), so the verdict, and the output, are those of an uninterrupted run.
+When the verifier stays unreachable the client raises :class:`CloudUnreachable`, or, with
+``fallback="draft"``, finishes the generation with the draft model alone and says so.
+
 The loop does not know whether the verifier is in this process or across the world.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,46 +29,121 @@ from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
 from spececd.edge.drafter import Drafter
+from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.messages import Fingerprint
 from spececd.protocol.session import EdgeSession
 from spececd.transports.base import Transport
 
+log = logging.getLogger(__name__)
+
+
+class CloudUnreachable(SpecECDError):
+    """The verifier could not be reached, after every reconnection attempt."""
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    attempts: int = 5  # reconnections tried before giving up
+    delay: float = 0.25  # seconds before the first; doubled for each next one
+    max_delay: float = 8.0
+
 
 @dataclass(frozen=True)
 class RoundOutput:
     """Tokens one round emitted: the first ``from_draft`` are accepted drafts, the rest
-    (at most one) came from the target."""
+    (at most one) came from the target; ``fallback`` rounds were never verified."""
 
     token_ids: tuple[int, ...]
     from_draft: int
     finished: bool
+    fallback: bool = False
 
 
 class EdgeClient:
     def __init__(self, drafter: Drafter, connect: Callable[[], Transport],
-                 fingerprint: Fingerprint, max_context: int, auth_token: str = "") -> None:
+                 fingerprint: Fingerprint, max_context: int, auth_token: str = "",
+                 reconnect: Reconnect | None = None, fallback: str = "none") -> None:
+        if fallback not in ("none", "draft"):
+            raise ValueError(f"fallback must be 'none' or 'draft', got {fallback!r}")
         self.drafter = drafter
         self.connect = connect
         self.fingerprint = fingerprint
         self.max_context = max_context
         self.auth_token = auth_token
+        self.reconnect = reconnect or Reconnect()
+        self.fallback = fallback
+        self._transport: Transport | None = None
+        self._greeted: EdgeSession | None = None
+        self._welcome: m.Welcome | None = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            with contextlib.suppress(ConnectionError):
+                self._transport.send(m.encode(m.Close("bye")))
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self._transport, self._greeted = None, None
+
+    def _exchange(self, session: EdgeSession, make_frame: Callable[[], bytes] | None,
+                  stats: GenerationStats) -> m.Welcome | m.Verdict:
+        """Greet the server if this session has not, then send ``make_frame()`` and return
+        the reply; reconnect and retry when the link fails."""
+        failures = 0
+        while True:
+            transport = self._transport
+            sent = received = 0
+            try:
+                if transport is None:
+                    transport = self._transport = self.connect()
+                sent, received = transport.bytes_sent, transport.bytes_received
+                if self._greeted is not session:
+                    transport.send(session.hello())
+                    welcome = session.receive(transport.recv())
+                    assert isinstance(welcome, m.Welcome)
+                    self._greeted, self._welcome = session, welcome
+                if make_frame is None:
+                    assert self._welcome is not None
+                    return self._welcome
+                start = time.perf_counter()
+                transport.send(make_frame())
+                reply = session.receive(transport.recv())
+                if isinstance(reply, m.Verdict):
+                    stats.network_s += max(0.0, time.perf_counter() - start - reply.verify_s)
+                return reply
+            except ConnectionError as exc:
+                self._drop()
+                failures += 1
+                if failures > self.reconnect.attempts:
+                    raise CloudUnreachable(
+                        f"cannot reach the verifier after {self.reconnect.attempts} "
+                        f"reconnection attempts ({exc}); check that `spececd serve` runs at "
+                        f"that address, or pass --fallback draft") from None
+                stats.reconnects += 1
+                wait = min(self.reconnect.delay * 2 ** (failures - 1), self.reconnect.max_delay)
+                log.warning("link to the verifier failed (%s); reconnecting in %.2f s", exc, wait)
+                time.sleep(wait)
+            finally:
+                if transport is not None:
+                    stats.bytes_sent += transport.bytes_sent - sent
+                    stats.bytes_received += transport.bytes_received - received
 
     def rounds(self, prompt_ids: list[int], params: SamplingParams, mode: Mode, k: int,
                stats: GenerationStats) -> Iterator[RoundOutput]:
         """Generate after ``prompt_ids`` (``params.seed`` must be set), one round at a time."""
         assert params.seed is not None
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token)
-        transport = self.connect()
+        history = list(prompt_ids)
+        generated = 0
         start = time.perf_counter()
         try:
-            transport.send(session.hello())
-            welcome = session.receive(transport.recv())
+            welcome = self._exchange(session, None, stats)
             assert isinstance(welcome, m.Welcome)
             max_context = min(self.max_context, welcome.max_context)
             max_draft = min(k, welcome.max_draft)
-            history = list(prompt_ids)
-            generated = 0
             while True:
                 remaining = params.max_tokens - generated
                 room = max_context - len(history)  # positions left, the verifier's token included
@@ -66,8 +151,8 @@ class EdgeClient:
                 t0 = time.perf_counter()
                 tokens, dists = self.drafter.draft(history, k_round, mode, params, params.seed)
                 stats.draft_s += time.perf_counter() - t0
-                transport.send(session.draft(history, tokens, dists))
-                verdict = session.receive(transport.recv())
+                frame = functools.partial(session.draft, history, tokens, dists)
+                verdict = self._exchange(session, frame, stats)
                 assert isinstance(verdict, m.Verdict)
                 stats.record_round(len(tokens), verdict.num_accepted)
                 stats.verify_s += verdict.verify_s
@@ -79,8 +164,31 @@ class EdgeClient:
                 finished = finished or len(history) >= max_context
                 yield RoundOutput(tuple(out), min(verdict.num_accepted, len(out)), finished)
                 if finished:
-                    transport.send(m.encode(m.Close("done")))
                     return
+        except CloudUnreachable:
+            if self.fallback != "draft":
+                raise
+            log.warning("the verifier is unreachable: finishing with the draft model alone "
+                        "(this output is the draft's, not the target's)")
+            yield from self._draft_alone(history, generated, params, stats)
         finally:
             stats.wall_s += time.perf_counter() - start
-            transport.close()
+
+    def _draft_alone(self, history: list[int], generated: int, params: SamplingParams,
+                     stats: GenerationStats) -> Iterator[RoundOutput]:
+        assert params.seed is not None
+        stats.fallback = True
+        while True:
+            t0 = time.perf_counter()
+            (token,), _ = self.drafter.draft(history, 1, Mode.MATCH, params, params.seed)
+            stats.draft_s += time.perf_counter() - t0
+            history.append(token)
+            out, finished = clip_emitted([token], params.stop_token_ids,
+                                         params.max_tokens - generated)
+            generated += len(out)
+            stats.generated += len(out)
+            stats.fallback_tokens += len(out)
+            finished = finished or len(history) >= self.max_context
+            yield RoundOutput(tuple(out), 0, finished, fallback=True)
+            if finished:
+                return

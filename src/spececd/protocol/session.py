@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import hmac
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,7 @@ class CloudSession:
         self.mode = Mode.GREEDY
         self.params = SamplingParams()
         self.context: tuple[int, ...] = ()
+        self.errors: Counter[str] = Counter()  # errors answered, by code
         self._last_seq = -1
         self._last_frame = b""  # the last draft frame, and the verdict frame it got
         self._last_verdict = b""
@@ -103,6 +105,7 @@ class CloudSession:
             return self.error(exc, seq)
 
     def error(self, exc: ProtocolError, seq: int = -1) -> bytes:
+        self.errors[exc.code] += 1
         if exc.fatal:
             self.state = State.CLOSED
         return m.encode(m.Error(exc.code, str(exc), seq, exc.fatal))
@@ -113,10 +116,10 @@ class CloudSession:
         if isinstance(message, m.Close):
             self.state = State.CLOSED
             return None
+        if isinstance(message, m.Hello):
+            return self._hello(message)  # the first, or a new generation on this connection
         if self.state is State.AWAIT_HELLO:
-            if not isinstance(message, m.Hello):
-                raise UnexpectedMessage(f"expected hello first, got {type(message).__name__}")
-            return self._hello(message)
+            raise UnexpectedMessage(f"expected hello first, got {type(message).__name__}")
         if not isinstance(message, m.Draft):
             raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
         return self._draft(message)
@@ -143,6 +146,7 @@ class CloudSession:
         except ValueError as exc:
             raise UnexpectedMessage(f"bad session parameters: {exc}") from None
         self.state = State.READY
+        self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
                                   self.limits.max_context))
 

@@ -1,0 +1,79 @@
+"""The verifier server's policy, independent of the transport: how many sessions, when an
+idle one is evicted, where model work runs, what the status endpoint reports.
+
+Model work (frame handling plus the target forward pass) runs on one worker thread, so an
+asyncio transport's event loop stays free to accept connections, answer pings and notice
+closed sockets while a verification runs. A connection that closes, by the client's
+choice, a dropped link or an idle timeout, is released at once and its KV cache freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from spececd.cloud.verifier import Connection, VerifierService
+from spececd.protocol import messages as m
+from spececd.protocol.errors import ServerBusy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    max_sessions: int = 64
+    idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
+
+
+class VerifierServer:
+    def __init__(self, service: VerifierService, policy: ServerPolicy | None = None) -> None:
+        self.service = service
+        self.policy = policy or ServerPolicy()
+        self.connections: set[Connection] = set()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
+        self.started = time.time()
+        self.evicted = 0
+        self.errors: Counter[str] = Counter()  # by error code, of released sessions
+
+    def open(self) -> Connection | bytes:
+        """A new connection, or the error frame to send when the server is full."""
+        if len(self.connections) >= self.policy.max_sessions:
+            error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
+                               f"sessions; try again later")
+            return m.encode(m.Error(error.code, str(error), -1, True))
+        connection = self.service.connect()
+        self.connections.add(connection)
+        return connection
+
+    async def receive(self, connection: Connection, frame: bytes) -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, connection.receive, frame)
+
+    def release(self, connection: Connection, idle: bool = False) -> None:
+        connection.close()
+        if connection in self.connections:
+            self.connections.discard(connection)
+            self.errors.update(connection.session.errors)
+        if idle:
+            self.evicted += 1
+            log.info("evicted idle session %s", connection.session.session_id)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "sessions": len(self.connections),
+            "max_sessions": self.policy.max_sessions,
+            "kv_tokens": sum(len(c.sequence.tokens) for c in self.connections if c.sequence),
+            "evicted_idle": self.evicted,
+            "errors": dict(sum((c.session.errors for c in self.connections), self.errors)),
+            "uptime_s": round(time.time() - self.started, 1),
+            "model": getattr(self.service.backend, "description", self.service.backend.name),
+        }
+
+    def shutdown(self) -> None:
+        for connection in list(self.connections):
+            self.release(connection)
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,157 @@
+"""WebSocket transport: binary frames over the ``websockets`` library, both sides.
+
+Server: :func:`serve` runs a :class:`~spececd.cloud.server.VerifierServer` behind
+``websockets.asyncio.server``. One connection is one session; each binary frame goes to
+the session's :class:`~spececd.cloud.verifier.Connection` and every reply goes back as a
+binary frame. A connection silent for longer than the idle timeout is closed (code 1001)
+and its KV cache freed. Plain HTTP ``GET /healthz`` and ``GET /status`` on the same port
+answer ``ok`` and a JSON summary.
+
+Client: :class:`WebSocketTransport` is a blocking transport for the edge loop. Every way
+the link can fail (refused, reset, closed, timed out) surfaces as ``ConnectionError``, which
+the edge answers by reconnecting and re-sending its history.
+
+Compression is off: frames are tens of bytes and deflate would add to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection
+from websockets.asyncio.server import serve as ws_serve
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.http11 import Request, Response
+from websockets.sync.client import ClientConnection, connect
+
+from spececd.cloud.server import VerifierServer
+
+log = logging.getLogger(__name__)
+
+WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the socket refuses
+
+
+def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def client_ssl_context(cafile: str | None = None, verify: bool = True) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=cafile)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _http_handler(server: VerifierServer) -> Callable[[ServerConnection, Request],
+                                                      Response | None]:
+    def process_request(connection: ServerConnection, request: Request) -> Response | None:
+        if request.path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "ok\n")
+        if request.path == "/status":
+            response = connection.respond(HTTPStatus.OK, json.dumps(server.status()) + "\n")
+            response.headers["Content-Type"] = "application/json"
+            return response
+        return None  # a WebSocket upgrade
+
+    return process_request
+
+
+def _handler(server: VerifierServer) -> Callable[[ServerConnection], Awaitable[None]]:
+    async def handle(ws: ServerConnection) -> None:
+        opened = server.open()
+        if isinstance(opened, bytes):  # full: say why, then close
+            await ws.send(opened)
+            await ws.close(1013, "server busy")
+            return
+        connection, idle = opened, False
+        try:
+            while True:
+                try:
+                    frame = await asyncio.wait_for(ws.recv(), server.policy.idle_timeout)
+                except TimeoutError:
+                    idle = True
+                    await ws.close(1001, "idle timeout")
+                    return
+                data = frame if isinstance(frame, bytes) else frame.encode()
+                for reply in await server.receive(connection, data):
+                    await ws.send(reply)
+                if connection.closed:
+                    await ws.close(1000, "session closed")
+                    return
+        except ConnectionClosed:
+            pass  # the client left, maybe mid-round: nothing more to do for it
+        finally:
+            server.release(connection, idle=idle)
+
+    return handle
+
+
+async def serve(server: VerifierServer, host: str, port: int,
+                ssl_context: ssl.SSLContext | None = None,
+                ready: Callable[[Server], None] | None = None) -> None:
+    """Serve until cancelled."""
+    limit = server.service.limits.max_message_bytes + WS_OVERHEAD
+    async with ws_serve(_handler(server), host, port, ssl=ssl_context, max_size=limit,
+                        compression=None, process_request=_http_handler(server)) as ws_server:
+        if ready is not None:
+            ready(ws_server)
+        await asyncio.get_running_loop().create_future()
+
+
+def frame_bytes(payload: int, masked: bool) -> int:
+    """Bytes a WebSocket frame of ``payload`` bytes takes on the wire (RFC 6455 §5.2):
+    the header, the client's masking key, the payload. TCP/IP headers are not counted."""
+    header = 2 if payload < 126 else 4 if payload < 65536 else 10
+    return header + (4 if masked else 0) + payload
+
+
+class WebSocketTransport:
+    """A blocking client connection to a verifier server."""
+
+    def __init__(self, url: str, *, ssl_context: ssl.SSLContext | None = None,
+                 open_timeout: float = 10.0, recv_timeout: float = 120.0,
+                 max_size: int = 16 << 20) -> None:
+        self.url = url
+        self.recv_timeout = recv_timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        options: dict[str, Any] = dict(ssl=ssl_context, open_timeout=open_timeout,
+                                       max_size=max_size, compression=None, proxy=None)
+        if ssl_context is None and url.startswith("wss://"):
+            options.pop("ssl")
+        try:
+            self._ws: ClientConnection = connect(url, **options)
+        except InvalidURI as exc:
+            raise ValueError(f"bad server URL {url!r}: {exc}") from None
+        except (OSError, InvalidHandshake, TimeoutError) as exc:
+            raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
+
+    def send(self, frame: bytes) -> None:
+        try:
+            self._ws.send(frame)
+        except (ConnectionClosed, OSError) as exc:
+            raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+        self.bytes_sent += frame_bytes(len(frame), masked=True)
+
+    def recv(self) -> bytes:
+        try:
+            frame = self._ws.recv(timeout=self.recv_timeout)
+        except (ConnectionClosed, OSError, TimeoutError) as exc:
+            raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+        data = frame if isinstance(frame, bytes) else frame.encode()
+        self.bytes_received += frame_bytes(len(data), masked=False)
+        return data
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a broken link must not raise
+            self._ws.close()
