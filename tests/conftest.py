@@ -104,3 +104,38 @@ def default_pair_present() -> bool:
 
 requires_default_pair = pytest.mark.skipif(
     not default_pair_present(), reason="the default pair under models/ is not trained yet")
+
+
+def word_tokenizer(words: list[str]) -> Any:
+    """A whitespace word-level tokenizer over ``words``, with no end-of-sequence token, so
+    that generation always runs to max_tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0])
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A draft and a target over a 10-word vocabulary, for exact distribution tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_tokenizer(["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"])
+    root = tmp_path_factory.mktemp("tinyvocab")
+    paths = {}
+    for name, seed, scale in (("target", 10, 4.0), ("draft", 11, 3.0)):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None))
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(scale)
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from spececd.core.sampling import (
     Mode,
@@ -26,6 +25,7 @@ from spececd.core.sampling import (
 )
 from spececd.core.stopping import clip_emitted
 from spececd.core.verify import VerifyResult, verify
+from tests.chisq import chi_square_p
 
 V = 8
 DRAWS = 20_000
@@ -188,19 +188,11 @@ def simulate(setting: Setting, verify_fn: VerifyFn = verify, seed: int = 0,
     return Outcome(pairs, first_accepted)
 
 
-def chi_square_p(pairs: np.ndarray, params: SamplingParams) -> float:
+def pairs_p_value(pairs: np.ndarray, params: SamplingParams) -> float:
     """p-value of the observed first-two-token pairs under the target's own distribution."""
     target = target_table(params)
     expected = (target[0][:, None] * target).reshape(-1) * pairs.size
-    observed = np.bincount(pairs, minlength=V * V).astype(float)
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # a pair the target can never produce
-    keep = expected >= 5
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+    return chi_square_p(np.bincount(pairs, minlength=V * V), expected)
 
 
 def expected_first_acceptance(setting: Setting) -> float:
@@ -212,7 +204,7 @@ def expected_first_acceptance(setting: Setting) -> float:
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])
 def test_output_follows_the_target_distribution(setting: Setting) -> None:
     outcome = simulate(setting)
-    p_value = chi_square_p(outcome.pairs, setting.params)
+    p_value = pairs_p_value(outcome.pairs, setting.params)
     alpha = expected_first_acceptance(setting)
     measured = outcome.first_accepted / DRAWS
     stderr = max(np.sqrt(alpha * (1 - alpha) / DRAWS), 1 / DRAWS)
@@ -268,7 +260,7 @@ BUGS = [
 
 @pytest.mark.parametrize("name,buggy,setting", BUGS, ids=[b[0] for b in BUGS])
 def test_planted_verifier_bugs_fail_the_test(name: str, buggy: VerifyFn, setting: Setting) -> None:
-    p_value = chi_square_p(simulate(setting, buggy).pairs, setting.params)
+    p_value = pairs_p_value(simulate(setting, buggy).pairs, setting.params)
     print(f"planted bug {name}: chi-square p={p_value:.3g}")
     assert p_value < 0.001
 
@@ -279,7 +271,7 @@ def test_reporting_raw_draft_probs_fails_the_test() -> None:
     raw = [SparseProbs.from_dense(process_logits(DRAFT_LOGITS[r:r + 1],
                                                  SamplingParams(temperature=1.0))[0])
            for r in range(V)]
-    p_value = chi_square_p(simulate(setting, reported=raw).pairs, setting.params)
+    p_value = pairs_p_value(simulate(setting, reported=raw).pairs, setting.params)
     print(f"planted bug raw q: chi-square p={p_value:.3g}")
     assert p_value < 0.001
 

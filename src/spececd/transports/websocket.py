@@ -126,7 +126,8 @@ class WebSocketTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         options: dict[str, Any] = dict(ssl=ssl_context, open_timeout=open_timeout,
-                                       max_size=max_size, compression=None, proxy=None)
+                                       max_size=max_size, compression=None, proxy=None,
+                                       legacy=True)
         if ssl_context is None and url.startswith("wss://"):
             options.pop("ssl")
         try:

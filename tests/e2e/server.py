@@ -1,0 +1,69 @@
+"""Run `spececd serve` as a real subprocess on loopback, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """``spececd serve`` on 127.0.0.1; started on construction, stopped by :meth:`stop`."""
+
+    def __init__(self, target: Path | str, *extra: str, port: int | None = None,
+                 env: dict[str, str] | None = None, scheme: str = "ws") -> None:
+        self.target, self.extra, self.env = str(target), extra, env
+        self.port = port or free_port()
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    def start(self, timeout: float = 90.0) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(self.env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spececd", "serve", "--target-model", self.target,
+             "--device", "cpu", "--threads", "1", "--port", str(self.port), *self.extra],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if "serving" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+        raise RuntimeError("server did not start in time")
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=5) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()

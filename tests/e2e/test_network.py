@@ -1,0 +1,367 @@
+"""Edge and cloud in two processes over real loopback WebSockets.
+
+Each test starts `spececd serve` as a subprocess. Lossless: greedy ids identical to the
+target alone, and sampled first-two-token distributions equal to the target's exact one.
+Faults: server killed and restarted mid-generation, unreachable cloud, idle eviction, a
+client that vanishes mid-round. Security: auth token, TLS, limits, a fuzzer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+websockets_sync = pytest.importorskip("websockets.sync.client")
+
+from spececd.api import Generator  # noqa: E402
+from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
+from spececd.backends.registry import load_backend  # noqa: E402
+from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
+from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
+from spececd.protocol import messages as m  # noqa: E402
+from tests.chisq import chi_square_p  # noqa: E402
+from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+from tests.e2e.server import ServerProcess, free_port  # noqa: E402
+from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_models["llama"])
+    yield proc
+    proc.stop()
+
+
+def remote(draft: Path, url: str, **kw: object) -> Generator:
+    return Generator.load(str(draft), server=url, device="cpu", dtype="float32", **kw)  # type: ignore[arg-type]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "spececd", *args, "--threads", "1"],
+                          capture_output=True, text=True, check=False, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+# -- lossless over the wire ----------------------------------------------------------
+
+
+def test_greedy_over_the_wire_is_identical_to_the_target_alone(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["draft"], server.url) as gen:
+        for prompt in PROMPTS:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
+            assert out.stats.bytes_sent > 0 and out.stats.network_s >= 0
+
+
+@requires_default_pair
+def test_default_pair_over_the_wire_on_20_heldout_prompts() -> None:
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())
+    proc = ServerProcess(MODELS / "target")
+    try:
+        with remote(MODELS / "draft", proc.url) as gen:
+            for prompt in prompts:
+                ids = gen.prompt_ids(prompt)
+                out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
+                assert out.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
+    finally:
+        proc.stop()
+
+
+def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams
+                            ) -> np.ndarray:  # [V * V]: P(first = a, second = b)
+    backend = load_backend(str(target), device="cpu", dtype="float32")
+    model = backend.model  # type: ignore[attr-defined]
+    vocab = backend.vocab_size
+    with torch.no_grad():
+        first = process_logits(model(torch.tensor([prompt])).logits[0, -1:].numpy(), params)[0]
+        batch = torch.tensor([[*prompt, a] for a in range(vocab)])
+        second = process_logits(model(batch).logits[:, -1].numpy(), params)
+    return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode,temperature,top_p", [("exact", 1.0, 0.9), ("match", 0.8, 1.0)])
+def test_sampling_over_the_wire_keeps_the_target_distribution(
+        mode: str, temperature: float, top_p: float, tiny_vocab_pair: dict[str, Path]) -> None:
+    draws = 5000
+    prompt = [1, 2, 3]
+    proc = ServerProcess(tiny_vocab_pair["target"])
+    try:
+        result = cli("generate", "--server", proc.url, "--draft-model",
+                     str(tiny_vocab_pair["draft"]), "--device", "cpu", "--prompt-ids",
+                     "1,2,3", "--max-tokens", "2", "--n", str(draws), "--seed", "1234",
+                     "--temperature", str(temperature), "--top-p", str(top_p), "--mode", mode,
+                     "--k", "3", "--json")
+    finally:
+        proc.stop()
+    assert result.returncode == 0, result.stderr
+    output = json.loads(result.stdout)
+    pairs = [c["token_ids"] for c in output["completions"]]
+    assert len(pairs) == draws and all(len(p) == 2 for p in pairs)
+    vocab = 10
+    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
+        temperature=temperature, top_p=top_p)) * draws
+    p_value = chi_square_p(observed, expected)
+    print(f"{mode}: chi-square p={p_value:.4f} over {draws} draws, acceptance "
+          f"{output['stats']['acceptance_rate']}, {int((expected >= 5).sum())} cells")
+    assert p_value > 0.001
+
+
+# -- faults ---------------------------------------------------------------------------
+
+
+def test_server_killed_and_restarted_mid_generation(tiny_models: dict[str, Path]) -> None:
+    proc = ServerProcess(tiny_models["llama"])
+    try:
+        reconnect = Reconnect(attempts=40, delay=0.1, max_delay=0.5)
+        with remote(tiny_models["draft"], proc.url, reconnect=reconnect) as gen:
+            reference = gen.generate(PROMPTS[0], max_tokens=60, temperature=0.9, seed=7,
+                                     stop_token_ids=[])
+            tokens: list[int] = []
+            stats_holder = gen.stream(PROMPTS[0], max_tokens=60, temperature=0.9, seed=7,
+                                      stop_token_ids=[])
+            for i, chunk in enumerate(stats_holder):
+                tokens.extend(chunk.token_ids)
+                if i == 3:
+                    proc.kill()
+                    proc.start()
+            assert tokens == reference.token_ids
+    finally:
+        proc.stop()
+
+
+def test_dropped_connection_is_resumed(server: ServerProcess,
+                                       tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["draft"], server.url) as gen:
+        reference = gen.generate(PROMPTS[1], max_tokens=40, temperature=0, stop_token_ids=[])
+        tokens: list[int] = []
+        for i, chunk in enumerate(gen.stream(PROMPTS[1], max_tokens=40, temperature=0,
+                                             stop_token_ids=[])):
+            tokens.extend(chunk.token_ids)
+            if i == 2:
+                gen.client._transport._ws.close()  # type: ignore[union-attr]
+        assert tokens == reference.token_ids
+
+
+def test_unreachable_cloud_is_a_clear_error_or_a_marked_fallback(
+        tiny_models: dict[str, Path]) -> None:
+    url = f"ws://127.0.0.1:{free_port()}"
+    args = ["generate", "--server", url, "--draft-model", str(tiny_models["draft"]),
+            "--device", "cpu", "--prompt", "def f():", "--max-tokens", "12", "--json",
+            "--reconnect-attempts", "2", "--reconnect-delay", "0.05"]
+    failed = cli(*args)
+    assert failed.returncode == 1
+    assert "cannot reach the verifier" in failed.stderr and "--fallback draft" in failed.stderr
+    fallback = cli(*args, "--fallback", "draft")
+    assert fallback.returncode == 0, fallback.stderr
+    out = json.loads(fallback.stdout)
+    assert out["stats"]["fallback"] is True and out["stats"]["fallback_tokens"] == 12
+    assert len(out["completions"][0]["token_ids"]) == 12
+    assert "draft model alone" in fallback.stderr
+
+
+def raw_session(url: str, draft_dir: Path) -> tuple[object, bytes]:
+    """A raw WebSocket client that greeted the server; and a valid first draft frame."""
+    backend = load_backend(str(draft_dir), device="cpu", dtype="float32")
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    ws = websockets_sync.connect(url, compression=None, proxy=None, legacy=True)
+    ws.send(m.encode(m.Hello(1, fingerprint, "match", 1.0, 0, 1.0, 1, "")))
+    assert isinstance(m.decode(ws.recv(timeout=10)), m.Welcome)
+    return ws, m.encode(m.Draft(1, 0, (5, 6, 7), (8, 9), None))
+
+
+def test_idle_sessions_are_evicted_and_freed(tiny_models: dict[str, Path]) -> None:
+    proc = ServerProcess(tiny_models["llama"], "--idle-timeout", "1")
+    try:
+        ws, frame = raw_session(proc.url, tiny_models["draft"])
+        ws.send(frame)  # type: ignore[attr-defined]
+        assert isinstance(m.decode(ws.recv(timeout=10)), m.Verdict)  # type: ignore[attr-defined]
+        assert proc.status()["sessions"] == 1 and proc.status()["kv_tokens"] > 0
+        time.sleep(2.5)
+        status = proc.status()
+        assert (status["sessions"], status["kv_tokens"], status["evicted_idle"]) == (0, 0, 1)
+    finally:
+        proc.stop()
+
+
+def test_client_vanishing_mid_round_costs_only_its_session(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    for _ in range(5):
+        ws, frame = raw_session(server.url, tiny_models["draft"])
+        ws.send(frame)  # type: ignore[attr-defined]
+        ws.close()  # type: ignore[attr-defined]  # gone before the verdict
+    deadline = time.monotonic() + 10
+    while server.status()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.status()["sessions"] == 0
+    with remote(tiny_models["draft"], server.url) as gen:
+        assert len(gen.generate("x", max_tokens=5, temperature=0).token_ids) == 5
+
+
+# -- security and bad input -----------------------------------------------------------
+
+
+def test_auth_token_is_enforced(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("correct horse battery staple\n")
+    proc = ServerProcess(tiny_models["llama"], "--auth-token-file", str(token_file))
+    try:
+        args = ["generate", "--server", proc.url, "--draft-model", str(tiny_models["draft"]),
+                "--device", "cpu", "--prompt", "x", "--max-tokens", "4", "--json"]
+        missing = cli(*args)
+        assert missing.returncode == 2 and "auth" in missing.stderr
+        wrong = cli(*args, env={"SPECECD_AUTH_TOKEN": "wrong"})
+        assert wrong.returncode == 2 and "auth" in wrong.stderr
+        right = cli(*args, env={"SPECECD_AUTH_TOKEN": "correct horse battery staple"})
+        assert right.returncode == 0, right.stderr
+        assert proc.status()["errors"] == {"auth_failed": 2}
+    finally:
+        proc.stop()
+
+
+def test_tls(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    proc = ServerProcess(tiny_models["llama"], "--tls-cert", str(cert), "--tls-key", str(key),
+                         scheme="wss")
+    try:
+        with remote(tiny_models["draft"], proc.url, tls_ca=str(cert)) as gen:
+            assert len(gen.generate("x", max_tokens=6, temperature=0).token_ids) == 6
+        untrusted = remote(tiny_models["draft"], proc.url,
+                           reconnect=Reconnect(attempts=0))
+        with pytest.raises(CloudUnreachable):
+            untrusted.generate("x", max_tokens=3)
+        plain = remote(tiny_models["draft"], proc.url.replace("wss", "ws"),
+                       reconnect=Reconnect(attempts=0))
+        with pytest.raises(CloudUnreachable):
+            plain.generate("x", max_tokens=3)
+    finally:
+        proc.stop()
+
+
+def test_limits_over_the_wire(tiny_models: dict[str, Path]) -> None:
+    proc = ServerProcess(tiny_models["llama"], "--max-sessions", "2", "--max-draft", "3",
+                         "--max-message-bytes", "2000", "--max-context", "64")
+    try:
+        first, _ = raw_session(proc.url, tiny_models["draft"])
+        second, _ = raw_session(proc.url, tiny_models["draft"])
+        third = websockets_sync.connect(proc.url, compression=None, proxy=None, legacy=True)
+        busy = m.decode(third.recv(timeout=10))
+        assert isinstance(busy, m.Error) and busy.code == "server_busy" and busy.fatal
+        cases = {
+            "limit_exceeded": [m.encode(m.Draft(1, 0, (5,), (1, 2, 3, 4), None)),
+                               m.encode(m.Draft(2, 0, tuple([5] * 70), (1,), None)),
+                               b"\x00" * 3000],
+            "invalid_tokens": [m.encode(m.Draft(3, 0, (5,), (100000,), None))],
+            "malformed_frame": [b"\xc1\xc1"],
+        }
+        for code, frames in cases.items():
+            for bad in frames:
+                first.send(bad)  # type: ignore[attr-defined]
+                reply = m.decode(first.recv(timeout=10))  # type: ignore[attr-defined]
+                assert isinstance(reply, m.Error) and reply.code == code
+        huge = b"\x00" * (2000 + 70 * 1024)  # over the socket's own limit: closed, 1009
+        first.send(huge)  # type: ignore[attr-defined]
+        with pytest.raises(Exception, match="1009"):
+            first.recv(timeout=10)  # type: ignore[attr-defined]
+        second.close()  # type: ignore[attr-defined]
+    finally:
+        proc.stop()
+
+
+def mutate(frame: bytes, rng: random.Random) -> bytes:
+    data = bytearray(frame)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.4 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif choice < 0.6 and data:
+            del data[rng.randrange(len(data)):]
+        elif choice < 0.8:
+            data[rng.randrange(len(data) + 1):0] = bytes(rng.randrange(256)
+                                                         for _ in range(rng.randint(1, 8)))
+        else:
+            data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
+    return bytes(data)
+
+
+def structured_junk(rng: random.Random) -> bytes:
+    values: list[object] = [0, -1, 2**40, 1.5, float("nan"), "x", b"\x00" * 8, None, True,
+                            [], [1, 2], {"a": 1}, [-5, 10**6]]
+    return msgpack.packb([rng.randint(0, 8), *(rng.choice(values)
+                                               for _ in range(rng.randint(0, 7)))])
+
+
+def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["draft"], server.url) as gen:
+        reference = gen.generate(PROMPTS[2], max_tokens=80, temperature=0.8, seed=3,
+                                 stop_token_ids=[])
+    legit: dict[str, object] = {}
+
+    def legitimate() -> None:
+        with remote(tiny_models["draft"], server.url) as g:
+            out = []
+            for chunk in g.stream(PROMPTS[2], max_tokens=80, temperature=0.8, seed=3,
+                                  stop_token_ids=[]):
+                out.extend(chunk.token_ids)
+                time.sleep(0.01)  # keep the session alive across the fuzzing
+            legit["tokens"] = out
+
+    thread = threading.Thread(target=legitimate)
+    thread.start()
+    rng = random.Random(0)
+    backend = load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
+    hello = m.encode(m.Hello(1, tokenizer_fingerprint(backend.tokenizer, backend.vocab_size),
+                             "exact", 1.0, 0, 1.0, 1, ""))
+    seeds = [hello, m.encode(m.Draft(1, 0, (5, 6), (7, 8), None)),
+             m.encode(m.Verdict(1, 0, 1, 0.0)), m.encode(m.Close("x"))]
+    counts = {"frames": 0, "errors": 0, "verdicts": 0, "closes": 0}
+    ws = None
+    while counts["frames"] < 2000:
+        if ws is None:
+            ws = websockets_sync.connect(server.url, compression=None, proxy=None,
+                                         max_size=None, legacy=True)
+            if rng.random() < 0.5:  # fuzz a greeted session half of the time
+                ws.send(hello)
+                ws.recv(timeout=10)
+        kind = rng.random()
+        frame = (bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))) if kind < 0.3
+                 else structured_junk(rng) if kind < 0.6 else mutate(rng.choice(seeds), rng))
+        counts["frames"] += 1
+        try:
+            ws.send(frame)
+            reply = m.decode(ws.recv(timeout=10))
+        except TimeoutError:
+            raise AssertionError(f"the server did not answer {frame!r}") from None
+        except Exception:
+            counts["closes"] += 1  # closed by the server (a fatal error or a Close frame)
+            ws = None
+            continue
+        counts["errors" if isinstance(reply, m.Error) else "verdicts"] += 1
+        if isinstance(reply, m.Error) and reply.fatal:
+            ws.close()
+            ws = None
+    thread.join(timeout=120)
+    print(f"fuzz: {counts}")
+    assert counts["errors"] + counts["verdicts"] + counts["closes"] == counts["frames"] >= 2000
+    assert counts["errors"] > 1000
+    assert server.alive()
+    assert legit["tokens"] == reference.token_ids
