@@ -17,15 +17,16 @@ from spececd.errors import InputError, SpecECDError
 
 __version__ = "0.1.0"
 
-__all__ = ["Completion", "Generator", "InputError", "SamplingParams", "SpecECDError", "StreamChunk"]
+__all__ = ["AsyncGenerator", "Completion", "Generator", "InputError", "SamplingParams",
+           "SpecECDError", "StreamChunk"]
 
 if TYPE_CHECKING:
-    from spececd.api import Completion, Generator, StreamChunk
+    from spececd.api import AsyncGenerator, Completion, Generator, StreamChunk
 
 
 def __getattr__(name: str) -> Any:
     # The API pulls in the backends; import it lazily so `import spececd` stays light.
-    if name in ("Generator", "Completion", "StreamChunk"):
+    if name in ("AsyncGenerator", "Generator", "Completion", "StreamChunk"):
         from spececd import api
 
         return getattr(api, name)

@@ -14,8 +14,9 @@ session state machines and verification as the networked edge/cloud split.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -197,3 +198,52 @@ class Generator:
             completions.append(Completion(token_ids, self.tokenizer.decode(token_ids),
                                           "stop" if stopped else "length", stats))
         return completions
+
+
+class AsyncGenerator:
+    """The asyncio face of :class:`Generator`: the same sessions, streamed as an async
+    iterator. Model work and the blocking link run on a worker thread, so the event loop
+    is never blocked.
+
+        gen = await AsyncGenerator.load(draft="models/draft", server="ws://gpu:8765")
+        async for chunk in gen.stream("def main():", max_tokens=64):
+            print(chunk.text, end="")
+    """
+
+    def __init__(self, generator: Generator) -> None:
+        self.generator = generator
+        self._lock = asyncio.Lock()  # one generation at a time per link
+
+    @classmethod
+    async def load(cls, *args: Any, **kwargs: Any) -> AsyncGenerator:
+        return cls(await asyncio.to_thread(Generator.load, *args, **kwargs))
+
+    async def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None,
+                     **sampling: Any) -> AsyncIterator[StreamChunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
+
+        def work() -> None:
+            try:
+                for chunk in self.generator.stream(prompt, stats, **sampling):
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except BaseException as exc:  # handed to the consumer, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        async with self._lock:
+            worker = loop.run_in_executor(None, work)
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    await worker
+                    raise item
+                yield item
+            await worker
+
+    async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
+        async with self._lock:
+            return await asyncio.to_thread(self.generator.generate, prompt, **sampling)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.generator.close)

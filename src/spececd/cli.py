@@ -176,9 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
     flags = {k: v for k, v in vars(args).items() if v is not None}
-    for key, value in getattr(args, "demo_defaults", {}).items():
-        flags.setdefault(key, value)
-    return config.load(EdgeConfig, args.config, flags)
+    return config.load(EdgeConfig, args.config, flags,
+                       defaults=getattr(args, "demo_defaults", None))
 
 
 def load_generator(cfg: EdgeConfig) -> Any:

@@ -26,7 +26,7 @@ from spececd.errors import InputError
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,14 @@ def _convert(value: Any, kind: type, source: str) -> Any:
 
 def load(cls: type[Config], path: str | Path | None = None,
          flags: Mapping[str, Any] | None = None,
-         environ: Mapping[str, str] | None = None) -> Config:
-    """Build a ``cls`` from defaults, the file's section, the environment and ``flags``
-    (entries that are None are not set on the command line)."""
+         environ: Mapping[str, str] | None = None,
+         defaults: Mapping[str, Any] | None = None) -> Config:
+    """Build a ``cls`` from defaults (``defaults`` overriding the class's own), the file's
+    section, the environment and ``flags`` (entries that are None were not given)."""
     section = SECTIONS[cls]
     types = get_type_hints(cls)
     names = {f.name for f in fields(cls)}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())

@@ -365,3 +365,35 @@ def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
     assert counts["errors"] > 1000
     assert server.alive()
     assert legit["tokens"] == reference.token_ids
+
+
+def test_async_client_streams_the_same_tokens(server: ServerProcess,
+                                              tiny_models: dict[str, Path]) -> None:
+    import asyncio
+
+    from spececd.api import AsyncGenerator
+
+    async def run() -> tuple[list[int], list[int]]:
+        gen = await AsyncGenerator.load(str(tiny_models["draft"]), server=server.url,
+                                        device="cpu", dtype="float32")
+        tokens = [t async for chunk in gen.stream(PROMPTS[3], max_tokens=25, temperature=0.7,
+                                                  seed=2) for t in chunk.token_ids]
+        whole = await gen.generate(PROMPTS[3], max_tokens=25, temperature=0.7, seed=2)
+        await gen.aclose()
+        return tokens, whole.token_ids
+
+    streamed, whole = asyncio.run(run())
+    assert streamed == whole and len(whole) == 25
+
+
+def test_chat_keeps_the_conversation(server: ServerProcess,
+                                     tiny_models: dict[str, Path]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "spececd", "chat", "--server", server.url, "--draft-model",
+         str(tiny_models["draft"]), "--device", "cpu", "--max-tokens", "6", "--temperature",
+         "0", "--color", "never"],
+        input="hello there\nand again\n\n", capture_output=True, text=True, timeout=120,
+        check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("assistant> ") == 2
+    assert result.stderr.count("tokens/s") == 2

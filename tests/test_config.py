@@ -1,0 +1,65 @@
+"""Configuration precedence: defaults < config.toml < environment < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from spececd import config
+from spececd.config import EdgeConfig, ServerConfig
+from spececd.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_example_file_lists_every_setting_with_its_default() -> None:
+    example = REPO / "config.example.toml"
+    text = example.read_text()
+    for cls in (ServerConfig, EdgeConfig):
+        for field in dataclasses.fields(cls):
+            assert f"\n{field.name} = " in text, field.name
+        assert config.load(cls, example, environ={}) == cls()
+
+
+def test_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nport = 9000\nhost = "0.0.0.0"\nidle_timeout = 5\n'
+                    '[edge]\nk = 6\ntemperature = 0\n')
+    env = {"SPECECD_SERVER_PORT": "9100", "SPECECD_EDGE_K": "7"}
+    server = config.load(ServerConfig, path, {"host": "127.0.0.2", "max_draft": None}, env)
+    assert (server.port, server.host, server.idle_timeout, server.max_draft) == \
+        (9100, "127.0.0.2", 5.0, 64)
+    edge = config.load(EdgeConfig, path, {"k": 3}, env)
+    assert (edge.k, edge.temperature) == (3, 0.0)
+    assert config.load(EdgeConfig, path, {}, env).k == 7
+    assert config.load(EdgeConfig, path, {}, {}).k == 6
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[server]\nprot = 1\n", "unknown \\[server\\] setting"),
+    ("[server]\nport = \"x\"\n", "expected int"),
+    ("[server\n", "not valid TOML"),
+])
+def test_bad_files_are_input_errors(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(InputError, match=match):
+        config.load(ServerConfig, path, environ={})
+
+
+def test_bad_environment_values_are_input_errors() -> None:
+    with pytest.raises(InputError, match="SPECECD_EDGE_TLS_VERIFY"):
+        config.load(EdgeConfig, None, environ={"SPECECD_EDGE_TLS_VERIFY": "maybe"})
+    assert not config.load(EdgeConfig, None, environ={"SPECECD_EDGE_TLS_VERIFY": "no"}).tls_verify
+
+
+def test_auth_token_from_file_or_environment(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    assert config.auth_token(str(token), {}) == "s3cret"
+    assert config.auth_token("", {"SPECECD_AUTH_TOKEN": "envtoken"}) == "envtoken"
+    assert config.auth_token("", {}) == ""
+    with pytest.raises(InputError, match="cannot read"):
+        config.auth_token(str(tmp_path / "missing"), {})
