@@ -1,0 +1,69 @@
+"""The delay proxy adds the one-way delay in each direction, over real sockets."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from spececd.bench.netem import DelayProxy
+
+
+@pytest.fixture()
+def echo_port() -> int:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(4096):
+                conn.sendall(data)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
+def median_rtt_ms(port: int, rounds: int = 15) -> float:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rtts = []
+        for i in range(rounds):
+            payload = bytes([i]) * 100
+            start = time.perf_counter()
+            sock.sendall(payload)
+            received = b""
+            while len(received) < len(payload):
+                received += sock.recv(4096)
+            rtts.append((time.perf_counter() - start) * 1000)
+            assert received == payload
+    return statistics.median(rtts)
+
+
+@pytest.mark.parametrize("delay_ms", [0, 10, 25])
+def test_round_trip_is_twice_the_delay(echo_port: int, delay_ms: float) -> None:
+    with DelayProxy("127.0.0.1", echo_port, delay_ms) as proxy:
+        rtt = median_rtt_ms(proxy.port)
+    print(f"one-way {delay_ms} ms: round trip {rtt:.2f} ms")
+    assert 2 * delay_ms <= rtt <= 2 * delay_ms + 10
+
+
+def test_jitter_keeps_the_byte_stream_in_order(echo_port: int) -> None:
+    with DelayProxy("127.0.0.1", echo_port, 2, jitter_ms=5, seed=1) as proxy, \
+            socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sent = bytes(range(256)) * 40
+        for i in range(0, len(sent), 512):
+            sock.sendall(sent[i:i + 512])
+        received = b""
+        while len(received) < len(sent):
+            received += sock.recv(65536)
+    assert received == sent
