@@ -161,28 +161,33 @@ class Generator:
                               seed=secrets.randbits(62) if seed is None else seed,
                               max_tokens=max_tokens, stop_token_ids=tuple(stops))
 
-    def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats
-                ) -> Iterator[StreamChunk]:
+    def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
+                cloud_only: bool = False) -> Iterator[StreamChunk]:
         decoder = IncrementalDecoder(self.tokenizer)
-        for out in self.client.rounds(ids, params, self.mode, self.k, stats):
+        rounds = (self.client.cloud_rounds(ids, params, stats) if cloud_only
+                  else self.client.rounds(ids, params, self.mode, self.k, stats))
+        for out in rounds:
             verified = "fallback" if out.fallback else "target"
             for source, part in (("draft", out.token_ids[:out.from_draft]),
                                  (verified, out.token_ids[out.from_draft:])):
                 if part:
                     yield StreamChunk(part, decoder.push(part), source)
 
-    def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None,
-               **sampling: Any) -> Iterator[StreamChunk]:
+    def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
+               cloud_only: bool = False, **sampling: Any) -> Iterator[StreamChunk]:
         """Yield the completion as it is verified (see :meth:`params` for the options);
-        ``stats``, when given, is filled in as generation goes."""
+        ``stats``, when given, is filled in as generation goes. ``cloud_only``: no
+        drafting, the verifier generates every token itself (a baseline)."""
         ids = self.prompt_ids(prompt)
-        yield from self._stream(ids, self.params(**sampling), stats or GenerationStats())
+        yield from self._stream(ids, self.params(**sampling), stats or GenerationStats(),
+                                cloud_only)
 
-    def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
-        return self.generate_n(prompt, 1, **sampling)[0]
+    def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
+                 **sampling: Any) -> Completion:
+        return self.generate_n(prompt, 1, cloud_only=cloud_only, **sampling)[0]
 
-    def generate_n(self, prompt: str | Sequence[int], n: int, **sampling: Any
-                   ) -> list[Completion]:
+    def generate_n(self, prompt: str | Sequence[int], n: int, *, cloud_only: bool = False,
+                   **sampling: Any) -> list[Completion]:
         """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...)."""
         ids = self.prompt_ids(prompt)
         base = self.params(**sampling)
@@ -192,7 +197,7 @@ class Generator:
             params = replace(base, seed=base.seed + i)
             stats = GenerationStats()
             token_ids: list[int] = []
-            for chunk in self._stream(ids, params, stats):
+            for chunk in self._stream(ids, params, stats, cloud_only):
                 token_ids.extend(chunk.token_ids)
             stopped = bool(token_ids) and token_ids[-1] in params.stop_token_ids
             completions.append(Completion(token_ids, self.tokenizer.decode(token_ids),

@@ -397,3 +397,18 @@ def test_chat_keeps_the_conversation(server: ServerProcess,
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("assistant> ") == 2
     assert result.stderr.count("tokens/s") == 2
+
+
+def test_cloud_only_generation_streams_the_targets_own_tokens(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["draft"], server.url) as gen:
+        ids = gen.prompt_ids(PROMPTS[4])
+        chunks = list(gen.stream(ids, cloud_only=True, max_tokens=30, temperature=0,
+                                 stop_token_ids=[]))
+        assert all(c.source == "target" and len(c.token_ids) == 1 for c in chunks)
+        assert [c.token_ids[0] for c in chunks] == hf_greedy(tiny_models["llama"], ids, 30)
+        sampled = gen.generate(ids, cloud_only=True, max_tokens=12, temperature=1.0, seed=4,
+                               stop_token_ids=[])
+        again = gen.generate(ids, cloud_only=True, max_tokens=12, temperature=1.0, seed=4,
+                             stop_token_ids=[])
+        assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == 12

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,9 +50,12 @@ class VerifierServer:
         self.connections.add(connection)
         return connection
 
-    async def receive(self, connection: Connection, frame: bytes) -> list[bytes]:
+    async def receive(self, connection: Connection, frame: bytes) -> AsyncIterator[bytes]:
+        """The replies to ``frame``, each computed on the model thread as it is needed."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, connection.receive, frame)
+        replies = connection.receive(frame)
+        while (reply := await loop.run_in_executor(self.executor, next, replies, None)):
+            yield reply
 
     def release(self, connection: Connection, idle: bool = False) -> None:
         connection.close()

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
-from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
+from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng, sample
 from spececd.core.verify import VerifyResult, verify
-from spececd.protocol.session import CloudSession, Limits, State, VerifyRequest
+from spececd.protocol.session import (
+    CloudSession,
+    GenerateRequest,
+    Limits,
+    State,
+    VerifyRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +67,41 @@ class Connection:
     def closed(self) -> bool:
         return self.session.state is State.CLOSED
 
-    def receive(self, frame: bytes) -> list[bytes]:
-        """Handle one frame from the edge; return the frames to send back."""
+    def receive(self, frame: bytes) -> Iterator[bytes]:
+        """Handle one frame from the edge; yield the frames to send back (several for a
+        cloud-only generation, which streams one frame per token)."""
         out = self.session.receive(frame)
         if out is None:
             self.close()
-            return []
+            return
         if isinstance(out, bytes):
-            return [out]
+            yield out
+            return
         if self.sequence is None:
             self.sequence = self.service.backend.new_sequence()
+        if isinstance(out, GenerateRequest):
+            yield from self._generate(self.sequence, out)
+            return
         t0 = time.perf_counter()
         result = run_verification(self.sequence, out)
         verify_s = time.perf_counter() - t0
-        return [self.session.verdict(out, result.num_accepted, result.next_token, verify_s)]
+        yield self.session.verdict(out, result.num_accepted, result.next_token, verify_s)
+
+    def _generate(self, sequence: CachedSequence, request: GenerateRequest) -> Iterator[bytes]:
+        """Autoregressive generation on the target alone, one frame per token."""
+        assert request.params.seed is not None
+        feed = sync(sequence, request.context)
+        position = len(request.context)
+        for i in range(request.max_tokens):
+            t0 = time.perf_counter()
+            logits = sequence.extend(feed, keep=1)  # [1, vocab]
+            probs = process_logits(logits, request.params)[0]
+            token = sample(probs, round_rng(request.params.seed, VERIFIER_STREAM, position + i))
+            done = i + 1 == request.max_tokens or token in request.stop_token_ids
+            yield self.session.tokens(request, (token,), done, time.perf_counter() - t0)
+            if done:
+                return
+            feed = [token]
 
     def close(self) -> None:
         self.session.state = State.CLOSED

@@ -88,10 +88,11 @@ class EdgeClient:
             self._transport.close()
         self._transport, self._greeted = None, None
 
-    def _exchange(self, session: EdgeSession, make_frame: Callable[[], bytes] | None,
-                  stats: GenerationStats) -> m.Welcome | m.Verdict:
-        """Greet the server if this session has not, then send ``make_frame()`` and return
-        the reply; reconnect and retry when the link fails."""
+    def _exchange(self, session: EdgeSession, make_frame: Callable[[bool], bytes | None] | None,
+                  stats: GenerationStats) -> m.Welcome | m.Verdict | m.Tokens:
+        """Greet the server if this session has not, send ``make_frame(greeted_now)`` (None:
+        send nothing, a stream is under way) and return the reply; reconnect and retry when
+        the link fails."""
         failures = 0
         while True:
             transport = self._transport
@@ -100,7 +101,8 @@ class EdgeClient:
                 if transport is None:
                     transport = self._transport = self.connect()
                 sent, received = transport.bytes_sent, transport.bytes_received
-                if self._greeted is not session:
+                greeted_now = self._greeted is not session
+                if greeted_now:
                     transport.send(session.hello())
                     welcome = session.receive(transport.recv())
                     assert isinstance(welcome, m.Welcome)
@@ -109,7 +111,9 @@ class EdgeClient:
                     assert self._welcome is not None
                     return self._welcome
                 start = time.perf_counter()
-                transport.send(make_frame())
+                frame = make_frame(greeted_now)
+                if frame is not None:
+                    transport.send(frame)
                 reply = session.receive(transport.recv())
                 if isinstance(reply, m.Verdict):
                     stats.network_s += max(0.0, time.perf_counter() - start - reply.verify_s)
@@ -152,7 +156,7 @@ class EdgeClient:
                 tokens, dists = self.drafter.draft(history, k_round, mode, params, params.seed)
                 stats.draft_s += time.perf_counter() - t0
                 frame = functools.partial(session.draft, history, tokens, dists)
-                verdict = self._exchange(session, frame, stats)
+                verdict = self._exchange(session, lambda _, f=frame: f(), stats)  # type: ignore[misc]
                 assert isinstance(verdict, m.Verdict)
                 stats.record_round(len(tokens), verdict.num_accepted)
                 stats.verify_s += verdict.verify_s
@@ -171,6 +175,45 @@ class EdgeClient:
             log.warning("the verifier is unreachable: finishing with the draft model alone "
                         "(this output is the draft's, not the target's)")
             yield from self._draft_alone(history, generated, params, stats)
+        finally:
+            stats.wall_s += time.perf_counter() - start
+
+    def cloud_rounds(self, prompt_ids: list[int], params: SamplingParams,
+                     stats: GenerationStats) -> Iterator[RoundOutput]:
+        """Cloud-only generation: the server generates every token and streams it; the edge
+        only reads (the baseline speculative decoding has to beat)."""
+        assert params.seed is not None
+        session = EdgeSession(self.fingerprint, Mode.MATCH, params, self.auth_token)
+        history = list(prompt_ids)
+        generated = 0
+        start = time.perf_counter()
+
+        def request(greeted_now: bool) -> bytes | None:
+            if not (greeted_now or (generated == 0 and not requested)):
+                return None  # the stream is under way: only read
+            requested.append(True)
+            room = max_context - len(history)
+            return session.generate(history, min(params.max_tokens - generated, room),
+                                    params.stop_token_ids)
+
+        requested: list[bool] = []
+        try:
+            welcome = self._exchange(session, None, stats)
+            assert isinstance(welcome, m.Welcome)
+            max_context = min(self.max_context, welcome.max_context)
+            while True:
+                reply = self._exchange(session, request, stats)
+                assert isinstance(reply, m.Tokens)
+                stats.verify_s += reply.compute_s
+                history.extend(reply.token_ids)
+                out, finished = clip_emitted(reply.token_ids, params.stop_token_ids,
+                                             params.max_tokens - generated)
+                generated += len(out)
+                stats.generated += len(out)
+                finished = finished or reply.done
+                yield RoundOutput(tuple(out), 0, finished)
+                if finished:
+                    return
         finally:
             stats.wall_s += time.perf_counter() - start
 

@@ -19,6 +19,9 @@ Exchange (ARCHITECTURE §5)::
     ...
     Close ->
 
+or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
+answered by a stream of ``Tokens(seq, token_ids, done)``.
+
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
 chat turn, or the whole history when resuming), then verifies ``tokens``. Any message may
@@ -90,6 +93,28 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Generate:
+    """Cloud-only generation: the server extends the context itself, token by token, and
+    streams each as a ``Tokens`` frame (the baseline the drafter has to beat)."""
+
+    TYPE: ClassVar[int] = 7
+    seq: int
+    context_len: int
+    prefix: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tokens:
+    TYPE: ClassVar[int] = 8
+    seq: int
+    token_ids: tuple[int, ...]
+    done: bool
+    compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Close:
     TYPE: ClassVar[int] = 5
     reason: str = ""
@@ -104,7 +129,7 @@ class Error:
     fatal: bool = False
 
 
-Message = Hello | Welcome | Draft | Verdict | Close | Error
+Message = Hello | Welcome | Draft | Verdict | Generate | Tokens | Close | Error
 
 _EMPTY: tuple[Any, ...] = ()
 
@@ -132,6 +157,11 @@ def encode(message: Message) -> bytes:
                 _pack_probs(message.draft_probs)]
     elif isinstance(message, Verdict):
         body = [message.seq, message.num_accepted, message.next_token, message.verify_s]
+    elif isinstance(message, Generate):
+        body = [message.seq, message.context_len, list(message.prefix), message.max_tokens,
+                list(message.stop_token_ids)]
+    elif isinstance(message, Tokens):
+        body = [message.seq, list(message.token_ids), message.done, message.compute_s]
     elif isinstance(message, Close):
         body = [message.reason]
     else:
@@ -146,6 +176,8 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Welcome.TYPE: (_STR, _INT, _INT, _INT),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
     Verdict.TYPE: (_INT, _INT, _INT, _NUM),
+    Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
+    Tokens.TYPE: (_INT, _IDS, _BOOL, _NUM),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
@@ -207,10 +239,14 @@ def decode(frame: bytes) -> Message:
                      _unpack_probs(body[4], len(body[3])))
     if kind == Verdict.TYPE:
         return Verdict(body[0], body[1], body[2], float(body[3]))
+    if kind == Generate.TYPE:
+        return Generate(body[0], body[1], tuple(body[2]), body[3], tuple(body[4]))
+    if kind == Tokens.TYPE:
+        return Tokens(body[0], tuple(body[1]), body[2], float(body[3]))
     if kind == Close.TYPE:
         return Close(*body)
     return Error(*body)
 
 
-__all__ = ["PROTOCOL_VERSION", "Close", "Draft", "Error", "Fingerprint", "Hello", "Message",
-           "Verdict", "Welcome", "decode", "encode"]
+__all__ = ["PROTOCOL_VERSION", "Close", "Draft", "Error", "Fingerprint", "Generate", "Hello",
+           "Message", "Tokens", "Verdict", "Welcome", "decode", "encode"]

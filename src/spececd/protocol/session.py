@@ -65,6 +65,17 @@ class VerifyRequest:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated cloud-only generation: up to ``max_tokens`` after ``context``."""
+
+    seq: int
+    context: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
 class State(enum.Enum):
     AWAIT_HELLO = "await_hello"
     READY = "ready"
@@ -87,8 +98,8 @@ class CloudSession:
         self._last_verdict = b""
 
     # -- input ------------------------------------------------------------------------
-    def receive(self, frame: bytes) -> bytes | VerifyRequest | None:
-        """Handle one frame: the reply to send, a verification to run, or None (closed)."""
+    def receive(self, frame: bytes) -> bytes | VerifyRequest | GenerateRequest | None:
+        """Handle one frame: the reply to send, a request to run, or None (closed)."""
         seq = -1
         try:
             if len(frame) > self.limits.max_message_bytes:
@@ -99,7 +110,7 @@ class CloudSession:
             message = m.decode(frame)
             if isinstance(message, m.Draft):
                 self._last_frame, self._last_verdict = frame, b""
-            seq = message.seq if isinstance(message, m.Draft) else -1
+            seq = message.seq if isinstance(message, (m.Draft, m.Generate)) else -1
             return self._handle(message)
         except ProtocolError as exc:
             return self.error(exc, seq)
@@ -110,7 +121,7 @@ class CloudSession:
             self.state = State.CLOSED
         return m.encode(m.Error(exc.code, str(exc), seq, exc.fatal))
 
-    def _handle(self, message: m.Message) -> bytes | VerifyRequest | None:
+    def _handle(self, message: m.Message) -> bytes | VerifyRequest | GenerateRequest | None:
         if self.state is State.CLOSED:
             raise UnexpectedMessage("the session is closed; open a new connection")
         if isinstance(message, m.Close):
@@ -120,9 +131,11 @@ class CloudSession:
             return self._hello(message)  # the first, or a new generation on this connection
         if self.state is State.AWAIT_HELLO:
             raise UnexpectedMessage(f"expected hello first, got {type(message).__name__}")
-        if not isinstance(message, m.Draft):
-            raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
-        return self._draft(message)
+        if isinstance(message, m.Draft):
+            return self._draft(message)
+        if isinstance(message, m.Generate):
+            return self._generate(message)
+        raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
 
     def _hello(self, hello: m.Hello) -> bytes:
         if hello.protocol_version != m.PROTOCOL_VERSION:
@@ -150,35 +163,59 @@ class CloudSession:
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
                                   self.limits.max_context))
 
-    def _draft(self, draft: m.Draft) -> bytes | VerifyRequest:
-        if draft.seq <= self._last_seq:
-            raise OutOfOrder(f"draft seq {draft.seq} does not follow {self._last_seq}")
-        if not 0 <= draft.context_len <= len(self.context):
-            raise OutOfOrder(f"draft builds on {draft.context_len} tokens of context, the server "
+    def _context(self, seq: int, context_len: int, prefix: tuple[int, ...],
+                 new_tokens: tuple[int, ...], extra: int) -> tuple[int, ...]:
+        """Validate a request's position and tokens; return the context it builds on.
+        ``extra``: positions the request adds beyond ``new_tokens``."""
+        if seq <= self._last_seq:
+            raise OutOfOrder(f"seq {seq} does not follow {self._last_seq}")
+        if not 0 <= context_len <= len(self.context):
+            raise OutOfOrder(f"request builds on {context_len} tokens of context, the server "
                              f"holds {len(self.context)}; re-send the history as prefix")
+        context = self.context[:context_len] + prefix
+        if not context:
+            raise OutOfOrder("a request needs at least one token of context (send the prompt)")
+        needed = len(context) + len(new_tokens) + extra
+        if needed > self.limits.max_context:
+            raise LimitExceeded(f"context of {needed} tokens is over the limit "
+                                f"of {self.limits.max_context}")
+        vocab = self.fingerprint.vocab_size
+        if any(not 0 <= t < vocab for t in prefix + new_tokens):
+            raise InvalidTokens(f"token ids must be in [0, {vocab})")
+        return context
+
+    def _draft(self, draft: m.Draft) -> VerifyRequest:
         k = len(draft.tokens)
         if k > self.limits.max_draft:
             raise LimitExceeded(f"draft of {k} tokens is over the limit of {self.limits.max_draft}")
-        context = self.context[:draft.context_len] + draft.prefix
-        if not context:
-            raise OutOfOrder("a draft needs at least one token of context (send the prompt)")
-        if len(context) + k + 1 > self.limits.max_context:
-            raise LimitExceeded(f"context of {len(context) + k + 1} tokens is over the limit "
-                                f"of {self.limits.max_context}")
-        vocab = self.fingerprint.vocab_size
-        if any(not 0 <= t < vocab for t in draft.prefix + draft.tokens):
-            raise InvalidTokens(f"token ids must be in [0, {vocab})")
+        context = self._context(draft.seq, draft.context_len, draft.prefix, draft.tokens, 1)
         if self.mode is Mode.EXACT:
             if draft.draft_probs is None:
                 raise InvalidProbabilities("exact mode needs draft_probs for every drafted token")
-            for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs, strict=False)):
-                _check_distribution(i, token, dist, vocab)
+            for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs, strict=True)):
+                _check_distribution(i, token, dist, self.fingerprint.vocab_size)
         self._last_seq = draft.seq
         self.context = context
         return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
                              self.params)
 
+    def _generate(self, request: m.Generate) -> GenerateRequest:
+        if request.max_tokens < 1:
+            raise LimitExceeded("max_tokens must be >= 1")
+        context = self._context(request.seq, request.context_len, request.prefix, (),
+                                request.max_tokens)
+        self._last_seq = request.seq
+        self.context = context
+        return GenerateRequest(request.seq, context, request.max_tokens,
+                               request.stop_token_ids, self.params)
+
     # -- output -----------------------------------------------------------------------
+    def tokens(self, request: GenerateRequest, generated: tuple[int, ...], done: bool,
+               compute_s: float) -> bytes:
+        """Record tokens a cloud-only generation produced; return the frame to send."""
+        self.context += generated
+        return m.encode(m.Tokens(request.seq, generated, done, compute_s))
+
     def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
                 verify_s: float) -> bytes:
         """Record the verifier's decision for `request`; return the frame to send."""
@@ -220,7 +257,7 @@ class EdgeSession:
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0
-        self._pending: m.Draft | None = None
+        self._pending: m.Draft | m.Generate | None = None
 
     def hello(self) -> bytes:
         self.welcome, self.server_len, self._pending = None, 0, None
@@ -234,7 +271,16 @@ class EdgeSession:
                                 tokens, draft_probs)
         return m.encode(self._pending)
 
-    def receive(self, frame: bytes) -> m.Welcome | m.Verdict:
+    def generate(self, history: tuple[int, ...] | list[int], max_tokens: int,
+                 stop_token_ids: tuple[int, ...]) -> bytes:
+        """The frame asking the server to generate up to ``max_tokens`` itself."""
+        self._seq += 1
+        self._pending = m.Generate(self._seq, self.server_len,
+                                   tuple(history[self.server_len:]), max_tokens, stop_token_ids)
+        self.server_len = len(history)
+        return m.encode(self._pending)
+
+    def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
         message = m.decode(frame)
         if isinstance(message, m.Error):
             raise error_for_code(message.code, message.message)
@@ -242,12 +288,19 @@ class EdgeSession:
             self.welcome = message
             return message
         pending = self._pending
-        if isinstance(message, m.Verdict) and pending is not None and message.seq == pending.seq:
+        if isinstance(message, m.Verdict) and isinstance(pending, m.Draft) \
+                and message.seq == pending.seq:
             if not 0 <= message.num_accepted <= len(pending.tokens):
                 raise UnexpectedMessage(f"verdict accepts {message.num_accepted} of "
                                         f"{len(pending.tokens)} drafted tokens")
             self.server_len = (pending.context_len + len(pending.prefix)
                                + message.num_accepted + 1)
             self._pending = None
+            return message
+        if isinstance(message, m.Tokens) and isinstance(pending, m.Generate) \
+                and message.seq == pending.seq:
+            self.server_len += len(message.token_ids)
+            if message.done:
+                self._pending = None
             return message
         raise UnexpectedMessage(f"unexpected {type(message).__name__} from the server")

@@ -17,7 +17,7 @@ class MemoryTransport:
 
     def send(self, frame: bytes) -> None:
         self.bytes_sent += len(frame)
-        self._inbox.extend(self._connection.receive(frame))
+        self._inbox.extend(self._connection.receive(frame))  # runs the verifier to the end
 
     def recv(self) -> bytes:
         if not self._inbox:

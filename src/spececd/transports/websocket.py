@@ -83,7 +83,7 @@ def _handler(server: VerifierServer) -> Callable[[ServerConnection], Awaitable[N
                     await ws.close(1001, "idle timeout")
                     return
                 data = frame if isinstance(frame, bytes) else frame.encode()
-                for reply in await server.receive(connection, data):
+                async for reply in server.receive(connection, data):
                     await ws.send(reply)
                 if connection.closed:
                     await ws.close(1000, "session closed")
