@@ -169,6 +169,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
     g.add_argument("--tls-key", help="TLS private key (PEM)")
 
+    bench = sub.add_parser("bench", help="measure SpecECD against the target alone, "
+                           "cloud-only generation and transformers' assisted generation")
+    bench.add_argument("--draft-model", help="draft model (default: the project's draft)")
+    bench.add_argument("--target-model", help="target model (default: the project's target)")
+    bench.add_argument("--num-prompts", type=int, default=10,
+                       help="built-in held-out prompts to use (default: 10)")
+    bench.add_argument("--prompts-file", type=Path,
+                       help="prompts instead of the built-in ones: a JSON list of strings, or "
+                       "text with prompts separated by lines holding only ---")
+    bench.add_argument("--iterations", type=int, default=3,
+                       help="measured passes per configuration, after one warm-up (default: 3)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    bench.add_argument("--rtt-ms", default="0,20,50",
+                       help="round-trip times to emulate, comma-separated (default: 0,20,50)")
+    bench.add_argument("--jitter-ms", type=float, default=0.0,
+                       help="round-trip jitter, uniform (default: 0)")
+    bench.add_argument("--k", default="4", help="draft lengths to compare, e.g. 2,4,8 "
+                       "(default: 4)")
+    bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
+    bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
+    bench.add_argument("--port", type=int, default=0, help="port for the server (0: any free)")
+    bench.add_argument("--device", default="cpu", help="device for every model (default: cpu)")
+    bench.add_argument("--no-baselines", action="store_true",
+                       help="skip the target alone and transformers' assisted generation")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"),
+                       help="folder for bench.json, bench.csv, bench.md and plots")
+
     dev = sub.add_parser("devices", help="list the devices models can run on here")
     dev.add_argument("--json", action="store_true")
     return parser
@@ -415,8 +444,63 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "chat": cmd_chat, "serve": cmd_serve,
-            "devices": cmd_devices}
+def parse_list(text: str, kind: type, what: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise InputError(f"{what} is empty")
+    return values
+
+
+def load_prompts(path: Path) -> list[str]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    if path.suffix == ".json":
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise InputError(f"{path} must hold a JSON list of strings")
+    else:
+        prompts = [p.strip("\n") for p in re.split(r"(?m)^---$", text)]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise InputError(f"{path} holds no prompts")
+    return prompts
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from spececd.bench.runner import BenchConfig, run_bench, save
+
+    if args.k.strip() == "auto":
+        raise InputError("--k auto (adaptive draft length) is not implemented yet; give "
+                         "fixed values such as --k 2,4,8")
+    ks = parse_list(args.k, int, "--k")
+    if min(ks) < 1:
+        raise InputError("--k values must be >= 1")
+    rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
+    if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
+        raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
+    prompts = (load_prompts(args.prompts_file) if args.prompts_file
+               else demo_prompts()[:args.num_prompts])
+    cfg = BenchConfig(draft=args.draft_model or default_model("draft"),
+                      target=args.target_model or default_model("target"), prompts=prompts,
+                      rtt_ms=rtts, ks=ks, iterations=args.iterations,
+                      max_tokens=args.max_tokens, temperature=args.temperature,
+                      mode=args.mode, seed=args.seed, host=args.host, port=args.port,
+                      device=args.device, jitter_ms=args.jitter_ms,
+                      baselines=not args.no_baselines)
+    raw = run_bench(cfg, progress=sys.stderr.isatty())
+    save(raw, args.out)
+    print((args.out / "bench.md").read_text())
+    print(f"wrote {args.out}/bench.json, bench.csv, bench.md and plots", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "demo": cmd_demo, "chat": cmd_chat,
+            "serve": cmd_serve, "devices": cmd_devices}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,7 @@ class GenerationStats:
         self.accepted += accepted
         for counts, n in ((self.drafted_by_position, drafted),
                           (self.accepted_by_position, accepted)):
-            counts.extend([0] * (n - len(counts)))
+            counts.extend([0] * (drafted - len(counts)))  # both as long as the longest draft
             for i in range(n):
                 counts[i] += 1
 
@@ -52,7 +52,7 @@ class GenerationStats:
         self.fallback = self.fallback or other.fallback
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):
-            mine.extend([0] * (len(theirs) - len(mine)))
+            mine.extend([0] * (len(other.drafted_by_position) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
 
@@ -90,6 +90,8 @@ class GenerationStats:
             "fallback_tokens": self.fallback_tokens,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
-                for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=False)
+                for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)
             ],
+            "accepted_by_position": list(self.accepted_by_position),
+            "drafted_by_position": list(self.drafted_by_position),
         }

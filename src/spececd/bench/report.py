@@ -1,0 +1,232 @@
+"""Benchmark report: per-configuration figures, the Leviathan bound, JSON, CSV, Markdown
+and PNG plots.
+
+For a SpecECD configuration with acceptance rate ``alpha`` and ``k`` drafted tokens:
+
+- tokens per round ``E = (1 - alpha^(k+1)) / (1 - alpha)``;
+- ``c`` = one draft step / one target step; ``v`` = one verify pass / one target step,
+  with the target step measured on the server (cloud-only passes, server-side time per
+  token) and the draft step and verify pass from this configuration's own statistics;
+- the bound on the speedup over the target alone, ``E / (k c + v)`` (Leviathan et al.
+  2023, Theorem 3.8 with the verify cost made explicit), and achieved / bound, where
+  achieved = tokens/s / the target alone's tokens/s.
+
+The network is not in the bound: at RTT > 0 achieved/bound shows what the round trips cost.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def label(acceptance: float) -> str:
+    """The SpecECD seed's assessment of an acceptance rate."""
+    if acceptance > 0.5:
+        return "EXCELLENT"
+    if acceptance > 0.3:
+        return "GOOD"
+    if acceptance > 0.1:
+        return "MODERATE"
+    return "POOR"
+
+
+def _tps(passes: list[list[dict[str, Any]]]) -> list[float]:
+    return [sum(r["tokens"] for r in p) / sum(r["wall_s"] for r in p) for p in passes if p]
+
+
+def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    total: dict[str, Any] = {}
+    for results in passes:
+        for r in results:
+            for key, value in r.get("stats", {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+                elif key in ("accepted_by_position", "drafted_by_position"):
+                    acc = total.setdefault(key, [])
+                    acc.extend([0] * (len(value) - len(acc)))
+                    for i, n in enumerate(value):
+                        acc[i] += n
+    return total
+
+
+def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    configs = raw["configs"]
+    rows: list[dict[str, Any]] = []
+    target_tps = next((statistics.median(_tps(c["passes"])) for c in configs.values()
+                       if c["kind"] == "target" and c["passes"]), None)
+    cloud_tps = {c["rtt_ms"]: statistics.median(_tps(c["passes"]))
+                 for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
+    # One target step, measured on the server while it generated alone (cloud-only).
+    cloud_stats = [_sum_stats(c["passes"]) for c in configs.values() if c["kind"] == "cloud"]
+    step_s = (sum(s.get("verify_s", 0) for s in cloud_stats)
+              / max(1, sum(s.get("generated", 0) for s in cloud_stats))) or None
+    for name, c in configs.items():
+        tps = _tps(c["passes"])
+        if not tps:
+            continue
+        results = [r for p in c["passes"] for r in p]
+        row: dict[str, Any] = {
+            "config": name, "kind": c["kind"], "rtt_ms": c.get("rtt_ms"), "k": c.get("k"),
+            "tokens_per_s": round(statistics.median(tps), 2),
+            "tokens_per_s_min": round(min(tps), 2), "tokens_per_s_max": round(max(tps), 2),
+            "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in results), 2),
+            "speedup_vs_target": (round(statistics.median(tps) / target_tps, 3)
+                                  if target_tps else None),
+        }
+        if c.get("rtt_ms") in cloud_tps:
+            row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud_tps[c["rtt_ms"]], 3)
+        if c["kind"] in ("spececd", "cloud"):
+            s = _sum_stats(c["passes"])
+            generated = max(1, s.get("generated", 0))
+            wall = s.get("wall_s", 0.0)
+            row.update({
+                "bytes_per_token": round((s.get("bytes_sent", 0) + s.get("bytes_received", 0))
+                                         / generated, 2),
+                "time_per_token_ms": {
+                    part: round(1000 * s.get(f"{part}_s", 0.0) / generated, 3)
+                    for part in ("draft", "network", "verify")},
+            })
+            row["time_per_token_ms"]["other"] = round(
+                1000 * wall / generated - sum(row["time_per_token_ms"].values()), 3)
+        if c["kind"] == "spececd":
+            drafted, accepted, rounds = s["drafted"], s["accepted"], s["rounds"]
+            alpha = accepted / drafted if drafted else 0.0
+            k = c.get("k") or (drafted / rounds if rounds else 0)
+            row.update({
+                "acceptance_rate": round(alpha, 4),
+                "mean_accepted_len": round((accepted + rounds) / rounds, 3) if rounds else 0,
+                "acceptance_by_position": [
+                    round(a / d, 4) if d else 0.0 for a, d in
+                    zip(s.get("accepted_by_position", []), s.get("drafted_by_position", []),
+                        strict=False)],
+                "label": label(alpha),
+            })
+            if step_s and rounds and drafted:
+                c_ratio = (s["draft_s"] / drafted) / step_s
+                v_ratio = (s["verify_s"] / rounds) / step_s
+                tokens_per_round = (k + 1 if alpha >= 1 else
+                                    (1 - alpha ** (k + 1)) / (1 - alpha))
+                bound = tokens_per_round / (k * c_ratio + v_ratio)
+                row.update({"c": round(c_ratio, 4), "v": round(v_ratio, 4),
+                            "target_step_ms": round(1000 * step_s, 3),
+                            "bound": round(bound, 3)})
+                if row["speedup_vs_target"]:
+                    row["achieved_over_bound"] = round(row["speedup_vs_target"] / bound, 3)
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+           "speedup_vs_target", "speedup_vs_cloud", "acceptance_rate", "mean_accepted_len",
+           "c", "v", "bound", "achieved_over_bound", "bytes_per_token", "ttft_ms", "label"]
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow([*COLUMNS, "draft_ms", "network_ms", "verify_ms", "other_ms",
+                     "acceptance_by_position"])
+    for row in rows:
+        split = row.get("time_per_token_ms", {})
+        writer.writerow([row.get(c, "") for c in COLUMNS]
+                        + [split.get(p, "") for p in ("draft", "network", "verify", "other")]
+                        + [" ".join(map(str, row.get("acceptance_by_position", [])))])
+    return buffer.getvalue()
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "–"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# SpecECD benchmark",
+        "",
+        f"draft `{meta['draft']}` · target `{meta['target']}` · backend {meta['backend']} · "
+        f"transport {meta['transport']} · mode {meta['mode']} · temperature "
+        f"{meta['temperature']} · {meta['max_tokens']} tokens × {meta['num_prompts']} prompts"
+        f" · {meta['iterations']} passes per configuration (+1 warm-up) · seed {meta['seed']}"
+        f" · RTT {meta['rtt_ms']} ms (jitter {meta['jitter_ms']} ms) · "
+        f"{meta['machine']['cpus']} CPUs, one torch thread per process · {meta['started']} "
+        f"({meta['duration_s']} s)",
+        "",
+        "| configuration | tokens/s (min–max) | × target | × cloud-only | acceptance "
+        "| tokens/round | c | v | bound | achieved/bound | ms/token draft·net·verify·other "
+        "| bytes/token | TTFT ms | label |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = r.get("time_per_token_ms")
+        split_text = ("·".join(_cell(split[p]) for p in ("draft", "network", "verify", "other"))
+                      if split else "–")
+        lines.append(
+            f"| {r['config']} | {_cell(r['tokens_per_s'])} ({_cell(r['tokens_per_s_min'])}–"
+            f"{_cell(r['tokens_per_s_max'])}) | {_cell(r.get('speedup_vs_target'))} | "
+            f"{_cell(r.get('speedup_vs_cloud'))} | {_cell(r.get('acceptance_rate'))} | "
+            f"{_cell(r.get('mean_accepted_len'))} | {_cell(r.get('c'))} | {_cell(r.get('v'))} | "
+            f"{_cell(r.get('bound'))} | {_cell(r.get('achieved_over_bound'))} | {split_text} | "
+            f"{_cell(r.get('bytes_per_token'))} | {_cell(r.get('ttft_ms'))} | "
+            f"{r.get('label', '–')} |")
+    positions = [r for r in rows if r.get("acceptance_by_position")]
+    if positions:
+        lines += ["", "Acceptance by draft position:", ""]
+        lines += [f"- {r['config']}: " + ", ".join(f"{a:.2f}" for a in
+                                                  r["acceptance_by_position"])
+                  for r in positions]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind_k in sorted({(r["kind"], r.get("k")) for r in rows if r["rtt_ms"] is not None},
+                         key=str):
+        series = sorted((r["rtt_ms"], r["speedup_vs_target"]) for r in rows
+                        if (r["kind"], r.get("k")) == kind_k and r.get("speedup_vs_target"))
+        if series:
+            name = "cloud-only" if kind_k[0] == "cloud" else f"SpecECD k={kind_k[1]}"
+            ax.plot(*zip(*series, strict=True), marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("round-trip time (ms)")
+    ax.set_ylabel("speedup vs the target alone")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_rtt.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r.get("acceptance_by_position") and r["rtt_ms"] == min(
+                x["rtt_ms"] for x in rows if x["rtt_ms"] is not None):
+            ax.plot(range(1, len(r["acceptance_by_position"]) + 1),
+                    r["acceptance_by_position"], marker="o", label=r["config"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    names = [r["config"] for r in rows]
+    ax.barh(names, [r["tokens_per_s"] for r in rows],
+            xerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
+                  [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]])
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (median, min–max over passes)")
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""One benchmark configuration in its own process, driven over stdin/stdout with JSON lines.
+
+The first line is the job (what to run, on which models, with which settings); the worker
+loads everything, answers ``{"ready": true}``, then answers each ``{"pass": i}`` line with
+the results of one pass over all prompts. Keeping the process alive across passes lets the
+runner alternate configurations without reloading models.
+
+Kinds:
+
+- ``target``: the target alone, in-process: transformers' ``generate``;
+- ``assisted``: transformers' assisted generation in-process (``assistant_model=``) with
+  transformers' own defaults for the draft length schedule;
+- ``spececd``: the SpecECD edge here, the verifier on the server; each pass says whether
+  to draft (``spececd``) or to let the server generate and stream while the edge only
+  reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
+
+Every kind generates exactly ``max_tokens`` tokens per prompt (end-of-sequence tokens do
+not stop it), so tokens/s compare like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+class FirstTokenTimer:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    def __init__(self, job: dict[str, Any]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(job["target"])
+        self.model = AutoModelForCausalLM.from_pretrained(job["target"],
+                                                          dtype=torch.float32).eval()
+        self.assistant = None
+        if job["kind"] == "assisted":
+            self.assistant = AutoModelForCausalLM.from_pretrained(
+                job["draft"], dtype=torch.float32).eval()
+        self.job = job
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        job = self.job
+        ids = self.torch.tensor([self.tokenizer(prompt)["input_ids"]])
+        sampling: dict[str, Any] = (
+            dict(do_sample=False) if job["temperature"] == 0 else
+            dict(do_sample=True, temperature=job["temperature"], top_k=0, top_p=1.0))
+        self.torch.manual_seed(seed)
+        timer = FirstTokenTimer()
+        start = time.perf_counter()
+        out = self.model.generate(
+            ids, max_new_tokens=job["max_tokens"], min_new_tokens=job["max_tokens"],
+            assistant_model=self.assistant, streamer=timer, pad_token_id=0, **sampling)
+        wall = time.perf_counter() - start
+        tokens = out.shape[1] - ids.shape[1]
+        ttft = (timer.first or time.perf_counter()) - start
+        return {"tokens": int(tokens), "wall_s": wall, "ttft_s": ttft}
+
+
+class SpecRunner:
+    """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from spececd.backends.registry import load_backend
+
+        self.draft = load_backend(job["draft"], device="cpu", dtype="float32")
+        self.job = job
+        self.generators: dict[str, Any] = {}
+
+    def configure(self, request: dict[str, Any]) -> None:
+        from spececd.api import Generator
+        from spececd.transports.websocket import WebSocketTransport
+
+        url = request["server"]
+        if url not in self.generators:
+            self.generators[url] = Generator(
+                self.draft, lambda: WebSocketTransport(url), max_context=self.draft.max_context,
+                mode=self.job["mode"])
+        self.generator = self.generators[url]
+        self.generator.k = int(request.get("k") or 4)
+        self.kind = request["kind"]
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        from spececd.core.stats import GenerationStats
+
+        job = self.job
+        stats = GenerationStats()
+        start = time.perf_counter()
+        first: float | None = None
+        tokens = 0
+        for chunk in self.generator.stream(prompt, stats, cloud_only=self.kind == "cloud",
+                                           max_tokens=job["max_tokens"],
+                                           temperature=job["temperature"], seed=seed,
+                                           stop_token_ids=[]):
+            if first is None:
+                first = time.perf_counter()
+            tokens += len(chunk.token_ids)
+        wall = time.perf_counter() - start
+        return {"tokens": tokens, "wall_s": wall, "ttft_s": (first or start) - start,
+                "stats": stats.as_dict()}
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.readline())
+    import torch
+
+    torch.set_num_threads(int(job.get("threads", 1)))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    runner: HFRunner | SpecRunner = (HFRunner(job) if job["kind"] in ("target", "assisted")
+                                     else SpecRunner(job))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if isinstance(runner, SpecRunner):
+            runner.configure(request)
+        results = [runner.run(prompt, job["seed"] + i)
+                   for i, prompt in enumerate(job["prompts"][:request.get("limit")])]
+        print(json.dumps({"pass": request["pass"], "results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
