@@ -31,10 +31,10 @@ def test_precedence(tmp_path: Path) -> None:
     server = config.load(ServerConfig, path, {"host": "127.0.0.2", "max_draft": None}, env)
     assert (server.port, server.host, server.idle_timeout, server.max_draft) == \
         (9100, "127.0.0.2", 5.0, 64)
-    edge = config.load(EdgeConfig, path, {"k": 3}, env)
-    assert (edge.k, edge.temperature) == (3, 0.0)
-    assert config.load(EdgeConfig, path, {}, env).k == 7
-    assert config.load(EdgeConfig, path, {}, {}).k == 6
+    edge = config.load(EdgeConfig, path, {"k": "3"}, env)
+    assert (edge.k, edge.temperature) == ("3", 0.0)
+    assert config.load(EdgeConfig, path, {}, env).k == "7"
+    assert config.load(EdgeConfig, path, {}, {}).k == "6"
 
 
 @pytest.mark.parametrize("text,match", [

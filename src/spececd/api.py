@@ -71,16 +71,29 @@ class IncrementalDecoder:
         return text[len(before):]
 
 
+def parse_k(k: int | str) -> int | None:
+    """A fixed draft length, or None for ``"auto"`` (chosen each round)."""
+    if k == "auto":
+        return None
+    try:
+        value = int(k)
+    except (TypeError, ValueError):
+        raise InputError(f"k must be a number >= 1 or 'auto', got {k!r}") from None
+    if value < 1:
+        raise InputError(f"k (draft tokens per round) must be >= 1, got {value}")
+    return value
+
+
 class Generator:
     """Speculative generation with a local drafter and a verifier reached by a transport:
     in this process (``target=``) or on a server (``server="ws://host:port"``)."""
 
     def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
-                 mode: str = "exact", k: int = 4, max_support: int = DEFAULT_MAX_SUPPORT,
-                 auth_token: str = "", reconnect: Reconnect | None = None,
-                 fallback: str = "none", target: Backend | None = None) -> None:
-        if k < 1:
-            raise InputError(f"k (draft tokens per round) must be >= 1, got {k}")
+                 mode: str = "exact", k: int | str = 4,
+                 max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
+                 reconnect: Reconnect | None = None, fallback: str = "none",
+                 target: Backend | None = None, proactive: bool = False, k_max: int = 8) -> None:
+        self.k = parse_k(k)
         if max_support < 1:
             raise InputError(f"max-support must be >= 1, got {max_support}")
         if fallback not in ("none", "draft"):
@@ -89,21 +102,26 @@ class Generator:
             self.mode = Mode(mode)
         except ValueError:
             raise InputError(f"unknown mode {mode!r}: use exact, match or greedy") from None
-        self.k = k
         self.draft_backend, self.target_backend = draft, target
         self.tokenizer = draft.tokenizer
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
         self.client = EdgeClient(Drafter(draft, max_support), connect, fingerprint,
-                                 max_context, auth_token, reconnect, fallback)
+                                 max_context, auth_token, reconnect, fallback, proactive, k_max)
 
     @classmethod
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
-             device: str = "auto", dtype: str = "auto", mode: str = "exact", k: int = 4,
-             max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
+             device: str = "auto", dtype: str = "auto", mode: str = "exact",
+             k: int | str = 4, max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
              reconnect: Reconnect | None = None, fallback: str = "none",
-             tls_ca: str | None = None, tls_verify: bool = True) -> Generator:
+             tls_ca: str | None = None, tls_verify: bool = True,
+             proactive: bool | None = None) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
-        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL)."""
+        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
+
+        ``k``: drafted tokens per round, or ``"auto"`` to choose each round from measured
+        acceptance and costs. ``proactive``: draft the next block while a verdict is in
+        flight (default: on with a server, off in-process, where nothing runs in parallel).
+        """
         if (target is None) == (server is None):
             raise InputError("give either a target model (in-process) or a server URL")
         draft_backend = load_backend(draft, device=device, dtype=dtype)
@@ -117,7 +135,7 @@ class Generator:
             return cls(draft_backend, lambda: WebSocketTransport(server, ssl_context=context),
                        max_context=draft_backend.max_context, mode=mode, k=k,
                        max_support=max_support, auth_token=auth_token, reconnect=reconnect,
-                       fallback=fallback)
+                       fallback=fallback, proactive=True if proactive is None else proactive)
         assert target is not None
         target_backend = load_backend(target, device=device, dtype=dtype)
         if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
@@ -129,7 +147,7 @@ class Generator:
         return cls(draft_backend, lambda: MemoryTransport(service),
                    max_context=min(draft_backend.max_context, service.limits.max_context),
                    mode=mode, k=k, max_support=max_support, fallback=fallback,
-                   target=target_backend)
+                   target=target_backend, proactive=bool(proactive))
 
     def close(self) -> None:
         self.client.close()

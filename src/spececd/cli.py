@@ -88,7 +88,11 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
-    g.add_argument("--k", type=int, help="drafted tokens per round (default: 4)")
+    g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
+                   "measured acceptance, draft, verify and network costs (default: auto)")
+    g.add_argument("--proactive", choices=["auto", "on", "off"],
+                   help="draft the next block while a verdict is in flight (default: auto = "
+                   "on with --server, off in-process)")
     g.add_argument("--mode", choices=["exact", "match", "greedy"],
                    help="verification: exact (Leviathan et al., default), match (token ids "
                    "only), greedy (temperature 0)")
@@ -220,8 +224,12 @@ def load_generator(cfg: EdgeConfig) -> Any:
     from spececd.api import Generator
     from spececd.edge.client import Reconnect
 
-    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
-                                  max_support=cfg.max_support, fallback=cfg.fallback)
+    common: dict[str, Any] = dict(
+        device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
+        max_support=cfg.max_support, fallback=cfg.fallback,
+        proactive={"auto": None, "on": True, "off": False}.get(cfg.proactive))
+    if cfg.proactive not in ("auto", "on", "off"):
+        raise InputError(f"proactive must be auto, on or off, got {cfg.proactive!r}")
     draft = cfg.draft_model or default_model("draft")
     if cfg.server:
         return Generator.load(draft, server=cfg.server,
@@ -324,7 +332,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         target = gen.target_backend.description if gen.target_backend else cfg.server
         print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
               f"              target {target}\n"
-              f"mode {gen.mode.value}, k={gen.k}, temperature {cfg.temperature}"
+              f"mode {gen.mode.value}, k={gen.k or 'auto'}, temperature {cfg.temperature}"
               + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
                  f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
         total = GenerationStats()

@@ -56,7 +56,8 @@ class EdgeConfig:
     dtype: str = "auto"
     threads: int = 0
     mode: str = "exact"
-    k: int = 4
+    k: str = "auto"
+    proactive: str = "auto"
     max_support: int = 64
     max_tokens: int = 128
     temperature: float = 1.0
@@ -89,6 +90,8 @@ def _convert(value: Any, kind: type, source: str) -> Any:
             raise InputError(f"{source}: expected {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # e.g. k = 4 where "auto" is also allowed
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InputError(f"{source}: expected {kind.__name__}, got {value!r}")
     return value

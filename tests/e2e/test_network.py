@@ -57,9 +57,11 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 # -- lossless over the wire ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("k,proactive", [(4, False), (4, True), ("auto", True)])
 def test_greedy_over_the_wire_is_identical_to_the_target_alone(
-        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
-    with remote(tiny_models["draft"], server.url) as gen:
+        k: int | str, proactive: bool, server: ServerProcess,
+        tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["draft"], server.url, k=k, proactive=proactive) as gen:
         for prompt in PROMPTS:
             ids = gen.prompt_ids(prompt)
             out = gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
@@ -93,9 +95,11 @@ def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingPar
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("mode,temperature,top_p", [("exact", 1.0, 0.9), ("match", 0.8, 1.0)])
+@pytest.mark.parametrize("mode,temperature,top_p,k", [
+    ("exact", 1.0, 0.9, "3"), ("match", 0.8, 1.0, "3"), ("exact", 1.0, 1.0, "auto")])
 def test_sampling_over_the_wire_keeps_the_target_distribution(
-        mode: str, temperature: float, top_p: float, tiny_vocab_pair: dict[str, Path]) -> None:
+        mode: str, temperature: float, top_p: float, k: str,
+        tiny_vocab_pair: dict[str, Path]) -> None:
     draws = 5000
     prompt = [1, 2, 3]
     proc = ServerProcess(tiny_vocab_pair["target"])
@@ -104,7 +108,7 @@ def test_sampling_over_the_wire_keeps_the_target_distribution(
                      str(tiny_vocab_pair["draft"]), "--device", "cpu", "--prompt-ids",
                      "1,2,3", "--max-tokens", "2", "--n", str(draws), "--seed", "1234",
                      "--temperature", str(temperature), "--top-p", str(top_p), "--mode", mode,
-                     "--k", "3", "--json")
+                     "--k", k, "--proactive", "on", "--json")
     finally:
         proc.stop()
     assert result.returncode == 0, result.stderr
@@ -397,6 +401,19 @@ def test_chat_keeps_the_conversation(server: ServerProcess,
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("assistant> ") == 2
     assert result.stderr.count("tokens/s") == 2
+
+
+def test_proactive_drafting_hits_when_the_draft_is_the_target(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    with remote(tiny_models["llama"], server.url, k=3, proactive=True) as gen:
+        ids = gen.prompt_ids(PROMPTS[0])
+        out = gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
+        assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
+        stats = out.stats.as_dict()
+        # Ten rounds of 3 accepted + 1 bonus; every round but the first runs on a block
+        # drafted while the previous verdict was in flight.
+        assert stats["acceptance_rate"] == 1.0
+        assert stats["proactive_hit_rate"] >= (stats["rounds"] - 1) / stats["rounds"]
 
 
 def test_cloud_only_generation_streams_the_targets_own_tokens(

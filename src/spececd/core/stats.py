@@ -29,6 +29,8 @@ class GenerationStats:
     reconnects: int = 0
     fallback: bool = False  # the verifier was unreachable and the draft finished alone
     fallback_tokens: int = 0
+    proactive_rounds: int = 0  # rounds run with proactive drafting on
+    proactive_hits: int = 0  # of those, rounds whose block had been drafted ahead
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
     accepted_by_position: list[int] = field(default_factory=list)
@@ -47,7 +49,7 @@ class GenerationStats:
     def merge(self, other: GenerationStats) -> None:
         for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
                      "verify_s", "network_s", "bytes_sent", "bytes_received", "reconnects",
-                     "fallback_tokens"):
+                     "fallback_tokens", "proactive_rounds", "proactive_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fallback = self.fallback or other.fallback
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
@@ -88,6 +90,9 @@ class GenerationStats:
             "reconnects": self.reconnects,
             "fallback": self.fallback,
             "fallback_tokens": self.fallback_tokens,
+            "proactive_rounds": self.proactive_rounds,
+            "proactive_hit_rate": round(self.proactive_hits / self.proactive_rounds, 4)
+            if self.proactive_rounds else 0.0,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
                 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.policy import DraftLengthPolicy
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
 from spececd.edge.drafter import Drafter
@@ -60,10 +61,44 @@ class RoundOutput:
     fallback: bool = False
 
 
+class Ahead:
+    """A block drafted ahead, while a verdict is in flight: the bonus-token guess followed
+    by the next round's draft, valid if the verdict accepts everything and its own token
+    equals the guess."""
+
+    def __init__(self, drafter: Drafter, context: list[int], mode: Mode,
+                 params: SamplingParams, k: int) -> None:
+        self.drafter, self.context, self.mode, self.params, self.k = (
+            drafter, context, mode, params, k)
+        self.tokens: tuple[int, ...] = ()
+        self.dists: tuple[SparseProbs, ...] | None = None
+        self.seconds = 0.0
+        self._done = False
+
+    def run(self) -> None:
+        if self._done:  # a retried exchange after a reconnect: the block is still valid
+            return
+        assert self.params.seed is not None
+        t0 = time.perf_counter()
+        self.tokens, self.dists = self.drafter.draft(self.context, 1 + self.k, self.mode,
+                                                     self.params, self.params.seed)
+        self.seconds = time.perf_counter() - t0
+        self._done = True
+
+    def matches(self, history: list[int]) -> bool:
+        return (self._done and len(history) == len(self.context) + 1
+                and history[-1] == self.tokens[0] and history[:-1] == self.context)
+
+    def block(self, limit: int) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        n = min(self.k, limit)
+        return self.tokens[1:1 + n], (self.dists[1:1 + n] if self.dists is not None else None)
+
+
 class EdgeClient:
     def __init__(self, drafter: Drafter, connect: Callable[[], Transport],
                  fingerprint: Fingerprint, max_context: int, auth_token: str = "",
-                 reconnect: Reconnect | None = None, fallback: str = "none") -> None:
+                 reconnect: Reconnect | None = None, fallback: str = "none",
+                 proactive: bool = False, k_max: int = 8) -> None:
         if fallback not in ("none", "draft"):
             raise ValueError(f"fallback must be 'none' or 'draft', got {fallback!r}")
         self.drafter = drafter
@@ -73,6 +108,8 @@ class EdgeClient:
         self.auth_token = auth_token
         self.reconnect = reconnect or Reconnect()
         self.fallback = fallback
+        self.proactive = proactive  # draft the next block while a verdict is in flight
+        self.k_max = k_max  # the adaptive policy's largest draft
         self._transport: Transport | None = None
         self._greeted: EdgeSession | None = None
         self._welcome: m.Welcome | None = None
@@ -89,10 +126,11 @@ class EdgeClient:
         self._transport, self._greeted = None, None
 
     def _exchange(self, session: EdgeSession, make_frame: Callable[[bool], bytes | None] | None,
-                  stats: GenerationStats) -> m.Welcome | m.Verdict | m.Tokens:
+                  stats: GenerationStats, while_waiting: Callable[[], None] | None = None
+                  ) -> m.Welcome | m.Verdict | m.Tokens:
         """Greet the server if this session has not, send ``make_frame(greeted_now)`` (None:
-        send nothing, a stream is under way) and return the reply; reconnect and retry when
-        the link fails."""
+        send nothing, a stream is under way), run ``while_waiting`` while the reply is on its
+        way, and return the reply; reconnect and retry when the link fails."""
         failures = 0
         while True:
             transport = self._transport
@@ -114,9 +152,15 @@ class EdgeClient:
                 frame = make_frame(greeted_now)
                 if frame is not None:
                     transport.send(frame)
+                overlapped = 0.0
+                if while_waiting is not None:
+                    t0 = time.perf_counter()
+                    while_waiting()
+                    overlapped = time.perf_counter() - t0
                 reply = session.receive(transport.recv())
-                if isinstance(reply, m.Verdict):
-                    stats.network_s += max(0.0, time.perf_counter() - start - reply.verify_s)
+                if isinstance(reply, m.Verdict):  # the part of the round trip nothing hid
+                    stats.network_s += max(0.0, time.perf_counter() - start - reply.verify_s
+                                           - overlapped)
                 return reply
             except ConnectionError as exc:
                 self._drop()
@@ -135,10 +179,12 @@ class EdgeClient:
                     stats.bytes_sent += transport.bytes_sent - sent
                     stats.bytes_received += transport.bytes_received - received
 
-    def rounds(self, prompt_ids: list[int], params: SamplingParams, mode: Mode, k: int,
+    def rounds(self, prompt_ids: list[int], params: SamplingParams, mode: Mode, k: int | None,
                stats: GenerationStats) -> Iterator[RoundOutput]:
-        """Generate after ``prompt_ids`` (``params.seed`` must be set), one round at a time."""
+        """Generate after ``prompt_ids`` (``params.seed`` must be set), one round at a time.
+        ``k=None`` chooses the draft length each round (:class:`DraftLengthPolicy`)."""
         assert params.seed is not None
+        seed = params.seed
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token)
         history = list(prompt_ids)
         generated = 0
@@ -147,19 +193,46 @@ class EdgeClient:
             welcome = self._exchange(session, None, stats)
             assert isinstance(welcome, m.Welcome)
             max_context = min(self.max_context, welcome.max_context)
-            max_draft = min(k, welcome.max_draft)
+            k_max = min(k or self.k_max, welcome.max_draft)
+            policy = (DraftLengthPolicy(k_max=k_max, k_initial=min(4, k_max),
+                                        proactive=self.proactive) if k is None else None)
+            ahead: Ahead | None = None
             while True:
                 remaining = params.max_tokens - generated
                 room = max_context - len(history)  # positions left, the verifier's token included
-                k_round = max(0, min(max_draft, remaining - 1, room - 1))
+                limit = max(0, min(remaining - 1, room - 1))
+                hit = ahead is not None and ahead.matches(history)
                 t0 = time.perf_counter()
-                tokens, dists = self.drafter.draft(history, k_round, mode, params, params.seed)
-                stats.draft_s += time.perf_counter() - t0
+                if ahead is not None and hit:
+                    tokens, dists = ahead.block(limit)
+                else:
+                    k_round = policy.choose(limit) if policy else min(k_max, limit)
+                    tokens, dists = self.drafter.draft(history, k_round, mode, params, seed)
+                draft_s = time.perf_counter() - t0
+                # While the verdict is in flight, draft the next block as if every token is
+                # accepted, guessing the bonus token; drafting is a pure function of the
+                # history and the position, so a block used later is the one we would draft.
+                next_limit = min(remaining - len(tokens) - 1, room - len(tokens) - 1) - 1
+                ahead = (Ahead(self.drafter, [*history, *tokens], mode, params,
+                               policy.choose(next_limit) if policy else min(k_max, next_limit))
+                         if self.proactive and next_limit > 0 else None)
                 frame = functools.partial(session.draft, history, tokens, dists)
-                verdict = self._exchange(session, lambda _, f=frame: f(), stats)  # type: ignore[misc]
+                round_start = time.perf_counter()
+                verdict = self._exchange(session, lambda _, f=frame: f(), stats,  # type: ignore[misc]
+                                         while_waiting=ahead.run if ahead else None)
+                round_s = time.perf_counter() - round_start
                 assert isinstance(verdict, m.Verdict)
+                ahead_s = ahead.seconds if ahead else 0.0
+                stats.draft_s += draft_s + ahead_s
                 stats.record_round(len(tokens), verdict.num_accepted)
                 stats.verify_s += verdict.verify_s
+                if self.proactive:
+                    stats.proactive_rounds += 1
+                    stats.proactive_hits += int(hit)
+                if policy is not None:
+                    policy.observe(len(tokens), verdict.num_accepted, draft_s, verdict.verify_s,
+                                   round_s - verdict.verify_s - ahead_s,
+                                   hit if self.proactive else None)
                 emitted = (*tokens[:verdict.num_accepted], verdict.next_token)
                 history.extend(emitted)
                 out, finished = clip_emitted(emitted, params.stop_token_ids, remaining)

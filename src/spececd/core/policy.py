@@ -1,0 +1,114 @@
+"""Adaptive draft length: choose ``k`` each round from a cost model fed by live measurements.
+
+A round that drafts ``k`` tokens gains, in expectation,
+``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i`` tokens, where ``a_i`` is the probability that
+position ``i`` is accepted given that the positions before it were. It costs
+``k * t_draft + t_round(k)``: ``t_draft`` is one draft step, ``t_round(k)`` everything from
+sending the draft to having the verdict (the verify pass, modelled as
+``t_verify0 + k * t_verify_per_token``, plus the network round trip). The policy picks the
+``k`` in ``[1, k_max]`` with the most tokens per second, ``E(k) / cost(k)``.
+
+With proactive drafting the next block is drafted while the verdict is in flight, so the
+drafting hides behind the round trip: the cost becomes ``max(k * t_draft, t_round(k))``
+for rounds that hit, which the policy accounts for through the measured hit rate.
+
+Every estimate is an exponential moving average, so the choice follows a changing network
+or a change of topic. Acceptance counts start from a prior (``prior_accept`` over
+``prior_weight`` pseudo-rounds) so that the first rounds are not decided by noise. Pure:
+no clock, no I/O; the caller feeds measurements in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Ema:
+    value: float
+    weight: float = 0.2
+    seen: bool = False
+
+    def update(self, x: float) -> None:
+        self.value = x if not self.seen else (1 - self.weight) * self.value + self.weight * x
+        self.seen = True
+
+
+@dataclass
+class DraftLengthPolicy:
+    k_max: int = 8
+    k_initial: int = 4
+    prior_accept: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.98  # per-round forgetting of acceptance counts
+    proactive: bool = False
+    _accepted: list[float] = field(default_factory=list)  # position i: times accepted
+    _tried: list[float] = field(default_factory=list)  # position i: times reached
+    _draft_step: _Ema = field(default_factory=lambda: _Ema(0.0))
+    _verify_base: _Ema = field(default_factory=lambda: _Ema(0.0))
+    _verify_per_token: _Ema = field(default_factory=lambda: _Ema(0.0))
+    _network: _Ema = field(default_factory=lambda: _Ema(0.0))
+    _hit_rate: _Ema = field(default_factory=lambda: _Ema(0.0))
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.k_initial = max(1, min(self.k_initial, self.k_max))
+        self._accepted = [self.prior_accept * self.prior_weight] * self.k_max
+        self._tried = [self.prior_weight] * self.k_max
+
+    def acceptance(self) -> list[float]:
+        """Estimated ``a_i``: acceptance at position i given all before it were accepted."""
+        return [a / t for a, t in zip(self._accepted, self._tried, strict=True)]
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                network_s: float, proactive_hit: bool | None = None) -> None:
+        """Feed one round: tokens drafted and accepted, the drafting time, the verifier's
+        reported time, the rest of the round trip; and, with proactive drafting, whether the
+        pre-drafted block was used."""
+        self.rounds += 1
+        self._accepted = [a * self.decay for a in self._accepted]
+        self._tried = [t * self.decay for t in self._tried]
+        for i in range(min(drafted, accepted + 1)):  # positions reached this round
+            self._tried[i] += 1
+            if i < accepted:
+                self._accepted[i] += 1
+        if drafted > 0 and draft_s > 0:
+            self._draft_step.update(draft_s / drafted)
+        # Split the verify time into a fixed part and a per-token part with two averages:
+        # the fixed part tracks rounds that drafted little, the slope the rest.
+        if drafted <= 1 or not self._verify_base.seen:
+            self._verify_base.update(verify_s)
+        else:
+            slope = max(0.0, (verify_s - self._verify_base.value) / drafted)
+            self._verify_per_token.update(slope)
+        self._network.update(max(0.0, network_s))
+        if proactive_hit is not None:
+            self._hit_rate.update(1.0 if proactive_hit else 0.0)
+
+    def expected_tokens(self, k: int) -> float:
+        gain, survive = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            survive *= a
+            gain += survive
+        return gain
+
+    def cost(self, k: int) -> float:
+        round_trip = (self._verify_base.value + k * self._verify_per_token.value
+                      + self._network.value)
+        drafting = k * self._draft_step.value
+        if not self.proactive:
+            return drafting + round_trip
+        hit = self._hit_rate.value if self._hit_rate.seen else 0.0
+        return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
+
+    def choose(self, limit: int | None = None) -> int:
+        """The draft length for the next round, at most ``limit`` (e.g. tokens left)."""
+        top = min(self.k_max, limit) if limit is not None else self.k_max
+        if top <= 0:
+            return 0
+        if not self._draft_step.seen or not self._verify_base.seen:
+            return min(self.k_initial, top)
+        return max(range(1, top + 1),
+                   key=lambda k: self.expected_tokens(k) / max(self.cost(k), 1e-9))
