@@ -189,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="round-trip times to emulate, comma-separated (default: 0,20,50)")
     bench.add_argument("--jitter-ms", type=float, default=0.0,
                        help="round-trip jitter, uniform (default: 0)")
-    bench.add_argument("--k", default="4", help="draft lengths to compare, e.g. 2,4,8 "
-                       "(default: 4)")
+    bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
+                       "(default: auto, the adaptive policy)")
+    bench.add_argument("--proactive", default="off,on",
+                       help="proactive drafting settings to compare (default: off,on)")
     bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     bench.add_argument("--seed", type=int, default=0)
@@ -480,14 +482,14 @@ def load_prompts(path: Path) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from spececd.api import parse_k
     from spececd.bench.runner import BenchConfig, run_bench, save
 
-    if args.k.strip() == "auto":
-        raise InputError("--k auto (adaptive draft length) is not implemented yet; give "
-                         "fixed values such as --k 2,4,8")
-    ks = parse_list(args.k, int, "--k")
-    if min(ks) < 1:
-        raise InputError("--k values must be >= 1")
+    ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
+                           for v in args.k.split(",") if v.strip()]
+    proactive = [{"on": True, "off": False}.get(v.strip()) for v in args.proactive.split(",")]
+    if not ks or not proactive or None in proactive:
+        raise InputError("--k needs values such as 2,4,auto and --proactive one of on,off")
     rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
     if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
@@ -495,7 +497,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                else demo_prompts()[:args.num_prompts])
     cfg = BenchConfig(draft=args.draft_model or default_model("draft"),
                       target=args.target_model or default_model("target"), prompts=prompts,
-                      rtt_ms=rtts, ks=ks, iterations=args.iterations,
+                      rtt_ms=rtts, ks=ks, proactive=[bool(p) for p in proactive],
+                      iterations=args.iterations,
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,
                       device=args.device, jitter_ms=args.jitter_ms,

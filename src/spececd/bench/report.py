@@ -4,7 +4,8 @@ and PNG plots.
 For a SpecECD configuration with acceptance rate ``alpha`` and ``k`` drafted tokens:
 
 - tokens per round ``E = (1 - alpha^(k+1)) / (1 - alpha)``;
-- ``c`` = one draft step / one target step; ``v`` = one verify pass / one target step,
+- ``c`` = one draft step / one target step (every draft step counts, also those drafted
+  ahead and discarded); ``v`` = one verify pass / one target step,
   with the target step measured on the server (cloud-only passes, server-side time per
   token) and the draft step and verify pass from this configuration's own statistics;
 - the bound on the speedup over the target alone, ``E / (k c + v)`` (Leviathan et al.
@@ -12,6 +13,9 @@ For a SpecECD configuration with acceptance rate ``alpha`` and ``k`` drafted tok
   achieved = tokens/s / the target alone's tokens/s.
 
 The network is not in the bound: at RTT > 0 achieved/bound shows what the round trips cost.
+For ``k=auto`` the bound is evaluated at the mean drafted length per round. Proactive
+drafting overlaps drafting with the round trip, which the bound does not model: it can
+beat the bound.
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         if c["kind"] == "spececd":
             drafted, accepted, rounds = s["drafted"], s["accepted"], s["rounds"]
             alpha = accepted / drafted if drafted else 0.0
-            k = c.get("k") or (drafted / rounds if rounds else 0)
+            k = c.get("k")
+            if not isinstance(k, int):  # adaptive: the bound at the mean draft length
+                k = drafted / rounds if rounds else 0
             row.update({
                 "acceptance_rate": round(alpha, 4),
                 "mean_accepted_len": round((accepted + rounds) / rounds, 3) if rounds else 0,
@@ -106,7 +112,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 "label": label(alpha),
             })
             if step_s and rounds and drafted:
-                c_ratio = (s["draft_s"] / drafted) / step_s
+                c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
                 v_ratio = (s["verify_s"] / rounds) / step_s
                 tokens_per_round = (k + 1 if alpha >= 1 else
                                     (1 - alpha ** (k + 1)) / (1 - alpha))

@@ -33,7 +33,8 @@ class BenchConfig:
     target: str
     prompts: list[str]
     rtt_ms: list[float] = field(default_factory=lambda: [0.0, 20.0, 50.0])
-    ks: list[int] = field(default_factory=lambda: [4])
+    ks: list[int | str] = field(default_factory=lambda: ["auto"])  # ints or "auto"
+    proactive: list[bool] = field(default_factory=lambda: [False, True])
     iterations: int = 3
     max_tokens: int = 64
     temperature: float = 0.0
@@ -46,11 +47,14 @@ class BenchConfig:
     baselines: bool = True  # run the target alone and transformers' assisted generation
 
 
-def config_name(kind: str, rtt: float | None = None, k: int | None = None) -> str:
+def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
+                proactive: bool | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
             "spececd": "SpecECD"}[kind]
     if k is not None:
         name += f" k={k}"
+    if proactive is not None:
+        name += " proactive" if proactive else " plain"
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name
@@ -108,11 +112,17 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "torch_threads_per_process": 1}
 
 
+def name(entry: dict[str, Any]) -> str:
+    return config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"),
+                       entry.get("proactive"))
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every configuration and return the raw results (see report.summarise)."""
     server, port = start_server(cfg)
+    # RTT 0 talks to the server directly; the others through a delay proxy each.
     proxies = {rtt: DelayProxy(cfg.host, port, rtt / 2, cfg.jitter_ms / 2).start()
-               for rtt in cfg.rtt_ms}
+               for rtt in cfg.rtt_ms if rtt > 0 or cfg.jitter_ms > 0}
     common = dict(draft=cfg.draft, target=cfg.target, prompts=cfg.prompts, seed=cfg.seed,
                   max_tokens=cfg.max_tokens, temperature=cfg.temperature, mode=cfg.mode,
                   threads=1)
@@ -126,12 +136,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         if cfg.baselines:
             plan += [{"kind": "target"}, {"kind": "assisted"}]
         for rtt in cfg.rtt_ms:
-            url = f"ws://{cfg.host}:{proxies[rtt].port}"
+            url = f"ws://{cfg.host}:{proxies[rtt].port if rtt in proxies else port}"
             plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url})
-            plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k} for k in cfg.ks]
-        results: dict[str, dict[str, Any]] = {
-            config_name(p["kind"], p.get("rtt_ms"), p.get("k")): {**p, "passes": []}
-            for p in plan}
+            plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
+                      "proactive": proactive} for k in cfg.ks for proactive in cfg.proactive]
+        results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()
         for iteration in range(cfg.iterations + 1):
@@ -139,17 +148,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             for entry in order:
                 worker = workers["spececd" if entry["kind"] in ("cloud", "spececd")
                                  else entry["kind"]]
-                name = config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"))
                 request = {**entry, "pass": iteration, "limit": 2 if iteration == 0 else None}
                 passed = worker.run(request)
                 if iteration > 0:  # the first pass is the warm-up
-                    results[name]["passes"].append(passed)
+                    results[name(entry)]["passes"].append(passed)
                 bar.update(1)
-                bar.set_postfix_str(name)
+                bar.set_postfix_str(name(entry))
         bar.close()
         return {"meta": {"draft": cfg.draft, "target": cfg.target, "seed": cfg.seed,
                          "backend": "hf", "transport": "websocket", "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
+                         "proactive": cfg.proactive,
                          "mode": cfg.mode, "temperature": cfg.temperature,
                          "max_tokens": cfg.max_tokens, "iterations": cfg.iterations,
                          "num_prompts": len(cfg.prompts), "machine": machine(),

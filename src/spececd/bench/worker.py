@@ -86,7 +86,7 @@ class SpecRunner:
         self.generators: dict[str, Any] = {}
 
     def configure(self, request: dict[str, Any]) -> None:
-        from spececd.api import Generator
+        from spececd.api import Generator, parse_k
         from spececd.transports.websocket import WebSocketTransport
 
         url = request["server"]
@@ -95,7 +95,8 @@ class SpecRunner:
                 self.draft, lambda: WebSocketTransport(url), max_context=self.draft.max_context,
                 mode=self.job["mode"])
         self.generator = self.generators[url]
-        self.generator.k = int(request.get("k") or 4)
+        self.generator.k = parse_k(request.get("k") or 4)
+        self.generator.client.proactive = bool(request.get("proactive"))
         self.kind = request["kind"]
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ class GenerationStats:
     generated: int = 0
     wall_s: float = 0.0
     draft_s: float = 0.0
+    draft_steps: int = 0  # draft model steps run, drafted ahead and discarded ones included
     verify_s: float = 0.0  # as reported by the verifier
     network_s: float = 0.0  # round trips minus the verifier's reported time
     bytes_sent: int = 0
@@ -48,6 +49,7 @@ class GenerationStats:
 
     def merge(self, other: GenerationStats) -> None:
         for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
+                     "draft_steps",
                      "verify_s", "network_s", "bytes_sent", "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -81,6 +83,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 2),
             "wall_s": round(self.wall_s, 4),
             "draft_s": round(self.draft_s, 4),
+            "draft_steps": self.draft_steps,
             "verify_s": round(self.verify_s, 4),
             "network_s": round(self.network_s, 4),
             "bytes_sent": self.bytes_sent,

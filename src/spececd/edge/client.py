@@ -208,6 +208,7 @@ class EdgeClient:
                 else:
                     k_round = policy.choose(limit) if policy else min(k_max, limit)
                     tokens, dists = self.drafter.draft(history, k_round, mode, params, seed)
+                    stats.draft_steps += len(tokens)
                 draft_s = time.perf_counter() - t0
                 # While the verdict is in flight, draft the next block as if every token is
                 # accepted, guessing the bonus token; drafting is a pure function of the
@@ -223,6 +224,7 @@ class EdgeClient:
                 round_s = time.perf_counter() - round_start
                 assert isinstance(verdict, m.Verdict)
                 ahead_s = ahead.seconds if ahead else 0.0
+                stats.draft_steps += len(ahead.tokens) if ahead else 0
                 stats.draft_s += draft_s + ahead_s
                 stats.record_round(len(tokens), verdict.num_accepted)
                 stats.verify_s += verdict.verify_s
@@ -298,6 +300,7 @@ class EdgeClient:
             t0 = time.perf_counter()
             (token,), _ = self.drafter.draft(history, 1, Mode.MATCH, params, params.seed)
             stats.draft_s += time.perf_counter() - t0
+            stats.draft_steps += 1
             history.append(token)
             out, finished = clip_emitted([token], params.stop_token_ids,
                                          params.max_tokens - generated)
