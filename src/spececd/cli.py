@@ -204,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for bench.json, bench.csv, bench.md and plots")
 
+    conv = sub.add_parser("convert", help="convert a transformers model folder to GGUF with "
+                          "llama.cpp's own converter")
+    conv.add_argument("--to", choices=["gguf"], default="gguf")
+    conv.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0 (written by the "
+                      "converter) or q4_0, q4_k_m, q5_k_m, q6_k, ... (llama.cpp's quantizer)")
+    conv.add_argument("model_dir", type=Path, help="folder saved with save_pretrained")
+    conv.add_argument("out", type=Path, help="GGUF file to write")
+
     dev = sub.add_parser("devices", help="list the devices models can run on here")
     dev.add_argument("--json", action="store_true")
     return parser
@@ -510,8 +518,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "demo": cmd_demo, "chat": cmd_chat,
-            "serve": cmd_serve, "devices": cmd_devices}
+def cmd_convert(args: argparse.Namespace) -> int:
+    from spececd.convert import convert
+
+    out = convert(args.model_dir, args.out, args.quant)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.quant})", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "generate": cmd_generate,
+            "demo": cmd_demo, "chat": cmd_chat, "serve": cmd_serve, "devices": cmd_devices}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

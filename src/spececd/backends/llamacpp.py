@@ -1,0 +1,133 @@
+"""llama.cpp through llama-cpp-python: GGUF models, on the CPU or on a GPU the build has
+(Metal, CUDA), at any quantization llama.cpp supports.
+
+Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); the weights are
+memory-mapped once by the operating system and shared by every context. Contexts are made
+with ``logits_all=True`` so that ``extend`` can return the logits of every new position
+(``scores``). Rollback sets ``n_tokens``: llama-cpp-python removes the rest of the KV
+cache before its next evaluation.
+
+The tokenizer is the GGUF's own: its vocabulary strings, in id order, give the same
+fingerprint as the transformers tokenizer the GGUF was converted from, so a GGUF drafter
+and a transformers verifier (or the reverse) are compatible exactly when their tokenizers
+are the same.
+
+This module is the only one that imports llama_cpp.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spececd.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+def _quiet_llama_logs() -> None:
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback  # type: ignore[misc]
+    def _drop(level: int, text: bytes, user_data: Any) -> None:
+        pass
+
+    llama_cpp.llama_log_set(_drop, None)
+    _quiet_llama_logs.callback = _drop  # type: ignore[attr-defined]  # keep it alive
+
+
+class LlamaCppTokenizer:
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        metadata = llm.metadata
+        self._add_bos = metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+        eos = llm.token_eos()
+        self.eos_token_ids: tuple[int, ...] = (eos,) if eos >= 0 else ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos,
+                                       special=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data: bytes = self._llm.detokenize(list(ids), special=True)
+        return data.decode("utf-8", errors="replace")
+
+    def vocab_tokens(self) -> list[str]:
+        model = self._llm._model
+        return [model.token_get_text(i) for i in range(self._llm.n_vocab())]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+        return None  # GGUF chat templates are not rendered yet: chat uses a plain transcript
+
+
+class LlamaCppSequence:
+    def __init__(self, backend: LlamaCppBackend, llm: Any) -> None:
+        self._backend = backend
+        self._llm = llm
+        self._tokens: list[int] = []
+        llm.reset()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray:
+        n = len(ids)
+        keep = n if keep is None else keep
+        if not 0 <= keep <= n:
+            raise ValueError(f"keep must be in [0, {n}], got {keep}")
+        if n == 0:
+            return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
+        start = len(self._tokens)
+        if start + n > self._backend.max_context:
+            raise ValueError(f"{start + n} tokens exceed the context of "
+                             f"{self._backend.max_context}")
+        self._llm.eval(list(ids))
+        self._tokens.extend(int(t) for t in ids)
+        end = start + n
+        return np.array(self._llm.scores[end - keep:end], dtype=np.float32)
+
+    def truncate(self, n: int) -> None:
+        if n < len(self._tokens):
+            del self._tokens[n:]
+            self._llm.n_tokens = n
+
+
+class LlamaCppBackend:
+    name = "llama.cpp"
+
+    def __init__(self, model: str, n_threads: int = 0, n_gpu_layers: int = 0,
+                 n_ctx: int = 0) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise InputError("GGUF models need the llama.cpp backend: "
+                             "pip install 'spececd[llama]'") from None
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise InputError(f"GGUF file {model!r} not found")
+        _quiet_llama_logs()
+        self._kwargs: dict[str, Any] = dict(
+            model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=True,
+            n_threads=n_threads or min(4, os.cpu_count() or 1), verbose=False, n_batch=512)
+        try:
+            self._spare: Any = Llama(**self._kwargs)
+        except (ValueError, RuntimeError) as exc:
+            raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
+        self.vocab_size = int(self._spare.n_vocab())
+        self.max_context = int(self._spare.n_ctx())
+        self.tokenizer = LlamaCppTokenizer(self._spare)
+        self.description = (f"{path.name} (llama.cpp, {self._kwargs['n_threads']} threads, "
+                            f"{n_gpu_layers} GPU layers)")
+
+    def new_sequence(self) -> LlamaCppSequence:
+        from llama_cpp import Llama
+
+        llm, self._spare = (self._spare, None) if self._spare is not None else (
+            Llama(**self._kwargs), None)
+        return LlamaCppSequence(self, llm)
