@@ -429,3 +429,36 @@ def test_cloud_only_generation_streams_the_targets_own_tokens(
         again = gen.generate(ids, cloud_only=True, max_tokens=12, temperature=1.0, seed=4,
                              stop_token_ids=[])
         assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == 12
+
+
+def test_metrics_health_and_readiness(tiny_models: dict[str, Path]) -> None:
+    import urllib.error
+    import urllib.request
+
+    proc = ServerProcess(tiny_models["llama"], "--max-sessions", "1")
+    base = f"http://127.0.0.1:{proc.port}"
+    try:
+        with remote(tiny_models["draft"], proc.url, k=3, proactive=False) as gen:
+            out = gen.generate(PROMPTS[0], max_tokens=20, temperature=0, stop_token_ids=[])
+            with pytest.raises(urllib.error.HTTPError, match="503"):
+                urllib.request.urlopen(base + "/readyz", timeout=5)  # the one slot is taken
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["spececd_drafts_total"] == out.stats.rounds
+        assert values["spececd_draft_tokens_total"] == out.stats.drafted
+        assert values["spececd_accepted_tokens_total"] == out.stats.accepted
+        for i, (drafted, accepted) in enumerate(zip(out.stats.drafted_by_position,
+                                                    out.stats.accepted_by_position, strict=True)):
+            assert values[f'spececd_draft_tokens_by_position_total{{position="{i}"}}'] == drafted
+            assert values.get(
+                f'spececd_accepted_tokens_by_position_total{{position="{i}"}}', 0) == accepted
+        assert values["spececd_active_sessions"] == 1 and values["spececd_kv_bytes"] > 0
+        assert values["spececd_verify_latency_seconds_count"] == out.stats.rounds
+        assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
+        deadline = time.monotonic() + 10
+        while proc.status()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert urllib.request.urlopen(base + "/readyz", timeout=5).status == 200
+    finally:
+        proc.stop()

@@ -172,6 +172,11 @@ class HFBackend:
             eos = hf_tokenizer.eos_token_id
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
         self.tokenizer = HFTokenizer(hf_tokenizer, eos_ids)
+        text = config.get_text_config(decoder=True)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.kv_bytes_per_token = (2 * text.num_hidden_layers * heads * head_dim
+                                   * torch.tensor([], dtype=torch_dtype).element_size())
         self.description = f"{model} ({type(self.model).__name__}, {torch_dtype}, {self.device})"
 
     def new_sequence(self) -> HFSequence:

@@ -39,6 +39,10 @@ class VerifierServer:
         self.started = time.time()
         self.evicted = 0
         self.errors: Counter[str] = Counter()  # by error code, of released sessions
+        metrics = service.metrics
+        metrics.active_sessions.set_function(lambda: len(self.connections))
+        metrics.kv_bytes.set_function(lambda: self.kv_tokens() * self.kv_bytes_per_token)
+        self.kv_bytes_per_token = getattr(service.backend, "kv_bytes_per_token", 0)
 
     def open(self) -> Connection | bytes:
         """A new connection, or the error frame to send when the server is full."""
@@ -66,11 +70,18 @@ class VerifierServer:
             self.evicted += 1
             log.info("evicted idle session %s", connection.session.session_id)
 
+    def kv_tokens(self) -> int:
+        return sum(c.kv_tokens for c in list(self.connections))
+
+    def ready(self) -> bool:
+        return len(self.connections) < self.policy.max_sessions
+
     def status(self) -> dict[str, object]:
         return {
             "sessions": len(self.connections),
             "max_sessions": self.policy.max_sessions,
-            "kv_tokens": sum(len(c.sequence.tokens) for c in self.connections if c.sequence),
+            "kv_tokens": self.kv_tokens(),
+            "kv_bytes": self.kv_tokens() * self.kv_bytes_per_token,
             "evicted_idle": self.evicted,
             "errors": dict(sum((c.session.errors for c in self.connections), self.errors)),
             "uptime_s": round(time.time() - self.started, 1),

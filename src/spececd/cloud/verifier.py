@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
+from spececd.cloud.metrics import Metrics
 from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng, sample
 from spececd.core.verify import VerifyResult, verify
 from spececd.protocol.session import (
@@ -50,6 +51,7 @@ class VerifierService:
                              max_message_bytes=limits.max_message_bytes)
         self.fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
         self.auth_token = auth_token
+        self.metrics = Metrics()
 
     def connect(self) -> Connection:
         return Connection(self)
@@ -62,6 +64,7 @@ class Connection:
         self.service = service
         self.session = CloudSession(service.fingerprint, service.limits, service.auth_token)
         self.sequence: CachedSequence | None = None
+        self._reported: dict[str, int] = {}  # errors already counted in the metrics
 
     @property
     def closed(self) -> bool:
@@ -70,7 +73,14 @@ class Connection:
     def receive(self, frame: bytes) -> Iterator[bytes]:
         """Handle one frame from the edge; yield the frames to send back (several for a
         cloud-only generation, which streams one frame per token)."""
+        errors = sum(self.session.errors.values())
         out = self.session.receive(frame)
+        if sum(self.session.errors.values()) > errors:
+            for code, n in self.session.errors.items():
+                self._reported[code] = self._reported.get(code, 0)
+                if n > self._reported[code]:
+                    self.service.metrics.errors.labels(code).inc(n - self._reported[code])
+                    self._reported[code] = n
         if out is None:
             self.close()
             return
@@ -85,6 +95,7 @@ class Connection:
         t0 = time.perf_counter()
         result = run_verification(self.sequence, out)
         verify_s = time.perf_counter() - t0
+        self.service.metrics.record_verdict(len(out.tokens), result.num_accepted, verify_s)
         yield self.session.verdict(out, result.num_accepted, result.next_token, verify_s)
 
     def _generate(self, sequence: CachedSequence, request: GenerateRequest) -> Iterator[bytes]:
@@ -98,10 +109,15 @@ class Connection:
             probs = process_logits(logits, request.params)[0]
             token = sample(probs, round_rng(request.params.seed, VERIFIER_STREAM, position + i))
             done = i + 1 == request.max_tokens or token in request.stop_token_ids
+            self.service.metrics.generated_tokens.inc()
             yield self.session.tokens(request, (token,), done, time.perf_counter() - t0)
             if done:
                 return
             feed = [token]
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.sequence.tokens) if self.sequence is not None else 0
 
     def close(self) -> None:
         self.session.state = State.CLOSED

@@ -4,8 +4,9 @@ Server: :func:`serve` runs a :class:`~spececd.cloud.server.VerifierServer` behin
 ``websockets.asyncio.server``. One connection is one session; each binary frame goes to
 the session's :class:`~spececd.cloud.verifier.Connection` and every reply goes back as a
 binary frame. A connection silent for longer than the idle timeout is closed (code 1001)
-and its KV cache freed. Plain HTTP ``GET /healthz`` and ``GET /status`` on the same port
-answer ``ok`` and a JSON summary.
+and its KV cache freed. Plain HTTP on the same port: ``GET /healthz`` (alive),
+``GET /readyz`` (200 while a session can be opened, else 503), ``GET /status`` (a JSON
+summary) and ``GET /metrics`` (Prometheus).
 
 Client: :class:`WebSocketTransport` is a blocking transport for the edge loop. Every way
 the link can fail (refused, reset, closed, timed out) surfaces as ``ConnectionError``, which
@@ -28,6 +29,7 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
@@ -57,6 +59,15 @@ def _http_handler(server: VerifierServer) -> Callable[[ServerConnection, Request
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
+        if request.path == "/readyz":
+            if server.ready():
+                return connection.respond(HTTPStatus.OK, "ready\n")
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "full\n")
+        if request.path == "/metrics":
+            body = server.service.metrics.exposition()
+            return Response(HTTPStatus.OK, "OK", Headers([
+                ("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
+                ("Content-Length", str(len(body)))]), body)
         if request.path == "/status":
             response = connection.respond(HTTPStatus.OK, json.dumps(server.status()) + "\n")
             response.headers["Content-Type"] = "application/json"

@@ -1,0 +1,65 @@
+"""The verifier's Prometheus metrics, one registry per server (no global state).
+
+Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, base units):
+
+- ``spececd_drafts_total``: drafts verified (= rounds);
+- ``spececd_draft_tokens_total``, ``spececd_accepted_tokens_total``;
+- ``spececd_accepted_tokens_by_position_total{position}`` and
+  ``spececd_draft_tokens_by_position_total{position}``: acceptance per draft position;
+- ``spececd_generated_tokens_total``: tokens the target produced (corrections, bonuses and
+  cloud-only tokens);
+- ``spececd_batch_size``: histogram of sessions per target forward pass;
+- ``spececd_verify_latency_seconds``: histogram of verification passes;
+- ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
+- ``spececd_errors_total{code}``: typed errors answered, by code.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.drafts = Counter("spececd_drafts", "Drafts verified (rounds)", registry=r)
+        self.draft_tokens = Counter("spececd_draft_tokens", "Drafted tokens received",
+                                    registry=r)
+        self.accepted_tokens = Counter("spececd_accepted_tokens", "Drafted tokens accepted",
+                                       registry=r)
+        self.accepted_by_position = Counter(
+            "spececd_accepted_tokens_by_position", "Accepted tokens by draft position",
+            ["position"], registry=r)
+        self.drafted_by_position = Counter(
+            "spececd_draft_tokens_by_position", "Drafted tokens by draft position",
+            ["position"], registry=r)
+        self.generated_tokens = Counter("spececd_generated_tokens",
+                                        "Tokens the target produced itself", registry=r)
+        self.batch_size = Histogram("spececd_batch_size", "Sessions per target forward pass",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.verify_latency = Histogram("spececd_verify_latency_seconds",
+                                        "Verification pass latency", buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
+        self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
+        self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
+
+    def record_verdict(self, drafted: int, accepted: int, seconds: float,
+                       batch: int = 1) -> None:
+        self.drafts.inc()
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self.generated_tokens.inc()
+        for i in range(drafted):
+            self.drafted_by_position.labels(str(i)).inc()
+            if i < accepted:
+                self.accepted_by_position.labels(str(i)).inc()
+        self.verify_latency.observe(seconds)
+        self.batch_size.observe(batch)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)  # type: ignore[no-any-return]
