@@ -28,8 +28,8 @@ from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
