@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
     g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
     g.add_argument("--tls-key", help="TLS private key (PEM)")
+    g.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="logs on stderr as text or as JSON lines (with session ids)")
 
     bench = sub.add_parser("bench", help="measure SpecECD against the target alone, "
                            "cloud-only generation and transformers' assisted generation")
@@ -530,10 +532,25 @@ COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "generate": cmd_generate
             "demo": cmd_demo, "chat": cmd_chat, "serve": cmd_serve, "devices": cmd_devices}
 
 
+class JsonLines(logging.Formatter):
+    """One JSON object per record, with the structured fields passed as ``extra``."""
+
+    STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                 "logger": record.name, "msg": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in self.STANDARD})
+        return json.dumps(entry, default=str)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="spececd: %(message)s")
+    if getattr(args, "log_format", "text") == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
     if not args.verbose:  # the hub client retries loudly when it cannot connect
         for name in ("huggingface_hub", "httpx", "transformers", "websockets"):
             logging.getLogger(name).setLevel(logging.ERROR)

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,6 +30,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[str] | None = None
+        self.log: list[str] = []  # the server's stderr lines
         self.start()
 
     def start(self, timeout: float = 90.0) -> None:
@@ -41,11 +43,19 @@ class ServerProcess:
         assert self.proc.stderr is not None
         while time.monotonic() < deadline:
             line = self.proc.stderr.readline()
+            self.log.append(line)
             if "serving" in line:
+                # Keep draining stderr: a full pipe would block the server's logging.
+                threading.Thread(target=self._drain, args=(self.proc.stderr,),
+                                 daemon=True).start()
                 return
             if not line and self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
         raise RuntimeError("server did not start in time")
+
+    def _drain(self, stream: Any) -> None:
+        for line in stream:
+            self.log.append(line)
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=5) as r:

@@ -462,3 +462,20 @@ def test_metrics_health_and_readiness(tiny_models: dict[str, Path]) -> None:
         assert urllib.request.urlopen(base + "/readyz", timeout=5).status == 200
     finally:
         proc.stop()
+
+
+def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
+    proc = ServerProcess(tiny_models["llama"], "--log-format", "json")
+    try:
+        ws, frame = raw_session(proc.url, tiny_models["draft"])
+        ws.send(b"\xc1")  # type: ignore[attr-defined]
+        assert m.decode(ws.recv(timeout=10)).code == "malformed_frame"  # type: ignore[attr-defined, union-attr]
+        ws.close()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while not any("rejected" in line for line in proc.log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.stop()
+    records = [json.loads(line) for line in proc.log if line.startswith("{")]
+    rejected = [r for r in records if r["msg"].startswith("rejected")]
+    assert rejected and rejected[0]["code"] == "malformed_frame" and rejected[0]["session"]

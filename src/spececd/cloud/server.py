@@ -52,6 +52,8 @@ class VerifierServer:
             return m.encode(m.Error(error.code, str(error), -1, True))
         connection = self.service.connect()
         self.connections.add(connection)
+        log.info("session opened", extra={"session": connection.session.session_id,
+                                          "sessions": len(self.connections)})
         return connection
 
     async def receive(self, connection: Connection, frame: bytes) -> AsyncIterator[bytes]:
@@ -66,9 +68,11 @@ class VerifierServer:
         if connection in self.connections:
             self.connections.discard(connection)
             self.errors.update(connection.session.errors)
+            log.info("session closed", extra={
+                "session": connection.session.session_id, "idle_evicted": idle,
+                "errors": dict(connection.session.errors), "sessions": len(self.connections)})
         if idle:
             self.evicted += 1
-            log.info("evicted idle session %s", connection.session.session_id)
 
     def kv_tokens(self) -> int:
         return sum(c.kv_tokens for c in list(self.connections))

@@ -81,6 +81,8 @@ class Connection:
                 if n > self._reported[code]:
                     self.service.metrics.errors.labels(code).inc(n - self._reported[code])
                     self._reported[code] = n
+                    log.warning("rejected a frame: %s", code, extra={
+                        "session": self.session.session_id, "code": code})
         if out is None:
             self.close()
             return
