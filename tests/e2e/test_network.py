@@ -467,7 +467,7 @@ def test_metrics_health_and_readiness(tiny_models: dict[str, Path]) -> None:
 def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
     proc = ServerProcess(tiny_models["llama"], "--log-format", "json")
     try:
-        ws, frame = raw_session(proc.url, tiny_models["draft"])
+        ws, _ = raw_session(proc.url, tiny_models["draft"])
         ws.send(b"\xc1")  # type: ignore[attr-defined]
         assert m.decode(ws.recv(timeout=10)).code == "malformed_frame"  # type: ignore[attr-defined, union-attr]
         ws.close()  # type: ignore[attr-defined]
