@@ -79,3 +79,27 @@ def test_missing_cuda_falls_back_to_cpu_with_a_notice(tiny_models: dict[str, Pat
     backend = load_backend(str(tiny_models["llama"]), device="cuda", dtype="float32")
     assert backend.model.device.type == "cpu"  # type: ignore[attr-defined]
     assert any("falling back to cpu" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_extend_matches_separate_extends(arch: str,
+                                                 tiny_models: dict[str, Path]) -> None:
+    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+    rng = np.random.default_rng(7)
+    streams = [[int(t) for t in rng.integers(0, backend.vocab_size, size=60)] for _ in range(4)]
+    sequences = [backend.new_sequence() for _ in streams]
+    done = [0, 5, 17, 0]  # different cached lengths, one empty
+    for seq, stream, n in zip(sequences, streams, done, strict=True):
+        if n:
+            seq.extend(stream[:n], keep=0)
+    worst = 0.0
+    for _ in range(3):
+        adds = [int(rng.integers(1, 7)) for _ in streams]
+        items = [(seq, stream[len(seq.tokens):len(seq.tokens) + add], add)
+                 for seq, stream, add in zip(sequences, streams, adds, strict=True)]
+        results = backend.extend_batch(items)  # type: ignore[attr-defined]
+        for seq, stream, logits in zip(sequences, streams, results, strict=True):
+            expected = fresh_logits(backend, stream[:len(seq.tokens)])[-logits.shape[0]:]
+            worst = max(worst, float(np.abs(logits - expected).max()))
+    print(f"{arch}: batched max |logit difference| {worst:.2e}")
+    assert worst <= TOLERANCE

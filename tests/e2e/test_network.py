@@ -479,3 +479,40 @@ def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
     records = [json.loads(line) for line in proc.log if line.startswith("{")]
     rejected = [r for r in records if r["msg"].startswith("rejected")]
     assert rejected and rejected[0]["code"] == "malformed_frame" and rejected[0]["session"]
+
+
+def test_concurrent_sessions_are_batched_and_identical_to_alone(
+        tiny_models: dict[str, Path]) -> None:
+    import urllib.request
+
+    proc = ServerProcess(tiny_models["llama"])
+    outputs: dict[int, list[int]] = {}
+    prompts = PROMPTS * 2  # ten sessions at once
+
+    def client(i: int) -> None:
+        with remote(tiny_models["draft"], proc.url, k=3, proactive=False) as gen:
+            ids = gen.prompt_ids(prompts[i])
+            outputs[i] = gen.generate(ids, max_tokens=30, temperature=0,
+                                      stop_token_ids=[]).token_ids
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics").read().decode()
+    finally:
+        proc.stop()
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line and not line.startswith("#")}
+    passes = values["spececd_batch_size_count"]
+    sessions_verified = values["spececd_batch_size_sum"]
+    print(f"{sessions_verified:.0f} verifications in {passes:.0f} passes")
+    assert sessions_verified > passes  # some passes verified several sessions at once
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    reference = {p: hf_greedy(tiny_models["llama"], tokenizer(p)["input_ids"], 30)
+                 for p in PROMPTS}
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] == reference[prompt], prompt

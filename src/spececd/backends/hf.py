@@ -130,6 +130,29 @@ class HFSequence:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
         return out.logits[0, -keep:].float().cpu().numpy()  # type: ignore[no-any-return]
 
+    def _layer(self, layer: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cache's keys and values at ``layer``, left-padded with ``pad`` zeros."""
+        config = self._backend.model.config.get_text_config(decoder=True)
+        if self._tokens:
+            keys, values = self._cache.layers[layer].keys, self._cache.layers[layer].values
+        else:
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            dim = getattr(config, "head_dim", None) or \
+                config.hidden_size // config.num_attention_heads
+            keys = values = torch.zeros((1, heads, 0, dim), dtype=self._backend.model.dtype,
+                                        device=self._backend.device)
+        if pad:
+            pad_shape = (*keys.shape[:2], pad, keys.shape[3])
+            zeros = torch.zeros(pad_shape, dtype=keys.dtype, device=keys.device)
+            keys, values = torch.cat([zeros, keys], 2), torch.cat([zeros, values], 2)
+        return keys, values
+
+    def _set_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        cache = self._new_cache()
+        for index, (keys, values) in enumerate(layers):
+            cache.update(keys.contiguous(), values.contiguous(), index)
+        self._cache = cache
+
     def truncate(self, n: int) -> None:
         remove = len(self._tokens) - n
         if remove <= 0:
@@ -181,3 +204,49 @@ class HFBackend:
 
     def new_sequence(self) -> HFSequence:
         return HFSequence(self)
+
+    @torch.inference_mode()
+    def extend_batch(self, items: Sequence[tuple[HFSequence, Sequence[int], int]]
+                     ) -> list[np.ndarray]:
+        """``extend`` for several sequences in one forward pass: ``(sequence, ids, keep)``
+        each, ids non-empty. Caches of different lengths are left-padded into one batch
+        with an attention mask; new tokens are right-padded; each sequence then gets its
+        own cache back. Results equal separate ``extend`` calls up to float rounding."""
+        if len(items) == 1:
+            sequence, ids, keep = items[0]
+            return [sequence.extend(ids, keep)]
+        device = self.device
+        lengths = [len(s.tokens) for s, _, _ in items]
+        counts = [len(ids) for _, ids, _ in items]
+        past, width = max(lengths), max(counts)
+        batch = len(items)
+        input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
+        mask = torch.zeros((batch, past + width), dtype=torch.long, device=device)
+        positions = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, ((_, ids, _), length, n) in enumerate(zip(items, lengths, counts, strict=True)):
+            input_ids[i, :n] = torch.tensor(list(ids), device=device)
+            mask[i, past - length:past + n] = 1
+            positions[i] = torch.arange(length, length + width, device=device)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            for layer in range(len(items[0][0]._cache.layers)):
+                keys, values = [], []
+                for (sequence, _, _), length in zip(items, lengths, strict=True):
+                    k, v = sequence._layer(layer, past - length)
+                    keys.append(k)
+                    values.append(v)
+                cache.update(torch.cat(keys), torch.cat(values), layer)
+        out = self.model(input_ids=input_ids, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, position_ids=positions,
+                         cache_position=torch.arange(past, past + width, device=device))
+        results = []
+        for i, ((sequence, ids, keep), length, n) in enumerate(
+                zip(items, lengths, counts, strict=True)):
+            sequence._set_cache([(layer.keys[i:i + 1, :, past - length:past + n],
+                                  layer.values[i:i + 1, :, past - length:past + n])
+                                 for layer in out.past_key_values.layers])
+            sequence._tokens.extend(int(t) for t in ids)
+            results.append(out.logits[i, n - keep:n].float().cpu().numpy())
+        return results

@@ -9,7 +9,6 @@ choice, a dropped link or an idle timeout, is released at once and its KV cache 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -17,9 +16,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from spececd.cloud.verifier import Connection, VerifierService
+from spececd.cloud.scheduler import BatchScheduler
+from spececd.cloud.verifier import Connection, VerifierService, generation_step
 from spececd.protocol import messages as m
 from spececd.protocol.errors import ServerBusy
+from spececd.protocol.session import VerifyRequest
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class ServerPolicy:
     max_sessions: int = 64
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
+    max_batch: int = 32  # sessions verified in one forward pass at most
 
 
 class VerifierServer:
@@ -36,6 +38,7 @@ class VerifierServer:
         self.policy = policy or ServerPolicy()
         self.connections: set[Connection] = set()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
+        self.scheduler = BatchScheduler(self.executor, service.metrics, self.policy.max_batch)
         self.started = time.time()
         self.evicted = 0
         self.errors: Counter[str] = Counter()  # by error code, of released sessions
@@ -57,11 +60,24 @@ class VerifierServer:
         return connection
 
     async def receive(self, connection: Connection, frame: bytes) -> AsyncIterator[bytes]:
-        """The replies to ``frame``, each computed on the model thread as it is needed."""
-        loop = asyncio.get_running_loop()
-        replies = connection.receive(frame)
-        while (reply := await loop.run_in_executor(self.executor, next, replies, None)):
+        """The replies to ``frame``; model work goes through the batch scheduler."""
+        out = connection.accept(frame)
+        if out is None:
+            return
+        if isinstance(out, bytes):
+            yield out
+            return
+        if isinstance(out, VerifyRequest):
+            result, seconds, batch = await self.scheduler.verify(connection, out)
+            yield connection.verdict(out, result, seconds, batch)
+            return
+        for step in range(out.max_tokens):
+            request = generation_step(out, connection.session.context)
+            result, seconds, _ = await self.scheduler.verify(connection, request)
+            reply, done = connection.generated(out, step, result, seconds)
             yield reply
+            if done:
+                return
 
     def release(self, connection: Connection, idle: bool = False) -> None:
         connection.close()
@@ -95,4 +111,5 @@ class VerifierServer:
     def shutdown(self) -> None:
         for connection in list(self.connections):
             self.release(connection)
+        self.scheduler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

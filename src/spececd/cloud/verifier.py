@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
-from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng, sample
+from spececd.core.sampling import VERIFIER_STREAM, Mode, process_logits, round_rng
 from spececd.core.verify import VerifyResult, verify
 from spececd.protocol.session import (
     CloudSession,
@@ -30,15 +30,33 @@ from spececd.protocol.session import (
 log = logging.getLogger(__name__)
 
 
-def run_verification(sequence: CachedSequence, request: VerifyRequest) -> VerifyResult:
-    """Verify ``request.tokens`` after ``request.context`` on the target's cached sequence."""
-    k = len(request.tokens)
-    feed = sync(sequence, request.context)
-    logits = sequence.extend([*feed, *request.tokens], keep=k + 1)  # [k + 1, vocab]
-    target_probs = process_logits(logits, request.params)
-    assert request.params.seed is not None
-    rng = round_rng(request.params.seed, VERIFIER_STREAM, len(request.context))
-    return verify(request.tokens, target_probs, rng, request.mode, request.draft_probs)
+def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
+                      ) -> list[VerifyResult]:
+    """Verify each request's tokens after its context on its own cached sequence, all in
+    one target forward pass when the backend can batch (``extend_batch``)."""
+    items = []
+    for sequence, request in work:
+        feed = sync(sequence, request.context)
+        items.append((sequence, [*feed, *request.tokens], len(request.tokens) + 1))
+    batch = getattr(backend, "extend_batch", None)
+    if batch is not None and len(items) > 1:
+        all_logits = batch(items)
+    else:
+        all_logits = [sequence.extend(ids, keep) for sequence, ids, keep in items]
+    results = []
+    for (_, request), logits in zip(work, all_logits, strict=True):  # logits: [k + 1, vocab]
+        target_probs = process_logits(logits, request.params)
+        assert request.params.seed is not None
+        rng = round_rng(request.params.seed, VERIFIER_STREAM, len(request.context))
+        results.append(verify(request.tokens, target_probs, rng, request.mode,
+                              request.draft_probs))
+    return results
+
+
+def generation_step(request: GenerateRequest, context: tuple[int, ...]) -> VerifyRequest:
+    """One token of cloud-only generation as a verification of an empty draft: the
+    verifier's own draw at this position, batched like any other verification."""
+    return VerifyRequest(request.seq, context, (), None, Mode.MATCH, request.params)
 
 
 class VerifierService:
@@ -70,52 +88,62 @@ class Connection:
     def closed(self) -> bool:
         return self.session.state is State.CLOSED
 
-    def receive(self, frame: bytes) -> Iterator[bytes]:
-        """Handle one frame from the edge; yield the frames to send back (several for a
-        cloud-only generation, which streams one frame per token)."""
+    def accept(self, frame: bytes) -> bytes | VerifyRequest | GenerateRequest | None:
+        """Run one frame through the session: the reply to send, the work to run, or None
+        (the session closed). Cheap: no model work."""
         errors = sum(self.session.errors.values())
         out = self.session.receive(frame)
         if sum(self.session.errors.values()) > errors:
             for code, n in self.session.errors.items():
-                self._reported[code] = self._reported.get(code, 0)
-                if n > self._reported[code]:
-                    self.service.metrics.errors.labels(code).inc(n - self._reported[code])
+                if n > self._reported.get(code, 0):
+                    self.service.metrics.errors.labels(code).inc(n - self._reported.get(code, 0))
                     self._reported[code] = n
                     log.warning("rejected a frame: %s", code, extra={
                         "session": self.session.session_id, "code": code})
         if out is None:
             self.close()
+        elif not isinstance(out, bytes) and self.sequence is None:
+            self.sequence = self.service.backend.new_sequence()
+        return out
+
+    def verdict(self, request: VerifyRequest, result: VerifyResult, seconds: float,
+                batch: int = 1) -> bytes:
+        self.service.metrics.record_verdict(len(request.tokens), result.num_accepted, seconds,
+                                            batch)
+        return self.session.verdict(request, result.num_accepted, result.next_token, seconds)
+
+    def generated(self, request: GenerateRequest, step: int, result: VerifyResult,
+                  seconds: float) -> tuple[bytes, bool]:
+        """The frame for step ``step`` of a cloud-only generation, and whether it is the last."""
+        token = result.next_token
+        done = step + 1 == request.max_tokens or token in request.stop_token_ids
+        self.service.metrics.generated_tokens.inc()
+        return self.session.tokens(request, (token,), done, seconds), done
+
+    def receive(self, frame: bytes) -> Iterator[bytes]:
+        """Handle one frame from the edge here and now (no batching); yield the frames to send
+        back (several for a cloud-only generation, which streams one frame per token)."""
+        out = self.accept(frame)
+        if out is None:
             return
         if isinstance(out, bytes):
             yield out
             return
-        if self.sequence is None:
-            self.sequence = self.service.backend.new_sequence()
-        if isinstance(out, GenerateRequest):
-            yield from self._generate(self.sequence, out)
-            return
-        t0 = time.perf_counter()
-        result = run_verification(self.sequence, out)
-        verify_s = time.perf_counter() - t0
-        self.service.metrics.record_verdict(len(out.tokens), result.num_accepted, verify_s)
-        yield self.session.verdict(out, result.num_accepted, result.next_token, verify_s)
-
-    def _generate(self, sequence: CachedSequence, request: GenerateRequest) -> Iterator[bytes]:
-        """Autoregressive generation on the target alone, one frame per token."""
-        assert request.params.seed is not None
-        feed = sync(sequence, request.context)
-        position = len(request.context)
-        for i in range(request.max_tokens):
+        assert self.sequence is not None
+        backend = self.service.backend
+        if isinstance(out, VerifyRequest):
             t0 = time.perf_counter()
-            logits = sequence.extend(feed, keep=1)  # [1, vocab]
-            probs = process_logits(logits, request.params)[0]
-            token = sample(probs, round_rng(request.params.seed, VERIFIER_STREAM, position + i))
-            done = i + 1 == request.max_tokens or token in request.stop_token_ids
-            self.service.metrics.generated_tokens.inc()
-            yield self.session.tokens(request, (token,), done, time.perf_counter() - t0)
+            (result,) = run_verifications(backend, [(self.sequence, out)])
+            yield self.verdict(out, result, time.perf_counter() - t0)
+            return
+        for step in range(out.max_tokens):
+            t0 = time.perf_counter()
+            (result,) = run_verifications(backend, [(self.sequence,
+                                                     generation_step(out, self.session.context))])
+            frame_out, done = self.generated(out, step, result, time.perf_counter() - t0)
+            yield frame_out
             if done:
                 return
-            feed = [token]
 
     @property
     def kv_tokens(self) -> int:
