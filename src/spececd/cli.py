@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{_default(ServerConfig, 'max_draft')})")
     g.add_argument("--max-message-bytes", type=int, help="largest frame accepted (default: "
                    f"{_default(ServerConfig, 'max_message_bytes')})")
+    g.add_argument("--max-batch", type=int, help="sessions verified in one forward pass at most "
+                   f"(default: {_default(ServerConfig, 'max_batch')})")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {_default(ServerConfig, 'idle_timeout')})")
     g.add_argument("--auth-token-file", help="require this bearer token (file's first line; "
@@ -205,6 +207,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the target alone and transformers' assisted generation")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for bench.json, bench.csv, bench.md and plots")
+    bench_sub = bench.add_subparsers(dest="bench_command")
+    load = bench_sub.add_parser(
+        "load", help="N concurrent edge sessions against one server, against the server "
+        "generating for the same N users itself")
+    load.add_argument("--server", help="server URL (default: start `spececd serve` on the "
+                      "default target here)")
+    load.add_argument("--target-model", help="target for the server started here")
+    load.add_argument("--draft-model", help="draft model: its tokenizer, and the model of "
+                      "the draft clients (default: the project's draft)")
+    load.add_argument("--clients", default="16",
+                      help="concurrent clients; a list such as 1,2,4,8,16,32 gives a curve")
+    load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
+    load.add_argument("--kind", default="replay,cloud-only",
+                      help="replay (no model, chosen acceptance), draft (real drafter "
+                      "processes), cloud-only (the baseline); comma-separated")
+    load.add_argument("--acceptance", type=float, default=0.8,
+                      help="replay clients: acceptance per position (default: 0.8)")
+    load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--num-prompts", type=int, default=10)
+    load.add_argument("--max-batch", type=int, default=32,
+                      help="for the server started here: sessions per forward pass at most")
+    load.add_argument("--out", type=Path, default=Path("bench-out"))
 
     conv = sub.add_parser("convert", help="convert a transformers model folder to GGUF with "
                           "llama.cpp's own converter")
@@ -434,7 +459,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            dtype=cfg.dtype)
     service = VerifierService(backend, Limits(cfg.max_draft, cfg.max_context,
                                               cfg.max_message_bytes), token)
-    server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout))
+    server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout,
+                                                  cfg.max_batch))
     context = websocket.server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
     scheme = "wss" if context else "ws"
 
@@ -491,7 +517,52 @@ def load_prompts(path: Path) -> list[str]:
     return prompts
 
 
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from spececd.backends.base import tokenizer_fingerprint
+    from spececd.backends.registry import load_backend
+    from spececd.bench import load
+    from spececd.bench.runner import BenchConfig, start_server
+
+    clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    if not set(kinds) <= {"replay", "draft", "cloud-only"} or min(clients) < 1:
+        raise InputError("--kind takes replay, draft, cloud-only; --clients numbers >= 1")
+    draft_model = args.draft_model or default_model("draft")
+    backend = load_backend(draft_model, device="cpu", dtype="float32")
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    prompts = [backend.tokenizer.encode(p) for p in demo_prompts()[:args.num_prompts]]
+    server = None
+    url = args.server
+    if not url:
+        cfg = BenchConfig(draft=draft_model, target=args.target_model or default_model("target"),
+                          prompts=[], max_batch=args.max_batch)
+        server, port = start_server(cfg)
+        url = f"ws://127.0.0.1:{port}"
+    try:
+        rows = load.run_curve(url, fingerprint, prompts, clients, args.duration, kinds,
+                              args.acceptance, args.k, args.max_tokens, draft_model,
+                              progress=lambda r: print(
+                                  f"{r['clients']:>3} {r['kind']:<10} "
+                                  f"{r['server_tokens_per_s']:>8} tokens/s", file=sys.stderr))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "load.json").write_text(json.dumps(
+        {"meta": {"server": url, "draft": draft_model, "duration_s": args.duration,
+                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance},
+         "rows": rows}, indent=1))
+    markdown = load.table(rows)
+    (args.out / "load.md").write_text(markdown)
+    load.plot(rows, args.out / "load_curve.png")
+    print(markdown)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "load":
+        return cmd_bench_load(args)
     from spececd.api import parse_k
     from spececd.bench.runner import BenchConfig, run_bench, save
 

@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ class BenchConfig:
     device: str = "cpu"
     jitter_ms: float = 0.0
     baselines: bool = True  # run the target alone and transformers' assisted generation
+    max_batch: int = 32  # the server's sessions per forward pass
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
@@ -92,14 +94,17 @@ class Worker:
 
 
 def start_server(cfg: BenchConfig) -> tuple[subprocess.Popen[str], int]:
+    """``spececd serve`` for ``cfg.target``; its stderr is drained by a thread once it runs."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "spececd", "serve", "--target-model", cfg.target, "--host",
          cfg.host, "--port", str(cfg.port), "--device", cfg.device, "--threads", "1",
-         "--dtype", "float32"],
+         "--dtype", "float32", "--max-batch", str(cfg.max_batch), "--max-sessions", "256"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stderr is not None
     for line in proc.stderr:
         if "serving" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stderr or []],  # drain
+                             daemon=True).start()
             return proc, int(line.rsplit(":", 1)[1].split()[0])
     raise RuntimeError(f"the verifier server did not start: exit {proc.wait()}")
 

@@ -48,8 +48,7 @@ class Metrics:
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
 
-    def record_verdict(self, drafted: int, accepted: int, seconds: float,
-                       batch: int = 1) -> None:
+    def record_verdict(self, drafted: int, accepted: int, seconds: float) -> None:
         self.drafts.inc()
         self.draft_tokens.inc(drafted)
         self.accepted_tokens.inc(accepted)
@@ -59,7 +58,6 @@ class Metrics:
             if i < accepted:
                 self.accepted_by_position.labels(str(i)).inc()
         self.verify_latency.observe(seconds)
-        self.batch_size.observe(batch)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)  # type: ignore[no-any-return]

@@ -68,8 +68,8 @@ class VerifierServer:
             yield out
             return
         if isinstance(out, VerifyRequest):
-            result, seconds, batch = await self.scheduler.verify(connection, out)
-            yield connection.verdict(out, result, seconds, batch)
+            result, seconds, _ = await self.scheduler.verify(connection, out)
+            yield connection.verdict(out, result, seconds)
             return
         for step in range(out.max_tokens):
             request = generation_step(out, connection.session.context)

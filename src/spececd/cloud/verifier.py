@@ -106,10 +106,8 @@ class Connection:
             self.sequence = self.service.backend.new_sequence()
         return out
 
-    def verdict(self, request: VerifyRequest, result: VerifyResult, seconds: float,
-                batch: int = 1) -> bytes:
-        self.service.metrics.record_verdict(len(request.tokens), result.num_accepted, seconds,
-                                            batch)
+    def verdict(self, request: VerifyRequest, result: VerifyResult, seconds: float) -> bytes:
+        self.service.metrics.record_verdict(len(request.tokens), result.num_accepted, seconds)
         return self.session.verdict(request, result.num_accepted, result.next_token, seconds)
 
     def generated(self, request: GenerateRequest, step: int, result: VerifyResult,
@@ -131,15 +129,18 @@ class Connection:
             return
         assert self.sequence is not None
         backend = self.service.backend
+        passes = self.service.metrics.batch_size  # every pass here verifies this session alone
         if isinstance(out, VerifyRequest):
             t0 = time.perf_counter()
             (result,) = run_verifications(backend, [(self.sequence, out)])
+            passes.observe(1)
             yield self.verdict(out, result, time.perf_counter() - t0)
             return
         for step in range(out.max_tokens):
             t0 = time.perf_counter()
             (result,) = run_verifications(backend, [(self.sequence,
                                                      generation_step(out, self.session.context))])
+            passes.observe(1)
             frame_out, done = self.generated(out, step, result, time.perf_counter() - t0)
             yield frame_out
             if done:

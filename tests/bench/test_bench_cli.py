@@ -1,0 +1,66 @@
+"""`spececd bench` and `spececd bench load` end to end on tiny models: they run, write every
+output, and their figures hang together. (Speed itself is measured by running them, never
+asserted in tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "spececd", *args], capture_output=True,
+                          text=True, timeout=600, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n---\nclass A:\n")
+    result = run("bench", "--draft-model", str(tiny_models["draft"]), "--target-model",
+                 str(tiny_models["llama"]), "--prompts-file", str(prompts), "--iterations",
+                 "1", "--max-tokens", "8", "--rtt-ms", "0,10", "--k", "2,auto", "--out",
+                 str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    for name in ("bench.json", "bench.csv", "bench.md", "speedup_vs_rtt.png",
+                 "acceptance_by_position.png", "tokens_per_s.png"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    kinds = {row["kind"] for row in summary}
+    assert kinds == {"target", "assisted", "cloud", "spececd"}
+    spec = [row for row in summary if row["kind"] == "spececd"]
+    assert len(spec) == 2 * 2 * 2  # RTTs x k values x proactive off/on
+    for row in spec:
+        assert row["label"] in ("EXCELLENT", "GOOD", "MODERATE", "POOR")
+        assert 0 <= row["acceptance_rate"] <= 1 and row["bytes_per_token"] > 0
+        assert row["bound"] > 0 and row["c"] > 0 and row["v"] > 0
+    rtt10 = next(r for r in summary if r["kind"] == "cloud" and r["rtt_ms"] == 10)
+    assert rtt10["ttft_ms"] >= 10  # one emulated round trip before the first token
+
+
+def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    result = run("bench", "load", "--draft-model", str(tiny_models["draft"]),
+                 "--target-model", str(tiny_models["llama"]), "--clients", "1,3",
+                 "--duration", "2", "--num-prompts", "2", "--max-tokens", "16",
+                 "--acceptance", "0.9", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "load.json").read_text())["rows"]
+    assert [(r["clients"], r["kind"]) for r in rows] == [
+        (1, "replay"), (1, "cloud-only"), (3, "replay"), (3, "cloud-only")]
+    for r in rows:
+        assert r["tokens"] > 0 and r["round_latency_ms"]["p50"] > 0
+    replay = [r for r in rows if r["kind"] == "replay"]
+    cloud = [r for r in rows if r["kind"] == "cloud-only"]
+    # Cloud-only needs one pass per token (less when batched); replay at acceptance 0.9
+    # gains several tokens per pass.
+    assert all(r["passes_per_token"] < 0.5 for r in replay)
+    assert cloud[0]["passes_per_token"] == pytest.approx(1.0, abs=0.01)
+    assert (tmp_path / "load_curve.png").is_file() and (tmp_path / "load.md").is_file()
