@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{_default(ServerConfig, 'max_message_bytes')})")
     g.add_argument("--max-batch", type=int, help="sessions verified in one forward pass at most "
                    f"(default: {_default(ServerConfig, 'max_batch')})")
+    g.add_argument("--max-kv-bytes", type=int, help="KV cache bytes across sessions at most; "
+                   "the least recently used idle sessions' caches are freed and rebuilt on "
+                   "their next round (default: 0 = no cap)")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {_default(ServerConfig, 'idle_timeout')})")
     g.add_argument("--auth-token-file", help="require this bearer token (file's first line; "
@@ -460,7 +463,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = VerifierService(backend, Limits(cfg.max_draft, cfg.max_context,
                                               cfg.max_message_bytes), token)
     server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout,
-                                                  cfg.max_batch))
+                                                  cfg.max_batch, cfg.max_kv_bytes))
     context = websocket.server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
     scheme = "wss" if context else "ws"
 

@@ -41,6 +41,7 @@ class ServerConfig:
     max_context: int = 4096
     max_draft: int = 64
     max_batch: int = 32
+    max_kv_bytes: int = 0
     max_message_bytes: int = 1 << 20
     idle_timeout: float = 300.0
     auth_token_file: str = ""

@@ -516,3 +516,31 @@ def test_concurrent_sessions_are_batched_and_identical_to_alone(
                  for p in PROMPTS}
     for i, prompt in enumerate(prompts):
         assert outputs[i] == reference[prompt], prompt
+
+
+def test_kv_cap_evicts_idle_caches_and_output_is_unchanged(
+        tiny_models: dict[str, Path]) -> None:
+    # 512 bytes per token on the tiny Llama: room for about 60 tokens across all sessions.
+    proc = ServerProcess(tiny_models["llama"], "--max-kv-bytes", str(512 * 60))
+    outputs: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        with remote(tiny_models["draft"], proc.url, k=3, proactive=False) as gen:
+            outputs[i] = gen.generate(PROMPTS[i], max_tokens=30, temperature=0,
+                                      stop_token_ids=[]).token_ids
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        status = proc.status()
+    finally:
+        proc.stop()
+    assert status["kv_evictions"] > 0
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    for i in range(3):
+        ids = tokenizer(PROMPTS[i])["input_ids"]
+        assert outputs[i] == hf_greedy(tiny_models["llama"], ids, 30)

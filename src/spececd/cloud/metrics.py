@@ -11,7 +11,8 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
 - ``spececd_batch_size``: histogram of sessions per target forward pass;
 - ``spececd_verify_latency_seconds``: histogram of verification passes;
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
-- ``spececd_errors_total{code}``: typed errors answered, by code.
+- ``spececd_errors_total{code}``: typed errors answered, by code;
+- ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Metrics:
         self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
+        self.kv_evictions = Counter("spececd_kv_evictions",
+                                    "KV caches freed to stay under --max-kv-bytes", registry=r)
 
     def record_verdict(self, drafted: int, accepted: int, seconds: float) -> None:
         self.drafts.inc()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from spececd.cloud.scheduler import BatchScheduler
 from spececd.cloud.verifier import Connection, VerifierService, generation_step
+from spececd.core.verify import VerifyResult
 from spececd.protocol import messages as m
 from spececd.protocol.errors import ServerBusy
 from spececd.protocol.session import VerifyRequest
@@ -30,6 +31,7 @@ class ServerPolicy:
     max_sessions: int = 64
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
     max_batch: int = 32  # sessions verified in one forward pass at most
+    max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
 
 
 class VerifierServer:
@@ -41,6 +43,7 @@ class VerifierServer:
         self.scheduler = BatchScheduler(self.executor, service.metrics, self.policy.max_batch)
         self.started = time.time()
         self.evicted = 0
+        self.kv_evictions = 0
         self.errors: Counter[str] = Counter()  # by error code, of released sessions
         metrics = service.metrics
         metrics.active_sessions.set_function(lambda: len(self.connections))
@@ -68,16 +71,49 @@ class VerifierServer:
             yield out
             return
         if isinstance(out, VerifyRequest):
-            result, seconds, _ = await self.scheduler.verify(connection, out)
+            result, seconds = await self._verify(connection, out)
             yield connection.verdict(out, result, seconds)
             return
         for step in range(out.max_tokens):
             request = generation_step(out, connection.session.context)
-            result, seconds, _ = await self.scheduler.verify(connection, request)
+            result, seconds = await self._verify(connection, request)
             reply, done = connection.generated(out, step, result, seconds)
             yield reply
             if done:
                 return
+
+    async def _verify(self, connection: Connection, request: VerifyRequest
+                      ) -> tuple[VerifyResult, float]:
+        self._cap_kv(connection, len(request.context) + len(request.tokens) + 1)
+        if connection.sequence is None:  # evicted: rebuilt from the session's context
+            connection.sequence = self.service.backend.new_sequence()
+        connection.busy = True
+        try:
+            result, seconds, _ = await self.scheduler.verify(connection, request)
+        finally:
+            connection.busy = False
+            connection.last_used = time.monotonic()
+        return result, seconds
+
+    def _cap_kv(self, connection: Connection, tokens_needed: int) -> None:
+        """Free the KV caches of the least recently used idle sessions until the total,
+        with ``tokens_needed`` more for ``connection``, fits ``max_kv_bytes``. An evicted
+        session keeps its place: its next round re-prefills from its context."""
+        cap, per_token = self.policy.max_kv_bytes, self.kv_bytes_per_token
+        if not cap or not per_token:
+            return
+        total = (self.kv_tokens() - connection.kv_tokens + tokens_needed) * per_token
+        idle = sorted((c for c in self.connections
+                       if c is not connection and not c.busy and c.sequence is not None),
+                      key=lambda c: c.last_used)
+        for victim in idle:
+            if total <= cap:
+                break
+            total -= victim.kv_tokens * per_token
+            victim.sequence = None
+            self.kv_evictions += 1
+            self.service.metrics.kv_evictions.inc()
+            log.info("evicted a KV cache", extra={"session": victim.session.session_id})
 
     def release(self, connection: Connection, idle: bool = False) -> None:
         connection.close()
@@ -103,6 +139,7 @@ class VerifierServer:
             "kv_tokens": self.kv_tokens(),
             "kv_bytes": self.kv_tokens() * self.kv_bytes_per_token,
             "evicted_idle": self.evicted,
+            "kv_evictions": self.kv_evictions,
             "errors": dict(sum((c.session.errors for c in self.connections), self.errors)),
             "uptime_s": round(time.time() - self.started, 1),
             "model": getattr(self.service.backend, "description", self.service.backend.name),

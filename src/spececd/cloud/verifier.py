@@ -82,6 +82,8 @@ class Connection:
         self.service = service
         self.session = CloudSession(service.fingerprint, service.limits, service.auth_token)
         self.sequence: CachedSequence | None = None
+        self.busy = False  # a verification of this session is queued or running
+        self.last_used = time.monotonic()
         self._reported: dict[str, int] = {}  # errors already counted in the metrics
 
     @property
