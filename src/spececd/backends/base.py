@@ -62,6 +62,14 @@ def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:
     return Fingerprint(vocab_size=vocab_size, tokenizer_hash=digest.hexdigest())
 
 
+def resolve_keep(n: int, keep: int | None) -> int:
+    """How many positions' logits an ``extend`` of ``n`` tokens returns."""
+    keep = n if keep is None else keep
+    if not 0 <= keep <= n:
+        raise ValueError(f"keep must be in [0, {n}], got {keep}")
+    return keep
+
+
 def sync(sequence: CachedSequence, context: Sequence[int]) -> list[int]:
     """Cut ``sequence`` to the longest cached prefix of ``context`` shorter than it; return
     the tokens of ``context`` still to be fed (never empty when ``context`` is not)."""

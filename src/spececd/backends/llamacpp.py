@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from spececd.backends.base import resolve_keep
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,7 @@ class LlamaCppSequence:
         return self._tokens
 
     def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray:
-        n = len(ids)
-        keep = n if keep is None else keep
-        if not 0 <= keep <= n:
-            raise ValueError(f"keep must be in [0, {n}], got {keep}")
+        n, keep = len(ids), resolve_keep(len(ids), keep)
         if n == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
         start = len(self._tokens)
