@@ -19,6 +19,9 @@ FP = m.Fingerprint(512, "ab" * 32)
     m.Draft(3, 10, (1, 2, 3), (4, 5), None),
     m.Draft(1, 0, (), (), None),
     m.Verdict(3, 1, 77, 0.0125),
+    m.Draft(9, 300, (4000, 4001, 300), (1000, 2000, 3000, 70000), None),
+    m.Tokens(2, (500, 600), False, 0.002),
+    m.Generate(4, 0, (1, 2, 3), 16, (0,)),
     m.Close("done"),
     m.Error("limit_exceeded", "too long", 4, False),
 ])

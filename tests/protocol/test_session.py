@@ -107,7 +107,7 @@ def test_auth_token_is_required_and_checked() -> None:
      "invalid_probabilities"),
     (draft(1, 0, (1,), (2,), (SparseProbs(np.array([2, 500]), np.array([0.5, 0.5], np.float32)),)),
      "invalid_tokens"),
-    (msgpack.packb([4, 1, 0, 5, 0.0]), "unexpected_message"),  # a verdict from the edge
+    (msgpack.packb([4, 1, 0, 5, 0]), "unexpected_message"),  # a verdict from the edge
 ])
 def test_bad_drafts_are_rejected_and_the_session_survives(frame: bytes, code: str) -> None:
     session = ready()

@@ -1,9 +1,9 @@
 """Wire messages: frozen dataclasses with a compact msgpack encoding. Sans-I/O.
 
-A frame is one msgpack array ``[type, field, field, ...]``. Token ids travel as msgpack
-integers (1-3 bytes each for vocabularies under 65,536); a draft distribution travels as
-raw little-endian arrays (uint32 ids, float32 probabilities) so that the verifier reads
-exactly the numbers the drafter sampled from.
+A frame is one msgpack array ``[type, field, field, ...]``. Token ids travel as a msgpack
+list or as raw little-endian uint16, whichever is shorter; times as integer microseconds;
+a draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
+that the verifier reads exactly the numbers the drafter sampled from.
 
 `decode` checks structure and types only and raises :class:`MalformedFrame`; what a value
 means (a token id in range, a context length that follows) is checked by the session state
@@ -143,6 +143,25 @@ def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:
     return [sizes, ids, probs]
 
 
+def _pack_ids(ids: tuple[int, ...]) -> list[int] | bytes:
+    """Token ids as whichever is shorter: a msgpack list (1 byte per id under 128, 3 under
+    65,536) or raw little-endian uint16 (2 bytes per id, 2 bytes of header)."""
+    listed = sum(1 if t < 128 else 3 if t < 65536 else 5 for t in ids)
+    if len(ids) > 1 and all(0 <= t < 65536 for t in ids) and 2 * len(ids) + 2 < listed:
+        return np.asarray(ids, dtype="<u2").tobytes()
+    return list(ids)
+
+
+def _unpack_ids(value: list[int] | bytes) -> tuple[int, ...]:
+    if isinstance(value, bytes):
+        return tuple(int(t) for t in np.frombuffer(value, dtype="<u2"))
+    return tuple(value)
+
+
+def _micros(seconds: float) -> int:
+    return max(0, round(seconds * 1e6))
+
+
 def encode(message: Message) -> bytes:
     if isinstance(message, Hello):
         fp = message.fingerprint
@@ -153,15 +172,17 @@ def encode(message: Message) -> bytes:
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
     elif isinstance(message, Draft):
-        body = [message.seq, message.context_len, list(message.prefix), list(message.tokens),
-                _pack_probs(message.draft_probs)]
+        body = [message.seq, message.context_len, _pack_ids(message.prefix),
+                _pack_ids(message.tokens), _pack_probs(message.draft_probs)]
     elif isinstance(message, Verdict):
-        body = [message.seq, message.num_accepted, message.next_token, message.verify_s]
+        body = [message.seq, message.num_accepted, message.next_token,
+                _micros(message.verify_s)]
     elif isinstance(message, Generate):
-        body = [message.seq, message.context_len, list(message.prefix), message.max_tokens,
-                list(message.stop_token_ids)]
+        body = [message.seq, message.context_len, _pack_ids(message.prefix),
+                message.max_tokens, list(message.stop_token_ids)]
     elif isinstance(message, Tokens):
-        body = [message.seq, list(message.token_ids), message.done, message.compute_s]
+        body = [message.seq, _pack_ids(message.token_ids), message.done,
+                _micros(message.compute_s)]
     elif isinstance(message, Close):
         body = [message.reason]
     else:
@@ -175,9 +196,9 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Hello.TYPE: (_INT, _INT, _STR, _STR, _NUM, _INT, _NUM, _INT, _STR),
     Welcome.TYPE: (_STR, _INT, _INT, _INT),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
-    Verdict.TYPE: (_INT, _INT, _INT, _NUM),
+    Verdict.TYPE: (_INT, _INT, _INT, _INT),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
-    Tokens.TYPE: (_INT, _IDS, _BOOL, _NUM),
+    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
@@ -193,10 +214,12 @@ def _check(kind: str, value: Any) -> bool:
     if kind == _BOOL:
         return isinstance(value, bool)
     if kind == _IDS:
-        return isinstance(value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value)
+        return (isinstance(value, bytes) and len(value) % 2 == 0) or (
+            isinstance(value, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in value))
     return value is None or (  # probs: [sizes, ids bytes, probs bytes]
-        isinstance(value, list) and len(value) == 3 and _check(_IDS, value[0])
+        isinstance(value, list) and len(value) == 3 and isinstance(value[0], list)
+        and _check(_IDS, value[0])
         and isinstance(value[1], bytes) and isinstance(value[2], bytes))
 
 
@@ -235,14 +258,15 @@ def decode(frame: bytes) -> Message:
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
-        return Draft(body[0], body[1], tuple(body[2]), tuple(body[3]),
-                     _unpack_probs(body[4], len(body[3])))
+        tokens = _unpack_ids(body[3])
+        return Draft(body[0], body[1], _unpack_ids(body[2]), tokens,
+                     _unpack_probs(body[4], len(tokens)))
     if kind == Verdict.TYPE:
-        return Verdict(body[0], body[1], body[2], float(body[3]))
+        return Verdict(body[0], body[1], body[2], body[3] / 1e6)
     if kind == Generate.TYPE:
-        return Generate(body[0], body[1], tuple(body[2]), body[3], tuple(body[4]))
+        return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:
-        return Tokens(body[0], tuple(body[1]), body[2], float(body[3]))
+        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] / 1e6)
     if kind == Close.TYPE:
         return Close(*body)
     return Error(*body)
