@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
                        "(default: auto, the adaptive policy)")
     bench.add_argument("--proactive", default="off,on",
-                       help="proactive drafting settings to compare (default: off,on)")
+                       help="proactive drafting settings to compare for --k auto; fixed k "
+                       "values run with the first one (default: off,on)")
     bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     bench.add_argument("--seed", type=int, default=0)

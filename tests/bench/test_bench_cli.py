@@ -37,7 +37,7 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
     kinds = {row["kind"] for row in summary}
     assert kinds == {"target", "assisted", "cloud", "spececd"}
     spec = [row for row in summary if row["kind"] == "spececd"]
-    assert len(spec) == 2 * 2 * 2  # RTTs x k values x proactive off/on
+    assert len(spec) == 2 * 3  # RTTs x (k=2 plain, k=auto plain, k=auto proactive)
     for row in spec:
         assert row["label"] in ("EXCELLENT", "GOOD", "MODERATE", "POOR")
         assert 0 <= row["acceptance_rate"] <= 1 and row["bytes_per_token"] > 0
