@@ -1,9 +1,13 @@
 """Benchmark report: per-configuration figures, the Leviathan bound, JSON, CSV, Markdown
 and PNG plots.
 
-For a SpecECD configuration with acceptance rate ``alpha`` and ``k`` drafted tokens:
+For a SpecECD configuration drafting ``k`` tokens per round:
 
-- tokens per round ``E = (1 - alpha^(k+1)) / (1 - alpha)``;
+- tokens per round ``E = (1 - alpha^(k+1)) / (1 - alpha)`` for Leviathan et al.'s alpha,
+  the probability that a token is accepted *given that it is reached*. That is not the
+  acceptance rate reported (accepted / drafted, which also counts tokens after a
+  rejection), so E is taken as measured (accepted + rounds) / rounds, and the report gives
+  the alpha it implies (``alpha_iid``);
 - ``c`` = one draft step / one target step (every draft step counts, also those drafted
   ahead and discarded); ``v`` = one verify pass / one target step,
   with the target step measured on the server (cloud-only passes, server-side time per
@@ -36,6 +40,17 @@ def label(acceptance: float) -> str:
     if acceptance > 0.1:
         return "MODERATE"
     return "POOR"
+
+
+def iid_alpha(tokens_per_round: float, k: float) -> float:
+    """The per-token acceptance probability alpha of Leviathan et al. (i.i.d. positions)
+    that gives ``tokens_per_round = (1 - alpha^(k+1)) / (1 - alpha)``, by bisection."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        expected = k + 1 if mid >= 1 else (1 - mid ** (k + 1)) / (1 - mid)
+        low, high = (mid, high) if expected < tokens_per_round else (low, mid)
+    return (low + high) / 2
 
 
 def _tps(passes: list[list[dict[str, Any]]]) -> list[float]:
@@ -114,10 +129,10 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
             if step_s and rounds and drafted:
                 c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
                 v_ratio = (s["verify_s"] / rounds) / step_s
-                tokens_per_round = (k + 1 if alpha >= 1 else
-                                    (1 - alpha ** (k + 1)) / (1 - alpha))
+                tokens_per_round = (accepted + rounds) / rounds
                 bound = tokens_per_round / (k * c_ratio + v_ratio)
                 row.update({"c": round(c_ratio, 4), "v": round(v_ratio, 4),
+                            "alpha_iid": round(iid_alpha(tokens_per_round, k), 4),
                             "target_step_ms": round(1000 * step_s, 3),
                             "bound": round(bound, 3)})
                 if row["speedup_vs_target"]:
@@ -128,7 +143,8 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
            "speedup_vs_target", "speedup_vs_cloud", "acceptance_rate", "mean_accepted_len",
-           "c", "v", "bound", "achieved_over_bound", "bytes_per_token", "ttft_ms", "label"]
+           "alpha_iid", "c", "v", "bound", "achieved_over_bound", "bytes_per_token", "ttft_ms",
+           "label"]
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
@@ -163,9 +179,9 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"({meta['duration_s']} s)",
         "",
         "| configuration | tokens/s (min–max) | × target | × cloud-only | acceptance "
-        "| tokens/round | c | v | bound | achieved/bound | ms/token draft·net·verify·other "
-        "| bytes/token | TTFT ms | label |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens/round | α | c | v | bound | achieved/bound | ms/token "
+        "draft·net·verify·other | bytes/token | TTFT ms | label |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         split = r.get("time_per_token_ms")
@@ -175,7 +191,8 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {r['config']} | {_cell(r['tokens_per_s'])} ({_cell(r['tokens_per_s_min'])}–"
             f"{_cell(r['tokens_per_s_max'])}) | {_cell(r.get('speedup_vs_target'))} | "
             f"{_cell(r.get('speedup_vs_cloud'))} | {_cell(r.get('acceptance_rate'))} | "
-            f"{_cell(r.get('mean_accepted_len'))} | {_cell(r.get('c'))} | {_cell(r.get('v'))} | "
+            f"{_cell(r.get('mean_accepted_len'))} | {_cell(r.get('alpha_iid'))} | "
+            f"{_cell(r.get('c'))} | {_cell(r.get('v'))} | "
             f"{_cell(r.get('bound'))} | {_cell(r.get('achieved_over_bound'))} | {split_text} | "
             f"{_cell(r.get('bytes_per_token'))} | {_cell(r.get('ttft_ms'))} | "
             f"{r.get('label', '–')} |")

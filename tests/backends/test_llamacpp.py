@@ -1,0 +1,106 @@
+"""The llama.cpp backend: GGUF conversion with llama.cpp's own converter, the conformance
+suite, compatibility with the transformers model it came from, and lossless generation
+with a GGUF target.
+
+Tolerance against transformers (same weights, float32 GGUF): max |Δlogit| <= 2e-3 (llama.cpp
+computes in its own kernels; ≈1e-3 was measured on these machines). Within llama.cpp,
+extend/truncate against a fresh evaluation: 1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: "
+                                "pip install 'spececd[llama]' runs these tests")
+torch = pytest.importorskip("torch")
+
+from spececd.api import Generator  # noqa: E402
+from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
+from spececd.backends.registry import load_backend  # noqa: E402
+from spececd.convert import convert  # noqa: E402
+from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+
+HF_TOLERANCE = 2e-3
+SELF_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("gguf")
+    return {name: convert(tiny_models[name], out / f"{name}.f32.gguf", "f32")
+            for name in ("llama", "draft")}
+
+
+def test_conversion_keeps_the_tokenizer(gguf: dict[str, Path],
+                                        tiny_models: dict[str, Path]) -> None:
+    ours = load_backend(str(gguf["llama"]))
+    theirs = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+    assert tokenizer_fingerprint(ours.tokenizer, ours.vocab_size) == \
+        tokenizer_fingerprint(theirs.tokenizer, theirs.vocab_size)
+    for prompt in PROMPTS:
+        assert ours.tokenizer.encode(prompt) == theirs.tokenizer.encode(prompt)
+        assert ours.tokenizer.decode(theirs.tokenizer.encode(prompt)) == prompt
+
+
+def test_extend_truncate_conformance(gguf: dict[str, Path],
+                                     tiny_models: dict[str, Path]) -> None:
+    backend = load_backend(str(gguf["llama"]))
+    reference = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+    fresh = backend.new_sequence()
+    seq = backend.new_sequence()
+    rng = np.random.default_rng(3)
+    tokens = [int(t) for t in rng.integers(0, backend.vocab_size, size=100)]
+    worst_self = worst_hf = 0.0
+    for _ in range(20):
+        if seq.tokens and rng.random() < 0.4:
+            seq.truncate(int(rng.integers(0, len(seq.tokens) + 1)))
+            continue
+        n, add = len(seq.tokens), int(rng.integers(1, 7))
+        new = [int(t) for t in rng.integers(0, backend.vocab_size, size=add)]
+        tokens[n:n + add] = new
+        logits = seq.extend(new)
+        fresh.truncate(0)
+        expected = fresh.extend(tokens[:n + add])[n:]
+        worst_self = max(worst_self, float(np.abs(logits - expected).max()))
+        model = reference.model  # type: ignore[attr-defined]
+        with torch.no_grad():
+            hf = model(torch.tensor([tokens[:n + add]])).logits[0, n:].numpy()
+        worst_hf = max(worst_hf, float(np.abs(logits - hf).max()))
+    print(f"llama.cpp: vs itself {worst_self:.2e}, vs transformers {worst_hf:.2e}")
+    assert worst_self <= SELF_TOLERANCE and worst_hf <= HF_TOLERANCE
+
+
+def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
+    backend = load_backend(str(path))
+    seq = backend.new_sequence()
+    logits = seq.extend(ids, keep=1)
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(logits[-1]))
+        out.append(token)
+        logits = seq.extend([token], keep=1)
+    return out
+
+
+@pytest.mark.parametrize("draft_kind", ["gguf", "hf"])
+def test_gguf_target_greedy_equals_the_gguf_target_alone(
+        draft_kind: str, gguf: dict[str, Path], tiny_models: dict[str, Path]) -> None:
+    draft = gguf["draft"] if draft_kind == "gguf" else tiny_models["draft"]
+    gen = Generator.load(str(draft), str(gguf["llama"]), device="cpu", k=3)
+    for prompt in PROMPTS[:3]:
+        ids = gen.prompt_ids(prompt)
+        out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
+        assert out.token_ids == llama_greedy(gguf["llama"], ids, 24)
+
+
+def test_gguf_drafter_with_a_transformers_target(gguf: dict[str, Path],
+                                                 tiny_models: dict[str, Path]) -> None:
+    gen = Generator.load(str(gguf["draft"]), str(tiny_models["llama"]), device="cpu", k=4)
+    ids = gen.prompt_ids(PROMPTS[0])
+    out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
+    assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 24)
