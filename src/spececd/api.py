@@ -114,7 +114,7 @@ class Generator:
              k: int | str = 4, max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
              reconnect: Reconnect | None = None, fallback: str = "none",
              tls_ca: str | None = None, tls_verify: bool = True,
-             proactive: bool | None = None) -> Generator:
+             proactive: bool | None = None, threads: int = 0) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
 
@@ -124,7 +124,7 @@ class Generator:
         """
         if (target is None) == (server is None):
             raise InputError("give either a target model (in-process) or a server URL")
-        draft_backend = load_backend(draft, device=device, dtype=dtype)
+        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         if server is not None:
             if not server.startswith(("ws://", "wss://")):
                 raise InputError(f"server URL must start with ws:// or wss://, got {server!r}")
@@ -137,7 +137,7 @@ class Generator:
                        max_support=max_support, auth_token=auth_token, reconnect=reconnect,
                        fallback=fallback, proactive=True if proactive is None else proactive)
         assert target is not None
-        target_backend = load_backend(target, device=device, dtype=dtype)
+        target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
         if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
                 != tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)):
             raise InputError(f"draft {draft!r} and target {target!r} have incompatible "

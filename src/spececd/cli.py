@@ -268,7 +268,8 @@ def load_generator(cfg: EdgeConfig) -> Any:
     common: dict[str, Any] = dict(
         device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
         max_support=cfg.max_support, fallback=cfg.fallback,
-        proactive={"auto": None, "on": True, "off": False}.get(cfg.proactive))
+        proactive={"auto": None, "on": True, "off": False}.get(cfg.proactive),
+        threads=cfg.threads)
     if cfg.proactive not in ("auto", "on", "off"):
         raise InputError(f"proactive must be auto, on or off, got {cfg.proactive!r}")
     draft = cfg.draft_model or default_model("draft")
@@ -460,7 +461,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from spececd.transports import websocket
 
     backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
-                           dtype=cfg.dtype)
+                           dtype=cfg.dtype, threads=cfg.threads)
     service = VerifierService(backend, Limits(cfg.max_draft, cfg.max_context,
                                               cfg.max_message_bytes), token)
     server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout,

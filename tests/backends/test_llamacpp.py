@@ -104,3 +104,42 @@ def test_gguf_drafter_with_a_transformers_target(gguf: dict[str, Path],
     ids = gen.prompt_ids(PROMPTS[0])
     out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
     assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 24)
+
+
+def first_token_p_value(gen: Generator, target: Path, draws: int) -> float:
+    from spececd.core.sampling import SamplingParams, process_logits
+    from tests.chisq import chi_square_p
+
+    ids = gen.prompt_ids(PROMPTS[1])
+    params = SamplingParams(temperature=1.0, top_k=20)
+    outs = gen.generate_n(ids, draws, max_tokens=2, temperature=1.0, top_k=20, seed=11,
+                          stop_token_ids=[])
+    seq = load_backend(str(target)).new_sequence()
+    probs = process_logits(seq.extend(ids, keep=1), params)[0]
+    observed = np.bincount([o.token_ids[0] for o in outs], minlength=probs.size)
+    return chi_square_p(observed, probs * draws)
+
+
+def test_gguf_target_sampling_keeps_its_distribution(gguf: dict[str, Path]) -> None:
+    gen = Generator.load(str(gguf["draft"]), str(gguf["llama"]), device="cpu", k=1)
+    p_value = first_token_p_value(gen, gguf["llama"], 3000)
+    print(f"GGUF target in-process: chi-square p={p_value:.4f}")
+    assert p_value > 0.001
+
+
+def test_gguf_target_over_the_network(gguf: dict[str, Path],
+                                      tiny_models: dict[str, Path]) -> None:
+    from tests.e2e.server import ServerProcess
+
+    proc = ServerProcess(gguf["llama"])
+    try:
+        with Generator.load(str(tiny_models["draft"]), server=proc.url, device="cpu",
+                            k=3) as gen:
+            ids = gen.prompt_ids(PROMPTS[2])
+            out = gen.generate(ids, max_tokens=20, temperature=0, stop_token_ids=[])
+            assert out.token_ids == llama_greedy(gguf["llama"], ids, 20)
+            p_value = first_token_p_value(gen, gguf["llama"], 2000)
+    finally:
+        proc.stop()
+    print(f"GGUF target over the network: chi-square p={p_value:.4f}")
+    assert p_value > 0.001
