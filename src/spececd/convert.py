@@ -131,6 +131,9 @@ def convert(model_dir: Path, out: Path, quant: str = "f16") -> Path:
 def quantize(source: Path, out: Path, ftype: int) -> None:
     import llama_cpp
 
+    from spececd.backends.llamacpp import _quiet_llama_logs
+
+    _quiet_llama_logs()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = os.cpu_count() or 1
