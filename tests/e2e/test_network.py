@@ -544,3 +544,33 @@ def test_kv_cap_evicts_idle_caches_and_output_is_unchanged(
     for i in range(3):
         ids = tokenizer(PROMPTS[i])["input_ids"]
         assert outputs[i] == hf_greedy(tiny_models["llama"], ids, 30)
+
+
+@requires_default_pair
+def test_default_pair_20_concurrent_sessions_identical_to_alone() -> None:
+    import urllib.request
+
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())
+    proc = ServerProcess(MODELS / "target")
+    outputs: dict[int, list[int]] = {}
+    ids: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        with remote(MODELS / "draft", proc.url, k=4, proactive=False) as gen:
+            ids[i] = gen.prompt_ids(prompts[i])
+            outputs[i] = gen.generate(ids[i], max_tokens=32, temperature=0,
+                                      stop_token_ids=[]).token_ids
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics").read().decode()
+    finally:
+        proc.stop()
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line and not line.startswith("#")}
+    assert values["spececd_batch_size_sum"] > values["spececd_batch_size_count"]
+    for i in range(len(prompts)):
+        assert outputs[i] == hf_greedy(MODELS / "target", ids[i], 32), prompts[i]

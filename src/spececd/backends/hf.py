@@ -11,6 +11,7 @@ This module is the only one that imports torch and transformers for inference.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+# Imported here, under the module lock: transformers' lazy attributes are not thread-safe
+# on first use, and sessions may load models from several threads at once.
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
 from spececd.backends.base import resolve_keep
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
+_LOAD_LOCK = threading.Lock()
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -103,8 +109,6 @@ class HFSequence:
         self._cache = self._new_cache()
 
     def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
         return DynamicCache(config=self._backend.model.config)
 
     @property
@@ -166,8 +170,6 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
         local = Path(model).expanduser()
@@ -179,8 +181,9 @@ class HFBackend:
         if not local.exists() and looks_like_path:
             raise InputError(f"model {model!r} not found: no such folder")
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-            hf_tokenizer = AutoTokenizer.from_pretrained(source)
+            with _LOAD_LOCK:  # from_pretrained is not thread-safe (global init contexts)
+                self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+                hf_tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as exc:
             raise InputError(f"could not load model {model!r}: not a local folder, and the hub "
                              f"id could not be loaded ({str(exc).splitlines()[0]})") from None
@@ -225,8 +228,6 @@ class HFBackend:
             input_ids[i, :n] = torch.tensor(list(ids), device=device)
             mask[i, past - length:past + n] = 1
             positions[i] = torch.arange(length, length + width, device=device)
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=self.model.config)
         if past:
             for layer in range(len(items[0][0]._cache.layers)):
