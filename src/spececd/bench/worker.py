@@ -81,7 +81,8 @@ class SpecRunner:
     def __init__(self, job: dict[str, Any]) -> None:
         from spececd.backends.registry import load_backend
 
-        self.draft = load_backend(job["draft"], device="cpu", dtype="float32")
+        self.draft = load_backend(job["draft"], device="cpu", dtype="float32",
+                                  threads=int(job.get("threads", 1)))
         self.job = job
         self.generators: dict[str, Any] = {}
 
