@@ -182,8 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure SpecECD against the target alone, "
                            "cloud-only generation and transformers' assisted generation")
-    bench.add_argument("--draft-model", help="draft model (default: the project's draft)")
-    bench.add_argument("--target-model", help="target model (default: the project's target)")
+    bench.add_argument("--draft-model", help="draft model, or several separated by commas "
+                       "(folders, hub ids or .gguf files) to compare in one run "
+                       "(default: the project's draft)")
+    bench.add_argument("--target-model", help="target model, or several separated by commas "
+                       "(default: the project's target)")
     bench.add_argument("--num-prompts", type=int, default=10,
                        help="built-in held-out prompts to use (default: 10)")
     bench.add_argument("--prompts-file", type=Path,
@@ -581,8 +584,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
     prompts = (load_prompts(args.prompts_file) if args.prompts_file
                else demo_prompts()[:args.num_prompts])
-    cfg = BenchConfig(draft=args.draft_model or default_model("draft"),
-                      target=args.target_model or default_model("target"), prompts=prompts,
+    drafts = (args.draft_model or default_model("draft")).split(",")
+    targets = (args.target_model or default_model("target")).split(",")
+    cfg = BenchConfig(draft=drafts[0], target=targets[0], drafts=drafts, targets=targets,
+                      prompts=prompts,
                       rtt_ms=rtts, ks=ks, proactive=[bool(p) for p in proactive],
                       iterations=args.iterations,
                       max_tokens=args.max_tokens, temperature=args.temperature,

@@ -77,7 +77,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     target_tps = next((statistics.median(_tps(c["passes"])) for c in configs.values()
                        if c["kind"] == "target" and c["passes"]), None)
-    cloud_tps = {c["rtt_ms"]: statistics.median(_tps(c["passes"]))
+    cloud_tps = {(c["rtt_ms"], c.get("target")): statistics.median(_tps(c["passes"]))
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
     # One target step, measured on the server while it generated alone (cloud-only).
     cloud_stats = [_sum_stats(c["passes"]) for c in configs.values() if c["kind"] == "cloud"]
@@ -96,8 +96,9 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
             "speedup_vs_target": (round(statistics.median(tps) / target_tps, 3)
                                   if target_tps else None),
         }
-        if c.get("rtt_ms") in cloud_tps:
-            row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud_tps[c["rtt_ms"]], 3)
+        cloud = cloud_tps.get((c.get("rtt_ms"), c.get("target")))
+        if cloud:
+            row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
         if c["kind"] in ("spececd", "cloud"):
             s = _sum_stats(c["passes"])
             generated = max(1, s.get("generated", 0))

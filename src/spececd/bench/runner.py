@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ class BenchConfig:
     device: str = "cpu"
     jitter_ms: float = 0.0
     baselines: bool = True  # run the target alone and transformers' assisted generation
+    drafts: list[str] = field(default_factory=list)  # several drafts side by side ([] = draft)
+    targets: list[str] = field(default_factory=list)  # several targets ([] = target)
     max_batch: int = 32  # the server's sessions per forward pass
 
 
@@ -119,52 +121,92 @@ def machine() -> dict[str, Any]:
 
 def name(entry: dict[str, Any]) -> str:
     return config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"),
-                       entry.get("proactive"))
+                       entry.get("proactive")) + entry.get("tag", "")
+
+
+def label(model: str) -> str:
+    path = Path(model)
+    return path.name if path.suffix == ".gguf" else path.name or model
+
+
+def is_hf(model: str) -> bool:
+    return not model.lower().endswith(".gguf")
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Run every configuration and return the raw results (see report.summarise)."""
-    server, port = start_server(cfg)
-    # RTT 0 talks to the server directly; the others through a delay proxy each.
-    proxies = {rtt: DelayProxy(cfg.host, port, rtt / 2, cfg.jitter_ms / 2).start()
-               for rtt in cfg.rtt_ms if rtt > 0 or cfg.jitter_ms > 0}
-    common = dict(draft=cfg.draft, target=cfg.target, prompts=cfg.prompts, seed=cfg.seed,
-                  max_tokens=cfg.max_tokens, temperature=cfg.temperature, mode=cfg.mode,
-                  threads=1)
+    """Run every configuration and return the raw results (see report.summarise).
+
+    With several drafts or targets (``cfg.drafts``, ``cfg.targets``), every pair runs in
+    the same passes: one server per target, one edge worker per draft. The target-alone and
+    assisted baselines run for transformers models only."""
+    drafts, targets = cfg.drafts or [cfg.draft], cfg.targets or [cfg.target]
+    pairs = len(drafts) > 1 or len(targets) > 1
+    servers: list[subprocess.Popen[str]] = []
+    proxies: dict[tuple[int, float], DelayProxy] = {}
     workers: dict[str, Worker] = {}
+    common = dict(prompts=cfg.prompts, seed=cfg.seed, max_tokens=cfg.max_tokens,
+                  temperature=cfg.temperature, mode=cfg.mode, threads=1)
     try:
-        if cfg.baselines:
-            workers["target"] = Worker({**common, "kind": "target"})
-            workers["assisted"] = Worker({**common, "kind": "assisted"})
-        workers["spececd"] = Worker({**common, "kind": "spececd"})
+        urls: dict[tuple[int, float], str] = {}
+        for t, target in enumerate(targets):
+            server, port = start_server(replace(cfg, target=target))
+            servers.append(server)
+            for rtt in cfg.rtt_ms:
+                if rtt > 0 or cfg.jitter_ms > 0:  # RTT 0 talks to the server directly
+                    proxies[t, rtt] = DelayProxy(cfg.host, port, rtt / 2,
+                                                 cfg.jitter_ms / 2).start()
+                port_here = proxies[t, rtt].port if (t, rtt) in proxies else port
+                urls[t, rtt] = f"ws://{cfg.host}:{port_here}"
         plan: list[dict[str, Any]] = []
-        if cfg.baselines:
-            plan += [{"kind": "target"}, {"kind": "assisted"}]
-        for rtt in cfg.rtt_ms:
-            url = f"ws://{cfg.host}:{proxies[rtt].port if rtt in proxies else port}"
-            plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url})
-            # Every proactive setting for k=auto; fixed k values with the first setting only
-            # (the comparison that matters there is against the adaptive policy).
-            plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
-                      "proactive": proactive} for k in cfg.ks
-                     for proactive in (cfg.proactive if k == "auto" else cfg.proactive[:1])]
+        for t, target in enumerate(targets):
+            tag = f" [{label(target)}]" if pairs else ""
+            if cfg.baselines and is_hf(target):
+                workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
+                plan.append({"kind": "target", "worker": f"target{t}", "tag": tag})
+                for d, draft in enumerate(drafts):
+                    if is_hf(draft):
+                        key = f"assisted{d}.{t}"
+                        workers[key] = Worker({**common, "kind": "assisted", "target": target,
+                                               "draft": draft})
+                        plan.append({"kind": "assisted", "worker": key,
+                                     "tag": f" [{label(draft)} → {label(target)}]" if pairs
+                                     else ""})
+        for d, draft in enumerate(drafts):
+            workers[f"spececd{d}"] = Worker({**common, "kind": "spececd", "draft": draft,
+                                             "target": targets[0]})
+        for t, target in enumerate(targets):
+            for rtt in cfg.rtt_ms:
+                url = urls[t, rtt]
+                plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
+                             "target": label(target),
+                             "tag": f" [{label(target)}]" if pairs else ""})
+                for d, draft in enumerate(drafts):
+                    # Every proactive setting for k=auto; fixed k values with the first one
+                    # only (the comparison that matters there is against the policy).
+                    plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
+                              "proactive": proactive, "worker": f"spececd{d}",
+                              "target": label(target),
+                              "tag": f" [{label(draft)} → {label(target)}]" if pairs else ""}
+                             for k in cfg.ks for proactive in
+                             (cfg.proactive if k == "auto" else cfg.proactive[:1])]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()
         for iteration in range(cfg.iterations + 1):
             order = plan if iteration % 2 == 0 else plan[::-1]
             for entry in order:
-                worker = workers["spececd" if entry["kind"] in ("cloud", "spececd")
-                                 else entry["kind"]]
                 request = {**entry, "pass": iteration, "limit": 2 if iteration == 0 else None}
-                passed = worker.run(request)
+                passed = workers[entry["worker"]].run(request)
                 if iteration > 0:  # the first pass is the warm-up
                     results[name(entry)]["passes"].append(passed)
                 bar.update(1)
                 bar.set_postfix_str(name(entry))
         bar.close()
-        return {"meta": {"draft": cfg.draft, "target": cfg.target, "seed": cfg.seed,
-                         "backend": "hf", "transport": "websocket", "device": cfg.device,
+        return {"meta": {"draft": ", ".join(drafts), "target": ", ".join(targets),
+                         "seed": cfg.seed,
+                         "backend": ", ".join(sorted({"hf" if is_hf(m) else "llama.cpp"
+                                                      for m in [*drafts, *targets]})),
+                         "transport": "websocket", "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
                          "proactive": cfg.proactive,
                          "mode": cfg.mode, "temperature": cfg.temperature,
@@ -178,8 +220,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             worker.close()
         for proxy in proxies.values():
             proxy.stop()
-        server.terminate()
-        server.wait(10)
+        for server in servers:
+            server.terminate()
+            server.wait(10)
 
 
 class _NoBar:
