@@ -75,18 +75,30 @@ def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
     configs = raw["configs"]
     rows: list[dict[str, Any]] = []
-    target_tps = next((statistics.median(_tps(c["passes"])) for c in configs.values()
-                       if c["kind"] == "target" and c["passes"]), None)
     cloud_tps = {(c["rtt_ms"], c.get("target")): statistics.median(_tps(c["passes"]))
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
-    # One target step, measured on the server while it generated alone (cloud-only).
-    cloud_stats = [_sum_stats(c["passes"]) for c in configs.values() if c["kind"] == "cloud"]
-    step_s = (sum(s.get("verify_s", 0) for s in cloud_stats)
-              / max(1, sum(s.get("generated", 0) for s in cloud_stats))) or None
+    # Each target's own autoregressive speed: the target alone in-process where it ran
+    # (transformers), else the server generating alone at the lowest RTT (e.g. GGUF).
+    alone = {c.get("target"): statistics.median(_tps(c["passes"]))
+             for c in configs.values() if c["kind"] == "target" and c["passes"]}
+    lowest = min((c["rtt_ms"] for c in configs.values() if c["kind"] == "cloud"), default=None)
+    for (rtt, target), tps in cloud_tps.items():
+        if rtt == lowest:
+            alone.setdefault(target, tps)
+    # One target step, measured on the server while it generated alone (cloud-only), for
+    # each target of the run.
+    cloud_stats: dict[Any, list[dict[str, Any]]] = {}
+    for c in configs.values():
+        if c["kind"] == "cloud":
+            cloud_stats.setdefault(c.get("target"), []).append(_sum_stats(c["passes"]))
+    steps = {target: (sum(s.get("verify_s", 0) for s in stats)
+                      / max(1, sum(s.get("generated", 0) for s in stats))) or None
+             for target, stats in cloud_stats.items()}
     for name, c in configs.items():
         tps = _tps(c["passes"])
         if not tps:
             continue
+        target_tps = alone.get(c.get("target")) or next(iter(alone.values()), None)
         results = [r for p in c["passes"] for r in p]
         row: dict[str, Any] = {
             "config": name, "kind": c["kind"], "rtt_ms": c.get("rtt_ms"), "k": c.get("k"),
@@ -127,6 +139,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                         strict=False)],
                 "label": label(alpha),
             })
+            step_s = steps.get(c.get("target"))
             if step_s and rounds and drafted:
                 c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
                 v_ratio = (s["verify_s"] / rounds) / step_s

@@ -162,7 +162,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             tag = f" [{label(target)}]" if pairs else ""
             if cfg.baselines and is_hf(target):
                 workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
-                plan.append({"kind": "target", "worker": f"target{t}", "tag": tag})
+                plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
+                             "target": label(target)})
                 for d, draft in enumerate(drafts):
                     if is_hf(draft):
                         key = f"assisted{d}.{t}"
