@@ -194,7 +194,9 @@ def test_idle_sessions_are_evicted_and_freed(tiny_models: dict[str, Path]) -> No
         ws, frame = raw_session(proc.url, tiny_models["draft"])
         ws.send(frame)  # type: ignore[attr-defined]
         assert isinstance(m.decode(ws.recv(timeout=10)), m.Verdict)  # type: ignore[attr-defined]
-        assert proc.status()["sessions"] == 1 and proc.status()["kv_tokens"] > 0
+        status = proc.status()
+        assert status["sessions"] == 1 and status["kv_tokens"] > 0
+        assert list(status["kv_bytes_by_session"].values()) == [status["kv_bytes"]]
         time.sleep(2.5)
         status = proc.status()
         assert (status["sessions"], status["kv_tokens"], status["evicted_idle"]) == (0, 0, 1)
@@ -479,6 +481,7 @@ def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
     records = [json.loads(line) for line in proc.log if line.startswith("{")]
     rejected = [r for r in records if r["msg"].startswith("rejected")]
     assert rejected and rejected[0]["code"] == "malformed_frame" and rejected[0]["session"]
+    assert "request" in rejected[0]
 
 
 def test_concurrent_sessions_are_batched_and_identical_to_alone(

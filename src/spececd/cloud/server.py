@@ -138,6 +138,8 @@ class VerifierServer:
             "max_sessions": self.policy.max_sessions,
             "kv_tokens": self.kv_tokens(),
             "kv_bytes": self.kv_tokens() * self.kv_bytes_per_token,
+            "kv_bytes_by_session": {c.session.session_id: c.kv_tokens * self.kv_bytes_per_token
+                                    for c in list(self.connections)},
             "evicted_idle": self.evicted,
             "kv_evictions": self.kv_evictions,
             "errors": dict(sum((c.session.errors for c in self.connections), self.errors)),

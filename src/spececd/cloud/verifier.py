@@ -101,11 +101,15 @@ class Connection:
                     self.service.metrics.errors.labels(code).inc(n - self._reported.get(code, 0))
                     self._reported[code] = n
                     log.warning("rejected a frame: %s", code, extra={
-                        "session": self.session.session_id, "code": code})
+                        "session": self.session.session_id, "request": self.session.request_seq,
+                        "code": code})
         if out is None:
             self.close()
-        elif not isinstance(out, bytes) and self.sequence is None:
-            self.sequence = self.service.backend.new_sequence()
+        elif not isinstance(out, bytes):
+            if self.sequence is None:
+                self.sequence = self.service.backend.new_sequence()
+            log.debug("request", extra={"session": self.session.session_id,
+                                        "request": out.seq, "context": len(out.context)})
         return out
 
     def verdict(self, request: VerifyRequest, result: VerifyResult, seconds: float) -> bytes:

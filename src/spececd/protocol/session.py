@@ -93,6 +93,7 @@ class CloudSession:
         self.params = SamplingParams()
         self.context: tuple[int, ...] = ()
         self.errors: Counter[str] = Counter()  # errors answered, by code
+        self.request_seq = -1  # the seq of the last draft or generate request received
         self._last_seq = -1
         self._last_frame = b""  # the last draft frame, and the verdict frame it got
         self._last_verdict = b""
@@ -100,7 +101,7 @@ class CloudSession:
     # -- input ------------------------------------------------------------------------
     def receive(self, frame: bytes) -> bytes | VerifyRequest | GenerateRequest | None:
         """Handle one frame: the reply to send, a request to run, or None (closed)."""
-        seq = -1
+        seq = self.request_seq = -1
         try:
             if len(frame) > self.limits.max_message_bytes:
                 raise LimitExceeded(f"message of {len(frame)} bytes is over the limit of "
@@ -111,6 +112,7 @@ class CloudSession:
             if isinstance(message, m.Draft):
                 self._last_frame, self._last_verdict = frame, b""
             seq = message.seq if isinstance(message, (m.Draft, m.Generate)) else -1
+            self.request_seq = seq
             return self._handle(message)
         except ProtocolError as exc:
             return self.error(exc, seq)
