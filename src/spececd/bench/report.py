@@ -77,10 +77,11 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     cloud_tps = {(c["rtt_ms"], c.get("target")): statistics.median(_tps(c["passes"]))
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
-    # Each target's own autoregressive speed: the target alone in-process where it ran
-    # (transformers), else the server generating alone at the lowest RTT (e.g. GGUF).
+    # Each target's own autoregressive speed: the target alone in-process (transformers or
+    # llama.cpp) where it ran, else the server generating alone at the lowest RTT.
     alone = {c.get("target"): statistics.median(_tps(c["passes"]))
-             for c in configs.values() if c["kind"] == "target" and c["passes"]}
+             for c in configs.values()
+             if c["kind"] in ("target", "llama_alone") and c["passes"]}
     lowest = min((c["rtt_ms"] for c in configs.values() if c["kind"] == "cloud"), default=None)
     for (rtt, target), tps in cloud_tps.items():
         if rtt == lowest:

@@ -54,7 +54,8 @@ class BenchConfig:
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
                 proactive: bool | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
-            "spececd": "SpecECD"}[kind]
+            "spececd": "SpecECD", "llama_alone": "llama.cpp target alone",
+            "llama_lookup": "llama.cpp prompt-lookup speculative"}[kind]
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
@@ -172,6 +173,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                         plan.append({"kind": "assisted", "worker": key,
                                      "tag": f" [{label(draft)} → {label(target)}]" if pairs
                                      else ""})
+            if cfg.baselines and not is_hf(target):
+                for kind in ("llama_alone", "llama_lookup"):
+                    key = f"{kind}{t}"
+                    workers[key] = Worker({**common, "kind": kind, "target": target})
+                    plan.append({"kind": kind, "worker": key, "tag": tag,
+                                 "target": label(target)})
         for d, draft in enumerate(drafts):
             workers[f"spececd{d}"] = Worker({**common, "kind": "spececd", "draft": draft,
                                              "target": targets[0]})

@@ -10,6 +10,8 @@ Kinds:
 - ``target``: the target alone, in-process: transformers' ``generate``;
 - ``assisted``: transformers' assisted generation in-process (``assistant_model=``) with
   transformers' own defaults for the draft length schedule;
+- ``llama_alone`` / ``llama_lookup``: a GGUF target alone on llama.cpp, without and with
+  llama-cpp-python's own speculative decoding (prompt lookup);
 - ``spececd``: the SpecECD edge here, the verifier on the server; each pass says whether
   to draft (``spececd``) or to let the server generate and stream while the edge only
   reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
@@ -75,6 +77,41 @@ class HFRunner:
         return {"tokens": int(tokens), "wall_s": wall, "ttft_s": ttft}
 
 
+class LlamaRunner:
+    """A GGUF target alone on llama.cpp, optionally with llama-cpp-python's own speculative
+    decoding (``LlamaPromptLookupDecoding``: drafts by matching n-grams of the prompt and
+    output; the package has no draft-model speculative decoding). Greedy."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from spececd.backends.llamacpp import _quiet_llama_logs
+
+        _quiet_llama_logs()
+        draft = (LlamaPromptLookupDecoding(num_pred_tokens=10)
+                 if job["kind"] == "llama_lookup" else None)
+        self.llm = Llama(model_path=job["target"], n_ctx=0, n_threads=int(job.get("threads", 1)),
+                         draft_model=draft, verbose=False)
+        self.job = job
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        if self.job["temperature"] != 0:
+            raise ValueError("the llama.cpp baselines run greedy only")
+        ids = self.llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+        self.llm.reset()
+        start = time.perf_counter()
+        first: float | None = None
+        tokens = 0
+        for _ in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            first = first or time.perf_counter()
+            tokens += 1
+            if tokens == self.job["max_tokens"]:
+                break
+        wall = time.perf_counter() - start
+        return {"tokens": tokens, "wall_s": wall, "ttft_s": (first or start) - start}
+
+
 class SpecRunner:
     """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
 
@@ -129,8 +166,13 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    runner: HFRunner | SpecRunner = (HFRunner(job) if job["kind"] in ("target", "assisted")
-                                     else SpecRunner(job))
+    runner: HFRunner | LlamaRunner | SpecRunner
+    if job["kind"] in ("target", "assisted"):
+        runner = HFRunner(job)
+    elif job["kind"] in ("llama_alone", "llama_lookup"):
+        runner = LlamaRunner(job)
+    else:
+        runner = SpecRunner(job)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
