@@ -28,6 +28,7 @@ websockets_sync = pytest.importorskip("websockets.sync.client")
 from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
+from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
@@ -444,9 +445,7 @@ def test_metrics_health_and_readiness(tiny_models: dict[str, Path]) -> None:
             out = gen.generate(PROMPTS[0], max_tokens=20, temperature=0, stop_token_ids=[])
             with pytest.raises(urllib.error.HTTPError, match="503"):
                 urllib.request.urlopen(base + "/readyz", timeout=5)  # the one slot is taken
-            metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line and not line.startswith("#")}
+            values = scrape(proc.url)
         assert values["spececd_drafts_total"] == out.stats.rounds
         assert values["spececd_draft_tokens_total"] == out.stats.drafted
         assert values["spececd_accepted_tokens_total"] == out.stats.accepted
@@ -486,7 +485,6 @@ def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
 
 def test_concurrent_sessions_are_batched_and_identical_to_alone(
         tiny_models: dict[str, Path]) -> None:
-    import urllib.request
 
     proc = ServerProcess(tiny_models["llama"])
     outputs: dict[int, list[int]] = {}
@@ -503,11 +501,9 @@ def test_concurrent_sessions_are_batched_and_identical_to_alone(
             t.start()
         for t in threads:
             t.join(120)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics").read().decode()
+        values = scrape(proc.url)
     finally:
         proc.stop()
-    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-              if line and not line.startswith("#")}
     passes = values["spececd_batch_size_count"]
     sessions_verified = values["spececd_batch_size_sum"]
     print(f"{sessions_verified:.0f} verifications in {passes:.0f} passes")
@@ -551,7 +547,6 @@ def test_kv_cap_evicts_idle_caches_and_output_is_unchanged(
 
 @requires_default_pair
 def test_default_pair_20_concurrent_sessions_identical_to_alone() -> None:
-    import urllib.request
 
     prompts = json.loads((MODELS / "heldout_prompts.json").read_text())
     proc = ServerProcess(MODELS / "target")
@@ -569,11 +564,9 @@ def test_default_pair_20_concurrent_sessions_identical_to_alone() -> None:
             t.start()
         for t in threads:
             t.join(300)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics").read().decode()
+        values = scrape(proc.url)
     finally:
         proc.stop()
-    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-              if line and not line.startswith("#")}
     assert values["spececd_batch_size_sum"] > values["spececd_batch_size_count"]
     for i in range(len(prompts)):
         assert outputs[i] == hf_greedy(MODELS / "target", ids[i], 32), prompts[i]
