@@ -37,7 +37,6 @@ class BatchScheduler:
         self._queue: list[Job] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.passes = 0
 
     async def verify(self, connection: Connection, request: VerifyRequest
                      ) -> tuple[VerifyResult, float, int]:
@@ -52,47 +51,42 @@ class BatchScheduler:
         return await future
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+                for job in batch:  # a session that closed while queued has no cache left
+                    if job[0].sequence is None and not job[2].done():
+                        job[2].set_exception(ConnectionError("session closed"))
                 batch = [job for job in batch if not job[2].done()]
-                if not batch:
-                    continue
-                work = [(c.sequence, r) for c, r, _ in batch if c.sequence is not None]
-                if len(work) < len(batch):  # a session closed while queued
-                    for job in batch:
-                        if job[0].sequence is None and not job[2].done():
-                            job[2].set_exception(ConnectionError("session closed"))
-                    batch = [job for job in batch if job[0].sequence is not None]
-                    if not batch:
-                        continue
-                start = time.perf_counter()
-                try:
-                    results = await loop.run_in_executor(
-                        self.executor, run_verifications, batch[0][0].service.backend,
-                        [(c.sequence, r) for c, r, _ in batch])
-                except Exception as exc:  # one bad request must not fail the others
-                    log.exception("batched verification failed; retrying one by one")
-                    results = []
-                    for c, r, future in batch:
-                        try:
-                            (one,) = await loop.run_in_executor(
-                                self.executor, run_verifications, c.service.backend,
-                                [(c.sequence, r)])
-                            results.append(one)
-                        except Exception as single:
-                            future.set_exception(single)
-                            results.append(None)  # type: ignore[arg-type]
-                    del exc
-                seconds = time.perf_counter() - start
-                self.passes += 1
-                self.metrics.batch_size.observe(len(batch))
-                for (_, _, future), result in zip(batch, results, strict=True):
-                    if result is not None and not future.done():
-                        future.set_result((result, seconds, len(batch)))
+                if batch:
+                    await self._pass(batch)
+
+    async def _pass(self, batch: list[Job]) -> None:
+        """One batched forward pass; if it fails, each job alone, so that one bad request
+        fails only itself."""
+        loop = asyncio.get_running_loop()
+        backend = batch[0][0].service.backend
+        start = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(
+                self.executor, run_verifications, backend,
+                [(c.sequence, r) for c, r, _ in batch])
+        except Exception:
+            if len(batch) == 1:
+                batch[0][2].set_exception(RuntimeError("verification failed"))
+                log.exception("verification failed")
+                return
+            log.exception("batched verification failed; retrying one by one")
+            for job in batch:
+                await self._pass([job])
+            return
+        seconds = time.perf_counter() - start
+        self.metrics.batch_size.observe(len(batch))
+        for (_, _, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result((result, seconds, len(batch)))
 
     def close(self) -> None:
         if self._task is not None:
