@@ -483,24 +483,32 @@ def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
     assert "request" in rejected[0]
 
 
+def concurrent_greedy(draft: Path, url: str, prompts: list[str], max_tokens: int,
+                      k: int) -> list[tuple[list[int], list[int]]]:
+    """Each prompt as its own session, all at once; (prompt ids, greedy tokens) per prompt."""
+    results: dict[int, tuple[list[int], list[int]]] = {}
+
+    def client(i: int) -> None:
+        with remote(draft, url, k=k, proactive=False) as gen:
+            ids = gen.prompt_ids(prompts[i])
+            results[i] = ids, gen.generate(ids, max_tokens=max_tokens, temperature=0,
+                                           stop_token_ids=[]).token_ids
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return [results[i] for i in range(len(prompts))]
+
+
 def test_concurrent_sessions_are_batched_and_identical_to_alone(
         tiny_models: dict[str, Path]) -> None:
 
     proc = ServerProcess(tiny_models["llama"])
-    outputs: dict[int, list[int]] = {}
     prompts = PROMPTS * 2  # ten sessions at once
-
-    def client(i: int) -> None:
-        with remote(tiny_models["draft"], proc.url, k=3, proactive=False) as gen:
-            ids = gen.prompt_ids(prompts[i])
-            outputs[i] = gen.generate(ids, max_tokens=30, temperature=0,
-                                      stop_token_ids=[]).token_ids
     try:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        outputs = concurrent_greedy(tiny_models["draft"], proc.url, prompts, 30, k=3)
         values = scrape(proc.url)
     finally:
         proc.stop()
@@ -508,41 +516,24 @@ def test_concurrent_sessions_are_batched_and_identical_to_alone(
     sessions_verified = values["spececd_batch_size_sum"]
     print(f"{sessions_verified:.0f} verifications in {passes:.0f} passes")
     assert sessions_verified > passes  # some passes verified several sessions at once
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
-    reference = {p: hf_greedy(tiny_models["llama"], tokenizer(p)["input_ids"], 30)
-                 for p in PROMPTS}
-    for i, prompt in enumerate(prompts):
-        assert outputs[i] == reference[prompt], prompt
+    reference = {tuple(ids): hf_greedy(tiny_models["llama"], ids, 30)
+                 for ids, _ in outputs[:len(PROMPTS)]}
+    for (ids, tokens), prompt in zip(outputs, prompts, strict=True):
+        assert tokens == reference[tuple(ids)], prompt
 
 
 def test_kv_cap_evicts_idle_caches_and_output_is_unchanged(
         tiny_models: dict[str, Path]) -> None:
     # 512 bytes per token on the tiny Llama: room for about 60 tokens across all sessions.
     proc = ServerProcess(tiny_models["llama"], "--max-kv-bytes", str(512 * 60))
-    outputs: dict[int, list[int]] = {}
-
-    def client(i: int) -> None:
-        with remote(tiny_models["draft"], proc.url, k=3, proactive=False) as gen:
-            outputs[i] = gen.generate(PROMPTS[i], max_tokens=30, temperature=0,
-                                      stop_token_ids=[]).token_ids
     try:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        outputs = concurrent_greedy(tiny_models["draft"], proc.url, PROMPTS[:3], 30, k=3)
         status = proc.status()
     finally:
         proc.stop()
     assert status["kv_evictions"] > 0
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
-    for i in range(3):
-        ids = tokenizer(PROMPTS[i])["input_ids"]
-        assert outputs[i] == hf_greedy(tiny_models["llama"], ids, 30)
+    for ids, tokens in outputs:
+        assert tokens == hf_greedy(tiny_models["llama"], ids, 30)
 
 
 @requires_default_pair
@@ -550,23 +541,11 @@ def test_default_pair_20_concurrent_sessions_identical_to_alone() -> None:
 
     prompts = json.loads((MODELS / "heldout_prompts.json").read_text())
     proc = ServerProcess(MODELS / "target")
-    outputs: dict[int, list[int]] = {}
-    ids: dict[int, list[int]] = {}
-
-    def client(i: int) -> None:
-        with remote(MODELS / "draft", proc.url, k=4, proactive=False) as gen:
-            ids[i] = gen.prompt_ids(prompts[i])
-            outputs[i] = gen.generate(ids[i], max_tokens=32, temperature=0,
-                                      stop_token_ids=[]).token_ids
     try:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        outputs = concurrent_greedy(MODELS / "draft", proc.url, prompts, 32, k=4)
         values = scrape(proc.url)
     finally:
         proc.stop()
     assert values["spececd_batch_size_sum"] > values["spececd_batch_size_count"]
-    for i in range(len(prompts)):
-        assert outputs[i] == hf_greedy(MODELS / "target", ids[i], 32), prompts[i]
+    for (ids, tokens), prompt in zip(outputs, prompts, strict=True):
+        assert tokens == hf_greedy(MODELS / "target", ids, 32), prompt
