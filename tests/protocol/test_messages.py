@@ -41,12 +41,25 @@ def test_draft_probs_round_trip_exactly() -> None:
 
 def test_greedy_draft_is_a_few_bytes_per_token() -> None:
     frame = m.encode(m.Draft(1000, 300, (), (17, 4000, 99, 12), None))
-    assert len(frame) <= 20
+    assert len(frame) <= 19
+
+
+def test_greedy_draft_without_probs_and_hello_hash_round_trip() -> None:
+    draft = m.Draft(3, 10, (), (5, 6))
+    assert m.decode(m.encode(draft)) == draft
+    hello = m.Hello(m.PROTOCOL_VERSION, m.Fingerprint(4096, "ab" * 32), "exact", 0.7, 0, 1.0, 5)
+    frame = m.encode(hello)
+    assert m.decode(frame) == hello and b"ab" * 32 not in frame  # 32 raw bytes, not hex
+    tokens = m.Tokens(4, (1, 2, 3), False, 0.0123, 2)
+    decoded = m.decode(m.encode(tokens))
+    assert isinstance(decoded, m.Tokens) and decoded.drafted == 2
+    assert decoded.compute_s == pytest.approx(0.0123)
 
 
 @pytest.mark.parametrize("frame", [
     b"", b"\xc1", b"\x00", msgpack.packb([]), msgpack.packb({"a": 1}), msgpack.packb([99, 1]),
-    msgpack.packb([3, 1, 0, [1], [2]]),  # missing draft_probs field
+    msgpack.packb([3, 1, 0, [1]]),  # missing tokens field
+    msgpack.packb([3, 1, 0, [1], [2], None, 1]),  # a field too many
     msgpack.packb([3, "1", 0, [1], [2], None]),  # seq as a string
     msgpack.packb([3, 1, 0, [1.5], [2], None]),  # a float token id
     msgpack.packb([3, 1, 0, [1], [2], [[2], b"\x00" * 4, b"\x00" * 4]]),  # sizes mismatch k

@@ -21,8 +21,8 @@ LIMITS = Limits(max_draft=4, max_context=32, max_message_bytes=4096)
 
 
 def hello(**kw: object) -> bytes:
-    fields = dict(protocol_version=1, fingerprint=FP, mode="exact", temperature=1.0, top_k=0,
-                  top_p=1.0, seed=5, auth_token="")
+    fields = dict(protocol_version=m.PROTOCOL_VERSION, fingerprint=FP, mode="exact",
+                  temperature=1.0, top_k=0, top_p=1.0, seed=5, auth_token="")
     fields.update(kw)
     return m.encode(m.Hello(**fields))  # type: ignore[arg-type]
 
@@ -63,7 +63,7 @@ def test_hello_then_draft_gives_a_verify_request_and_a_verdict() -> None:
 
 
 @pytest.mark.parametrize("frame,code,fatal", [
-    (hello(protocol_version=2), "version_mismatch", True),
+    (hello(protocol_version=m.PROTOCOL_VERSION + 1), "version_mismatch", True),
     (hello(fingerprint=m.Fingerprint(100, "0" * 64)), "incompatible_models", True),
     (hello(fingerprint=m.Fingerprint(101, "f" * 64)), "incompatible_models", True),
     (hello(mode="fast"), "unexpected_message", False),

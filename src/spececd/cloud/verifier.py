@@ -11,9 +11,12 @@ Transports (in-memory, WebSocket, ...) only move frames to and from a Connection
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
@@ -47,10 +50,14 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     for (_, request), logits in zip(work, all_logits, strict=True):  # logits: [k + 1, vocab]
         target_probs = process_logits(logits, request.params)
         assert request.params.seed is not None
-        rng = round_rng(request.params.seed, VERIFIER_STREAM, len(request.context))
-        results.append(verify(request.tokens, target_probs, rng, request.mode,
+        rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
+        results.append(verify(request.tokens, target_probs, rngs, request.mode,
                               request.draft_probs))
     return results
+
+
+def _position_rng(seed: int, start: int, offset: int) -> np.random.Generator:
+    return round_rng(seed, VERIFIER_STREAM, start + offset)
 
 
 def generation_step(request: GenerateRequest, context: tuple[int, ...]) -> VerifyRequest:

@@ -19,11 +19,17 @@ So every round emits ``num_accepted + 1`` tokens. Modes:
 
 All three emit tokens distributed exactly as the target alone would. This module is pure:
 arrays and an explicit RNG in, a frozen result out.
+
+The RNG is either one generator for the whole block or a function from the offset in the
+block to a generator. The verifier passes the latter, keyed by absolute position, so that
+position ``n``'s draws do not depend on where a block started: in ``match`` and ``greedy``
+mode the output is then exactly the target-alone sample for the same seed, however the
+tokens were split into blocks (or generated without a draft).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +46,7 @@ class VerifyResult:
 def verify(
     draft_tokens: Sequence[int],  # [k]
     target_probs: np.ndarray,  # [k + 1, vocab]
-    rng: np.random.Generator,
+    rng: np.random.Generator | Callable[[int], np.random.Generator],
     mode: Mode,
     draft_probs: Sequence[SparseProbs] | None = None,  # [k], required in exact mode
 ) -> VerifyResult:
@@ -50,18 +56,23 @@ def verify(
                          f"got {target_probs.shape}")
     if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != k):
         raise ValueError("exact mode needs one draft distribution per drafted token")
+
+    def at(i: int) -> np.random.Generator:
+        return rng if isinstance(rng, np.random.Generator) else rng(i)
+
     for i, token in enumerate(draft_tokens):
+        gen = at(i)
         if mode is Mode.EXACT:
             assert draft_probs is not None
             target_p, draft_p = target_probs[i, token], draft_probs[i].prob_of(token)
-            if rng.random() < min(1.0, target_p / draft_p):
+            if gen.random() < min(1.0, target_p / draft_p):
                 continue
             residual = np.maximum(target_probs[i] - draft_probs[i].dense(target_probs.shape[1]), 0)
             # A zero residual means target == draft here, where rejection has probability 0;
             # only rounding gets us here, and the target distribution is then the residual.
-            correction = sample(residual if residual.sum() > 0 else target_probs[i], rng)
+            correction = sample(residual if residual.sum() > 0 else target_probs[i], gen)
             return VerifyResult(num_accepted=i, next_token=correction)
-        own = sample(target_probs[i], rng)
+        own = sample(target_probs[i], gen)
         if own != token:
             return VerifyResult(num_accepted=i, next_token=own)
-    return VerifyResult(num_accepted=k, next_token=sample(target_probs[k], rng))
+    return VerifyResult(num_accepted=k, next_token=sample(target_probs[k], at(k)))

@@ -1,8 +1,10 @@
 """Wire messages: frozen dataclasses with a compact msgpack encoding. Sans-I/O.
 
 A frame is one msgpack array ``[type, field, field, ...]``. Token ids travel as a msgpack
-list or as raw little-endian uint16, whichever is shorter; times as integer microseconds;
-a draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
+list or as raw little-endian uint16, whichever is shorter; times as integer tenths of a
+millisecond; the tokenizer hash as raw bytes; an absent draft distribution as no field at
+all (frames are tens of bytes, so each byte shows: see the README's bytes per token); a
+draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
 that the verifier reads exactly the numbers the drafter sampled from.
 
 `decode` checks structure and types only and raises :class:`MalformedFrame`; what a value
@@ -20,7 +22,11 @@ Exchange (ARCHITECTURE §5)::
     Close ->
 
 or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
-answered by a stream of ``Tokens(seq, token_ids, done)``.
+answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted)``. While such a
+stream runs the edge may send drafts for it (stream drafting): ``Draft(seq, position, (),
+tokens)`` proposes ``tokens`` for the positions from ``position`` on; it gets no verdict of
+its own, the server verifies whatever part of it lies ahead of its position and the
+stream's ``Tokens`` say how many of their tokens were the edge's (``drafted``).
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -40,7 +46,7 @@ import numpy as np
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class Tokens:
     token_ids: tuple[int, ...]
     done: bool
     compute_s: float = 0.0
+    drafted: int = 0  # the first ``drafted`` of ``token_ids`` were the edge's draft
 
 
 @dataclass(frozen=True)
@@ -158,31 +165,37 @@ def _unpack_ids(value: list[int] | bytes) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _micros(seconds: float) -> int:
-    return max(0, round(seconds * 1e6))
+TICK = 1e-4  # seconds per unit of time on the wire
+
+
+def _ticks(seconds: float) -> int:
+    return max(0, round(seconds / TICK))
 
 
 def encode(message: Message) -> bytes:
     if isinstance(message, Hello):
         fp = message.fingerprint
-        body: list[Any] = [message.protocol_version, fp.vocab_size, fp.tokenizer_hash,
-                           message.mode, message.temperature, message.top_k, message.top_p,
-                           message.seed, message.auth_token]
+        body: list[Any] = [message.protocol_version, fp.vocab_size,
+                           _hash_bytes(fp.tokenizer_hash), message.mode,
+                           _number(message.temperature), message.top_k,
+                           _number(message.top_p), message.seed, message.auth_token]
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
     elif isinstance(message, Draft):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
-                _pack_ids(message.tokens), _pack_probs(message.draft_probs)]
+                _pack_ids(message.tokens)]
+        if message.draft_probs is not None:
+            body.append(_pack_probs(message.draft_probs))
     elif isinstance(message, Verdict):
         body = [message.seq, message.num_accepted, message.next_token,
-                _micros(message.verify_s)]
+                _ticks(message.verify_s)]
     elif isinstance(message, Generate):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
                 message.max_tokens, list(message.stop_token_ids)]
     elif isinstance(message, Tokens):
         body = [message.seq, _pack_ids(message.token_ids), message.done,
-                _micros(message.compute_s)]
+                _ticks(message.compute_s), message.drafted]
     elif isinstance(message, Close):
         body = [message.reason]
     else:
@@ -191,17 +204,31 @@ def encode(message: Message) -> bytes:
 
 
 # Field types per message, for structural checks on decode.
-_INT, _NUM, _STR, _BOOL, _IDS = "int", "num", "str", "bool", "ids"
+_INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _STR, _STR, _NUM, _INT, _NUM, _INT, _STR),
+    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR),
     Welcome.TYPE: (_STR, _INT, _INT, _INT),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
     Verdict.TYPE: (_INT, _INT, _INT, _INT),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
-    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT),
+    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
+_OPTIONAL = {Draft.TYPE: 1}  # trailing fields that may be left out
+
+
+def _number(value: float) -> float | int:
+    """A whole number (temperature 0, top-p 1) as a 1-byte integer instead of a double."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _hash_bytes(tokenizer_hash: str) -> bytes | str:
+    """The tokenizer hash as raw bytes when it is hex (it always is from this package)."""
+    try:
+        return bytes.fromhex(tokenizer_hash)
+    except ValueError:
+        return tokenizer_hash
 
 
 def _check(kind: str, value: Any) -> bool:
@@ -213,6 +240,8 @@ def _check(kind: str, value: Any) -> bool:
         return isinstance(value, str)
     if kind == _BOOL:
         return isinstance(value, bool)
+    if kind == _BIN:
+        return isinstance(value, (bytes, str))
     if kind == _IDS:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
@@ -250,23 +279,25 @@ def decode(frame: bytes) -> Message:
     schema = _SCHEMA.get(kind)
     if schema is None:
         raise MalformedFrame(f"unknown message type {kind}")
-    if len(body) != len(schema) or not all(map(_check, schema, body)):
+    if not len(schema) - _OPTIONAL.get(kind, 0) <= len(body) <= len(schema) \
+            or not all(map(_check, schema, body)):
         raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
     if kind == Hello.TYPE:
-        return Hello(body[0], Fingerprint(body[1], body[2]), body[3], float(body[4]), body[5],
+        fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
+        return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
                      float(body[6]), body[7], body[8])
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
         tokens = _unpack_ids(body[3])
         return Draft(body[0], body[1], _unpack_ids(body[2]), tokens,
-                     _unpack_probs(body[4], len(tokens)))
+                     _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)))
     if kind == Verdict.TYPE:
-        return Verdict(body[0], body[1], body[2], body[3] / 1e6)
+        return Verdict(body[0], body[1], body[2], body[3] * TICK)
     if kind == Generate.TYPE:
         return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:
-        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] / 1e6)
+        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, body[4])
     if kind == Close.TYPE:
         return Close(*body)
     return Error(*body)

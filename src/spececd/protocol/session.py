@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-import uuid
+import secrets
 from collections import Counter
 from dataclasses import dataclass
 
@@ -88,7 +88,7 @@ class CloudSession:
         self.limits = limits
         self._auth_token = auth_token
         self.state = State.AWAIT_HELLO
-        self.session_id = uuid.uuid4().hex
+        self.session_id = secrets.token_hex(8)
         self.mode = Mode.GREEDY
         self.params = SamplingParams()
         self.context: tuple[int, ...] = ()
