@@ -84,6 +84,17 @@ def parse_k(k: int | str) -> int | None:
     return value
 
 
+PROACTIVE = ("off", "on", "stream")
+
+
+def proactive_setting(value: bool | str) -> str:
+    """``off``, ``on`` or ``stream`` (True and False stand for on and off)."""
+    setting = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    if setting not in PROACTIVE:
+        raise InputError(f"proactive must be one of {', '.join(PROACTIVE)}, got {value!r}")
+    return setting
+
+
 class Generator:
     """Speculative generation with a local drafter and a verifier reached by a transport:
     in this process (``target=``) or on a server (``server="ws://host:port"``)."""
@@ -92,7 +103,8 @@ class Generator:
                  mode: str = "exact", k: int | str = 4,
                  max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
                  reconnect: Reconnect | None = None, fallback: str = "none",
-                 target: Backend | None = None, proactive: bool = False, k_max: int = 8) -> None:
+                 target: Backend | None = None, proactive: bool | str = False,
+                 k_max: int = 8) -> None:
         self.k = parse_k(k)
         if max_support < 1:
             raise InputError(f"max-support must be >= 1, got {max_support}")
@@ -106,7 +118,8 @@ class Generator:
         self.tokenizer = draft.tokenizer
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
         self.client = EdgeClient(Drafter(draft, max_support), connect, fingerprint,
-                                 max_context, auth_token, reconnect, fallback, proactive, k_max)
+                                 max_context, auth_token, reconnect, fallback, k_max=k_max)
+        self.proactive = proactive_setting(proactive)
 
     @classmethod
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
@@ -114,14 +127,18 @@ class Generator:
              k: int | str = 4, max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
              reconnect: Reconnect | None = None, fallback: str = "none",
              tls_ca: str | None = None, tls_verify: bool = True,
-             proactive: bool | None = None, threads: int = 0) -> Generator:
+             proactive: bool | str | None = None, threads: int = 0) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
 
         ``k``: drafted tokens per round, or ``"auto"`` to choose each round from measured
-        acceptance and costs. ``proactive``: draft the next block while a verdict is in
-        flight (default: on with a server, off in-process, where nothing runs in parallel).
+        acceptance and costs. ``proactive``: ``"on"`` (or True) drafts the next block while
+        a verdict is in flight; ``"stream"`` lets the server generate without waiting and
+        sends it drafts as hints (:meth:`EdgeClient.stream_rounds`); ``"off"``. Default: on
+        with a server, off in-process, where nothing runs in parallel.
         """
+        if proactive is not None:
+            proactive_setting(proactive)  # a bad value fails before any model loads
         if (target is None) == (server is None):
             raise InputError("give either a target model (in-process) or a server URL")
         draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
@@ -147,7 +164,20 @@ class Generator:
         return cls(draft_backend, lambda: MemoryTransport(service),
                    max_context=min(draft_backend.max_context, service.limits.max_context),
                    mode=mode, k=k, max_support=max_support, fallback=fallback,
-                   target=target_backend, proactive=bool(proactive))
+                   target=target_backend, proactive=proactive or False)
+
+    @property
+    def proactive(self) -> str:
+        return self._proactive
+
+    @proactive.setter
+    def proactive(self, value: bool | str) -> None:
+        setting = proactive_setting(value)
+        if setting == "stream" and self.target_backend is not None:
+            raise InputError("stream drafting needs a server (--server): in one process "
+                             "nothing runs while the target works; use --proactive on or off")
+        self._proactive = setting
+        self.client.proactive = setting == "on"
 
     def close(self) -> None:
         self.client.close()
@@ -183,6 +213,8 @@ class Generator:
                 cloud_only: bool = False) -> Iterator[StreamChunk]:
         decoder = IncrementalDecoder(self.tokenizer)
         rounds = (self.client.cloud_rounds(ids, params, stats) if cloud_only
+                  else self.client.stream_rounds(ids, params, self.k, stats)
+                  if self.proactive == "stream"
                   else self.client.rounds(ids, params, self.mode, self.k, stats))
         for out in rounds:
             verified = "fallback" if out.fallback else "target"

@@ -90,9 +90,11 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
     g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
                    "measured acceptance, draft, verify and network costs (default: auto)")
-    g.add_argument("--proactive", choices=["auto", "on", "off"],
-                   help="draft the next block while a verdict is in flight (default: auto = "
-                   "on with --server, off in-process)")
+    g.add_argument("--proactive", choices=["auto", "on", "off", "stream"],
+                   help="on: draft the next block while a verdict is in flight; stream: the "
+                   "server generates without waiting for drafts and the edge streams drafts "
+                   "ahead of it (fastest on a slow link; --server only); default: auto = on "
+                   "with --server, off in-process")
     g.add_argument("--mode", choices=["exact", "match", "greedy"],
                    help="verification: exact (Leviathan et al., default), match (token ids "
                    "only), greedy (temperature 0)")
@@ -201,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="round-trip jitter, uniform (default: 0)")
     bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
                        "(default: auto, the adaptive policy)")
-    bench.add_argument("--proactive", default="off,on",
+    bench.add_argument("--proactive", default="off,on,stream",
                        help="proactive drafting settings to compare for --k auto; fixed k "
-                       "values run with the first one (default: off,on)")
+                       "values run with the first one (default: off,on,stream)")
     bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     bench.add_argument("--seed", type=int, default=0)
@@ -271,10 +273,9 @@ def load_generator(cfg: EdgeConfig) -> Any:
     common: dict[str, Any] = dict(
         device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
         max_support=cfg.max_support, fallback=cfg.fallback,
-        proactive={"auto": None, "on": True, "off": False}.get(cfg.proactive),
-        threads=cfg.threads)
-    if cfg.proactive not in ("auto", "on", "off"):
-        raise InputError(f"proactive must be auto, on or off, got {cfg.proactive!r}")
+        proactive=None if cfg.proactive == "auto" else cfg.proactive, threads=cfg.threads)
+    if cfg.proactive not in ("auto", "on", "off", "stream"):
+        raise InputError(f"proactive must be auto, on, off or stream, got {cfg.proactive!r}")
     draft = cfg.draft_model or default_model("draft")
     if cfg.server:
         return Generator.load(draft, server=cfg.server,
@@ -576,9 +577,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
                            for v in args.k.split(",") if v.strip()]
-    proactive = [{"on": True, "off": False}.get(v.strip()) for v in args.proactive.split(",")]
-    if not ks or not proactive or None in proactive:
-        raise InputError("--k needs values such as 2,4,auto and --proactive one of on,off")
+    proactive = [v.strip() for v in args.proactive.split(",") if v.strip()]
+    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream"}:
+        raise InputError("--k needs values such as 2,4,auto and --proactive values among "
+                         "off,on,stream")
     rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
     if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
@@ -588,7 +590,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     targets = (args.target_model or default_model("target")).split(",")
     cfg = BenchConfig(draft=drafts[0], target=targets[0], drafts=drafts, targets=targets,
                       prompts=prompts,
-                      rtt_ms=rtts, ks=ks, proactive=[bool(p) for p in proactive],
+                      rtt_ms=rtts, ks=ks, proactive=proactive,
                       iterations=args.iterations,
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,

@@ -50,9 +50,10 @@ def test_greedy_draft_without_probs_and_hello_hash_round_trip() -> None:
     hello = m.Hello(m.PROTOCOL_VERSION, m.Fingerprint(4096, "ab" * 32), "exact", 0.7, 0, 1.0, 5)
     frame = m.encode(hello)
     assert m.decode(frame) == hello and b"ab" * 32 not in frame  # 32 raw bytes, not hex
-    tokens = m.Tokens(4, (1, 2, 3), False, 0.0123, 2)
+    tokens = m.Tokens(4, (1, 2, 3), False, 0.0123, 3, 2)
     decoded = m.decode(m.encode(tokens))
-    assert isinstance(decoded, m.Tokens) and decoded.drafted == 2
+    assert isinstance(decoded, m.Tokens) and (decoded.drafted, decoded.accepted) == (3, 2)
+    assert m.decode(m.encode(m.Hint(40, (7, 300)))) == m.Hint(40, (7, 300))
     assert decoded.compute_s == pytest.approx(0.0123)
 
 

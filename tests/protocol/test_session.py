@@ -186,3 +186,61 @@ def test_edge_raises_the_typed_error_it_receives() -> None:
         edge.receive(m.encode(m.Verdict(1, 0, 1, 0.0)))  # no draft pending
     with pytest.raises(OutOfOrder):
         edge.receive(m.encode(m.Error("out_of_order", "no", 1, False)))
+
+
+# -- stream drafting: hints for a cloud-only generation --------------------------------
+
+
+def streaming(max_tokens: int = 10, stops: tuple[int, ...] = ()) -> CloudSession:
+    session = CloudSession(FP, LIMITS)
+    session.receive(hello(temperature=0.0))
+    request = session.receive(m.encode(m.Generate(1, 0, (1, 2, 3), max_tokens, stops)))
+    assert request is not None and not isinstance(request, bytes)
+    return session
+
+
+def step(session: CloudSession, accepted: int, token: int) -> m.Tokens:
+    request = session.stream_step()
+    frame, done = session.tokens(request, accepted, token, 0.001)
+    message = m.decode(frame)
+    assert isinstance(message, m.Tokens) and message.done == done
+    return message
+
+
+def test_a_hint_is_verified_from_the_position_the_server_has_reached() -> None:
+    session = streaming()
+    assert session.stream_step().tokens == ()  # no hint yet: one token of its own
+    assert step(session, 0, 7).token_ids == (7,)
+    # A hint drafted before the edge saw token 7: its first token is checked against what
+    # was generated, the rest is verified.
+    assert session.receive(m.encode(m.Hint(3, (7, 8, 9)))) == b""
+    assert session.stream_step().tokens == (8, 9)
+    tokens = step(session, 2, 10)
+    assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((8, 9, 10), 2, 2)
+    session.receive(m.encode(m.Hint(7, (11, 12))))
+    session.receive(m.encode(m.Hint(9, (13,))))  # continues the previous hint
+    assert session.stream_step().tokens == (11, 12, 13)
+
+
+def test_a_hint_the_target_contradicted_or_that_comes_too_late_is_dropped() -> None:
+    session = streaming()
+    session.receive(m.encode(m.Hint(3, (5, 6))))
+    step(session, 0, 4)  # verified 5, 6 and rejected 5: the target said 4
+    assert session.stream_step().tokens == ()
+    session.receive(m.encode(m.Hint(9, (1,))))  # past a gap: ignored
+    assert session.stream_step().tokens == ()
+    session.receive(m.encode(m.Hint(4, (6,) * 20)))  # more than one step can verify
+    assert session.stream_step().tokens == (6,) * LIMITS.max_draft
+    errors = session.receive(m.encode(m.Hint(4, (FP.vocab_size,))))
+    assert error_of(errors).code == "invalid_tokens"
+
+
+def test_stream_steps_respect_the_budget_and_stop_tokens() -> None:
+    session = streaming(max_tokens=4, stops=(9,))
+    session.receive(m.encode(m.Hint(3, (5, 6, 7, 8, 9))))
+    assert session.stream_step().tokens == (5, 6, 7)  # 3 drafts + 1 of its own = the budget
+    session = streaming(max_tokens=10, stops=(6,))
+    session.receive(m.encode(m.Hint(3, (5, 6, 7))))
+    tokens = step(session, 3, 8)
+    assert tokens.token_ids == (5, 6) and tokens.done and session.stream is None
+    assert session.receive(m.encode(m.Hint(5, (1,)))) == b""  # after the end: ignored

@@ -35,7 +35,7 @@ class BenchConfig:
     prompts: list[str]
     rtt_ms: list[float] = field(default_factory=lambda: [0.0, 20.0, 50.0])
     ks: list[int | str] = field(default_factory=lambda: ["auto"])  # ints or "auto"
-    proactive: list[bool] = field(default_factory=lambda: [False, True])
+    proactive: list[str] = field(default_factory=lambda: ["off", "on", "stream"])
     iterations: int = 3
     max_tokens: int = 64
     temperature: float = 0.0
@@ -52,14 +52,14 @@ class BenchConfig:
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
-                proactive: bool | None = None) -> str:
+                proactive: str | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
             "spececd": "SpecECD", "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative"}[kind]
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
-        name += " proactive" if proactive else " plain"
+        name += {"off": " plain", "on": " proactive", "stream": " stream"}[proactive]
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name

@@ -134,7 +134,7 @@ class SpecRunner:
                 mode=self.job["mode"])
         self.generator = self.generators[url]
         self.generator.k = parse_k(request.get("k") or 4)
-        self.generator.client.proactive = bool(request.get("proactive"))
+        self.generator.proactive = request.get("proactive") or "off"
         self.kind = request["kind"]
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:

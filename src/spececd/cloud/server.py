@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from spececd.cloud.scheduler import BatchScheduler
-from spececd.cloud.verifier import Connection, VerifierService, generation_step
+from spececd.cloud.verifier import Connection, VerifierService
 from spececd.core.verify import VerifyResult
 from spececd.protocol import messages as m
 from spececd.protocol.errors import ServerBusy
@@ -62,25 +62,33 @@ class VerifierServer:
                                           "sessions": len(self.connections)})
         return connection
 
-    async def receive(self, connection: Connection, frame: bytes) -> AsyncIterator[bytes]:
-        """The replies to ``frame``; model work goes through the batch scheduler."""
+    async def receive(self, connection: Connection, frame: bytes,
+                      poll: Callable[[], list[bytes]] | None = None) -> AsyncIterator[bytes]:
+        """The replies to ``frame``; model work goes through the batch scheduler.
+
+        During a cloud-only generation ``poll`` returns the frames that arrived meanwhile
+        (hints for it, or anything else, which is handled as usual and may end it)."""
         out = connection.accept(frame)
         if out is None:
             return
         if isinstance(out, bytes):
-            yield out
+            if out:
+                yield out
             return
         if isinstance(out, VerifyRequest):
             result, seconds = await self._verify(connection, out)
             yield connection.verdict(out, result, seconds)
             return
-        for step in range(out.max_tokens):
-            request = generation_step(out, connection.session.context)
+        session = connection.session
+        while session.stream is not None and session.stream.request is out:
+            for later in poll() if poll is not None else ():
+                async for reply in self.receive(connection, later, poll):
+                    yield reply
+                if session.stream is None or session.stream.request is not out:
+                    return  # closed, or replaced by a new hello, generate or draft
+            request = session.stream_step()
             result, seconds = await self._verify(connection, request)
-            reply, done = connection.generated(out, step, result, seconds)
-            yield reply
-            if done:
-                return
+            yield connection.generated(request, result, seconds)[0]
 
     async def _verify(self, connection: Connection, request: VerifyRequest
                       ) -> tuple[VerifyResult, float]:

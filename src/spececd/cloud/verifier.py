@@ -20,7 +20,7 @@ import numpy as np
 
 from spececd.backends.base import Backend, CachedSequence, sync, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
-from spececd.core.sampling import VERIFIER_STREAM, Mode, process_logits, round_rng
+from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
 from spececd.core.verify import VerifyResult, verify
 from spececd.protocol.session import (
     CloudSession,
@@ -58,12 +58,6 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
 
 def _position_rng(seed: int, start: int, offset: int) -> np.random.Generator:
     return round_rng(seed, VERIFIER_STREAM, start + offset)
-
-
-def generation_step(request: GenerateRequest, context: tuple[int, ...]) -> VerifyRequest:
-    """One token of cloud-only generation as a verification of an empty draft: the
-    verifier's own draw at this position, batched like any other verification."""
-    return VerifyRequest(request.seq, context, (), None, Mode.MATCH, request.params)
 
 
 class VerifierService:
@@ -123,22 +117,28 @@ class Connection:
         self.service.metrics.record_verdict(len(request.tokens), result.num_accepted, seconds)
         return self.session.verdict(request, result.num_accepted, result.next_token, seconds)
 
-    def generated(self, request: GenerateRequest, step: int, result: VerifyResult,
+    def generated(self, request: VerifyRequest, result: VerifyResult,
                   seconds: float) -> tuple[bytes, bool]:
-        """The frame for step ``step`` of a cloud-only generation, and whether it is the last."""
-        token = result.next_token
-        done = step + 1 == request.max_tokens or token in request.stop_token_ids
-        self.service.metrics.generated_tokens.inc()
-        return self.session.tokens(request, (token,), done, seconds), done
+        """The frame for one step of a cloud-only generation (``request`` from
+        ``session.stream_step()``), and whether it is the last."""
+        before = len(self.session.context)
+        frame, done = self.session.tokens(request, result.num_accepted, result.next_token,
+                                          seconds)
+        self.service.metrics.generated_tokens.inc(len(self.session.context) - before)
+        if request.tokens:
+            self.service.metrics.record_verdict(len(request.tokens), result.num_accepted,
+                                                seconds)
+        return frame, done
 
     def receive(self, frame: bytes) -> Iterator[bytes]:
         """Handle one frame from the edge here and now (no batching); yield the frames to send
-        back (several for a cloud-only generation, which streams one frame per token)."""
+        back (several for a cloud-only generation, which streams one frame per step)."""
         out = self.accept(frame)
         if out is None:
             return
         if isinstance(out, bytes):
-            yield out
+            if out:
+                yield out
             return
         assert self.sequence is not None
         backend = self.service.backend
@@ -149,15 +149,12 @@ class Connection:
             passes.observe(1)
             yield self.verdict(out, result, time.perf_counter() - t0)
             return
-        for step in range(out.max_tokens):
+        while self.session.stream is not None:
             t0 = time.perf_counter()
-            (result,) = run_verifications(backend, [(self.sequence,
-                                                     generation_step(out, self.session.context))])
+            step = self.session.stream_step()
+            (result,) = run_verifications(backend, [(self.sequence, step)])
             passes.observe(1)
-            frame_out, done = self.generated(out, step, result, time.perf_counter() - t0)
-            yield frame_out
-            if done:
-                return
+            yield self.generated(step, result, time.perf_counter() - t0)[0]
 
     @property
     def kv_tokens(self) -> int:

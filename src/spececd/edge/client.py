@@ -38,6 +38,8 @@ from spececd.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
+STREAM_CHUNK = 2  # tokens drafted between two hints in stream drafting
+
 
 class CloudUnreachable(SpecECDError):
     """The verifier could not be reached, after every reconnection attempt."""
@@ -291,6 +293,105 @@ class EdgeClient:
                     return
         finally:
             stats.wall_s += time.perf_counter() - start
+
+    def stream_rounds(self, prompt_ids: list[int], params: SamplingParams, k: int | None,
+                      stats: GenerationStats) -> Iterator[RoundOutput]:
+        """Stream drafting: the server generates as in :meth:`cloud_rounds`, never waiting
+        for the edge, while the edge keeps a draft of the tokens ahead of what it has
+        received and sends it in :class:`~spececd.protocol.messages.Hint` frames; before
+        each step the server verifies the part of the latest hint ahead of its position.
+        A round trip costs the edge nothing but stale hints, and the output is the
+        target's own for the seed (match verification with per-position randomness).
+
+        ``k``: how many tokens ahead of the received ones to draft (``None``: ``k_max``).
+        Needs a transport that can poll; on one that cannot (in-process) this is
+        cloud-only generation."""
+        assert params.seed is not None
+        seed = params.seed
+        mode = Mode.MATCH  # verified by match: drafts travel without distributions
+        session = EdgeSession(self.fingerprint, mode, params, self.auth_token)
+        history = list(prompt_ids)
+        draft: list[int] = []  # drafted tokens after `history`
+        sent = 0  # how many of them the server has been sent
+        generated = 0
+        requested = False
+        start = time.perf_counter()
+
+        def request(greeted_now: bool) -> bytes | None:
+            nonlocal requested, sent
+            if requested and not greeted_now:
+                return None  # the stream is under way: only read
+            requested, sent = True, 0  # a new link's generation has no hints yet
+            room = max_context - len(history)
+            return session.generate(history, min(params.max_tokens - generated, room),
+                                    params.stop_token_ids)
+
+        try:
+            welcome = self._exchange(session, None, stats)
+            assert isinstance(welcome, m.Welcome)
+            max_context = min(self.max_context, welcome.max_context)
+            ahead = min(k or self.k_max, welcome.max_draft)
+            replies: list[m.Welcome | m.Verdict | m.Tokens] = [
+                self._exchange(session, request, stats)]
+            while True:
+                for reply in replies:
+                    assert isinstance(reply, m.Tokens)
+                    ids = list(reply.token_ids)
+                    if draft[:len(ids)] == ids:  # the target agreed with the draft so far
+                        del draft[:len(ids)]
+                        sent = max(0, sent - len(ids))
+                    else:
+                        draft, sent = [], 0
+                    history.extend(ids)
+                    stats.verify_s += reply.compute_s
+                    if reply.drafted:
+                        stats.record_round(reply.drafted, reply.accepted)
+                    out, finished = clip_emitted(ids, params.stop_token_ids,
+                                                 params.max_tokens - generated)
+                    generated += len(out)
+                    stats.generated += len(out)
+                    finished = finished or reply.done
+                    yield RoundOutput(tuple(out), min(reply.accepted, len(out)), finished)
+                    if finished:
+                        return
+                room = min(params.max_tokens - generated, max_context - len(history)) - 1
+                want = min(ahead, room) - len(draft)
+                transport = self._transport
+                if want > 0 and transport is not None and hasattr(transport, "poll"):
+                    t0 = time.perf_counter()
+                    tokens, _ = self.drafter.draft([*history, *draft],
+                                                   min(STREAM_CHUNK, want), mode, params, seed)
+                    stats.draft_s += time.perf_counter() - t0
+                    stats.draft_steps += len(tokens)
+                    draft.extend(tokens)
+                    replies = self._stream_io(session.hint(len(history) + sent, draft[sent:]),
+                                              stats)
+                    sent = len(draft)
+                else:
+                    replies = [self._exchange(session, request, stats)]
+        finally:
+            stats.wall_s += time.perf_counter() - start
+
+    def _stream_io(self, frame: bytes, stats: GenerationStats
+                   ) -> list[m.Welcome | m.Verdict | m.Tokens]:
+        """Send a hint and take whatever has arrived, without waiting. A failed link is
+        dropped here and re-established by the next blocking exchange."""
+        transport = self._transport
+        assert transport is not None and self._greeted is not None
+        sent, received = transport.bytes_sent, transport.bytes_received
+        replies: list[m.Welcome | m.Verdict | m.Tokens] = []
+        try:
+            transport.send(frame)
+            while (data := transport.poll()) is not None:  # type: ignore[attr-defined]
+                replies.append(self._greeted.receive(data))
+        except ConnectionError as exc:
+            log.warning("link to the verifier failed (%s); reconnecting", exc)
+            stats.reconnects += 1
+            self._drop()
+        finally:
+            stats.bytes_sent += transport.bytes_sent - sent
+            stats.bytes_received += transport.bytes_received - received
+        return replies
 
     def _draft_alone(self, history: list[int], generated: int, params: SamplingParams,
                      stats: GenerationStats) -> Iterator[RoundOutput]:

@@ -22,11 +22,13 @@ Exchange (ARCHITECTURE §5)::
     Close ->
 
 or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
-answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted)``. While such a
-stream runs the edge may send drafts for it (stream drafting): ``Draft(seq, position, (),
-tokens)`` proposes ``tokens`` for the positions from ``position`` on; it gets no verdict of
-its own, the server verifies whatever part of it lies ahead of its position and the
-stream's ``Tokens`` say how many of their tokens were the edge's (``drafted``).
+answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted, accepted)``.
+While such a stream runs the edge may send ``Hint(position, tokens)`` frames (stream
+drafting): drafted tokens for the positions from ``position`` on, continuing the previous
+hint or replacing it. A hint gets no answer of its own: before each step the server
+verifies whatever part of the latest hint lies ahead of its position and agrees with what
+it has generated, and the ``Tokens`` of that step say how many draft tokens it verified
+(``drafted``) and kept (``accepted``). A hint that arrives too late is ignored.
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -118,7 +120,17 @@ class Tokens:
     token_ids: tuple[int, ...]
     done: bool
     compute_s: float = 0.0
-    drafted: int = 0  # the first ``drafted`` of ``token_ids`` were the edge's draft
+    drafted: int = 0  # draft tokens this step verified (from the edge's hints)
+    accepted: int = 0  # of those, kept: the first ``accepted`` of ``token_ids``
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Drafted tokens for a cloud-only generation under way, from ``position`` on."""
+
+    TYPE: ClassVar[int] = 9
+    position: int
+    tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -136,7 +148,7 @@ class Error:
     fatal: bool = False
 
 
-Message = Hello | Welcome | Draft | Verdict | Generate | Tokens | Close | Error
+Message = Hello | Welcome | Draft | Verdict | Generate | Tokens | Hint | Close | Error
 
 _EMPTY: tuple[Any, ...] = ()
 
@@ -195,7 +207,9 @@ def encode(message: Message) -> bytes:
                 message.max_tokens, list(message.stop_token_ids)]
     elif isinstance(message, Tokens):
         body = [message.seq, _pack_ids(message.token_ids), message.done,
-                _ticks(message.compute_s), message.drafted]
+                _ticks(message.compute_s), message.drafted, message.accepted]
+    elif isinstance(message, Hint):
+        body = [message.position, _pack_ids(message.tokens)]
     elif isinstance(message, Close):
         body = [message.reason]
     else:
@@ -211,7 +225,8 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
     Verdict.TYPE: (_INT, _INT, _INT, _INT),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
-    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT),
+    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT),
+    Hint.TYPE: (_INT, _IDS),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
@@ -297,11 +312,14 @@ def decode(frame: bytes) -> Message:
     if kind == Generate.TYPE:
         return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:
-        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, body[4])
+        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, body[4], body[5])
+    if kind == Hint.TYPE:
+        return Hint(body[0], _unpack_ids(body[1]))
     if kind == Close.TYPE:
         return Close(*body)
     return Error(*body)
 
 
 __all__ = ["PROTOCOL_VERSION", "Close", "Draft", "Error", "Fingerprint", "Generate", "Hello",
+           "Hint",
            "Message", "Tokens", "Verdict", "Welcome", "decode", "encode"]

@@ -76,6 +76,17 @@ class GenerateRequest:
     params: SamplingParams
 
 
+@dataclass
+class Stream:
+    """A cloud-only generation under way, and the edge's latest hint for it: drafted
+    tokens for the positions from ``hint_start`` on."""
+
+    request: GenerateRequest
+    generated: int = 0
+    hint_start: int = 0
+    hint: tuple[int, ...] = ()
+
+
 class State(enum.Enum):
     AWAIT_HELLO = "await_hello"
     READY = "ready"
@@ -97,10 +108,12 @@ class CloudSession:
         self._last_seq = -1
         self._last_frame = b""  # the last draft frame, and the verdict frame it got
         self._last_verdict = b""
+        self.stream: Stream | None = None  # a cloud-only generation under way
 
     # -- input ------------------------------------------------------------------------
     def receive(self, frame: bytes) -> bytes | VerifyRequest | GenerateRequest | None:
-        """Handle one frame: the reply to send, a request to run, or None (closed)."""
+        """Handle one frame: the reply to send (empty: nothing to send, e.g. for a hint), a
+        request to run, or None (closed)."""
         seq = self.request_seq = -1
         try:
             if len(frame) > self.limits.max_message_bytes:
@@ -127,7 +140,7 @@ class CloudSession:
         if self.state is State.CLOSED:
             raise UnexpectedMessage("the session is closed; open a new connection")
         if isinstance(message, m.Close):
-            self.state = State.CLOSED
+            self.state, self.stream = State.CLOSED, None
             return None
         if isinstance(message, m.Hello):
             return self._hello(message)  # the first, or a new generation on this connection
@@ -137,6 +150,9 @@ class CloudSession:
             return self._draft(message)
         if isinstance(message, m.Generate):
             return self._generate(message)
+        if isinstance(message, m.Hint):
+            self._hint(message)
+            return b""
         raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
 
     def _hello(self, hello: m.Hello) -> bytes:
@@ -162,6 +178,7 @@ class CloudSession:
             raise UnexpectedMessage(f"bad session parameters: {exc}") from None
         self.state = State.READY
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
+        self.stream = None
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
                                   self.limits.max_context))
 
@@ -197,7 +214,7 @@ class CloudSession:
             for i, (token, dist) in enumerate(zip(draft.tokens, draft.draft_probs, strict=True)):
                 _check_distribution(i, token, dist, self.fingerprint.vocab_size)
         self._last_seq = draft.seq
-        self.context = context
+        self.context, self.stream = context, None
         return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
                              self.params)
 
@@ -208,15 +225,71 @@ class CloudSession:
                                 request.max_tokens)
         self._last_seq = request.seq
         self.context = context
-        return GenerateRequest(request.seq, context, request.max_tokens,
-                               request.stop_token_ids, self.params)
+        generate = GenerateRequest(request.seq, context, request.max_tokens,
+                                   request.stop_token_ids, self.params)
+        self.stream = Stream(generate, hint_start=len(context))
+        return generate
+
+    def _hint(self, hint: m.Hint) -> None:
+        """Keep the drafted tokens of a hint for the generation under way: appended to the
+        previous hint when they continue it, else as a new hint when they start within
+        what the server holds; a hint for no generation, or past a gap, is ignored."""
+        stream = self.stream
+        if stream is None:
+            return  # arrived after its generation ended
+        vocab = self.fingerprint.vocab_size
+        if any(not 0 <= t < vocab for t in hint.tokens):
+            raise InvalidTokens(f"token ids must be in [0, {vocab})")
+        if hint.position == stream.hint_start + len(stream.hint):
+            tokens = stream.hint + hint.tokens
+        elif 0 <= hint.position <= len(self.context):
+            stream.hint_start, tokens = hint.position, hint.tokens
+        else:
+            return
+        # Hold no more than the server could verify in one step.
+        ahead = len(self.context) - stream.hint_start + self.limits.max_draft
+        stream.hint = tokens[:max(0, ahead)]
+
+    def stream_step(self) -> VerifyRequest:
+        """The next step of the generation under way: a verification of the part of the
+        hint ahead of the context when the hint agrees with the context so far, else of
+        an empty draft (one token of the target's own)."""
+        stream = self.stream
+        assert stream is not None, "no generation under way"
+        n, start = len(self.context), stream.hint_start
+        tail: tuple[int, ...] = ()
+        if start <= n:
+            done = stream.hint[:n - start]
+            if len(done) == n - start and done == self.context[start:n]:
+                budget = stream.request.max_tokens - stream.generated - 1
+                tail = stream.hint[n - start:][:max(0, min(budget, self.limits.max_draft))]
+                stream.hint_start, stream.hint = n, stream.hint[n - start:]
+            else:  # the target went another way: the hint is spent
+                stream.hint_start, stream.hint = n, ()
+        mode = Mode.GREEDY if stream.request.params.greedy else Mode.MATCH
+        return VerifyRequest(stream.request.seq, self.context, tail, None, mode,
+                             stream.request.params)
 
     # -- output -----------------------------------------------------------------------
-    def tokens(self, request: GenerateRequest, generated: tuple[int, ...], done: bool,
-               compute_s: float) -> bytes:
-        """Record tokens a cloud-only generation produced; return the frame to send."""
-        self.context += generated
-        return m.encode(m.Tokens(request.seq, generated, done, compute_s))
+    def tokens(self, request: VerifyRequest, num_accepted: int, next_token: int,
+               compute_s: float) -> tuple[bytes, bool]:
+        """Record the outcome of :meth:`stream_step`'s request; return the frame to send
+        and whether the generation is over (``max_tokens`` or a stop token)."""
+        stream = self.stream
+        assert stream is not None, "no generation under way"
+        generate = stream.request
+        emitted = (*request.tokens[:num_accepted], next_token)
+        emitted = emitted[:generate.max_tokens - stream.generated]
+        stop = next((i for i, t in enumerate(emitted) if t in generate.stop_token_ids), None)
+        if stop is not None:
+            emitted = emitted[:stop + 1]
+        self.context += emitted
+        stream.generated += len(emitted)
+        done = stop is not None or stream.generated >= generate.max_tokens
+        if done:
+            self.stream = None
+        return m.encode(m.Tokens(generate.seq, emitted, done, compute_s, len(request.tokens),
+                                 min(num_accepted, len(emitted)))), done
 
     def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
                 verify_s: float) -> bytes:
@@ -281,6 +354,11 @@ class EdgeSession:
                                    tuple(history[self.server_len:]), max_tokens, stop_token_ids)
         self.server_len = len(history)
         return m.encode(self._pending)
+
+    def hint(self, position: int, tokens: tuple[int, ...] | list[int]) -> bytes:
+        """The frame offering drafted ``tokens`` for positions from ``position`` on to the
+        cloud-only generation under way (see :class:`~spececd.protocol.messages.Hint`)."""
+        return m.encode(m.Hint(position, tuple(tokens)))
 
     def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
         message = m.decode(frame)

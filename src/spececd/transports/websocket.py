@@ -85,23 +85,49 @@ def _handler(server: VerifierServer) -> Callable[[ServerConnection], Awaitable[N
             await ws.close(1013, "server busy")
             return
         connection, idle = opened, False
+        # Frames are read as they come, so that a running generation sees the hints sent
+        # for it (``poll``); None marks the end of the link.
+        inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for frame in ws:
+                    inbox.put_nowait(frame if isinstance(frame, bytes) else frame.encode())
+            except ConnectionClosed:
+                pass
+            finally:
+                inbox.put_nowait(None)
+
+        def poll() -> list[bytes]:
+            frames = []
+            while not inbox.empty():
+                frame = inbox.get_nowait()
+                if frame is None:  # the end of the link: left for the loop below
+                    inbox.put_nowait(None)
+                    break
+                frames.append(frame)
+            return frames
+
+        reader = asyncio.get_running_loop().create_task(read())
         try:
             while True:
                 try:
-                    frame = await asyncio.wait_for(ws.recv(), server.policy.idle_timeout)
+                    data = await asyncio.wait_for(inbox.get(), server.policy.idle_timeout)
                 except TimeoutError:
                     idle = True
                     await ws.close(1001, "idle timeout")
                     return
-                data = frame if isinstance(frame, bytes) else frame.encode()
-                async for reply in server.receive(connection, data):
+                if data is None:
+                    return  # the client left, maybe mid-round: nothing more to do for it
+                async for reply in server.receive(connection, data, poll):
                     await ws.send(reply)
                 if connection.closed:
                     await ws.close(1000, "session closed")
                     return
         except ConnectionClosed:
-            pass  # the client left, maybe mid-round: nothing more to do for it
+            pass
         finally:
+            reader.cancel()
             server.release(connection, idle=idle)
 
     return handle
@@ -159,6 +185,18 @@ class WebSocketTransport:
         try:
             frame = self._ws.recv(timeout=self.recv_timeout)
         except (ConnectionClosed, OSError, TimeoutError) as exc:
+            raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+        data = frame if isinstance(frame, bytes) else frame.encode()
+        self.bytes_received += frame_bytes(len(data), masked=False)
+        return data
+
+    def poll(self) -> bytes | None:
+        """A frame that has already arrived, or None; never waits."""
+        try:
+            frame = self._ws.recv(timeout=0)
+        except TimeoutError:
+            return None
+        except (ConnectionClosed, OSError) as exc:
             raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
         data = frame if isinstance(frame, bytes) else frame.encode()
         self.bytes_received += frame_bytes(len(data), masked=False)
