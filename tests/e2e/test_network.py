@@ -31,8 +31,8 @@ from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
-from spececd.errors import InputError  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
+from spececd.errors import InputError  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
