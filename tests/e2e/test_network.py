@@ -187,7 +187,7 @@ def raw_session(url: str, draft_dir: Path) -> tuple[object, bytes]:
     backend = load_backend(str(draft_dir), device="cpu", dtype="float32")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     ws = websockets_sync.connect(url, compression=None, proxy=None, legacy=True)
-    ws.send(m.encode(m.Hello(1, fingerprint, "match", 1.0, 0, 1.0, 1, "")))
+    ws.send(m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, "match", 1.0, 0, 1.0, 1, "")))
     assert isinstance(m.decode(ws.recv(timeout=10)), m.Welcome)
     return ws, m.encode(m.Draft(1, 0, (5, 6, 7), (8, 9), None))
 
@@ -339,8 +339,8 @@ def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
     thread.start()
     rng = random.Random(0)
     backend = load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
-    hello = m.encode(m.Hello(1, tokenizer_fingerprint(backend.tokenizer, backend.vocab_size),
-                             "exact", 1.0, 0, 1.0, 1, ""))
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    hello = m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, "exact", 1.0, 0, 1.0, 1, ""))
     seeds = [hello, m.encode(m.Draft(1, 0, (5, 6), (7, 8), None)),
              m.encode(m.Verdict(1, 0, 1, 0.0)), m.encode(m.Close("x"))]
     counts = {"frames": 0, "errors": 0, "verdicts": 0, "closes": 0}

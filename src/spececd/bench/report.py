@@ -19,7 +19,9 @@ For a SpecECD configuration drafting ``k`` tokens per round:
 The network is not in the bound: at RTT > 0 achieved/bound shows what the round trips cost.
 For ``k=auto`` the bound is evaluated at the mean drafted length per round. Proactive
 drafting overlaps drafting with the round trip, which the bound does not model: it can
-beat the bound.
+beat the bound. Stream drafting (``proactive: stream``) is another loop altogether (the
+server steps on its own and verifies hints when they are there), so its rows carry no
+bound; their "rounds" are the server steps that verified a hint.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 "label": label(alpha),
             })
             step_s = steps.get(c.get("target"))
-            if step_s and rounds and drafted:
+            if step_s and rounds and drafted and c.get("proactive") != "stream":
                 c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
                 v_ratio = (s["verify_s"] / rounds) / step_s
                 tokens_per_round = (accepted + rounds) / rounds
