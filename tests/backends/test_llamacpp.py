@@ -22,6 +22,7 @@ from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
+from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 
 HF_TOLERANCE = 2e-3
@@ -143,3 +144,20 @@ def test_gguf_target_over_the_network(gguf: dict[str, Path],
         proc.stop()
     print(f"GGUF target over the network: chi-square p={p_value:.4f}")
     assert p_value > 0.001
+
+
+@requires_default_pair
+def test_shipped_gguf_draft_pairs_with_the_default_target() -> None:
+    # models/draft.gguf is `spececd convert models/draft models/draft.gguf --quant f16`:
+    # the same tokenizer, and greedy output with the transformers target unchanged.
+    gguf_draft = MODELS / "draft.gguf"
+    target = load_backend(str(MODELS / "target"), device="cpu", dtype="float32")
+    draft = load_backend(str(gguf_draft))
+    assert (tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+            == tokenizer_fingerprint(target.tokenizer, target.vocab_size))
+    with Generator.load(str(gguf_draft), str(MODELS / "target"), device="cpu",
+                        dtype="float32", k="auto") as gen:
+        ids = gen.prompt_ids(PROMPTS[0])
+        out = gen.generate(ids, max_tokens=32, temperature=0, stop_token_ids=[])
+        assert out.token_ids == hf_greedy(MODELS / "target", ids, 32)
+        assert out.stats.accepted > 0
