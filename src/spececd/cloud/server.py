@@ -9,10 +9,12 @@ choice, a dropped link or an idle timeout, is released at once and its KV cache 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +26,56 @@ from spececd.protocol.errors import ServerBusy
 from spececd.protocol.session import VerifyRequest
 
 log = logging.getLogger(__name__)
+
+
+class Inbox:
+    """Frames received on one connection, in order, each with its arrival time; ``None``
+    marks the end of the link. The transport puts, the server takes."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+    def put(self, frame: bytes) -> None:
+        self._queue.put_nowait((time.perf_counter(), frame))
+
+    def end(self) -> None:
+        self._queue.put_nowait(None)
+
+    async def get(self, timeout: float) -> bytes | None:
+        """The next frame (None: the link ended); raises ``TimeoutError`` after ``timeout``."""
+        item = await asyncio.wait_for(self._queue.get(), timeout)
+        return None if item is None else item[1]
+
+    def poll(self) -> list[tuple[float, bytes]]:
+        """The frames that have arrived, without waiting; the end mark stays for ``get``."""
+        frames = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is None:
+                self._queue.put_nowait(None)
+                break
+            frames.append(item)
+        return frames
+
+    async def wait(self, timeout: float) -> list[tuple[float, bytes]]:
+        """Like :meth:`poll`, but first wait up to ``timeout`` seconds for a frame."""
+        if self._queue.empty() and timeout > 0:
+            with contextlib.suppress(TimeoutError):
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+                if item is None:
+                    self._queue.put_nowait(None)
+                    return []
+                return [item, *self.poll()]
+        return self.poll()
+
+
+class _Ema:
+    def __init__(self, weight: float = 0.3) -> None:
+        self.value: float | None = None
+        self.weight = weight
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
 
 
 @dataclass(frozen=True)
@@ -63,11 +115,15 @@ class VerifierServer:
         return connection
 
     async def receive(self, connection: Connection, frame: bytes,
-                      poll: Callable[[], list[bytes]] | None = None) -> AsyncIterator[bytes]:
+                      inbox: Inbox | None = None) -> AsyncIterator[bytes]:
         """The replies to ``frame``; model work goes through the batch scheduler.
 
-        During a cloud-only generation ``poll`` returns the frames that arrived meanwhile
-        (hints for it, or anything else, which is handled as usual and may end it)."""
+        During a cloud-only generation the frames that arrive meanwhile are taken from
+        ``inbox`` between steps: hints for it, or anything else, which is handled as usual
+        and may end it. When the hint runs dry (the target contradicted it, or used it
+        up), the next step waits for a fresh one if the edge has been answering faster
+        than a step takes (measured: from the step that left no hint to the arrival of the
+        next), and otherwise generates a token of its own without waiting."""
         out = connection.accept(frame)
         if out is None:
             return
@@ -80,15 +136,30 @@ class VerifierServer:
             yield connection.verdict(out, result, seconds)
             return
         session = connection.session
+        turnaround, step_s = _Ema(), _Ema()  # edge's answer to a dry hint; a lone step
+        dry_since: float | None = time.perf_counter()
         while session.stream is not None and session.stream.request is out:
-            for later in poll() if poll is not None else ():
-                async for reply in self.receive(connection, later, poll):
-                    yield reply
-                if session.stream is None or session.stream.request is not out:
-                    return  # closed, or replaced by a new hello, generate or draft
+            if inbox is not None:
+                later = inbox.poll()
+                if (not later and dry_since is not None and turnaround.value is not None
+                        and step_s.value is not None and turnaround.value < step_s.value):
+                    wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
+                    later = await inbox.wait(wait - time.perf_counter())
+                for arrived, data in later:
+                    async for reply in self.receive(connection, data, inbox):
+                        yield reply
+                    if session.stream is None or session.stream.request is not out:
+                        return  # closed, or replaced by a new hello, generate or draft
+                    if dry_since is not None and session.hint_ahead():
+                        turnaround.update(arrived - dry_since)
+                        dry_since = None
             request = session.stream_step()
             result, seconds = await self._verify(connection, request)
+            if not request.tokens:
+                step_s.update(seconds)
             yield connection.generated(request, result, seconds)[0]
+            if dry_since is None and not session.hint_ahead():
+                dry_since = time.perf_counter()
 
     async def _verify(self, connection: Connection, request: VerifyRequest
                       ) -> tuple[VerifyResult, float]:

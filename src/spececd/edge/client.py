@@ -38,7 +38,7 @@ from spececd.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
-STREAM_CHUNK = 2  # tokens drafted between two hints in stream drafting
+STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
 
 
 class CloudUnreachable(SpecECDError):
@@ -304,8 +304,10 @@ class EdgeClient:
         target's own for the seed (match verification with per-position randomness).
 
         ``k``: how many tokens ahead of the received ones to draft (``None``: ``k_max``).
-        Needs a transport that can poll; on one that cannot (in-process) this is
-        cloud-only generation."""
+        A hint goes out after every half server step's worth of drafting (measured: the
+        server's own steps against this drafter's), so a fast drafter sends fuller hints
+        and a slow one sends them early. Needs a transport that can poll; on one that
+        cannot (in-process) this is cloud-only generation."""
         assert params.seed is not None
         seed = params.seed
         mode = Mode.MATCH  # verified by match: drafts travel without distributions
@@ -315,6 +317,7 @@ class EdgeClient:
         sent = 0  # how many of them the server has been sent
         generated = 0
         requested = False
+        draft_step = server_step = 0.0  # seconds: one draft token, one lone server step
         start = time.perf_counter()
 
         def request(greeted_now: bool) -> bytes | None:
@@ -344,6 +347,9 @@ class EdgeClient:
                         draft, sent = [], 0
                     history.extend(ids)
                     stats.verify_s += reply.compute_s
+                    if not reply.drafted and reply.compute_s > 0:
+                        server_step = (0.8 * server_step + 0.2 * reply.compute_s
+                                       if server_step else reply.compute_s)
                     if reply.drafted:
                         stats.record_round(reply.drafted, reply.accepted)
                     out, finished = clip_emitted(ids, params.stop_token_ids,
@@ -358,10 +364,15 @@ class EdgeClient:
                 want = min(ahead, room) - len(draft)
                 transport = self._transport
                 if want > 0 and transport is not None and hasattr(transport, "poll"):
+                    chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
+                             if draft_step and server_step else 2)
                     t0 = time.perf_counter()
                     tokens, _ = self.drafter.draft([*history, *draft],
-                                                   min(STREAM_CHUNK, want), mode, params, seed)
-                    stats.draft_s += time.perf_counter() - t0
+                                                   max(1, min(chunk, want)), mode, params, seed)
+                    seconds = time.perf_counter() - t0
+                    per_token = seconds / max(1, len(tokens))
+                    draft_step = 0.8 * draft_step + 0.2 * per_token if draft_step else per_token
+                    stats.draft_s += seconds
                     stats.draft_steps += len(tokens)
                     draft.extend(tokens)
                     replies = self._stream_io(session.hint(len(history) + sent, draft[sent:]),

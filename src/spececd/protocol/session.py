@@ -250,22 +250,27 @@ class CloudSession:
         ahead = len(self.context) - stream.hint_start + self.limits.max_draft
         stream.hint = tokens[:max(0, ahead)]
 
+    def hint_ahead(self) -> tuple[int, ...]:
+        """The hinted tokens ahead of the context, if the hint agrees with the context up
+        to there; else nothing."""
+        stream = self.stream
+        if stream is None:
+            return ()
+        n, start = len(self.context), stream.hint_start
+        if start > n or stream.hint[:n - start] != self.context[start:n]:
+            return ()
+        return stream.hint[n - start:]
+
     def stream_step(self) -> VerifyRequest:
         """The next step of the generation under way: a verification of the part of the
         hint ahead of the context when the hint agrees with the context so far, else of
         an empty draft (one token of the target's own)."""
         stream = self.stream
         assert stream is not None, "no generation under way"
-        n, start = len(self.context), stream.hint_start
-        tail: tuple[int, ...] = ()
-        if start <= n:
-            done = stream.hint[:n - start]
-            if len(done) == n - start and done == self.context[start:n]:
-                budget = stream.request.max_tokens - stream.generated - 1
-                tail = stream.hint[n - start:][:max(0, min(budget, self.limits.max_draft))]
-                stream.hint_start, stream.hint = n, stream.hint[n - start:]
-            else:  # the target went another way: the hint is spent
-                stream.hint_start, stream.hint = n, ()
+        ahead = self.hint_ahead()
+        budget = stream.request.max_tokens - stream.generated - 1
+        tail = ahead[:max(0, min(budget, self.limits.max_draft))]
+        stream.hint_start, stream.hint = len(self.context), ahead  # spent when contradicted
         mode = Mode.GREEDY if stream.request.params.greedy else Mode.MATCH
         return VerifyRequest(stream.request.seq, self.context, tail, None, mode,
                              stream.request.params)

@@ -33,7 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
-from spececd.cloud.server import VerifierServer
+from spececd.cloud.server import Inbox, VerifierServer
 
 log = logging.getLogger(__name__)
 
@@ -86,40 +86,30 @@ def _handler(server: VerifierServer) -> Callable[[ServerConnection], Awaitable[N
             return
         connection, idle = opened, False
         # Frames are read as they come, so that a running generation sees the hints sent
-        # for it (``poll``); None marks the end of the link.
-        inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        # for it between its steps.
+        inbox = Inbox()
 
         async def read() -> None:
             try:
                 async for frame in ws:
-                    inbox.put_nowait(frame if isinstance(frame, bytes) else frame.encode())
+                    inbox.put(frame if isinstance(frame, bytes) else frame.encode())
             except ConnectionClosed:
                 pass
             finally:
-                inbox.put_nowait(None)
-
-        def poll() -> list[bytes]:
-            frames = []
-            while not inbox.empty():
-                frame = inbox.get_nowait()
-                if frame is None:  # the end of the link: left for the loop below
-                    inbox.put_nowait(None)
-                    break
-                frames.append(frame)
-            return frames
+                inbox.end()
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
             while True:
                 try:
-                    data = await asyncio.wait_for(inbox.get(), server.policy.idle_timeout)
+                    data = await inbox.get(server.policy.idle_timeout)
                 except TimeoutError:
                     idle = True
                     await ws.close(1001, "idle timeout")
                     return
                 if data is None:
                     return  # the client left, maybe mid-round: nothing more to do for it
-                async for reply in server.receive(connection, data, poll):
+                async for reply in server.receive(connection, data, inbox):
                     await ws.send(reply)
                 if connection.closed:
                     await ws.close(1000, "session closed")
