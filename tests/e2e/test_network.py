@@ -180,6 +180,10 @@ def test_unreachable_cloud_is_a_clear_error_or_a_marked_fallback(
     assert out["stats"]["fallback"] is True and out["stats"]["fallback_tokens"] == 12
     assert len(out["completions"][0]["token_ids"]) == 12
     assert "draft model alone" in fallback.stderr
+    streamed = cli(*args, "--fallback", "draft", "--proactive", "stream")
+    assert streamed.returncode == 0, streamed.stderr
+    assert json.loads(streamed.stdout)["completions"][0]["token_ids"] == \
+        out["completions"][0]["token_ids"]  # the draft alone, whichever loop fell back
 
 
 def raw_session(url: str, draft_dir: Path) -> tuple[object, bytes]:

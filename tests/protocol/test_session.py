@@ -244,3 +244,14 @@ def test_stream_steps_respect_the_budget_and_stop_tokens() -> None:
     tokens = step(session, 3, 8)
     assert tokens.token_ids == (5, 6) and tokens.done and session.stream is None
     assert session.receive(m.encode(m.Hint(5, (1,)))) == b""  # after the end: ignored
+
+
+def test_a_later_hello_on_the_connection_may_leave_the_fingerprint_out() -> None:
+    session = CloudSession(FP, LIMITS)
+    first = session.receive(hello(fingerprint=m.SAME_FINGERPRINT))
+    assert error_of(first).code == "incompatible_models"  # the first must carry it
+    session = ready()
+    reply = session.receive(hello(fingerprint=m.SAME_FINGERPRINT, seed=9))
+    assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
+    edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=1))
+    assert len(edge.hello(checked=True)) < len(edge.hello()) - 30

@@ -118,15 +118,13 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
             s = _sum_stats(c["passes"])
             generated = max(1, s.get("generated", 0))
             wall = s.get("wall_s", 0.0)
-            row.update({
-                "bytes_per_token": round((s.get("bytes_sent", 0) + s.get("bytes_received", 0))
-                                         / generated, 2),
-                "time_per_token_ms": {
-                    part: round(1000 * s.get(f"{part}_s", 0.0) / generated, 3)
-                    for part in ("draft", "network", "verify")},
-            })
-            row["time_per_token_ms"]["other"] = round(
-                1000 * wall / generated - sum(row["time_per_token_ms"].values()), 3)
+            row["bytes_per_token"] = round(
+                (s.get("bytes_sent", 0) + s.get("bytes_received", 0)) / generated, 2)
+            if c.get("proactive") != "stream":  # there drafting and verifying overlap
+                split = {part: round(1000 * s.get(f"{part}_s", 0.0) / generated, 3)
+                         for part in ("draft", "network", "verify")}
+                split["other"] = round(1000 * wall / generated - sum(split.values()), 3)
+                row["time_per_token_ms"] = split
         if c["kind"] == "spececd":
             drafted, accepted, rounds = s["drafted"], s["accepted"], s["rounds"]
             alpha = accepted / drafted if drafted else 0.0

@@ -143,7 +143,7 @@ class EdgeClient:
                 sent, received = transport.bytes_sent, transport.bytes_received
                 greeted_now = self._greeted is not session
                 if greeted_now:
-                    transport.send(session.hello())
+                    transport.send(session.hello(checked=self._greeted is not None))
                     welcome = session.receive(transport.recv())
                     assert isinstance(welcome, m.Welcome)
                     self._greeted, self._welcome = session, welcome
@@ -249,8 +249,6 @@ class EdgeClient:
         except CloudUnreachable:
             if self.fallback != "draft":
                 raise
-            log.warning("the verifier is unreachable: finishing with the draft model alone "
-                        "(this output is the draft's, not the target's)")
             yield from self._draft_alone(history, generated, params, stats)
         finally:
             stats.wall_s += time.perf_counter() - start
@@ -380,6 +378,10 @@ class EdgeClient:
                     sent = len(draft)
                 else:
                     replies = [self._exchange(session, request, stats)]
+        except CloudUnreachable:
+            if self.fallback != "draft":
+                raise
+            yield from self._draft_alone(history, generated, params, stats)
         finally:
             stats.wall_s += time.perf_counter() - start
 
@@ -407,6 +409,8 @@ class EdgeClient:
     def _draft_alone(self, history: list[int], generated: int, params: SamplingParams,
                      stats: GenerationStats) -> Iterator[RoundOutput]:
         assert params.seed is not None
+        log.warning("the verifier is unreachable: finishing with the draft model alone "
+                    "(this output is the draft's, not the target's)")
         stats.fallback = True
         while True:
             t0 = time.perf_counter()

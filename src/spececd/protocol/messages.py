@@ -1,7 +1,7 @@
 """Wire messages: frozen dataclasses with a compact msgpack encoding. Sans-I/O.
 
 A frame is one msgpack array ``[type, field, field, ...]``. Token ids travel as a msgpack
-list or as raw little-endian uint16, whichever is shorter; times as integer tenths of a
+list or as raw little-endian uint16, whichever is shorter; times as integer quarters of a
 millisecond; the tokenizer hash as raw bytes; an absent draft distribution as no field at
 all (frames are tens of bytes, so each byte shows: see the README's bytes per token); a
 draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
@@ -57,6 +57,10 @@ class Fingerprint:
 
     vocab_size: int
     tokenizer_hash: str
+
+
+# In a Hello after the first on a connection: "the fingerprint this connection checked".
+SAME_FINGERPRINT = Fingerprint(0, "")
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,7 @@ def _unpack_ids(value: list[int] | bytes) -> tuple[int, ...]:
     return tuple(value)
 
 
-TICK = 1e-4  # seconds per unit of time on the wire
+TICK = 2.5e-4  # seconds per unit of time on the wire (a verify pass fits in one byte)
 
 
 def _ticks(seconds: float) -> int:
@@ -207,7 +211,9 @@ def encode(message: Message) -> bytes:
                 message.max_tokens, list(message.stop_token_ids)]
     elif isinstance(message, Tokens):
         body = [message.seq, _pack_ids(message.token_ids), message.done,
-                _ticks(message.compute_s), message.drafted, message.accepted]
+                _ticks(message.compute_s)]
+        if message.drafted or message.accepted:
+            body += [message.drafted, message.accepted]
     elif isinstance(message, Hint):
         body = [message.position, _pack_ids(message.tokens)]
     elif isinstance(message, Close):
@@ -230,7 +236,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
-_OPTIONAL = {Draft.TYPE: 1}  # trailing fields that may be left out
+_OPTIONAL = {Draft.TYPE: 1, Tokens.TYPE: 2}  # trailing fields that may be left out
 
 
 def _number(value: float) -> float | int:
@@ -312,7 +318,7 @@ def decode(frame: bytes) -> Message:
     if kind == Generate.TYPE:
         return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:
-        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, body[4], body[5])
+        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6])
     if kind == Hint.TYPE:
         return Hint(body[0], _unpack_ids(body[1]))
     if kind == Close.TYPE:
@@ -320,6 +326,20 @@ def decode(frame: bytes) -> Message:
     return Error(*body)
 
 
-__all__ = ["PROTOCOL_VERSION", "Close", "Draft", "Error", "Fingerprint", "Generate", "Hello",
-           "Hint",
-           "Message", "Tokens", "Verdict", "Welcome", "decode", "encode"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SAME_FINGERPRINT",
+    "Close",
+    "Draft",
+    "Error",
+    "Fingerprint",
+    "Generate",
+    "Hello",
+    "Hint",
+    "Message",
+    "Tokens",
+    "Verdict",
+    "Welcome",
+    "decode",
+    "encode",
+]

@@ -18,6 +18,7 @@ lost verdict, a reconnect or a server restart the edge re-sends and the result i
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hmac
 import secrets
@@ -108,6 +109,7 @@ class CloudSession:
         self._last_seq = -1
         self._last_frame = b""  # the last draft frame, and the verdict frame it got
         self._last_verdict = b""
+        self._checked = False  # a hello on this connection carried a matching fingerprint
         self.stream: Stream | None = None  # a cloud-only generation under way
 
     # -- input ------------------------------------------------------------------------
@@ -162,7 +164,9 @@ class CloudSession:
         if self._auth_token and not hmac.compare_digest(
                 hello.auth_token.encode(), self._auth_token.encode()):
             raise AuthFailed("missing or wrong auth token")
-        if hello.fingerprint != self.fingerprint:
+        if hello.fingerprint == m.SAME_FINGERPRINT and self._checked:
+            pass  # a later hello on this connection: the models were checked by the first
+        elif hello.fingerprint != self.fingerprint:
             raise IncompatibleModels(
                 f"draft and target models are incompatible: edge has vocabulary "
                 f"{hello.fingerprint.vocab_size} / tokenizer "
@@ -176,7 +180,7 @@ class CloudSession:
             self.mode = Mode.GREEDY if self.params.greedy else Mode(hello.mode)
         except ValueError as exc:
             raise UnexpectedMessage(f"bad session parameters: {exc}") from None
-        self.state = State.READY
+        self.state, self._checked = State.READY, True
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         self.stream = None
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
@@ -339,8 +343,13 @@ class EdgeSession:
         self._seq = 0
         self._pending: m.Draft | m.Generate | None = None
 
-    def hello(self) -> bytes:
+    def hello(self, checked: bool = False) -> bytes:
+        """The greeting; ``checked``: this connection already carried a hello whose
+        fingerprint the server accepted, so this one leaves it out."""
         self.welcome, self.server_len, self._pending = None, 0, None
+        if checked:
+            return m.encode(dataclasses.replace(self.hello_message,
+                                                fingerprint=m.SAME_FINGERPRINT))
         return m.encode(self.hello_message)
 
     def draft(self, history: tuple[int, ...] | list[int], tokens: tuple[int, ...],
