@@ -36,7 +36,16 @@ def test_acceptance_estimates_are_conditional_per_position() -> None:
         policy.observe(3, 1, 0.003, 0.01, 0.0)  # position 0 kept, position 1 rejected
     a = policy.acceptance()
     assert a[0] == pytest.approx(1.0, abs=1e-3) and a[1] == pytest.approx(0.0, abs=1e-3)
-    assert a[2] == pytest.approx(0.6)  # never reached: the prior alone
+    assert a[2] == pytest.approx(0.0, abs=1e-3)  # never reached: the position before's
+
+
+def test_a_position_never_drafted_inherits_the_estimate_before_it() -> None:
+    policy = DraftLengthPolicy(k_max=8, prior_accept=0.6, decay=1.0)
+    for _ in range(200):  # k=4 only, everything accepted
+        policy.observe(4, 4, 0.003, 0.01, 0.05)
+    a = policy.acceptance()
+    assert a[3] > 0.95 and a[7] == pytest.approx(a[3])  # not pulled back to 0.6
+    assert policy.choose() == 8  # so a costly round trip makes it try longer drafts
 
 
 def test_good_drafts_and_costly_round_trips_draft_longer() -> None:

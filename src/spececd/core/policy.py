@@ -13,9 +13,13 @@ drafting hides behind the round trip: the cost becomes ``max(k * t_draft, t_roun
 for rounds that hit, which the policy accounts for through the measured hit rate.
 
 Every estimate is an exponential moving average, so the choice follows a changing network
-or a change of topic. Acceptance counts start from a prior (``prior_accept`` over
-``prior_weight`` pseudo-rounds) so that the first rounds are not decided by noise. Pure:
-no clock, no I/O; the caller feeds measurements in seconds.
+or a change of topic. Each position's acceptance is shrunk toward a prior over
+``prior_weight`` pseudo-rounds so that the first rounds are not decided by noise: for the
+first position ``prior_accept``, for each later one the estimate of the position before
+it. A position the policy has rarely drafted so inherits what was learnt just before it
+(conditional acceptance changes slowly along a block) instead of a fixed guess, which
+would keep the policy from ever trying longer drafts. Pure: no clock, no I/O; the caller
+feeds measurements in seconds.
 """
 
 from __future__ import annotations
@@ -55,12 +59,16 @@ class DraftLengthPolicy:
         if self.k_max < 1:
             raise ValueError("k_max must be >= 1")
         self.k_initial = max(1, min(self.k_initial, self.k_max))
-        self._accepted = [self.prior_accept * self.prior_weight] * self.k_max
-        self._tried = [self.prior_weight] * self.k_max
+        self._accepted = [0.0] * self.k_max
+        self._tried = [0.0] * self.k_max
 
     def acceptance(self) -> list[float]:
         """Estimated ``a_i``: acceptance at position i given all before it were accepted."""
-        return [a / t for a, t in zip(self._accepted, self._tried, strict=True)]
+        estimates, prior = [], self.prior_accept
+        for accepted, tried in zip(self._accepted, self._tried, strict=True):
+            prior = (accepted + self.prior_weight * prior) / (tried + self.prior_weight)
+            estimates.append(prior)
+        return estimates
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                 network_s: float, proactive_hit: bool | None = None) -> None:
