@@ -68,6 +68,6 @@ def test_proactive_hits_hide_the_drafting_cost() -> None:
     proactive = DraftLengthPolicy(k_max=8, proactive=True)
     for policy in (plain, proactive):
         for _ in range(50):
-            policy.observe(4, 4, 0.004, 0.006, 0.02, proactive_hit=True)
+            policy.observe(4, 4, 0.004, 0.006, 0.02)
     assert proactive.cost(4) < plain.cost(4)
     assert proactive.cost(4) == pytest.approx(max(4 * 0.001, 0.006 + 0.02), rel=0.05)

@@ -10,7 +10,10 @@ sending the draft to having the verdict (the verify pass, modelled as
 
 With proactive drafting the next block is drafted while the verdict is in flight, so the
 drafting hides behind the round trip: the cost becomes ``max(k * t_draft, t_round(k))``
-for rounds that hit, which the policy accounts for through the measured hit rate.
+for rounds that hit. A round hits when all ``k`` drafts are accepted and the bonus token
+is the one guessed, probability ``a_1 ... a_k a_{k+1}`` from the same estimates, so a
+longer draft hides less (the hit rate measured in the statistics belongs to the ``k``
+values tried so far, so the policy does not use it).
 
 Every estimate is an exponential moving average, so the choice follows a changing network
 or a change of topic. Each position's acceptance is shrunk toward a prior over
@@ -52,7 +55,6 @@ class DraftLengthPolicy:
     _verify_base: _Ema = field(default_factory=lambda: _Ema(0.0))
     _verify_per_token: _Ema = field(default_factory=lambda: _Ema(0.0))
     _network: _Ema = field(default_factory=lambda: _Ema(0.0))
-    _hit_rate: _Ema = field(default_factory=lambda: _Ema(0.0))
     rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -71,10 +73,9 @@ class DraftLengthPolicy:
         return estimates
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                network_s: float, proactive_hit: bool | None = None) -> None:
+                network_s: float) -> None:
         """Feed one round: tokens drafted and accepted, the drafting time, the verifier's
-        reported time, the rest of the round trip; and, with proactive drafting, whether the
-        pre-drafted block was used."""
+        reported time, and the rest of the round trip."""
         self.rounds += 1
         self._accepted = [a * self.decay for a in self._accepted]
         self._tried = [t * self.decay for t in self._tried]
@@ -92,8 +93,6 @@ class DraftLengthPolicy:
             slope = max(0.0, (verify_s - self._verify_base.value) / drafted)
             self._verify_per_token.update(slope)
         self._network.update(max(0.0, network_s))
-        if proactive_hit is not None:
-            self._hit_rate.update(1.0 if proactive_hit else 0.0)
 
     def expected_tokens(self, k: int) -> float:
         gain, survive = 1.0, 1.0
@@ -108,7 +107,12 @@ class DraftLengthPolicy:
         drafting = k * self._draft_step.value
         if not self.proactive:
             return drafting + round_trip
-        hit = self._hit_rate.value if self._hit_rate.seen else 0.0
+        a = self.acceptance()
+        hit = 1.0
+        for i in range(min(k + 1, len(a))):
+            hit *= a[i]
+        if k + 1 > len(a):
+            hit *= a[-1]  # the bonus guess at the last position: its estimate
         return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
 
     def choose(self, limit: int | None = None) -> int:

@@ -235,8 +235,7 @@ class EdgeClient:
                     stats.proactive_hits += int(hit)
                 if policy is not None:
                     policy.observe(len(tokens), verdict.num_accepted, draft_s, verdict.verify_s,
-                                   round_s - verdict.verify_s - ahead_s,
-                                   hit if self.proactive else None)
+                                   round_s - verdict.verify_s - ahead_s)
                 emitted = (*tokens[:verdict.num_accepted], verdict.next_token)
                 history.extend(emitted)
                 out, finished = clip_emitted(emitted, params.stop_token_ids, remaining)
