@@ -119,7 +119,7 @@ class Generator:
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
         self.client = EdgeClient(Drafter(draft, max_support), connect, fingerprint,
                                  max_context, auth_token, reconnect, fallback, k_max=k_max)
-        self.proactive = proactive_setting(proactive)
+        self.proactive = proactive
 
     @classmethod
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from spececd.cloud.scheduler import BatchScheduler
 from spececd.cloud.verifier import Connection, VerifierService
+from spececd.core.policy import Ema
 from spececd.core.verify import VerifyResult
 from spececd.protocol import messages as m
 from spececd.protocol.errors import ServerBusy
@@ -67,15 +68,6 @@ class Inbox:
                     return []
                 return [item, *self.poll()]
         return self.poll()
-
-
-class _Ema:
-    def __init__(self, weight: float = 0.3) -> None:
-        self.value: float | None = None
-        self.weight = weight
-
-    def update(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
 
 
 @dataclass(frozen=True)
@@ -136,13 +128,14 @@ class VerifierServer:
             yield connection.verdict(out, result, seconds)
             return
         session = connection.session
-        turnaround, step_s = _Ema(), _Ema()  # edge's answer to a dry hint; a lone step
+        # The edge's answer to a dry hint, and a step without one.
+        turnaround, step_s = Ema(0.0, weight=0.3), Ema(0.0, weight=0.3)
         dry_since: float | None = time.perf_counter()
         while session.stream is not None and session.stream.request is out:
             if inbox is not None:
                 later = inbox.poll()
-                if (not later and dry_since is not None and turnaround.value is not None
-                        and step_s.value is not None and turnaround.value < step_s.value):
+                if (not later and dry_since is not None and turnaround.seen and step_s.seen
+                        and turnaround.value < step_s.value):
                     wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
                     later = await inbox.wait(wait - time.perf_counter())
                 for arrived, data in later:

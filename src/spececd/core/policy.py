@@ -27,11 +27,14 @@ feeds measurements in seconds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 @dataclass
-class _Ema:
+class Ema:
+    """An exponential moving average; the first value is taken as it is."""
+
     value: float
     weight: float = 0.2
     seen: bool = False
@@ -51,10 +54,10 @@ class DraftLengthPolicy:
     proactive: bool = False
     _accepted: list[float] = field(default_factory=list)  # position i: times accepted
     _tried: list[float] = field(default_factory=list)  # position i: times reached
-    _draft_step: _Ema = field(default_factory=lambda: _Ema(0.0))
-    _verify_base: _Ema = field(default_factory=lambda: _Ema(0.0))
-    _verify_per_token: _Ema = field(default_factory=lambda: _Ema(0.0))
-    _network: _Ema = field(default_factory=lambda: _Ema(0.0))
+    _draft_step: Ema = field(default_factory=lambda: Ema(0.0))
+    _verify_base: Ema = field(default_factory=lambda: Ema(0.0))
+    _verify_per_token: Ema = field(default_factory=lambda: Ema(0.0))
+    _network: Ema = field(default_factory=lambda: Ema(0.0))
     rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -107,12 +110,8 @@ class DraftLengthPolicy:
         drafting = k * self._draft_step.value
         if not self.proactive:
             return drafting + round_trip
-        a = self.acceptance()
-        hit = 1.0
-        for i in range(min(k + 1, len(a))):
-            hit *= a[i]
-        if k + 1 > len(a):
-            hit *= a[-1]  # the bonus guess at the last position: its estimate
+        a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
+        hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
         return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
 
     def choose(self, limit: int | None = None) -> int:

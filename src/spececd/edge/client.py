@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from spececd.core.policy import DraftLengthPolicy
+from spececd.core.policy import DraftLengthPolicy, Ema
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
@@ -314,7 +314,7 @@ class EdgeClient:
         sent = 0  # how many of them the server has been sent
         generated = 0
         requested = False
-        draft_step = server_step = 0.0  # seconds: one draft token, one lone server step
+        draft_step, server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone server step
         start = time.perf_counter()
 
         def request(greeted_now: bool) -> bytes | None:
@@ -345,8 +345,7 @@ class EdgeClient:
                     history.extend(ids)
                     stats.verify_s += reply.compute_s
                     if not reply.drafted and reply.compute_s > 0:
-                        server_step = (0.8 * server_step + 0.2 * reply.compute_s
-                                       if server_step else reply.compute_s)
+                        server_step.update(reply.compute_s)
                     if reply.drafted:
                         stats.record_round(reply.drafted, reply.accepted)
                     out, finished = clip_emitted(ids, params.stop_token_ids,
@@ -361,14 +360,13 @@ class EdgeClient:
                 want = min(ahead, room) - len(draft)
                 transport = self._transport
                 if want > 0 and transport is not None and hasattr(transport, "poll"):
-                    chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
-                             if draft_step and server_step else 2)
+                    chunk = (round(STREAM_CHUNK_OF_STEP * server_step.value / draft_step.value)
+                             if draft_step.value and server_step.value else 2)
                     t0 = time.perf_counter()
                     tokens, _ = self.drafter.draft([*history, *draft],
                                                    max(1, min(chunk, want)), mode, params, seed)
                     seconds = time.perf_counter() - t0
-                    per_token = seconds / max(1, len(tokens))
-                    draft_step = 0.8 * draft_step + 0.2 * per_token if draft_step else per_token
+                    draft_step.update(seconds / max(1, len(tokens)))
                     stats.draft_s += seconds
                     stats.draft_steps += len(tokens)
                     draft.extend(tokens)

@@ -176,9 +176,7 @@ class WebSocketTransport:
             frame = self._ws.recv(timeout=self.recv_timeout)
         except (ConnectionClosed, OSError, TimeoutError) as exc:
             raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
-        data = frame if isinstance(frame, bytes) else frame.encode()
-        self.bytes_received += frame_bytes(len(data), masked=False)
-        return data
+        return self._received(frame)
 
     def poll(self) -> bytes | None:
         """A frame that has already arrived, or None; never waits."""
@@ -188,6 +186,9 @@ class WebSocketTransport:
             return None
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+        return self._received(frame)
+
+    def _received(self, frame: str | bytes) -> bytes:
         data = frame if isinstance(frame, bytes) else frame.encode()
         self.bytes_received += frame_bytes(len(data), masked=False)
         return data
