@@ -22,14 +22,13 @@ from typing import Any
 
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend
-from spececd.cloud.verifier import VerifierService
 from spececd.core.sampling import Mode, SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient, Reconnect
 from spececd.edge.drafter import DEFAULT_MAX_SUPPORT, Drafter
 from spececd.errors import InputError
 from spececd.transports.base import Transport
-from spececd.transports.memory import MemoryTransport
+from spececd.transports.memory import local_verifier
 
 
 @dataclass(frozen=True)
@@ -160,9 +159,9 @@ class Generator:
             raise InputError(f"draft {draft!r} and target {target!r} have incompatible "
                              f"tokenizers or vocabularies; pick a draft model that shares the "
                              f"target's tokenizer")
-        service = VerifierService(target_backend)
-        return cls(draft_backend, lambda: MemoryTransport(service),
-                   max_context=min(draft_backend.max_context, service.limits.max_context),
+        verifier = local_verifier(target_backend)
+        return cls(draft_backend, verifier,
+                   max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
                    mode=mode, k=k, max_support=max_support, fallback=fallback,
                    target=target_backend, proactive=proactive or False)
 

@@ -459,17 +459,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()
     from spececd.backends.registry import load_backend
-    from spececd.cloud.server import ServerPolicy, VerifierServer
-    from spececd.cloud.verifier import VerifierService
+    from spececd.cloud.engine import Engine, EnginePolicy
     from spececd.protocol.session import Limits
     from spececd.transports import websocket
 
     backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
                            dtype=cfg.dtype, threads=cfg.threads)
-    service = VerifierService(backend, Limits(cfg.max_draft, cfg.max_context,
-                                              cfg.max_message_bytes), token)
-    server = VerifierServer(service, ServerPolicy(cfg.max_sessions, cfg.idle_timeout,
-                                                  cfg.max_batch, cfg.max_kv_bytes))
+    engine = Engine(backend, Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes),
+                    EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch,
+                                 cfg.max_kv_bytes), token)
     context = websocket.server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
     scheme = "wss" if context else "ws"
 
@@ -479,11 +477,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
     try:
-        asyncio.run(websocket.serve(server, cfg.host, cfg.port, context, ready))
+        asyncio.run(websocket.serve(engine, cfg.host, cfg.port, context, ready))
     except OSError as exc:
         raise InputError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
     finally:
-        server.shutdown()
+        engine.close()
     return 0
 
 

@@ -6,8 +6,9 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
 - ``spececd_draft_tokens_total``, ``spececd_accepted_tokens_total``;
 - ``spececd_accepted_tokens_by_position_total{position}`` and
   ``spececd_draft_tokens_by_position_total{position}``: acceptance per draft position;
-- ``spececd_generated_tokens_total``: tokens the target produced (corrections, bonuses and
-  cloud-only tokens);
+- ``spececd_generated_tokens_total``: tokens the target produced itself (corrections,
+  bonuses and cloud-only tokens), so that every token sent to an edge is counted once, in
+  this or in ``spececd_accepted_tokens_total``;
 - ``spececd_batch_size``: histogram of sessions per target forward pass;
 - ``spececd_verify_latency_seconds``: histogram of verification passes;
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
@@ -51,16 +52,21 @@ class Metrics:
         self.kv_evictions = Counter("spececd_kv_evictions",
                                     "KV caches freed to stay under --max-kv-bytes", registry=r)
 
-    def record_verdict(self, drafted: int, accepted: int, seconds: float) -> None:
+    def record_pass(self, drafted: int, accepted: int, generated: int, seconds: float) -> None:
+        """One verification pass of a session: ``drafted`` tokens verified (0: a plain
+        step of a cloud-only generation), ``accepted`` of them kept, ``generated`` tokens
+        of the target's own emitted (0 or 1)."""
+        self.generated_tokens.inc(generated)
+        self.verify_latency.observe(seconds)
+        if not drafted:
+            return
         self.drafts.inc()
         self.draft_tokens.inc(drafted)
         self.accepted_tokens.inc(accepted)
-        self.generated_tokens.inc()
         for i in range(drafted):
             self.drafted_by_position.labels(str(i)).inc()
             if i < accepted:
                 self.accepted_by_position.labels(str(i)).inc()
-        self.verify_latency.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)  # type: ignore[no-any-return]

@@ -9,74 +9,122 @@ batch grows by itself. Each session keeps its own KV cache; a batch pads them to
 the pass and hands each its own back (``Backend.extend_batch``).
 
 Batching changes nothing but floating-point rounding: every session's tokens, RNG stream
-and acceptance decisions are its own.
+and acceptance decisions are its own. The scheduler knows nothing of sessions beyond the
+cache each job runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
+import numpy as np
+
+from spececd.backends.base import Backend, CachedSequence, sync
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.verifier import Connection, run_verifications
-from spececd.core.verify import VerifyResult
+from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
+from spececd.core.verify import VerifyResult, verify
 from spececd.protocol.session import VerifyRequest
 
 log = logging.getLogger(__name__)
 
-Job = tuple[Connection, VerifyRequest, "asyncio.Future[tuple[VerifyResult, float, int]]"]
+
+class VerificationError(Exception):
+    """A verification pass failed (the backend raised); the job's cache is unusable."""
+
+
+def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
+                      ) -> list[VerifyResult]:
+    """Verify each request's tokens after its context on its own cached sequence, all in
+    one target forward pass (``Backend.extend_batch``)."""
+    items = []
+    for sequence, request in work:
+        feed = sync(sequence, request.context)
+        items.append((sequence, [*feed, *request.tokens], len(request.tokens) + 1))
+    all_logits = backend.extend_batch(items)
+    results = []
+    for (_, request), logits in zip(work, all_logits, strict=True):  # logits: [k + 1, vocab]
+        target_probs = process_logits(logits, request.params)
+        assert request.params.seed is not None
+        rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
+        results.append(verify(request.tokens, target_probs, rngs, request.mode,
+                              request.draft_probs))
+    return results
+
+
+def _position_rng(seed: int, start: int, offset: int) -> np.random.Generator:
+    return round_rng(seed, VERIFIER_STREAM, start + offset)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A job's outcome: its result, the duration of the pass it ran in, the batch size."""
+
+    result: VerifyResult
+    seconds: float
+    batch: int
+
+
+@dataclass
+class _Job:
+    sequence: CachedSequence
+    request: VerifyRequest
+    future: asyncio.Future[Pass]
 
 
 class BatchScheduler:
-    def __init__(self, executor: Executor, metrics: Metrics, max_batch: int = 32) -> None:
+    def __init__(self, backend: Backend, executor: Executor, metrics: Metrics,
+                 max_batch: int = 32) -> None:
+        self.backend = backend
         self.executor = executor
         self.metrics = metrics
         self.max_batch = max_batch
-        self._queue: list[Job] = []
-        self._wake = asyncio.Event()
+        self._queue: list[_Job] = []
+        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def verify(self, connection: Connection, request: VerifyRequest
-                     ) -> tuple[VerifyResult, float, int]:
-        """Run ``request`` in the next batch; return its result, the pass's duration and the
-        batch size."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        future: asyncio.Future[tuple[VerifyResult, float, int]] = (
-            asyncio.get_running_loop().create_future())
-        self._queue.append((connection, request, future))
+    async def verify(self, sequence: CachedSequence, request: VerifyRequest) -> Pass:
+        """Run ``request`` on ``sequence`` in the next batch. Raises
+        :class:`VerificationError` when the pass fails for this job."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._wake is None:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(self._wake))
+        future: asyncio.Future[Pass] = loop.create_future()
+        self._queue.append(_Job(sequence, request, future))
         self._wake.set()
         return await future
 
-    async def _run(self) -> None:
+    async def _run(self, wake: asyncio.Event) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await wake.wait()
+            wake.clear()
             while self._queue:
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-                for job in batch:  # a session that closed while queued has no cache left
-                    if job[0].sequence is None and not job[2].done():
-                        job[2].set_exception(ConnectionError("session closed"))
-                batch = [job for job in batch if not job[2].done()]
+                batch = [job for job in batch if not job.future.done()]  # cancelled: left
                 if batch:
                     await self._pass(batch)
 
-    async def _pass(self, batch: list[Job]) -> None:
+    async def _pass(self, batch: list[_Job]) -> None:
         """One batched forward pass; if it fails, each job alone, so that one bad request
         fails only itself."""
         loop = asyncio.get_running_loop()
-        backend = batch[0][0].service.backend
         start = time.perf_counter()
         try:
             results = await loop.run_in_executor(
-                self.executor, run_verifications, backend,
-                [(c.sequence, r) for c, r, _ in batch])
-        except Exception:
+                self.executor, run_verifications, self.backend,
+                [(job.sequence, job.request) for job in batch])
+        except Exception as exc:
             if len(batch) == 1:
-                batch[0][2].set_exception(RuntimeError("verification failed"))
                 log.exception("verification failed")
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(VerificationError(
+                        f"{type(exc).__name__}: {exc}"))
                 return
             log.exception("batched verification failed; retrying one by one")
             for job in batch:
@@ -84,9 +132,9 @@ class BatchScheduler:
             return
         seconds = time.perf_counter() - start
         self.metrics.batch_size.observe(len(batch))
-        for (_, _, future), result in zip(batch, results, strict=True):
-            if not future.done():
-                future.set_result((result, seconds, len(batch)))
+        for job, result in zip(batch, results, strict=True):
+            if not job.future.done():
+                job.future.set_result(Pass(result, seconds, len(batch)))
 
     def close(self) -> None:
         if self._task is not None:

@@ -16,7 +16,9 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── InvalidProbabilities  NaN, negative, non-normalised or inconsistent draft_probs
     ├── LimitExceeded         over a configured limit (draft length, context, message size)
     ├── OutOfOrder            a sequence number or context length that does not follow
-    └── ServerBusy            no capacity for another session                    (fatal)
+    ├── ServerBusy            no capacity for another session                    (fatal)
+    └── VerificationFailed    the server could not run the target pass; the session stays
+                              usable (a new draft builds on what the server held before)
 """
 
 from __future__ import annotations
@@ -73,11 +75,15 @@ class ServerBusy(ProtocolError):
     fatal = True
 
 
+class VerificationFailed(ProtocolError):
+    code = "verification_failed"
+
+
 _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
                 IncompatibleModels, AuthFailed, InvalidTokens, InvalidProbabilities,
-                LimitExceeded, OutOfOrder, ServerBusy)
+                LimitExceeded, OutOfOrder, ServerBusy, VerificationFailed)
 }
 
 

@@ -1,10 +1,10 @@
 """WebSocket transport: binary frames over the ``websockets`` library, both sides.
 
-Server: :func:`serve` runs a :class:`~spececd.cloud.server.VerifierServer` behind
-``websockets.asyncio.server``. One connection is one session; each binary frame goes to
-the session's :class:`~spececd.cloud.verifier.Connection` and every reply goes back as a
-binary frame. A connection silent for longer than the idle timeout is closed (code 1001)
-and its KV cache freed. Plain HTTP on the same port: ``GET /healthz`` (alive),
+Server: :func:`serve` puts an :class:`~spececd.cloud.engine.Engine` behind
+``websockets.asyncio.server``. One connection is one engine link: each binary frame read
+goes into it, and every reply goes back as a binary frame. How the link ends decides the
+close code: 1000 when the session closed, 1001 after the idle timeout, 1013 when the
+server was full. Plain HTTP on the same port: ``GET /healthz`` (alive),
 ``GET /readyz`` (200 while a session can be opened, else 503), ``GET /status`` (a JSON
 summary) and ``GET /metrics`` (Prometheus).
 
@@ -33,7 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
-from spececd.cloud.server import Inbox, VerifierServer
+from spececd.cloud.engine import Ending, Engine
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +54,22 @@ def client_ssl_context(cafile: str | None = None, verify: bool = True) -> ssl.SS
     return context
 
 
-def _http_handler(server: VerifierServer) -> Callable[[ServerConnection, Request],
+def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
                                                       Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
         if request.path == "/readyz":
-            if server.ready():
+            if engine.ready():
                 return connection.respond(HTTPStatus.OK, "ready\n")
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "full\n")
         if request.path == "/metrics":
-            body = server.service.metrics.exposition()
+            body = engine.metrics.exposition()
             return Response(HTTPStatus.OK, "OK", Headers([
                 ("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
                 ("Content-Length", str(len(body)))]), body)
         if request.path == "/status":
-            response = connection.respond(HTTPStatus.OK, json.dumps(server.status()) + "\n")
+            response = connection.respond(HTTPStatus.OK, json.dumps(engine.status()) + "\n")
             response.headers["Content-Type"] = "application/json"
             return response
         return None  # a WebSocket upgrade
@@ -77,59 +77,43 @@ def _http_handler(server: VerifierServer) -> Callable[[ServerConnection, Request
     return process_request
 
 
-def _handler(server: VerifierServer) -> Callable[[ServerConnection], Awaitable[None]]:
+CLOSE_CODES = {Ending.CLOSED: (1000, "session closed"), Ending.IDLE: (1001, "idle timeout"),
+               Ending.REFUSED: (1013, "server busy")}
+
+
+def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
     async def handle(ws: ServerConnection) -> None:
-        opened = server.open()
-        if isinstance(opened, bytes):  # full: say why, then close
-            await ws.send(opened)
-            await ws.close(1013, "server busy")
-            return
-        connection, idle = opened, False
-        # Frames are read as they come, so that a running generation sees the hints sent
-        # for it between its steps.
-        inbox = Inbox()
+        link = engine.open()
 
         async def read() -> None:
             try:
                 async for frame in ws:
-                    inbox.put(frame if isinstance(frame, bytes) else frame.encode())
+                    link.put(frame if isinstance(frame, bytes) else frame.encode())
             except ConnectionClosed:
                 pass
             finally:
-                inbox.end()
+                link.end()
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            while True:
-                try:
-                    data = await inbox.get(server.policy.idle_timeout)
-                except TimeoutError:
-                    idle = True
-                    await ws.close(1001, "idle timeout")
-                    return
-                if data is None:
-                    return  # the client left, maybe mid-round: nothing more to do for it
-                async for reply in server.receive(connection, data, inbox):
-                    await ws.send(reply)
-                if connection.closed:
-                    await ws.close(1000, "session closed")
-                    return
+            ending = await engine.serve(link, ws.send)
+            if ending in CLOSE_CODES:
+                await ws.close(*CLOSE_CODES[ending])
         except ConnectionClosed:
-            pass
+            pass  # the client left, maybe mid-round: nothing more to do for it
         finally:
             reader.cancel()
-            server.release(connection, idle=idle)
 
     return handle
 
 
-async def serve(server: VerifierServer, host: str, port: int,
+async def serve(engine: Engine, host: str, port: int,
                 ssl_context: ssl.SSLContext | None = None,
                 ready: Callable[[Server], None] | None = None) -> None:
     """Serve until cancelled."""
-    limit = server.service.limits.max_message_bytes + WS_OVERHEAD
-    async with ws_serve(_handler(server), host, port, ssl=ssl_context, max_size=limit,
-                        compression=None, process_request=_http_handler(server)) as ws_server:
+    limit = engine.limits.max_message_bytes + WS_OVERHEAD
+    async with ws_serve(_handler(engine), host, port, ssl=ssl_context, max_size=limit,
+                        compression=None, process_request=_http_handler(engine)) as ws_server:
         if ready is not None:
             ready(ws_server)
         await asyncio.get_running_loop().create_future()

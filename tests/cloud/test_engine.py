@@ -1,0 +1,168 @@
+"""The engine loop without sockets: frames in through a link, frames out through ``send``.
+
+Deterministic by construction: each test puts every frame into the link before the loop
+reads any, so what the engine does between steps does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from spececd.backends.base import Backend, CachedSequence, tokenizer_fingerprint
+from spececd.backends.registry import load_backend
+from spececd.cloud.engine import Ending, Engine, EnginePolicy
+from spececd.protocol import messages as m
+from tests.e2e.test_inprocess import hf_greedy
+
+PROMPT = (5, 17, 42, 99, 3)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: dict[str, Path]) -> Backend:
+    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+
+
+def hello(backend: Backend, mode: str = "match", temperature: float = 0.0) -> bytes:
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    return m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, mode, temperature, 0, 1.0, 7))
+
+
+def generated(replies: list[m.Message]) -> bool:
+    return any(isinstance(r, m.Tokens) and r.done for r in replies)
+
+
+def run(engine: Engine, frames: Sequence[bytes],
+        until: Callable[[list[m.Message]], bool] | None = generated
+        ) -> tuple[list[m.Message], Ending]:
+    """Serve one link that received ``frames``; the client leaves once the replies
+    satisfy ``until`` (None: it stays). The decoded replies and how the link ended."""
+    replies: list[m.Message] = []
+
+    async def main() -> Ending:
+        link = engine.open()
+        for frame in frames:
+            link.put(frame)
+
+        async def send(frame: bytes) -> None:
+            replies.append(m.decode(frame))
+            if until is not None and until(replies):
+                link.end()
+
+        return await engine.serve(link, send)
+
+    return replies, asyncio.run(main())
+
+
+def test_a_hint_that_arrives_before_a_step_is_verified_and_used(
+        target: Backend, tiny_models: dict[str, Path]) -> None:
+    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 12)
+    engine = Engine(target)
+    # The hint holds the target's own next 6 tokens, and is there before the first step.
+    replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 12)),
+                              m.encode(m.Hint(len(PROMPT), tuple(expected[:6])))])
+    tokens = [r for r in replies if isinstance(r, m.Tokens)]
+    assert [t for r in tokens for t in r.token_ids] == expected
+    assert (tokens[0].drafted, tokens[0].accepted) == (6, 6)
+    assert tokens[0].token_ids == tuple(expected[:7])  # six hinted and one of its own
+    assert all(r.drafted == 0 for r in tokens[1:])  # the hint is used up
+    assert sum(len(r.token_ids) for r in tokens) == 12 and tokens[-1].done
+
+
+def test_a_wrong_hint_is_verified_and_costs_nothing(
+        target: Backend, tiny_models: dict[str, Path]) -> None:
+    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 8)
+    wrong = tuple((t + 1) % target.vocab_size for t in expected[:4])
+    replies, _ = run(Engine(target), [hello(target), m.encode(m.Generate(1, 0, PROMPT, 8)),
+                                      m.encode(m.Hint(len(PROMPT), wrong))])
+    tokens = [r for r in replies if isinstance(r, m.Tokens)]
+    assert [t for r in tokens for t in r.token_ids] == expected
+    assert (tokens[0].drafted, tokens[0].accepted, len(tokens[0].token_ids)) == (4, 0, 1)
+
+
+def sample(engine: Engine, name: str, labels: dict[str, str] | None = None) -> float:
+    value = engine.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def test_every_token_sent_is_counted_once_generated_or_accepted(
+        target: Backend, tiny_models: dict[str, Path]) -> None:
+    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 10)
+    engine = Engine(target)
+    replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 10)),
+                              m.encode(m.Hint(len(PROMPT), tuple(expected[:3])))])
+    sent = sum(len(r.token_ids) for r in replies if isinstance(r, m.Tokens))
+    generated = sample(engine, "spececd_generated_tokens_total")
+    accepted = sample(engine, "spececd_accepted_tokens_total")
+    assert (sent, accepted, generated) == (10, 3, 7)
+    # A round: one draft of four, the verifier's own token counted once.
+    engine = Engine(target)
+    run(engine, [hello(target), m.encode(m.Draft(1, 0, PROMPT, tuple(expected[:4])))],
+        until=lambda replies: len(replies) == 2)
+    assert sample(engine, "spececd_generated_tokens_total") == 1
+    assert sample(engine, "spececd_accepted_tokens_total") == 4
+    assert sample(engine, "spececd_drafts_total") == 1
+
+
+class FailingBackend:
+    """The tiny target, except that a pass over a chosen token raises: a backend
+    failure the engine must turn into a typed error for that session alone."""
+
+    def __init__(self, backend: Backend, poison: int) -> None:
+        self._backend, self.poison = backend, poison
+        self.name, self.vocab_size = backend.name, backend.vocab_size
+        self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
+        self.description, self.kv_bytes_per_token = "failing", backend.kv_bytes_per_token
+
+    def new_sequence(self) -> CachedSequence:
+        return self._backend.new_sequence()
+
+    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
+                     ) -> list[Any]:
+        if any(self.poison in ids for _, ids, _ in items):
+            raise RuntimeError("device lost")
+        return [sequence.extend(ids, keep) for sequence, ids, keep in items]
+
+
+def test_a_failed_verification_is_a_typed_error_and_the_session_goes_on(
+        target: Backend, tiny_models: dict[str, Path]) -> None:
+    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 3)
+    poison = next(t for t in range(target.vocab_size) if t not in (*expected, *PROMPT))
+    backend = FailingBackend(target, poison)
+    replies, ending = run(Engine(backend), [  # type: ignore[arg-type]
+        hello(target), m.encode(m.Draft(1, 0, PROMPT, (poison, poison))),
+        m.encode(m.Draft(2, 0, PROMPT, tuple(expected[:2])))],
+        until=lambda replies: len(replies) == 3)
+    assert isinstance(replies[1], m.Error) and replies[1].code == "verification_failed"
+    assert replies[1].seq == 1 and not replies[1].fatal
+    assert replies[2] == m.Verdict(2, 2, expected[2], replies[2].verify_s)  # type: ignore[union-attr]
+    assert ending is Ending.CLIENT_LEFT
+
+
+def test_idle_links_end_and_a_full_server_refuses_with_a_typed_error(target: Backend) -> None:
+    engine = Engine(target, policy=EnginePolicy(max_sessions=1, idle_timeout=0.05))
+    _replies, ending = run(engine, [hello(target)], until=None)
+    assert ending is Ending.IDLE and engine.evicted_idle == 1 and not engine.links
+
+    async def full() -> tuple[list[m.Message], Ending]:
+        first, second = engine.open(), engine.open()
+        sent: list[m.Message] = []
+
+        async def send(frame: bytes) -> None:
+            sent.append(m.decode(frame))
+
+        ending = await engine.serve(second, send)
+        first.end()
+        await engine.serve(first, send)
+        return sent, ending
+
+    sent, ending = asyncio.run(full())
+    assert ending is Ending.REFUSED
+    assert isinstance(sent[0], m.Error) and sent[0].code == "server_busy" and sent[0].fatal
+    assert not engine.links
