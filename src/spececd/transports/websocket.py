@@ -34,24 +34,13 @@ from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
 from spececd.cloud.engine import Ending, Engine
+from spececd.transports.tls import client_ssl_context, server_ssl_context
 
 log = logging.getLogger(__name__)
 
+__all__ = ["WebSocketTransport", "client_ssl_context", "serve", "server_ssl_context"]
+
 WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the socket refuses
-
-
-def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    return context
-
-
-def client_ssl_context(cafile: str | None = None, verify: bool = True) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=cafile)
-    if not verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
