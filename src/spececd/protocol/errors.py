@@ -16,6 +16,8 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── InvalidProbabilities  NaN, negative, non-normalised or inconsistent draft_probs
     ├── LimitExceeded         over a configured limit (draft length, context, message size)
     ├── OutOfOrder            a sequence number or context length that does not follow
+    ├── UnknownSession        a session or link id the server does not hold (never had, or
+    │                         closed or idled out): open a new one and re-send the history
     ├── ServerBusy            no capacity for another session                    (fatal)
     └── VerificationFailed    the server could not run the target pass; the session stays
                               usable (a new draft builds on what the server held before)
@@ -70,6 +72,10 @@ class OutOfOrder(ProtocolError):
     code = "out_of_order"
 
 
+class UnknownSession(ProtocolError):
+    code = "unknown_session"
+
+
 class ServerBusy(ProtocolError):
     code = "server_busy"
     fatal = True
@@ -83,7 +89,8 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
                 IncompatibleModels, AuthFailed, InvalidTokens, InvalidProbabilities,
-                LimitExceeded, OutOfOrder, ServerBusy, VerificationFailed)
+                LimitExceeded, OutOfOrder, UnknownSession, ServerBusy,
+                VerificationFailed)
 }
 
 
