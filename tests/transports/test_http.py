@@ -33,10 +33,12 @@ from spececd.backends.base import Backend, tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
+from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
 from spececd.protocol.session import Limits  # noqa: E402
+from spececd.transports import http as http_transport  # noqa: E402
 from spececd.transports.http import FIRST_REPLY, HttpTransport, serve, unpack_replies  # noqa: E402
 from spececd.transports.tls import server_ssl_context  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
@@ -156,7 +158,7 @@ def test_stream_drafting_hints_are_verified_when_the_draft_is_the_target(
     with edge(target, server.url, k=4, proactive="stream") as gen:
         out = gen.generate(PROMPTS[0], max_tokens=40, temperature=0, stop_token_ids=[])
     assert out.token_ids == reference[PROMPTS[0]]
-    assert out.stats.drafted == out.stats.accepted
+    assert out.stats.drafted > 0 and out.stats.accepted == out.stats.drafted
 
 
 def test_a_server_restart_mid_generation_is_resumed_unchanged(
@@ -169,13 +171,14 @@ def test_a_server_restart_mid_generation_is_resumed_unchanged(
             expected = gen.generate(PROMPTS[1], max_tokens=40, temperature=0.9, seed=5,
                                     stop_token_ids=[]).token_ids
             tokens: list[int] = []
-            for i, chunk in enumerate(gen.stream(PROMPTS[1], max_tokens=40, temperature=0.9,
-                                                 seed=5, stop_token_ids=[])):
+            stats = GenerationStats()
+            for i, chunk in enumerate(gen.stream(PROMPTS[1], stats, max_tokens=40,
+                                                 temperature=0.9, seed=5, stop_token_ids=[])):
                 tokens.extend(chunk.token_ids)
                 if i == 2:
                     first.stop()
                     second = ThreadServer(Engine(target), port=port)
-            assert tokens == expected
+            assert tokens == expected and stats.reconnects >= 1
     finally:
         (second or first).stop()
 
@@ -184,25 +187,45 @@ def test_an_ended_link_is_reopened_and_the_output_is_unchanged(
         server: ThreadServer, draft: Backend, reference: dict[str, list[int]]) -> None:
     with edge(draft, server.url, k=3) as gen:
         tokens: list[int] = []
-        link_before = None
-        for i, chunk in enumerate(gen.stream(PROMPTS[2], max_tokens=40, temperature=0,
+        stats = GenerationStats()
+        for i, chunk in enumerate(gen.stream(PROMPTS[2], stats, max_tokens=40, temperature=0,
                                              stop_token_ids=[])):
             tokens.extend(chunk.token_ids)
+            transport = gen.client._transport
+            assert isinstance(transport, HttpTransport) and transport._link is not None
             if i == 2:
-                transport = gen.client._transport
-                assert isinstance(transport, HttpTransport) and transport._link
                 status, _, _ = server.request("DELETE", transport._link)
                 assert status == 204  # the server forgot the link: the next POST gets 404
-            if i == 4:
-                # A kept-alive connection that broke under the client: written again on
-                # a new one, the link stays.
-                transport = gen.client._transport
-                assert isinstance(transport, HttpTransport) and transport._conn is not None
-                link_before = transport._link
+            if i == 4:  # the connection breaks under the link, which goes on
+                link = transport._link
+                assert transport._conn is not None
                 transport._conn.sock.close()
         assert tokens == reference[PROMPTS[2]]
-        assert gen.client._transport is not None
-        assert gen.client._transport._link == link_before  # type: ignore[attr-defined]
+        assert stats.reconnects == 1  # for the deleted link only
+        assert gen.client._transport is transport and transport._link == link
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_unnoticed(
+        monkeypatch: pytest.MonkeyPatch, target: Backend, draft: Backend,
+        reference: dict[str, list[int]]) -> None:
+    monkeypatch.setattr(http_transport, "KEEP_ALIVE", 1)
+    proc = ThreadServer(Engine(target))
+    try:
+        with edge(draft, proc.url, k=3) as gen:
+            connections, links = [], []
+            for prompt in PROMPTS[:2]:
+                out = gen.generate(prompt, max_tokens=40, temperature=0, stop_token_ids=[])
+                assert out.token_ids == reference[prompt] and out.stats.reconnects == 0
+                transport = gen.client._transport
+                assert isinstance(transport, HttpTransport)
+                connections.append(transport._conn)
+                links.append(transport._link)
+                time.sleep(1.6)  # the server closes the kept-alive connection meanwhile
+            # The second generation found the connection closed and went on, on a new
+            # connection, with the same link.
+            assert connections[0] is not connections[1] and links[0] == links[1]
+    finally:
+        proc.stop()
 
 
 def test_frames_are_numbered_and_replies_acknowledged(server: ThreadServer,
@@ -491,19 +514,18 @@ def junk_json(rng: random.Random, keys: Sequence[str]) -> bytes:
 
 def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
         server: ThreadServer, draft: Backend, target: Backend) -> None:
-    with edge(draft, server.url, k=3) as gen:
+    with edge(draft, server.url, k=3, proactive="stream") as gen:
         expected = gen.generate(PROMPTS[3], max_tokens=60, temperature=0.8, seed=3,
                                 stop_token_ids=[]).token_ids
-    legit: dict[str, list[int]] = {}
+    legit: list[list[int]] = []
+    fuzzing = threading.Event()
+    fuzzing.set()
 
-    def legitimate() -> None:
-        with edge(draft, server.url, k=3) as g:
-            tokens = []
-            for chunk in g.stream(PROMPTS[3], max_tokens=60, temperature=0.8, seed=3,
-                                  stop_token_ids=[]):
-                tokens.extend(chunk.token_ids)
-                time.sleep(0.02)  # stay alive across the fuzzing
-            legit["tokens"] = tokens
+    def legitimate() -> None:  # one session, generating again until the fuzzing is over
+        with edge(draft, server.url, k=3, proactive="stream") as g:
+            while fuzzing.is_set() or not legit:
+                legit.append(g.generate(PROMPTS[3], max_tokens=60, temperature=0.8, seed=3,
+                                        stop_token_ids=[]).token_ids)
 
     thread = threading.Thread(target=legitimate)
     thread.start()
@@ -570,9 +592,11 @@ def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
             if path == "/v1/sessions" and status == 201:
                 call("DELETE", f"/v1/sessions/{json.loads(data)['session_id']}")
     conn.close()
+    fuzzing.clear()
     thread.join(timeout=120)
-    print(f"fuzz: {counts}, statuses {dict(sorted(statuses.items()))}")
+    print(f"fuzz: {counts}, statuses {dict(sorted(statuses.items()))}, "
+          f"{len(legit)} legitimate generations meanwhile")
     assert counts["frames"] >= 1000 and counts["json"] >= 1000
     assert statuses[400] > 500 and statuses[200] > 500
-    assert legit["tokens"] == expected
+    assert len(legit) > 1 and all(tokens == expected for tokens in legit)
     assert server.request("GET", "/healthz")[0] == 200

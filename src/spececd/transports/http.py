@@ -654,7 +654,7 @@ async def serve(engine: Engine, host: str, port: int,
     that cannot be bound raises ``OSError``."""
     app = create_app(engine)
     config = uvicorn.Config(
-        app, lifespan="off", log_config=None, access_log=False, server_header=False,
+        app, lifespan="off", ws="none", log_config=None, access_log=False, server_header=False,
         date_header=False, timeout_keep_alive=KEEP_ALIVE, timeout_graceful_shutdown=2,
         ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)
     server = _Server(config)
