@@ -38,8 +38,10 @@ from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
 from spececd.protocol.session import Limits  # noqa: E402
-from spececd.transports import http as http_transport  # noqa: E402
-from spececd.transports.http import FIRST_REPLY, HttpTransport, serve, unpack_replies  # noqa: E402
+from spececd.transports.http import HttpTransport, serve  # noqa: E402
+from spececd.transports.http import server as http_server  # noqa: E402
+from spececd.transports.http.client import unpack_replies  # noqa: E402
+from spececd.transports.http.links import FIRST_REPLY  # noqa: E402
 from spececd.transports.tls import server_ssl_context  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 
@@ -208,7 +210,7 @@ def test_an_ended_link_is_reopened_and_the_output_is_unchanged(
 def test_a_connection_the_server_closed_while_idle_is_replaced_unnoticed(
         monkeypatch: pytest.MonkeyPatch, target: Backend, draft: Backend,
         reference: dict[str, list[int]]) -> None:
-    monkeypatch.setattr(http_transport, "KEEP_ALIVE", 1)
+    monkeypatch.setattr(http_server, "KEEP_ALIVE", 1)
     proc = ThreadServer(Engine(target))
     try:
         with edge(draft, proc.url, k=3) as gen:

@@ -1,0 +1,139 @@
+"""The HTTP server: frame links, JSON sessions and the operators' endpoints on one port.
+
+:func:`create_app` builds the FastAPI app for an engine (its OpenAPI schema describes every
+endpoint); :func:`serve` runs it with uvicorn on the caller's event loop until cancelled.
+Plain HTTP next to the API, as on the WebSocket server: ``GET /healthz`` (alive),
+``GET /readyz`` (200 while a session can be opened, else 503), ``GET /status`` (a JSON
+summary) and ``GET /metrics`` (Prometheus); these need no token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Response
+from fastapi.responses import PlainTextResponse
+
+from spececd.cloud.engine import Engine
+from spececd.protocol import messages as m
+from spececd.transports.http import links, sessions
+from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors
+
+KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
+
+ops = APIRouter(tags=["operations"])
+
+
+@ops.get("/healthz", response_class=PlainTextResponse)
+async def healthz() -> str:
+    """Alive."""
+    return "ok\n"
+
+
+@ops.get("/readyz", response_class=PlainTextResponse,
+         responses={503: {"description": "full: no session can be opened now"}})
+async def readyz(engine: EngineDep) -> PlainTextResponse:
+    """200 while a session can be opened."""
+    if engine.ready():
+        return PlainTextResponse("ready\n")
+    return PlainTextResponse("full\n", 503)
+
+
+@ops.get("/status")
+async def status(engine: EngineDep) -> dict[str, Any]:
+    """Sessions, KV cache, evictions, errors by code, uptime and model."""
+    return engine.status()
+
+
+@ops.get("/metrics", response_class=PlainTextResponse)
+async def metrics(engine: EngineDep) -> Response:
+    """Prometheus metrics."""
+    return Response(engine.metrics.exposition(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="SpecECD verifier", version=str(m.PROTOCOL_VERSION),
+                  summary="Lossless speculative decoding: the cloud's verifier", redoc_url=None)
+    app.state.engine = engine
+    app.state.links = links.Links(engine)
+    app.state.sessions = sessions.Sessions(engine)
+    for router in (links.router, sessions.router, ops):
+        app.include_router(router)
+    app.add_middleware(BodyLimit, limit=engine.limits.max_message_bytes, engine=engine)
+    answer_errors(app, engine)
+    schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, less the 422 answers it documents by default: a request
+        that fails validation is answered 400 ``malformed_frame`` here."""
+        if app.openapi_schema is None:
+            for operations in schema()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                app.openapi_schema["components"]["schemas"].pop(name, None)  # type: ignore[index]
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket whose protocol is named (``IPPROTO_TCP``, as getaddrinfo
+    gives it), so that asyncio sets ``TCP_NODELAY`` on the connections it accepts. Without
+    it (``socket.create_server`` leaves the protocol 0) a response's headers and body,
+    written apart, wait about 40 ms for the client's delayed ACK."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the caller's event loop owns the signals: cancel serve() to stop
+
+
+async def serve(engine: Engine, host: str, port: int,
+                ssl_context: ssl.SSLContext | None = None,
+                ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled; ``ready`` gets the bound port (so port 0 works). A port that
+    cannot be bound raises ``OSError``. The caller closes the engine."""
+    app = create_app(engine)
+    config = uvicorn.Config(
+        app, lifespan="off", ws="none", log_config=None, access_log=False,
+        server_header=False, date_header=False, timeout_keep_alive=KEEP_ALIVE,
+        timeout_graceful_shutdown=2,
+        ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)
+    server = _Server(config)
+    sock = listen(host, port)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.005)
+        if task.done():
+            task.result()
+        if ready is not None:
+            ready(sock.getsockname()[1])
+        await asyncio.shield(task)
+    finally:
+        app.state.links.close_all()  # ends every link: its long polls answer at once
+        app.state.sessions.close_all()
+        server.should_exit = True
+        await task
+        sock.close()
