@@ -41,7 +41,7 @@ from spececd.protocol.session import Limits  # noqa: E402
 from spececd.transports.http import HttpTransport, serve  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
-from spececd.transports.http.links import FIRST_REPLY  # noqa: E402
+from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
 from spececd.transports.tls import server_ssl_context  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 
@@ -254,9 +254,34 @@ def test_frames_are_numbered_and_replies_acknowledged(server: ThreadServer,
     status, _, body = server.request("GET", f"{link}/frames?ack=2&wait=0")
     assert status == 200 and body == b""
     assert server.request("DELETE", link)[0] == 204
+    # A link deleted as soon as it is opened, before its task ran, is released too.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    for _ in range(5):
+        conn.request("POST", "/v1/links", b"")
+        other = json.loads(conn.getresponse().read())["link_id"]
+        conn.request("DELETE", f"/v1/links/{other}")
+        assert conn.getresponse().read() == b""
+    conn.close()
+    deadline = time.monotonic() + 5
+    while server.engine.status()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.engine.status()["sessions"] == 0
     for method in ("GET", "DELETE"):
         status, _, body = server.request(method, f"{link}/frames" if method == "GET" else link)
         assert status == 404 and error_code(body) == "unknown_session"
+
+
+def test_a_link_closed_before_its_task_ran_is_released(target: Backend) -> None:
+    engine = Engine(target)
+
+    async def main() -> int:
+        links = Links(engine)
+        links.close(links.open())  # in one turn of the loop: its task has not started
+        await asyncio.sleep(0.05)
+        return len(engine.links)
+
+    assert asyncio.run(main()) == 0
+    engine.close()
 
 
 # -- the JSON sessions --------------------------------------------------------------------

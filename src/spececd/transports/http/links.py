@@ -110,12 +110,12 @@ class Links:
             raise error_for_code(refusal.code, refusal.message)
         link_id = secrets.token_urlsafe(16)
         frame_link = self.links[link_id] = FrameLink(link)
-        frame_link.task = asyncio.get_running_loop().create_task(self._serve(link_id))
+        frame_link.task = asyncio.get_running_loop().create_task(
+            self._serve(link_id, frame_link))
         return link_id
 
-    async def _serve(self, link_id: str) -> object:
-        frame_link = self.links[link_id]
-        try:
+    async def _serve(self, link_id: str, frame_link: FrameLink) -> object:
+        try:  # serves a link deleted before this task ran too: the engine releases it
             return await self.engine.serve(frame_link.link, frame_link.send)
         finally:
             frame_link.ended = True
