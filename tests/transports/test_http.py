@@ -163,6 +163,35 @@ def test_stream_drafting_hints_are_verified_when_the_draft_is_the_target(
     assert out.stats.drafted > 0 and out.stats.accepted == out.stats.drafted
 
 
+def test_cloud_only_generation_long_polls_the_targets_own_tokens(
+        server: ThreadServer, draft: Backend, reference: dict[str, list[int]]) -> None:
+    with edge(draft, server.url) as gen:
+        chunks = list(gen.stream(PROMPTS[4], cloud_only=True, max_tokens=40, temperature=0,
+                                 stop_token_ids=[]))
+    assert [t for c in chunks for t in c.token_ids] == reference[PROMPTS[4]]
+    assert all(c.source == "target" for c in chunks)
+
+
+def test_idle_links_and_sessions_end_and_the_edge_goes_on(
+        target: Backend, draft: Backend, reference: dict[str, list[int]]) -> None:
+    proc = ThreadServer(Engine(target, policy=EnginePolicy(idle_timeout=0.5)))
+    try:
+        session = json.loads(proc.request("POST", "/v1/sessions", {})[2])["session_id"]
+        with edge(draft, proc.url, k=3) as gen:
+            first = gen.generate(PROMPTS[0], max_tokens=40, temperature=0, stop_token_ids=[])
+            time.sleep(1.0)  # the link idles out: the next request finds it gone
+            second = gen.generate(PROMPTS[1], max_tokens=40, temperature=0,
+                                  stop_token_ids=[])
+        assert first.token_ids == reference[PROMPTS[0]] and first.stats.reconnects == 0
+        assert second.token_ids == reference[PROMPTS[1]] and second.stats.reconnects == 1
+        assert proc.engine.status()["evicted_idle"] >= 1
+        status, _, body = proc.request("POST", f"/v1/sessions/{session}/prefill",
+                                       {"token_ids": [1]})
+        assert status == 404 and error_code(body) == "unknown_session"
+    finally:
+        proc.stop()
+
+
 def test_a_server_restart_mid_generation_is_resumed_unchanged(
         target: Backend, draft: Backend) -> None:
     first = ThreadServer(Engine(target))
