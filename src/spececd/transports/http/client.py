@@ -218,7 +218,13 @@ class HttpTransport:
             request.fresh = self._answered == 0
             try:
                 conn.sock.settimeout(request.timeout)
-                conn.request(request.method, request.target, request.body, self._headers)
+                # By hand, to leave out Accept-Encoding: 26 bytes a round for nothing.
+                conn.putrequest(request.method, request.target, skip_accept_encoding=True)
+                for name, value in self._headers.items():
+                    conn.putheader(name, value)
+                if request.body is not None:
+                    conn.putheader("Content-Length", str(len(request.body)))
+                conn.endheaders(request.body)
                 return
             except (OSError, http.client.HTTPException) as exc:
                 self._disconnect()
