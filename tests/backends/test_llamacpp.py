@@ -1,6 +1,6 @@
 """The llama.cpp backend: GGUF conversion with llama.cpp's own converter, the conformance
-suite, compatibility with the transformers model it came from, and lossless generation
-with a GGUF target.
+suite, compatibility with the transformers model it came from, lossless generation with a
+GGUF target, and the thread settings of every context.
 
 Tolerance against transformers (same weights, float32 GGUF): max |Δlogit| <= 2e-3 (llama.cpp
 computes in its own kernels; ≈1e-3 was measured on these machines). Within llama.cpp,
@@ -74,6 +74,21 @@ def test_extend_truncate_conformance(gguf: dict[str, Path],
         worst_hf = max(worst_hf, float(np.abs(logits - hf).max()))
     print(f"llama.cpp: vs itself {worst_self:.2e}, vs transformers {worst_hf:.2e}")
     assert worst_self <= SELF_TOLERANCE and worst_hf <= HF_TOLERANCE
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_govern_single_and_batch_evaluation(threads: int) -> None:
+    # llama-cpp-python runs evaluations of several tokens (prefills, verification passes,
+    # drafter catch-ups) on n_threads_batch threads, every core unless told: on a busy
+    # 2-core machine a 5-token pass took 1.1-1.5 s instead of 24-29 ms. threads=1 catches
+    # that on any machine with more than one core.
+    backend = load_backend(str(MODELS / "draft.gguf"), threads=threads)
+    first, later = backend.new_sequence(), backend.new_sequence()  # the spare, then a new one
+    for seq in (first, later):
+        context = seq._llm._ctx.ctx  # type: ignore[attr-defined]
+        assert llama_cpp.llama_n_threads(context) == threads
+        assert llama_cpp.llama_n_threads_batch(context) == threads
+    assert f"{threads} threads" in backend.description
 
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:

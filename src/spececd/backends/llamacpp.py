@@ -7,6 +7,11 @@ with ``logits_all=True`` so that ``extend`` can return the logits of every new p
 (``scores``). Rollback sets ``n_tokens``: llama-cpp-python removes the rest of the KV
 cache before its next evaluation.
 
+The backend's ``n_threads`` (``--threads``) sets both of llama.cpp's thread counts:
+``n_threads`` for one-token steps and ``n_threads_batch`` for evaluations of several tokens
+(prefills, verification passes, drafter catch-ups), which llama-cpp-python would otherwise
+run on every core of the machine.
+
 The tokenizer is the GGUF's own: its vocabulary strings, in id order, give the same
 fingerprint as the transformers tokenizer the GGUF was converted from, so a GGUF drafter
 and a transformers verifier (or the reverse) are compatible exactly when their tokenizers
@@ -110,9 +115,10 @@ class LlamaCppBackend:
         if not path.is_file():
             raise InputError(f"GGUF file {model!r} not found")
         _quiet_llama_logs()
+        threads = n_threads or min(4, os.cpu_count() or 1)
         self._kwargs: dict[str, Any] = dict(
             model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=True,
-            n_threads=n_threads or min(4, os.cpu_count() or 1), verbose=False, n_batch=512)
+            n_threads=threads, n_threads_batch=threads, verbose=False, n_batch=512)
         try:
             self._spare: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
@@ -120,7 +126,7 @@ class LlamaCppBackend:
         self.vocab_size = int(self._spare.n_vocab())
         self.max_context = int(self._spare.n_ctx())
         self.tokenizer = LlamaCppTokenizer(self._spare)
-        self.description = (f"{path.name} (llama.cpp, {self._kwargs['n_threads']} threads, "
+        self.description = (f"{path.name} (llama.cpp, {threads} threads, "
                             f"{n_gpu_layers} GPU layers)")
 
     def new_sequence(self) -> LlamaCppSequence:
