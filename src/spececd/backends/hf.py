@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -182,7 +182,10 @@ class HFBackend(Backend):
             raise InputError(f"model {model!r} not found: no such folder")
         try:
             with _LOAD_LOCK:  # from_pretrained is not thread-safe (global init contexts)
-                self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+                # Any: transformers' annotations of to() and get_output_embeddings()
+                # do not type-check under mypy --strict.
+                self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(
+                    source, dtype=torch_dtype))
                 hf_tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as exc:
             raise InputError(f"could not load model {model!r}: not a local folder, and the hub "

@@ -50,12 +50,12 @@ KV_ELEMENT_BYTES = 2  # f16, llama.cpp's default KV cache type; contexts keep th
 def _quiet_llama_logs() -> None:
     import llama_cpp
 
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
-    def _drop(level: int, text: bytes, user_data: Any) -> None:
+    def _ignore(level: int, text: bytes, user_data: Any) -> None:
         pass
 
-    llama_cpp.llama_log_set(_drop, None)
-    _quiet_llama_logs.callback = _drop  # type: ignore[attr-defined]  # keep it alive
+    drop = llama_cpp.llama_log_callback(_ignore)
+    llama_cpp.llama_log_set(drop, None)
+    _quiet_llama_logs.callback = drop  # type: ignore[attr-defined]  # keep it alive
 
 
 class LlamaCppTokenizer:
