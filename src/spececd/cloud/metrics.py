@@ -71,4 +71,4 @@ class Metrics:
                 self.accepted_by_position.labels(str(i)).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)  # type: ignore[no-any-return]
+        return generate_latest(self.registry)
