@@ -261,7 +261,7 @@ def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft:
 def test_stream_ends_say_why(target: Any) -> None:
     from spececd.protocol import messages as m
 
-    running = Server(engine(target, max_sessions=1, idle_timeout=0.3))
+    running = Server(engine(target, max_sessions=1, idle_timeout=1.5))
     try:
         first = GrpcTransport(running.url)
         first.send(hello(target))
@@ -271,7 +271,7 @@ def test_stream_ends_say_why(target: Any) -> None:
         assert isinstance(busy, m.Error) and busy.code == "server_busy" and busy.fatal
         with pytest.raises(ConnectionError, match="UNAVAILABLE"):
             full.recv()
-        time.sleep(0.6)  # the first one idles out
+        time.sleep(2.0)  # the first one idles out
         with pytest.raises(ConnectionError, match="UNAVAILABLE: the session idled out"):
             first.recv()
         with pytest.raises(ConnectionError):
