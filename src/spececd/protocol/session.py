@@ -81,12 +81,15 @@ class GenerateRequest:
 @dataclass
 class Stream:
     """A cloud-only generation under way, and the edge's latest hint for it: drafted
-    tokens for the positions from ``hint_start`` on."""
+    tokens for the positions from ``hint_start`` on. ``reach``: the position after the
+    last token of the latest hint frame taken, whether or not it agrees with the context
+    (how far ahead the edge has drafted, for the server's measure of its turnaround)."""
 
     request: GenerateRequest
     generated: int = 0
     hint_start: int = 0
     hint: tuple[int, ...] = ()
+    reach: int = 0
 
 
 class State(enum.Enum):
@@ -266,6 +269,7 @@ class CloudSession:
         # Hold no more than the server could verify in one step.
         ahead = len(self.context) - stream.hint_start + self.limits.max_draft
         stream.hint = tokens[:max(0, ahead)]
+        stream.reach = hint.position + len(hint.tokens)
 
     def hint_ahead(self) -> tuple[int, ...]:
         """The hinted tokens ahead of the context, if the hint agrees with the context up
