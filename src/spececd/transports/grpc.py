@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import queue
 import ssl
 import threading
@@ -213,8 +214,9 @@ async def serve(engine: Engine, host: str, port: int, tls: tuple[str, str] | Non
         else:
             cert, key = (Path(path).read_bytes() for path in tls)
             bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc}") from None
+    except RuntimeError:  # gRPC says no more than that the bind failed
+        raise OSError(errno.EADDRINUSE, f"gRPC could not bind {address} (in use, or not an "
+                                        f"address of this machine)") from None
     await server.start()
     try:
         if ready is not None:
