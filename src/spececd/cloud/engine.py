@@ -346,6 +346,7 @@ class Engine:
         links = list(self.links)
         return {
             "sessions": len(links),
+            "lossy_sessions": sum(link.session.lossy for link in links),  # threshold mode
             "max_sessions": self.policy.max_sessions,
             "kv_tokens": self.kv_tokens(),
             "kv_bytes": self.kv_tokens() * per_token,
