@@ -142,13 +142,9 @@ class Generator:
             raise InputError("give either a target model (in-process) or a server URL")
         draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         if server is not None:
-            if not server.startswith(("ws://", "wss://")):
-                raise InputError(f"server URL must start with ws:// or wss://, got {server!r}")
-            from spececd.transports.websocket import WebSocketTransport, client_ssl_context
+            from spececd.transports.registry import connector
 
-            context = (client_ssl_context(tls_ca, tls_verify)
-                       if server.startswith("wss://") else None)
-            return cls(draft_backend, lambda: WebSocketTransport(server, ssl_context=context),
+            return cls(draft_backend, connector(server, cafile=tls_ca, verify=tls_verify),
                        max_context=draft_backend.max_context, mode=mode, k=k,
                        max_support=max_support, auth_token=auth_token, reconnect=reconnect,
                        fallback=fallback, proactive=True if proactive is None else proactive)

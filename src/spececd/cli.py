@@ -159,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = serve.add_argument_group("server")
     g.add_argument("--host", help="address to listen on (default: "
                    f"{_default(ServerConfig, 'host')})")
-    g.add_argument("--port", type=int, help=f"port (default: {_default(ServerConfig, 'port')})")
+    g.add_argument("--port", type=int, help="WebSocket port, -1 for none (default: "
+                   f"{_default(ServerConfig, 'port')})")
+    g.add_argument("--grpc-port", type=int, help="also serve gRPC on this port (0: any free "
+                   "port; default: -1 = no gRPC)")
+    g.add_argument("--http-port", type=int, help="also serve HTTP/JSON sessions on this port, "
+                   "with /metrics and the OpenAPI schema (0: any free port; default: -1 = no "
+                   "HTTP)")
     g.add_argument("--max-sessions", type=int, help="concurrent sessions at most (default: "
                    f"{_default(ServerConfig, 'max_sessions')})")
     g.add_argument("--max-context", type=int, help="context tokens per session at most "
@@ -206,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--proactive", default="off,on,stream",
                        help="proactive drafting settings to compare for --k auto; fixed k "
                        "values run with the first one (default: off,on,stream)")
+    bench.add_argument("--transport", default="websocket",
+                       help="edge-cloud transports to compare, comma-separated, among "
+                       "websocket,grpc,http (default: websocket)")
     bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     bench.add_argument("--seed", type=int, default=0)
@@ -461,25 +470,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from spececd.backends.registry import load_backend
     from spececd.cloud.engine import Engine, EnginePolicy
     from spececd.protocol.session import Limits
-    from spececd.transports import websocket
+    from spececd.transports.registry import Listener, serve
 
     backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
                            dtype=cfg.dtype, threads=cfg.threads)
     engine = Engine(backend, Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes),
                     EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch,
                                  cfg.max_kv_bytes), token)
-    context = websocket.server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
-    scheme = "wss" if context else "ws"
+    listeners = [Listener(name, cfg.host, port) for name, port in
+                 (("websocket", cfg.port), ("grpc", cfg.grpc_port), ("http", cfg.http_port))
+                 if port >= 0]
+    if not listeners:
+        raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
 
-    def ready(ws_server: Any) -> None:
-        port = ws_server.sockets[0].getsockname()[1]
-        print(f"spececd: serving {backend.description} on {scheme}://{cfg.host}:{port}"
+    def ready(urls: list[str]) -> None:
+        print(f"spececd: serving {backend.description} on {', '.join(urls)}"
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
     try:
-        asyncio.run(websocket.serve(engine, cfg.host, cfg.port, context, ready))
+        asyncio.run(serve(engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert
+                          else None, ready))
     except OSError as exc:
-        raise InputError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+        raise InputError(f"cannot listen on {cfg.host}: {exc.strerror}") from None
     finally:
         engine.close()
     return 0
@@ -543,8 +555,8 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     if not url:
         cfg = BenchConfig(draft=draft_model, target=args.target_model or default_model("target"),
                           prompts=[], max_batch=args.max_batch)
-        server, port = start_server(cfg)
-        url = f"ws://127.0.0.1:{port}"
+        server, ports = start_server(cfg)
+        url = f"ws://127.0.0.1:{ports['websocket']}"
     try:
         rows = load.run_curve(url, fingerprint, prompts, clients, args.duration, kinds,
                               args.acceptance, args.k, args.max_tokens, draft_model,
@@ -579,6 +591,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not ks or not proactive or not set(proactive) <= {"on", "off", "stream"}:
         raise InputError("--k needs values such as 2,4,auto and --proactive values among "
                          "off,on,stream")
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or not set(transports) <= {"websocket", "grpc", "http"}:
+        raise InputError(f"--transport takes websocket, grpc, http; got {args.transport!r}")
     rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
     if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
@@ -593,7 +608,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,
                       device=args.device, jitter_ms=args.jitter_ms,
-                      baselines=not args.no_baselines)
+                      baselines=not args.no_baselines, transports=transports)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
     save(raw, args.out)
     print((args.out / "bench.md").read_text())

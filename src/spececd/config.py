@@ -33,7 +33,9 @@ else:  # pragma: no cover
 class ServerConfig:
     target_model: str = ""
     host: str = "127.0.0.1"
-    port: int = 8765
+    port: int = 8765  # WebSocket; -1: none
+    grpc_port: int = -1  # -1: no gRPC listener; 0: any free port
+    http_port: int = -1  # -1: no HTTP listener; 0: any free port
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0

@@ -97,7 +97,7 @@ def test_batched_extend_matches_separate_extends(arch: str,
         adds = [int(rng.integers(1, 7)) for _ in streams]
         items = [(seq, stream[len(seq.tokens):len(seq.tokens) + add], add)
                  for seq, stream, add in zip(sequences, streams, adds, strict=True)]
-        results = backend.extend_batch(items)  # type: ignore[attr-defined]
+        results = backend.extend_batch(items)
         for seq, stream, logits in zip(sequences, streams, results, strict=True):
             expected = fresh_logits(backend, stream[:len(seq.tokens)])[-logits.shape[0]:]
             worst = max(worst, float(np.abs(logits - expected).max()))

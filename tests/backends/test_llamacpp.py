@@ -1,6 +1,6 @@
 """The llama.cpp backend: GGUF conversion with llama.cpp's own converter, the conformance
-suite, compatibility with the transformers model it came from, and lossless generation
-with a GGUF target.
+suite, compatibility with the transformers model it came from, lossless generation with a
+GGUF target, the thread settings of every context, and the KV cache a token costs.
 
 Tolerance against transformers (same weights, float32 GGUF): max |Δlogit| <= 2e-3 (llama.cpp
 computes in its own kernels; ≈1e-3 was measured on these machines). Within llama.cpp,
@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
+from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
@@ -74,6 +75,51 @@ def test_extend_truncate_conformance(gguf: dict[str, Path],
         worst_hf = max(worst_hf, float(np.abs(logits - hf).max()))
     print(f"llama.cpp: vs itself {worst_self:.2e}, vs transformers {worst_hf:.2e}")
     assert worst_self <= SELF_TOLERANCE and worst_hf <= HF_TOLERANCE
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_govern_single_and_batch_evaluation(threads: int) -> None:
+    # llama-cpp-python runs evaluations of several tokens (prefills, verification passes,
+    # drafter catch-ups) on n_threads_batch threads, every core unless told: on a busy
+    # 2-core machine a 5-token pass took 1.1-1.5 s instead of 24-29 ms. threads=1 catches
+    # that on any machine with more than one core.
+    backend = load_backend(str(MODELS / "draft.gguf"), threads=threads)
+    first, later = backend.new_sequence(), backend.new_sequence()  # the spare, then a new one
+    for seq in (first, later):
+        context = seq._llm._ctx.ctx  # type: ignore[attr-defined]
+        assert llama_cpp.llama_n_threads(context) == threads
+        assert llama_cpp.llama_n_threads_batch(context) == threads
+    assert f"{threads} threads" in backend.description
+
+
+@pytest.mark.parametrize(("metadata", "expected"), [
+    # keys and values: layers * KV heads * (key width + value width) * 2 bytes (f16)
+    ({"llama.attention.head_count_kv": "2"}, 2 * 2 * (16 + 16) * 2),  # widths 64 / 4 heads
+    ({}, 2 * 4 * (16 + 16) * 2),  # no head_count_kv: every head has its own keys and values
+    ({"llama.attention.head_count_kv": "2", "llama.attention.key_length": "24",
+      "llama.attention.value_length": "8"}, 2 * 2 * (24 + 8) * 2),
+    ({"llama.block_count": "3", "llama.attention.head_count_kv": "[2, 1, 0]"},
+     (2 + 1 + 0) * (16 + 16) * 2),  # one count per layer
+])
+def test_kv_bytes_per_token_from_gguf_metadata(metadata: dict[str, str], expected: int) -> None:
+    shape = {"general.architecture": "llama", "llama.block_count": "2",
+             "llama.attention.head_count": "4", "llama.embedding_length": "64"}
+    assert kv_bytes_per_token({**shape, **metadata}) == expected
+
+
+def test_kv_bytes_per_token_matches_transformers_and_the_stored_state(
+        gguf: dict[str, Path], tiny_models: dict[str, Path]) -> None:
+    backend = load_backend(str(gguf["llama"]), threads=1)  # grouped-query attention
+    reference = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+    assert backend.kv_bytes_per_token * 2 == reference.kv_bytes_per_token  # f16 against f32
+    seq = backend.new_sequence()
+    context = seq._llm._ctx.ctx  # type: ignore[attr-defined]
+    seq.extend(list(range(5)), keep=0)
+    before = llama_cpp.llama_state_seq_get_size(context, 0)
+    seq.extend(list(range(10)), keep=0)
+    per_token = (llama_cpp.llama_state_seq_get_size(context, 0) - before) / 10
+    # A saved sequence also holds each cell's position and sequence ids (12 bytes in 0.3.36).
+    assert backend.kv_bytes_per_token <= per_token <= backend.kv_bytes_per_token + 16
 
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:

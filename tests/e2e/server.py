@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``spececd serve`` on 127.0.0.1; started on construction, stopped by :meth:`stop`."""
+    """``spececd serve`` on 127.0.0.1; started on construction, stopped by :meth:`stop`.
+    ``urls``: the URL of every transport it opened, by scheme (``ws``, ``grpc``, ``http``,
+    with ``s`` under TLS); ``url`` is the WebSocket one."""
 
     def __init__(self, target: Path | str, *extra: str, port: int | None = None,
                  env: dict[str, str] | None = None, scheme: str = "ws") -> None:
@@ -45,6 +48,8 @@ class ServerProcess:
             line = self.proc.stderr.readline()
             self.log.append(line)
             if "serving" in line:
+                self.urls = {scheme: f"{scheme}://127.0.0.1:{port}" for scheme, port
+                             in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
                 # Keep draining stderr: a full pipe would block the server's logging.
                 threading.Thread(target=self._drain, args=(self.proc.stderr,),
                                  daemon=True).start()

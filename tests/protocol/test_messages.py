@@ -15,7 +15,9 @@ FP = m.Fingerprint(512, "ab" * 32)
 
 @pytest.mark.parametrize("message", [
     m.Hello(1, FP, "exact", 0.7, 5, 0.9, 123, "secret"),
+    m.Hello(1, FP, "threshold", 0.7, 5, 0.9, 123, "", 0.25),
     m.Welcome("s1", 1, 16, 4096),
+    m.Welcome("s1", 1, 16, 4096, lossy=True),
     m.Draft(3, 10, (1, 2, 3), (4, 5), None),
     m.Draft(1, 0, (), (), None),
     m.Verdict(3, 1, 77, 0.0125),
@@ -59,6 +61,16 @@ def test_greedy_draft_without_probs_and_hello_hash_round_trip() -> None:
     assert m.decode(m.encode(lone)) == lone and len(m.encode(lone)) <= 10
 
 
+def test_fields_added_later_are_left_off_and_older_frames_still_decode() -> None:
+    hello = m.Hello(2, FP, "exact", 0.7, 0, 1.0, 5, "")
+    welcome = m.Welcome("s1", 2, 16, 4096)
+    assert len(msgpack.unpackb(m.encode(hello))) == 10  # no threshold field
+    assert len(msgpack.unpackb(m.encode(welcome))) == 5  # no lossy field
+    older = msgpack.packb([1, 2, 512, bytes.fromhex("ab" * 32), "match", 1, 0, 1, 5, ""])
+    assert m.decode(older) == m.Hello(2, FP, "match", 1.0, 0, 1.0, 5, "", 0.0)
+    assert m.decode(msgpack.packb([2, "s1", 2, 16, 4096])) == welcome
+
+
 @pytest.mark.parametrize("frame", [
     b"", b"\xc1", b"\x00", msgpack.packb([]), msgpack.packb({"a": 1}), msgpack.packb([99, 1]),
     msgpack.packb([3, 1, 0, [1]]),  # missing tokens field
@@ -70,6 +82,8 @@ def test_greedy_draft_without_probs_and_hello_hash_round_trip() -> None:
     msgpack.packb([3, 1, 0, [1], [2], [[0], b"", b""]]),  # empty support
     msgpack.packb([1, True, 5, "h", "exact", 1.0, 0, 1.0, 1, ""]),  # bool as version
     msgpack.packb([4, 1, 0, 5]),  # verdict missing verify_s
+    msgpack.packb([1, 2, 5, "h", "threshold", 1.0, 0, 1.0, 1, "", "0.5"]),  # threshold: a str
+    msgpack.packb([2, "s", 2, 16, 4096, 1]),  # lossy as an integer
 ])
 def test_malformed_frames_raise(frame: bytes) -> None:
     with pytest.raises(MalformedFrame):

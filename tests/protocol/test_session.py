@@ -79,6 +79,38 @@ def test_bad_handshakes_get_typed_errors(frame: bytes, code: str, fatal: bool) -
     assert (session.state is State.CLOSED) == fatal
 
 
+@pytest.mark.parametrize("mode,threshold,temperature,lossy", [
+    ("threshold", 0.3, 1.0, True), ("threshold", 1.0, 0.0, True), ("exact", 0.0, 1.0, False),
+    ("match", 0.0, 1.0, False)])
+def test_the_welcome_says_whether_the_mode_is_lossy(mode: str, threshold: float,
+                                                    temperature: float, lossy: bool) -> None:
+    session = CloudSession(FP, LIMITS)
+    welcome = m.decode(session.receive(hello(mode=mode, threshold=threshold,  # type: ignore[arg-type]
+                                             temperature=temperature)))
+    assert isinstance(welcome, m.Welcome) and welcome.lossy is lossy and session.lossy is lossy
+    request = session.receive(draft(1, 0, (1,), (2,)))
+    assert isinstance(request, VerifyRequest) and request.threshold == threshold
+    # At temperature 0 the target is one-hot: threshold verification is greedy's.
+    assert request.mode is (Mode(mode) if temperature else Mode.GREEDY)
+
+
+@pytest.mark.parametrize("mode,threshold", [
+    ("threshold", 0.0), ("threshold", 1.5), ("threshold", -0.1), ("threshold", float("nan")),
+    ("match", 0.5)])
+def test_a_bad_threshold_is_refused_and_changes_nothing(mode: str, threshold: float) -> None:
+    session = ready()
+    error = error_of(session.receive(hello(mode=mode, threshold=threshold)))
+    assert error.code == "unexpected_message" and "threshold" in error.message
+    assert (session.mode, session.threshold, session.lossy) == (Mode.EXACT, 0.0, False)
+
+
+def test_the_edge_greets_with_its_threshold() -> None:
+    edge = EdgeSession(FP, Mode.THRESHOLD, SamplingParams(seed=1), threshold=0.2)
+    session = CloudSession(FP, LIMITS)
+    welcome = edge.receive(session.receive(edge.hello()))  # type: ignore[arg-type]
+    assert isinstance(welcome, m.Welcome) and welcome.lossy and session.threshold == 0.2
+
+
 def test_auth_token_is_required_and_checked() -> None:
     session = CloudSession(FP, LIMITS, auth_token="s3cret")
     assert error_of(session.receive(hello())).code == "auth_failed"

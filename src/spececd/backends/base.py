@@ -14,6 +14,14 @@ Logits at position ``i`` are the model's prediction for token ``i + 1``. The con
 checked by the conformance suite: after any sequence of extend/truncate calls, ``extend``
 returns the logits a fresh forward pass over the same tokens would give.
 
+A backend declares what callers may ask of it, so that nobody probes with ``getattr``:
+``name``, ``description`` (for people), ``vocab_size``, ``max_context``,
+``kv_bytes_per_token`` (what one token of context costs in KV cache, for memory limits) and
+``extend_batch`` (several sequences' extends, in one forward pass where the runtime can).
+Backends subclass :class:`Backend` explicitly and so inherit the looping
+``extend_batch``; mypy then reports a declared attribute a backend never sets, and a class
+that only matches structurally must define every member, ``extend_batch`` included.
+
 Heavy imports (torch, llama_cpp, ...) live in each backend's own module.
 """
 
@@ -47,12 +55,22 @@ class CachedSequence(Protocol):
 
 
 class Backend(Protocol):
-    name: str
+    name: str  # short runtime name: "hf", "llama.cpp"
+    description: str  # model, runtime and settings, for logs and status pages
     vocab_size: int  # width of the logits
     max_context: int  # positions the model supports
+    kv_bytes_per_token: int  # KV cache one token of context costs in one sequence
+    # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
     tokenizer: Tokenizer
 
     def new_sequence(self) -> CachedSequence: ...
+
+    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
+                     ) -> list[np.ndarray]:
+        """``sequence.extend(ids, keep)`` for each ``(sequence, ids, keep)``, in order, each
+        sequence made by this backend. This default runs them one by one; a backend that
+        can run them as one forward pass overrides it with the same results."""
+        return [sequence.extend(ids, keep) for sequence, ids, keep in items]
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:

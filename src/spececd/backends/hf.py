@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch
 # on first use, and sessions may load models from several threads at once.
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from spececd.backends.base import resolve_keep
+from spececd.backends.base import Backend, CachedSequence, resolve_keep
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class HFSequence:
         del self._tokens[n:]
 
 
-class HFBackend:
+class HFBackend(Backend):
     name = "hf"
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto") -> None:
@@ -182,7 +182,10 @@ class HFBackend:
             raise InputError(f"model {model!r} not found: no such folder")
         try:
             with _LOAD_LOCK:  # from_pretrained is not thread-safe (global init contexts)
-                self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+                # Any: transformers' annotations of to() and get_output_embeddings()
+                # do not type-check under mypy --strict.
+                self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(
+                    source, dtype=torch_dtype))
                 hf_tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as exc:
             raise InputError(f"could not load model {model!r}: not a local folder, and the hub "
@@ -206,8 +209,13 @@ class HFBackend:
     def new_sequence(self) -> HFSequence:
         return HFSequence(self)
 
+    def _own(self, sequence: CachedSequence) -> HFSequence:
+        if not isinstance(sequence, HFSequence) or sequence._backend is not self:
+            raise TypeError("extend_batch takes sequences made by this backend")
+        return sequence
+
     @torch.inference_mode()
-    def extend_batch(self, items: Sequence[tuple[HFSequence, Sequence[int], int]]
+    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
                      ) -> list[np.ndarray]:
         """``extend`` for several sequences in one forward pass: ``(sequence, ids, keep)``
         each, ids non-empty. Caches of different lengths are left-padded into one batch
@@ -216,23 +224,24 @@ class HFBackend:
         if len(items) == 1:
             sequence, ids, keep = items[0]
             return [sequence.extend(ids, keep)]
+        own = [(self._own(sequence), ids, keep) for sequence, ids, keep in items]
         device = self.device
-        lengths = [len(s.tokens) for s, _, _ in items]
-        counts = [len(ids) for _, ids, _ in items]
+        lengths = [len(s.tokens) for s, _, _ in own]
+        counts = [len(ids) for _, ids, _ in own]
         past, width = max(lengths), max(counts)
-        batch = len(items)
+        batch = len(own)
         input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
         mask = torch.zeros((batch, past + width), dtype=torch.long, device=device)
         positions = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for i, ((_, ids, _), length, n) in enumerate(zip(items, lengths, counts, strict=True)):
+        for i, ((_, ids, _), length, n) in enumerate(zip(own, lengths, counts, strict=True)):
             input_ids[i, :n] = torch.tensor(list(ids), device=device)
             mask[i, past - length:past + n] = 1
             positions[i] = torch.arange(length, length + width, device=device)
         cache = DynamicCache(config=self.model.config)
         if past:
-            for layer in range(len(items[0][0]._cache.layers)):
+            for layer in range(len(own[0][0]._cache.layers)):
                 keys, values = [], []
-                for (sequence, _, _), length in zip(items, lengths, strict=True):
+                for (sequence, _, _), length in zip(own, lengths, strict=True):
                     k, v = sequence._layer(layer, past - length)
                     keys.append(k)
                     values.append(v)
@@ -242,7 +251,7 @@ class HFBackend:
                          cache_position=torch.arange(past, past + width, device=device))
         results = []
         for i, ((sequence, ids, keep), length, n) in enumerate(
-                zip(items, lengths, counts, strict=True)):
+                zip(own, lengths, counts, strict=True)):
             sequence._set_cache([(layer.keys[i:i + 1, :, past - length:past + n],
                                   layer.values[i:i + 1, :, past - length:past + n])
                                  for layer in out.past_key_values.layers])

@@ -5,7 +5,20 @@ Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); the we
 memory-mapped once by the operating system and shared by every context. Contexts are made
 with ``logits_all=True`` so that ``extend`` can return the logits of every new position
 (``scores``). Rollback sets ``n_tokens``: llama-cpp-python removes the rest of the KV
-cache before its next evaluation.
+cache before its next evaluation. Contexts are separate, so ``extend_batch`` is the
+interface's default: one evaluation per sequence.
+
+llama.cpp reserves a context's whole KV cache when it makes the context (``n_ctx``
+positions, keys and values in f16, its default cache type), so a sequence occupies
+``n_ctx * kv_bytes_per_token`` bytes from the start, however few tokens it holds.
+``kv_bytes_per_token`` comes from the GGUF's metadata (layers, KV heads, key and value
+widths); a GGUF without attention metadata (a recurrent model) is refused. For models with
+sliding-window layers it is an upper bound.
+
+The backend's ``n_threads`` (``--threads``) sets both of llama.cpp's thread counts:
+``n_threads`` for one-token steps and ``n_threads_batch`` for evaluations of several tokens
+(prefills, verification passes, drafter catch-ups), which llama-cpp-python would otherwise
+run on every core of the machine.
 
 The tokenizer is the GGUF's own: its vocabulary strings, in id order, give the same
 fingerprint as the transformers tokenizer the GGUF was converted from, so a GGUF drafter
@@ -17,29 +30,32 @@ This module is the only one that imports llama_cpp.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import resolve_keep
+from spececd.backends.base import Backend, resolve_keep
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
+
+KV_ELEMENT_BYTES = 2  # f16, llama.cpp's default KV cache type; contexts keep the default
 
 
 def _quiet_llama_logs() -> None:
     import llama_cpp
 
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
-    def _drop(level: int, text: bytes, user_data: Any) -> None:
+    def _ignore(level: int, text: bytes, user_data: Any) -> None:
         pass
 
-    llama_cpp.llama_log_set(_drop, None)
-    _quiet_llama_logs.callback = _drop  # type: ignore[attr-defined]  # keep it alive
+    drop = llama_cpp.llama_log_callback(_ignore)
+    llama_cpp.llama_log_set(drop, None)
+    _quiet_llama_logs.callback = drop  # type: ignore[attr-defined]  # keep it alive
 
 
 class LlamaCppTokenizer:
@@ -96,7 +112,7 @@ class LlamaCppSequence:
             self._llm.n_tokens = n
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(Backend):
     name = "llama.cpp"
 
     def __init__(self, model: str, n_threads: int = 0, n_gpu_layers: int = 0,
@@ -110,17 +126,23 @@ class LlamaCppBackend:
         if not path.is_file():
             raise InputError(f"GGUF file {model!r} not found")
         _quiet_llama_logs()
+        threads = n_threads or min(4, os.cpu_count() or 1)
         self._kwargs: dict[str, Any] = dict(
             model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=True,
-            n_threads=n_threads or min(4, os.cpu_count() or 1), verbose=False, n_batch=512)
+            n_threads=threads, n_threads_batch=threads, verbose=False, n_batch=512)
         try:
             self._spare: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
             raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
         self.vocab_size = int(self._spare.n_vocab())
         self.max_context = int(self._spare.n_ctx())
+        try:
+            self.kv_bytes_per_token = kv_bytes_per_token(self._spare.metadata)
+        except (KeyError, ValueError) as exc:
+            raise InputError(f"{model!r} does not describe an attention KV cache that "
+                             f"llama.cpp would size per token ({exc})") from None
         self.tokenizer = LlamaCppTokenizer(self._spare)
-        self.description = (f"{path.name} (llama.cpp, {self._kwargs['n_threads']} threads, "
+        self.description = (f"{path.name} (llama.cpp, {threads} threads, "
                             f"{n_gpu_layers} GPU layers)")
 
     def new_sequence(self) -> LlamaCppSequence:
@@ -129,3 +151,27 @@ class LlamaCppBackend:
         llm, self._spare = (self._spare, None) if self._spare is not None else (
             Llama(**self._kwargs), None)
         return LlamaCppSequence(self, llm)
+
+
+def kv_bytes_per_token(metadata: Mapping[str, str]) -> int:
+    """Bytes of KV cache one token costs, from a GGUF's metadata (llama.cpp's strings):
+    keys and values for every layer's KV heads. Key and value widths default to
+    ``embedding_length / head_count``, as in llama.cpp."""
+    arch = metadata["general.architecture"]
+    layers = int(metadata[f"{arch}.block_count"])
+    heads = metadata[f"{arch}.attention.head_count"]
+    kv_heads = _per_layer(metadata.get(f"{arch}.attention.head_count_kv", heads), layers)
+
+    def width(kind: str) -> int:
+        given = metadata.get(f"{arch}.attention.{kind}_length")
+        if given is not None:
+            return int(given)
+        return int(metadata[f"{arch}.embedding_length"]) // _per_layer(heads, layers)[0]
+
+    return sum(kv_heads) * (width("key") + width("value")) * KV_ELEMENT_BYTES
+
+
+def _per_layer(value: str, layers: int) -> list[int]:
+    """A GGUF count given once for every layer (``"8"``) or per layer (``"[8, 8, 0]"``)."""
+    parsed = json.loads(value)
+    return [int(n) for n in parsed] if isinstance(parsed, list) else [int(parsed)] * layers

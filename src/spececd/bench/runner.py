@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -49,6 +50,7 @@ class BenchConfig:
     drafts: list[str] = field(default_factory=list)  # several drafts side by side ([] = draft)
     targets: list[str] = field(default_factory=list)  # several targets ([] = target)
     max_batch: int = 32  # the server's sessions per forward pass
+    transports: list[str] = field(default_factory=lambda: ["websocket"])  # edge-cloud links
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
@@ -96,11 +98,16 @@ class Worker:
         self.proc.wait(30)
 
 
-def start_server(cfg: BenchConfig) -> tuple[subprocess.Popen[str], int]:
-    """``spececd serve`` for ``cfg.target``; its stderr is drained by a thread once it runs."""
+def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
+                 ) -> tuple[subprocess.Popen[str], dict[str, int]]:
+    """``spececd serve`` for ``cfg.target`` with a listener for each of ``transports``; the
+    process and each transport's port. Its stderr is drained by a thread once it runs."""
+    ports = {"websocket": "--port", "grpc": "--grpc-port", "http": "--http-port"}
+    listen = [arg for name in ("websocket", "grpc", "http")
+              for arg in (ports[name], str(cfg.port) if name in transports else "-1")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "spececd", "serve", "--target-model", cfg.target, "--host",
-         cfg.host, "--port", str(cfg.port), "--device", cfg.device, "--threads", "1",
+         cfg.host, *listen, "--device", cfg.device, "--threads", "1",
          "--dtype", "float32", "--max-batch", str(cfg.max_batch), "--max-sessions", "256"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stderr is not None
@@ -108,7 +115,9 @@ def start_server(cfg: BenchConfig) -> tuple[subprocess.Popen[str], int]:
         if "serving" in line:
             threading.Thread(target=lambda: [None for _ in proc.stderr or []],  # drain
                              daemon=True).start()
-            return proc, int(line.rsplit(":", 1)[1].split()[0])
+            schemes = {"ws": "websocket", "grpc": "grpc", "http": "http"}
+            return proc, {schemes[scheme]: int(port) for scheme, port
+                          in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
     raise RuntimeError(f"the verifier server did not start: exit {proc.wait()}")
 
 
@@ -143,21 +152,24 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     drafts, targets = cfg.drafts or [cfg.draft], cfg.targets or [cfg.target]
     pairs = len(drafts) > 1 or len(targets) > 1
     servers: list[subprocess.Popen[str]] = []
-    proxies: dict[tuple[int, float], DelayProxy] = {}
+    proxies: dict[tuple[int, float, str], DelayProxy] = {}
     workers: dict[str, Worker] = {}
     common = dict(prompts=cfg.prompts, seed=cfg.seed, max_tokens=cfg.max_tokens,
                   temperature=cfg.temperature, mode=cfg.mode, threads=1)
     try:
-        urls: dict[tuple[int, float], str] = {}
+        urls: dict[tuple[int, float, str], str] = {}
+        schemes = {"websocket": "ws", "grpc": "grpc", "http": "http"}
         for t, target in enumerate(targets):
-            server, port = start_server(replace(cfg, target=target))
+            server, ports = start_server(replace(cfg, target=target), tuple(cfg.transports))
             servers.append(server)
             for rtt in cfg.rtt_ms:
-                if rtt > 0 or cfg.jitter_ms > 0:  # RTT 0 talks to the server directly
-                    proxies[t, rtt] = DelayProxy(cfg.host, port, rtt / 2,
-                                                 cfg.jitter_ms / 2).start()
-                port_here = proxies[t, rtt].port if (t, rtt) in proxies else port
-                urls[t, rtt] = f"ws://{cfg.host}:{port_here}"
+                for transport, port in ports.items():
+                    key = (t, rtt, transport)
+                    if rtt > 0 or cfg.jitter_ms > 0:  # RTT 0 talks to the server directly
+                        proxies[key] = DelayProxy(cfg.host, port, rtt / 2,
+                                                  cfg.jitter_ms / 2).start()
+                    port_here = proxies[key].port if key in proxies else port
+                    urls[key] = f"{schemes[transport]}://{cfg.host}:{port_here}"
         plan: list[dict[str, Any]] = []
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
@@ -182,21 +194,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for d, draft in enumerate(drafts):
             workers[f"spececd{d}"] = Worker({**common, "kind": "spececd", "draft": draft,
                                              "target": targets[0]})
-        for t, target in enumerate(targets):
-            for rtt in cfg.rtt_ms:
-                url = urls[t, rtt]
-                plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
-                             "target": label(target),
-                             "tag": f" [{label(target)}]" if pairs else ""})
-                for d, draft in enumerate(drafts):
-                    # Every proactive setting for k=auto; fixed k values with the first one
-                    # only (the comparison that matters there is against the policy).
-                    plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
-                              "proactive": proactive, "worker": f"spececd{d}",
-                              "target": label(target),
-                              "tag": f" [{label(draft)} → {label(target)}]" if pairs else ""}
-                             for k in cfg.ks for proactive in
-                             (cfg.proactive if k == "auto" else cfg.proactive[:1])]
+        for (t, rtt, transport), url in urls.items():
+            target = targets[t]
+            over = f" over {transport}" if len(cfg.transports) > 1 else ""
+            plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
+                         "target": label(target), "transport": transport,
+                         "tag": (f" [{label(target)}]" if pairs else "") + over})
+            for d, draft in enumerate(drafts):
+                # Every proactive setting for k=auto; fixed k values with the first one
+                # only (the comparison that matters there is against the policy).
+                plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
+                          "proactive": proactive, "worker": f"spececd{d}",
+                          "target": label(target), "transport": transport,
+                          "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "")
+                          + over}
+                         for k in cfg.ks for proactive in
+                         (cfg.proactive if k == "auto" else cfg.proactive[:1])]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()
@@ -214,7 +227,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "seed": cfg.seed,
                          "backend": ", ".join(sorted({"hf" if is_hf(m) else "llama.cpp"
                                                       for m in [*drafts, *targets]})),
-                         "transport": "websocket", "device": cfg.device,
+                         "transport": ", ".join(cfg.transports), "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
                          "proactive": cfg.proactive,
                          "mode": cfg.mode, "temperature": cfg.temperature,

@@ -125,12 +125,12 @@ class SpecRunner:
 
     def configure(self, request: dict[str, Any]) -> None:
         from spececd.api import Generator, parse_k
-        from spececd.transports.websocket import WebSocketTransport
+        from spececd.transports.registry import connector
 
         url = request["server"]
         if url not in self.generators:
             self.generators[url] = Generator(
-                self.draft, lambda: WebSocketTransport(url), max_context=self.draft.max_context,
+                self.draft, connector(url), max_context=self.draft.max_context,
                 mode=self.job["mode"])
         self.generator = self.generators[url]
         self.generator.k = parse_k(request.get("k") or 4)

@@ -228,7 +228,7 @@ class Engine:
                 await send(done)
             else:
                 self.metrics.record_pass(len(out.tokens), done.result.num_accepted, 1,
-                                         done.seconds)
+                                         done.seconds, is_round=True)
                 await send(link.session.verdict(out, done.result.num_accepted,
                                                 done.result.next_token, done.seconds))
         elif isinstance(out, GenerateRequest):
@@ -239,12 +239,17 @@ class Engine:
         are taken between steps: hints for it, or anything else, which is handled as
         usual and may end it. When the hint runs dry (the target contradicted it, or used
         it up), the next step waits for a fresh one if the edge has been answering faster
-        than a step takes (measured: from the step that left no hint to the arrival of
-        the next), and otherwise generates a token of its own without waiting."""
+        than a step takes, and otherwise generates a token of its own without waiting.
+
+        The edge's turnaround is measured from the step that left no hint to the arrival
+        of the next hint reaching past what that step generated, whether the hint then
+        agrees or not: an edge whose hints all come too late must still be measured, or
+        the server would never wait for them and they would stay too late."""
         session = link.session
         turnaround, step_s = Ema(0.0, weight=0.3), Ema(0.0, weight=0.3)
         dry_since: float | None = time.perf_counter()
-        while session.stream is not None and session.stream.request is request:
+        dry_len = len(session.context)  # the context when the hint ran dry
+        while (stream := session.stream) is not None and stream.request is request:
             if link.inbox.ended:
                 return  # nobody is listening any more
             later = link.inbox.poll()
@@ -254,9 +259,9 @@ class Engine:
                 later = await link.inbox.wait(wait - time.perf_counter())
             for arrived, data in later:
                 await self._handle(link, data, send)
-                if session.stream is None or session.stream.request is not request:
+                if session.stream is not stream:
                     return  # closed, or replaced by a new hello, generate or draft
-                if dry_since is not None and session.hint_ahead():
+                if dry_since is not None and stream.reach > dry_len:
                     turnaround.update(arrived - dry_since)
                     dry_since = None
             step = session.stream_step()
@@ -271,12 +276,12 @@ class Engine:
             emitted = len(session.context) - before
             accepted = min(done.result.num_accepted, emitted)
             self.metrics.record_pass(len(step.tokens), accepted, emitted - accepted,
-                                     done.seconds)
+                                     done.seconds, is_round=False)
             if not step.tokens:
                 step_s.update(done.seconds)
             await send(frame)
             if dry_since is None and not session.hint_ahead():
-                dry_since = time.perf_counter()
+                dry_since, dry_len = time.perf_counter(), len(session.context)
 
     async def _verify(self, link: Link, request: VerifyRequest) -> Pass | bytes:
         """Run ``request`` on the link's KV cache (allocated here, the one place that
@@ -341,6 +346,7 @@ class Engine:
         links = list(self.links)
         return {
             "sessions": len(links),
+            "lossy_sessions": sum(link.session.lossy for link in links),  # threshold mode
             "max_sessions": self.policy.max_sessions,
             "kv_tokens": self.kv_tokens(),
             "kv_bytes": self.kv_tokens() * per_token,

@@ -52,13 +52,15 @@ class Metrics:
         self.kv_evictions = Counter("spececd_kv_evictions",
                                     "KV caches freed to stay under --max-kv-bytes", registry=r)
 
-    def record_pass(self, drafted: int, accepted: int, generated: int, seconds: float) -> None:
-        """One verification pass of a session: ``drafted`` tokens verified (0: a plain
-        step of a cloud-only generation), ``accepted`` of them kept, ``generated`` tokens
-        of the target's own emitted (0 or 1)."""
+    def record_pass(self, drafted: int, accepted: int, generated: int, seconds: float,
+                    is_round: bool) -> None:
+        """One verification pass of a session: ``drafted`` tokens verified, ``accepted``
+        of them kept, ``generated`` tokens of the target's own emitted (0 or 1). A round
+        (an edge's draft, maybe empty) counts as a draft; a cloud-only step only when it
+        verified a hint."""
         self.generated_tokens.inc(generated)
         self.verify_latency.observe(seconds)
-        if not drafted:
+        if not (is_round or drafted):
             return
         self.drafts.inc()
         self.draft_tokens.inc(drafted)
@@ -69,4 +71,4 @@ class Metrics:
                 self.accepted_by_position.labels(str(i)).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)  # type: ignore[no-any-return]
+        return generate_latest(self.registry)

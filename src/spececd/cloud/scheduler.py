@@ -53,7 +53,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         assert request.params.seed is not None
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
         results.append(verify(request.tokens, target_probs, rngs, request.mode,
-                              request.draft_probs))
+                              request.draft_probs, request.threshold))
     return results
 
 

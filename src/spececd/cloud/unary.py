@@ -36,6 +36,7 @@ class UnaryParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    threshold: float = 0.0  # threshold mode (lossy) only
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class UnaryVerdict:
     next_token: int  # the target's own token after them (correction or bonus)
     total_tokens: int  # the context's length after this verdict
     verify_s: float
+    lossy: bool = False  # the session's welcome said its mode is lossy
 
 
 @dataclass
@@ -52,6 +54,7 @@ class _Entry:
     replies: asyncio.Queue[bytes | None]
     task: asyncio.Task[object] | None = None
     params: UnaryParams | None = None
+    lossy: bool = False
     history: tuple[int, ...] = ()  # what the link's session holds
     seq: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -74,10 +77,10 @@ class UnarySessions:
                     reply = await self._exchange(entry, m.encode(m.Hello(
                         m.PROTOCOL_VERSION, self.engine.fingerprint, params.mode,
                         params.temperature, params.top_k, params.top_p, params.seed,
-                        auth_token)))
-                    entry.params, entry.history = params, ()
+                        auth_token, params.threshold)))
                     if not isinstance(reply, m.Welcome):
                         raise UnexpectedMessage(f"expected a welcome, got {reply}")
+                    entry.params, entry.history, entry.lossy = params, (), reply.lossy
                 held = _common_prefix(entry.history, prefix)
                 entry.seq += 1
                 reply = await self._exchange(entry, m.encode(m.Draft(
@@ -87,7 +90,7 @@ class UnarySessions:
                     raise UnexpectedMessage(f"expected a verdict, got {reply}")
                 entry.history = (*prefix, *draft[:reply.num_accepted], reply.next_token)
                 return UnaryVerdict(reply.num_accepted, reply.next_token, len(entry.history),
-                                    reply.verify_s)
+                                    reply.verify_s, entry.lossy)
         finally:
             if not key:
                 entry.link.end()

@@ -40,6 +40,12 @@ class Mode(str, enum.Enum):
     EXACT = "exact"  # Leviathan et al. rejection sampling; needs draft_probs
     MATCH = "match"  # verifier samples its own token, keeps drafts while equal
     GREEDY = "greedy"  # temperature 0: keep drafts while they equal the target argmax
+    THRESHOLD = "threshold"  # LOSSY: keep drafts the target gives at least a set probability
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the output may differ in distribution from the target alone."""
+        return self is Mode.THRESHOLD
 
 
 @dataclass(frozen=True)

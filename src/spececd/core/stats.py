@@ -6,6 +6,9 @@
 
 Counts are the verifier's raw verdicts, before stop tokens or ``max_tokens`` clip the
 output; ``generated`` counts what was actually emitted.
+
+``lossy`` marks statistics of a lossy verification mode (``threshold``): its output is not
+the target's, so its acceptance is not comparable with a lossless run's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class GenerationStats:
     reconnects: int = 0
     fallback: bool = False  # the verifier was unreachable and the draft finished alone
     fallback_tokens: int = 0
+    lossy: bool = False  # verified in a lossy mode (threshold): not the target's output
     proactive_rounds: int = 0  # rounds run with proactive drafting on
     proactive_hits: int = 0  # of those, rounds whose block had been drafted ahead
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
@@ -54,6 +58,7 @@ class GenerationStats:
                      "fallback_tokens", "proactive_rounds", "proactive_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fallback = self.fallback or other.fallback
+        self.lossy = self.lossy or other.lossy
         for mine, theirs in ((self.drafted_by_position, other.drafted_by_position),
                              (self.accepted_by_position, other.accepted_by_position)):
             mine.extend([0] * (len(other.drafted_by_position) - len(mine)))
@@ -93,6 +98,7 @@ class GenerationStats:
             "reconnects": self.reconnects,
             "fallback": self.fallback,
             "fallback_tokens": self.fallback_tokens,
+            "lossy": self.lossy,
             "proactive_rounds": self.proactive_rounds,
             "proactive_hit_rate": round(self.proactive_hits / self.proactive_rounds, 4)
             if self.proactive_rounds else 0.0,

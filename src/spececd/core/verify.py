@@ -17,8 +17,14 @@ So every round emits ``num_accepted + 1`` tokens. Modes:
 - ``greedy``: ``match`` with one-hot ``target_probs`` (temperature 0), i.e. keep drafted
   tokens while they equal the target's argmax.
 
-All three emit tokens distributed exactly as the target alone would. This module is pure:
-arrays and an explicit RNG in, a frozen result out.
+All three emit tokens distributed exactly as the target alone would. One more, for
+experiments only, is LOSSY:
+
+- ``threshold``: keep drafted tokens while ``target_probs[x] >= threshold``; the first one
+  below it is replaced by the verifier's own draw from ``target_probs``. It keeps tokens the
+  target finds merely plausible, so its output is not the target's distribution.
+
+This module is pure: arrays and an explicit RNG in, a frozen result out.
 
 The RNG is either one generator for the whole block or a function from the offset in the
 block to a generator. The verifier passes the latter, keyed by absolute position, so that
@@ -49,6 +55,7 @@ def verify(
     rng: np.random.Generator | Callable[[int], np.random.Generator],
     mode: Mode,
     draft_probs: Sequence[SparseProbs] | None = None,  # [k], required in exact mode
+    threshold: float = 0.0,  # threshold mode only, in (0, 1]
 ) -> VerifyResult:
     k = len(draft_tokens)
     if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
@@ -56,6 +63,8 @@ def verify(
                          f"got {target_probs.shape}")
     if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != k):
         raise ValueError("exact mode needs one draft distribution per drafted token")
+    if mode is Mode.THRESHOLD and not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold mode needs a threshold in (0, 1], got {threshold}")
 
     def at(i: int) -> np.random.Generator:
         return rng if isinstance(rng, np.random.Generator) else rng(i)
@@ -72,6 +81,10 @@ def verify(
             # only rounding gets us here, and the target distribution is then the residual.
             correction = sample(residual if residual.sum() > 0 else target_probs[i], gen)
             return VerifyResult(num_accepted=i, next_token=correction)
+        if mode is Mode.THRESHOLD:
+            if target_probs[i, token] >= threshold:
+                continue
+            return VerifyResult(num_accepted=i, next_token=sample(target_probs[i], gen))
         own = sample(target_probs[i], gen)
         if own != token:
             return VerifyResult(num_accepted=i, next_token=own)

@@ -14,8 +14,8 @@ machines, which know the vocabulary and the limits.
 Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
-    Hello(version, fingerprint, sampling, mode, auth)  ->
-                                           <- Welcome(session_id, limits)
+    Hello(version, fingerprint, sampling, mode, auth, threshold)  ->
+                                           <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s)
     ...
@@ -74,6 +74,7 @@ class Hello:
     top_p: float
     seed: int
     auth_token: str = ""
+    threshold: float = 0.0  # threshold mode (lossy) only; left off the wire when 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Welcome:
     protocol_version: int
     max_draft: int
     max_context: int
+    lossy: bool = False  # the session's mode may change the output distribution
 
 
 @dataclass(frozen=True)
@@ -195,9 +197,13 @@ def encode(message: Message) -> bytes:
                            _hash_bytes(fp.tokenizer_hash), message.mode,
                            _number(message.temperature), message.top_k,
                            _number(message.top_p), message.seed, message.auth_token]
+        if message.threshold:
+            body.append(_number(message.threshold))
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
+        if message.lossy:
+            body.append(True)
     elif isinstance(message, Draft):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
                 _pack_ids(message.tokens)]
@@ -226,8 +232,8 @@ def encode(message: Message) -> bytes:
 # Field types per message, for structural checks on decode.
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR),
-    Welcome.TYPE: (_STR, _INT, _INT, _INT),
+    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM),
+    Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
     Verdict.TYPE: (_INT, _INT, _INT, _INT),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
@@ -236,7 +242,9 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
-_OPTIONAL = {Draft.TYPE: 1, Tokens.TYPE: 2}  # trailing fields that may be left out
+# Trailing fields that may be left out (each added after the first release of its message,
+# so that frames from older peers still decode).
+_OPTIONAL = {Hello.TYPE: 1, Welcome.TYPE: 1, Draft.TYPE: 1, Tokens.TYPE: 2}
 
 
 def _number(value: float) -> float | int:
@@ -306,7 +314,7 @@ def decode(frame: bytes) -> Message:
     if kind == Hello.TYPE:
         fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
-                     float(body[6]), body[7], body[8])
+                     float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0)
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:

@@ -64,6 +64,7 @@ class VerifyRequest:
     draft_probs: tuple[SparseProbs, ...] | None
     mode: Mode
     params: SamplingParams
+    threshold: float = 0.0  # threshold mode (lossy) only
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,15 @@ class GenerateRequest:
 @dataclass
 class Stream:
     """A cloud-only generation under way, and the edge's latest hint for it: drafted
-    tokens for the positions from ``hint_start`` on."""
+    tokens for the positions from ``hint_start`` on. ``reach``: the position after the
+    last token of the latest hint frame taken, whether or not it agrees with the context
+    (how far ahead the edge has drafted, for the server's measure of its turnaround)."""
 
     request: GenerateRequest
     generated: int = 0
     hint_start: int = 0
     hint: tuple[int, ...] = ()
+    reach: int = 0
 
 
 class State(enum.Enum):
@@ -103,6 +107,8 @@ class CloudSession:
         self.session_id = secrets.token_hex(8)
         self.mode = Mode.GREEDY
         self.params = SamplingParams()
+        self.threshold = 0.0
+        self.lossy = False  # the edge asked for a lossy mode (labelled in the welcome)
         self.context: tuple[int, ...] = ()
         self.errors: Counter[str] = Counter()  # errors answered, by code
         self.request_seq = -1  # the seq of the last draft or generate request received
@@ -174,17 +180,27 @@ class CloudSession:
                 f"{self.fingerprint.vocab_size} / {self.fingerprint.tokenizer_hash[:12]}; "
                 f"use a draft model with the target's tokenizer")
         try:
-            self.params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
-                                         top_p=hello.top_p, seed=hello.seed)
-            # At temperature 0 every mode is greedy verification.
-            self.mode = Mode.GREEDY if self.params.greedy else Mode(hello.mode)
+            params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
+                                    top_p=hello.top_p, seed=hello.seed)
+            requested = Mode(hello.mode)
         except ValueError as exc:
             raise UnexpectedMessage(f"bad session parameters: {exc}") from None
+        if requested is Mode.THRESHOLD and not 0.0 < hello.threshold <= 1.0:
+            raise UnexpectedMessage(f"bad session parameters: threshold mode needs a threshold "
+                                    f"in (0, 1], got {hello.threshold}")
+        if requested is not Mode.THRESHOLD and hello.threshold:
+            raise UnexpectedMessage(f"bad session parameters: a threshold applies to threshold "
+                                    f"mode only, not {requested.value}")
+        # At temperature 0 every mode is greedy verification (threshold too: the target's
+        # one-hot distribution passes its argmax alone), but a lossy mode keeps its label,
+        # so that every report says what the edge asked for.
+        self.params, self.mode = params, Mode.GREEDY if params.greedy else requested
+        self.threshold, self.lossy = hello.threshold, requested.lossy
         self.state, self._checked = State.READY, True
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         self.stream = None
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
-                                  self.limits.max_context))
+                                  self.limits.max_context, self.lossy))
 
     def _context(self, seq: int, context_len: int, prefix: tuple[int, ...],
                  new_tokens: tuple[int, ...], extra: int) -> tuple[int, ...]:
@@ -220,7 +236,7 @@ class CloudSession:
         self._last_seq = draft.seq
         self.context, self.stream = context, None
         return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
-                             self.params)
+                             self.params, self.threshold)
 
     def _generate(self, request: m.Generate) -> GenerateRequest:
         if request.max_tokens < 1:
@@ -253,6 +269,7 @@ class CloudSession:
         # Hold no more than the server could verify in one step.
         ahead = len(self.context) - stream.hint_start + self.limits.max_draft
         stream.hint = tokens[:max(0, ahead)]
+        stream.reach = hint.position + len(hint.tokens)
 
     def hint_ahead(self) -> tuple[int, ...]:
         """The hinted tokens ahead of the context, if the hint agrees with the context up
@@ -332,12 +349,12 @@ class EdgeSession:
     """
 
     def __init__(self, fingerprint: m.Fingerprint, mode: Mode, params: SamplingParams,
-                 auth_token: str = "") -> None:
+                 auth_token: str = "", threshold: float = 0.0) -> None:
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
         self.hello_message = m.Hello(m.PROTOCOL_VERSION, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
-                                     params.seed, auth_token)
+                                     params.seed, auth_token, threshold)
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from websockets.asyncio.server import Server, ServerConnection
+from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -96,15 +96,16 @@ def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
     return handle
 
 
-async def serve(engine: Engine, host: str, port: int,
-                ssl_context: ssl.SSLContext | None = None,
-                ready: Callable[[Server], None] | None = None) -> None:
-    """Serve until cancelled."""
+async def serve(engine: Engine, host: str, port: int, tls: tuple[str, str] | None = None,
+                ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
+    the port bound (``port`` 0: any free one)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
-    async with ws_serve(_handler(engine), host, port, ssl=ssl_context, max_size=limit,
+    context = server_ssl_context(*tls) if tls else None
+    async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
                         compression=None, process_request=_http_handler(engine)) as ws_server:
         if ready is not None:
-            ready(ws_server)
+            ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
         await asyncio.get_running_loop().create_future()
 
 
@@ -118,18 +119,17 @@ def frame_bytes(payload: int, masked: bool) -> int:
 class WebSocketTransport:
     """A blocking client connection to a verifier server."""
 
-    def __init__(self, url: str, *, ssl_context: ssl.SSLContext | None = None,
+    def __init__(self, url: str, *, cafile: str | None = None, verify: bool = True,
                  open_timeout: float = 10.0, recv_timeout: float = 120.0,
                  max_size: int = 16 << 20) -> None:
         self.url = url
         self.recv_timeout = recv_timeout
         self.bytes_sent = 0
         self.bytes_received = 0
-        options: dict[str, Any] = dict(ssl=ssl_context, open_timeout=open_timeout,
-                                       max_size=max_size, compression=None, proxy=None,
-                                       legacy=True)
-        if ssl_context is None and url.startswith("wss://"):
-            options.pop("ssl")
+        options: dict[str, Any] = dict(open_timeout=open_timeout, max_size=max_size,
+                                       compression=None, proxy=None, legacy=True)
+        if url.startswith("wss://"):
+            options["ssl"] = client_ssl_context(cafile, verify)
         try:
             self._ws: ClientConnection = connect(url, **options)
         except InvalidURI as exc:

@@ -1,0 +1,360 @@
+"""One end-to-end suite over every transport: memory (in-process, on the engine's
+background loop), WebSocket, gRPC and HTTP. One fixture, ``cloud``, is parametrized over
+them, the way uvicorn runs one suite over its implementations; each networked case talks
+to a real ``spececd serve`` subprocess on loopback that opens all three listeners.
+
+What every transport must show: greedy output identical to the target alone (a tiny
+Llama, a tiny Qwen2, the default pair), the target's exact distribution when sampling
+(chi-square, exact and match mode), resume after the server is killed, auth and TLS,
+limits answered with typed errors, and a fuzzer of 2,000 hostile frames that leaves a
+legitimate session's output unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("grpc")
+
+from spececd.api import Generator
+from spececd.backends.base import tokenizer_fingerprint
+from spececd.backends.registry import load_backend
+from spececd.cloud.engine import Engine
+from spececd.core.sampling import SamplingParams
+from spececd.edge.client import CloudUnreachable, Reconnect
+from spececd.protocol import messages as m
+from spececd.protocol.errors import AuthFailed
+from spececd.protocol.session import Limits
+from spececd.transports.base import Transport
+from spececd.transports.memory import LocalServer
+from spececd.transports.registry import connector
+from tests.chisq import chi_square_p
+from tests.conftest import MODELS, requires_default_pair
+from tests.e2e.server import ServerProcess, free_port
+from tests.e2e.test_inprocess import PROMPTS, hf_greedy
+from tests.e2e.test_network import exact_pair_distribution, mutate, structured_junk
+
+TRANSPORTS = ["memory", "websocket", "grpc", "http"]
+SCHEMES = {"websocket": "ws", "grpc": "grpc", "http": "http"}
+ALL_LISTENERS = ("--grpc-port", "0", "--http-port", "0")
+
+
+class Cloud:
+    """A verifier for ``target`` reached over ``transport``: in this process (memory) or
+    through ``proc``'s listener for it."""
+
+    def __init__(self, transport: str, target: Path, proc: ServerProcess | None,
+                 limits: Limits | None = None) -> None:
+        self.transport, self.target, self.proc = transport, target, proc
+        self._local: LocalServer | None = None
+        self._limits = limits
+
+    @property
+    def url(self) -> str:
+        assert self.proc is not None, "an in-process verifier has no URL"
+        scheme = SCHEMES[self.transport]
+        return next(url for s, url in self.proc.urls.items() if s in (scheme, scheme + "s"))
+
+    def generator(self, draft: Path, **kw: Any) -> Generator:
+        if self.proc is None:
+            return Generator.load(str(draft), str(self.target), device="cpu", dtype="float32",
+                                  **kw)
+        return Generator.load(str(draft), server=self.url, device="cpu", dtype="float32", **kw)
+
+    def link(self) -> Transport:
+        """A raw link (frames in, frames out) to this verifier."""
+        if self.proc is not None:
+            return connector(self.url, recv_timeout=10.0)()
+        if self._local is None:
+            backend = load_backend(str(self.target), device="cpu", dtype="float32")
+            self._local = LocalServer(Engine(backend, self._limits))
+        return self._local()
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+
+
+def networked(transport: str) -> None:
+    if transport == "memory":
+        pytest.skip("an in-process verifier has no server to kill, no auth and no TLS")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_models["llama"], *ALL_LISTENERS)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def cloud(request: pytest.FixtureRequest, tiny_server: ServerProcess,
+          tiny_models: dict[str, Path]) -> Iterator[Cloud]:
+    transport = request.param
+    made = Cloud(transport, tiny_models["llama"], None if transport == "memory" else tiny_server)
+    yield made
+    made.close()
+
+
+# -- lossless ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,proactive", [(4, "off"), ("auto", "on"), ("auto", "stream")])
+def test_greedy_is_identical_to_the_target_alone(
+        k: int | str, proactive: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+    with cloud.generator(tiny_models["draft"], k=k, proactive=proactive) as gen:
+        for prompt in PROMPTS[:3]:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_models["qwen2"], *ALL_LISTENERS)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tiny_qwen2_target_is_identical_too(transport: str, qwen_server: ServerProcess,
+                                              tiny_models: dict[str, Path]) -> None:
+    cloud = Cloud(transport, tiny_models["qwen2"],
+                  None if transport == "memory" else qwen_server)
+    with cloud.generator(tiny_models["draft"], k="auto") as gen:
+        ids = gen.prompt_ids(PROMPTS[4])
+        out = gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+        assert out.token_ids == hf_greedy(tiny_models["qwen2"], ids, 30)
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[ServerProcess]:
+    proc = ServerProcess(MODELS / "target", *ALL_LISTENERS)
+    yield proc
+    proc.stop()
+
+
+_DEFAULT_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+
+
+@requires_default_pair
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_default_pair_is_identical_to_its_target_alone(
+        transport: str, default_server: ServerProcess) -> None:
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())[:4]
+    cloud = Cloud(transport, MODELS / "target",
+                  None if transport == "memory" else default_server)
+    with cloud.generator(MODELS / "draft", k="auto") as gen:
+        for prompt in prompts:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=32, temperature=0, stop_token_ids=[])
+            key = tuple(ids)
+            if key not in _DEFAULT_REFERENCE:
+                _DEFAULT_REFERENCE[key] = hf_greedy(MODELS / "target", ids, 32)
+            assert out.token_ids == _DEFAULT_REFERENCE[key], prompt
+
+
+@pytest.fixture(scope="module")
+def vocab_server(tiny_vocab_pair: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_vocab_pair["target"], *ALL_LISTENERS)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mode,temperature,top_p", [("exact", 1.0, 0.9), ("match", 0.8, 1.0)])
+def test_sampling_keeps_the_target_distribution(
+        transport: str, mode: str, temperature: float, top_p: float,
+        vocab_server: ServerProcess, tiny_vocab_pair: dict[str, Path]) -> None:
+    draws, prompt, vocab = 3000, [1, 2, 3], 10
+    cloud = Cloud(transport, tiny_vocab_pair["target"],
+                  None if transport == "memory" else vocab_server)
+    with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="on") as gen:
+        pairs = [c.token_ids for c in gen.generate_n(
+            prompt, draws, max_tokens=2, temperature=temperature, top_p=top_p, seed=1234,
+            stop_token_ids=[])]
+    assert all(len(p) == 2 for p in pairs)
+    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
+        temperature=temperature, top_p=top_p)) * draws
+    assert chi_square_p(observed, expected) > 0.001
+
+
+# -- faults -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proactive", ["on", "stream"])
+def test_resume_after_the_server_is_killed(proactive: str, cloud: Cloud,
+                                           tiny_models: dict[str, Path]) -> None:
+    networked(cloud.transport)
+    proc = ServerProcess(tiny_models["llama"], "--grpc-port", str(free_port()),
+                         "--http-port", str(free_port()))
+    try:
+        killed = Cloud(cloud.transport, tiny_models["llama"], proc)
+        reconnect = Reconnect(attempts=60, delay=0.1, max_delay=0.5)
+        with killed.generator(tiny_models["draft"], reconnect=reconnect,
+                              proactive=proactive) as gen:
+            sampling: dict[str, Any] = dict(max_tokens=40, temperature=0.9, seed=7,
+                                            stop_token_ids=[])
+            reference = gen.generate(PROMPTS[0], **sampling).token_ids
+            tokens: list[int] = []
+            for i, chunk in enumerate(gen.stream(PROMPTS[0], **sampling)):
+                tokens.extend(chunk.token_ids)
+                if i == 3:
+                    proc.kill()
+                    proc.start()
+            assert tokens == reference
+    finally:
+        proc.stop()
+
+
+# -- security and bad input -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[ServerProcess, Path]]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key, token = folder / "cert.pem", folder / "key.pem", folder / "token"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    token.write_text("s3cret\n")
+    proc = ServerProcess(tiny_models["llama"], *ALL_LISTENERS, "--tls-cert", str(cert),
+                         "--tls-key", str(key), "--auth-token-file", str(token), scheme="wss")
+    yield proc, cert
+    proc.stop()
+
+
+def test_auth_and_tls(cloud: Cloud, secured: tuple[ServerProcess, Path],
+                      tiny_models: dict[str, Path]) -> None:
+    networked(cloud.transport)
+    proc, cert = secured
+    url = Cloud(cloud.transport, tiny_models["llama"], proc).url
+    assert url.split("://")[0].endswith("s")  # the TLS scheme of this transport
+    once = Reconnect(attempts=0)
+
+    def load(**kw: Any) -> Generator:
+        return Generator.load(str(tiny_models["draft"]), server=url, device="cpu",
+                              dtype="float32", reconnect=once, **kw)
+
+    with load(tls_ca=str(cert), auth_token="s3cret") as gen:
+        assert len(gen.generate("x", max_tokens=6, temperature=0).token_ids) == 6
+    with pytest.raises(AuthFailed), load(tls_ca=str(cert), auth_token="wrong") as gen:
+        gen.generate("x", max_tokens=3)
+    with pytest.raises(CloudUnreachable), load(auth_token="s3cret") as gen:
+        gen.generate("x", max_tokens=3)  # the self-signed certificate is not trusted
+    plain = url.replace("s://", "://", 1)
+    with pytest.raises(CloudUnreachable), Generator.load(
+            str(tiny_models["draft"]), server=plain, device="cpu", dtype="float32",
+            reconnect=once, auth_token="s3cret") as gen:
+        gen.generate("x", max_tokens=3)  # no TLS against a TLS listener
+
+
+def greet(link: Transport, draft: Path, mode: str = "match") -> bytes:
+    backend = load_backend(str(draft), device="cpu", dtype="float32")
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    hello = m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, mode, 1.0, 0, 1.0, 1, ""))
+    link.send(hello)
+    assert isinstance(m.decode(link.recv()), m.Welcome)
+    return hello
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_models["llama"], *ALL_LISTENERS, "--max-draft", "3",
+                         "--max-message-bytes", "2000", "--max-context", "64")
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_limits_are_typed_errors(transport: str, limited: ServerProcess,
+                                 tiny_models: dict[str, Path]) -> None:
+    cloud = Cloud(transport, tiny_models["llama"], None if transport == "memory" else limited,
+                  Limits(max_draft=3, max_context=64, max_message_bytes=2000))
+    try:
+        link = cloud.link()
+        greet(link, tiny_models["draft"])
+        cases = {
+            "limit_exceeded": [m.encode(m.Draft(1, 0, (5,), (1, 2, 3, 4), None)),
+                               m.encode(m.Draft(2, 0, tuple([5] * 70), (1,), None)),
+                               b"\x00" * 3000],
+            "invalid_tokens": [m.encode(m.Draft(3, 0, (5,), (100000,), None))],
+            "malformed_frame": [b"\xc1\xc1"],
+        }
+        for code, frames in cases.items():
+            for bad in frames:
+                link.send(bad)
+                reply = m.decode(link.recv())
+                assert isinstance(reply, m.Error) and reply.code == code, (code, reply)
+        link.send(m.encode(m.Draft(4, 0, (5, 6), (7,), None)))  # the session still works
+        assert isinstance(m.decode(link.recv()), m.Verdict)
+        link.close()
+    finally:
+        cloud.close()
+
+
+def test_fuzzing_leaves_a_legitimate_session_unchanged(
+        cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+    sampling: dict[str, Any] = dict(max_tokens=60, temperature=0.8, seed=3, stop_token_ids=[])
+    with cloud.generator(tiny_models["draft"]) as gen:
+        reference = gen.generate(PROMPTS[2], **sampling).token_ids
+    legit: dict[str, list[int]] = {}
+
+    def legitimate() -> None:
+        with cloud.generator(tiny_models["draft"]) as g:
+            out: list[int] = []
+            for chunk in g.stream(PROMPTS[2], **sampling):
+                out.extend(chunk.token_ids)
+                time.sleep(0.02)  # keep the session alive across the fuzzing
+            legit["tokens"] = out
+
+    thread = threading.Thread(target=legitimate)
+    thread.start()
+    rng = random.Random(0)
+    link: Transport | None = None
+    hello = b""
+    seeds: list[bytes] = []
+    counts = {"frames": 0, "errors": 0, "answers": 0, "closes": 0}
+    while counts["frames"] < 2000:
+        if link is None:
+            link = cloud.link()
+            if not seeds or rng.random() < 0.5:  # fuzz a greeted session half of the time
+                hello = greet(link, tiny_models["draft"], "exact")
+                seeds = [hello, m.encode(m.Draft(1, 0, (5, 6), (7, 8), None)),
+                         m.encode(m.Verdict(1, 0, 1, 0.0)), m.encode(m.Close("x"))]
+        kind = rng.random()
+        frame = (bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))) if kind < 0.3
+                 else structured_junk(rng) if kind < 0.6 else mutate(rng.choice(seeds), rng))
+        counts["frames"] += 1
+        try:
+            link.send(frame)
+            reply = m.decode(link.recv())
+        except ConnectionError:
+            counts["closes"] += 1  # closed by the server (a fatal error or a Close frame)
+            link.close()
+            link = None
+            continue
+        counts["errors" if isinstance(reply, m.Error) else "answers"] += 1
+        if isinstance(reply, m.Error) and reply.fatal:
+            link.close()
+            link = None
+    thread.join(timeout=180)
+    print(f"fuzz over {cloud.transport}: {counts}")
+    assert counts["errors"] + counts["answers"] + counts["closes"] == counts["frames"]
+    assert counts["errors"] > 1000
+    assert cloud.proc is None or cloud.proc.alive()
+    assert legit["tokens"] == reference
