@@ -42,7 +42,6 @@ from spececd.transports.http import HttpTransport, serve  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
-from spececd.transports.tls import server_ssl_context  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 
 
@@ -50,7 +49,7 @@ class ThreadServer:
     """:func:`serve` for ``engine`` on 127.0.0.1, on an event loop in a background thread."""
 
     def __init__(self, engine: Engine, port: int = 0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 tls: tuple[str, str] | ssl.SSLContext | None = None) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -63,11 +62,11 @@ class ThreadServer:
 
         async def start() -> asyncio.Task[None]:
             return asyncio.get_running_loop().create_task(
-                serve(engine, "127.0.0.1", port, ssl_context, ready))
+                serve(engine, "127.0.0.1", port, tls, ready))
 
         self.task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         assert bound.wait(10), "the server did not start"
-        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         async def stop() -> None:
@@ -127,10 +126,14 @@ def reference(tiny_models: dict[str, Path], draft: Backend) -> dict[str, list[in
 
 
 def edge(draft: Backend, url: str, **kw: Any) -> Generator:
-    options = {key: kw.pop(key) for key in ("auth_token", "cafile", "verify") if key in kw}
-    auth_token = options.get("auth_token", "")
+    """The edge's client over :class:`HttpTransport`; ``transport_token``, ``cafile`` and
+    ``verify`` go to the transport (``auth_token`` to the session's hello, as the transport
+    registry does it)."""
+    options = {key: kw.pop(key) for key in ("cafile", "verify") if key in kw}
+    if "transport_token" in kw:
+        options["auth_token"] = kw.pop("transport_token")
     return Generator(draft, lambda: HttpTransport(url, **options),
-                     max_context=draft.max_context, auth_token=auth_token, **kw)
+                     max_context=draft.max_context, **kw)
 
 
 # -- the edge's own protocol -----------------------------------------------------------
@@ -430,13 +433,19 @@ def test_bearer_auth_is_enforced_on_every_v1_endpoint(target: Backend, draft: Ba
         assert proc.request("POST", "/v1/sessions", {},
                             {"Authorization": "Bearer s3cret"})[0] == 201
         assert proc.request("GET", "/healthz")[0] == 200  # operations need no token
-        with edge(draft, proc.url, k=3, reconnect=Reconnect(attempts=0)) as gen, \
-                pytest.raises(AuthFailed):
-            gen.generate("x", max_tokens=3)
-        with edge(draft, proc.url, k=3, auth_token="s3cret") as gen:
-            assert len(gen.generate("x", max_tokens=5, temperature=0).token_ids) == 5
+        for wrong in ({}, {"auth_token": "wrong"}, {"transport_token": "wrong",
+                                                    "auth_token": "s3cret"}):
+            with edge(draft, proc.url, k=3, reconnect=Reconnect(attempts=0), **wrong) as gen, \
+                    pytest.raises(AuthFailed):
+                gen.generate("x", max_tokens=3)
+        # The token in the hello authorizes the link (the transport registry gives the
+        # transport no token), or the transport's own.
+        for right in ({"auth_token": "s3cret"}, {"transport_token": "s3cret",
+                                                 "auth_token": "s3cret"}):
+            with edge(draft, proc.url, k=3, **right) as gen:
+                assert len(gen.generate("x", max_tokens=5, temperature=0).token_ids) == 5
         assert proc.engine.metrics.registry.get_sample_value(
-            "spececd_errors_total", {"code": "auth_failed"}) == 16
+            "spececd_errors_total", {"code": "auth_failed"}) == 15 + 3
     finally:
         proc.stop()
 
@@ -448,7 +457,7 @@ def test_https_with_a_self_signed_certificate(tmp_path: Path, target: Backend,
                     str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    proc = ThreadServer(Engine(target), ssl_context=server_ssl_context(str(cert), str(key)))
+    proc = ThreadServer(Engine(target), tls=(str(cert), str(key)))  # as the registry does
     try:
         assert proc.url.startswith("https://")
         with edge(draft, proc.url, k=3, proactive="stream", cafile=str(cert)) as gen:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any

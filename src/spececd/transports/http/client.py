@@ -20,7 +20,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spececd.protocol import messages as m
-from spececd.protocol.errors import AuthFailed, LimitExceeded, ServerBusy, error_for_code
+from spececd.protocol.errors import (
+    AuthFailed,
+    LimitExceeded,
+    ProtocolError,
+    ServerBusy,
+    error_for_code,
+)
 from spececd.transports.http.links import FIRST_REPLY, MAX_WAIT
 from spececd.transports.tls import client_ssl_context
 
@@ -110,6 +116,9 @@ class HttpTransport:
     own refusals the WebSocket server would answer with an error frame (auth, busy, a
     frame over the size limit) arrive as that error frame.
 
+    The link is opened by the first frame sent, authorized by ``auth_token`` or, without
+    one, by the token in that frame when it is a hello (what the edge sends first).
+
     ``bytes_sent`` and ``bytes_received`` count the HTTP bytes written to and read from
     the connection: request and status lines, headers and bodies (under TLS, the bytes
     inside it; TCP/IP and TLS overhead are not counted).
@@ -133,28 +142,43 @@ class HttpTransport:
         self._host = parts.hostname
         self._port = port or (443 if parts.scheme == "https" else 80)
         self._context = client_ssl_context(cafile, verify) if parts.scheme == "https" else None
-        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._token = auth_token
+        self._headers: dict[str, str] = {}
         self._conn: http.client.HTTPConnection | None = None
         self._answered = 0  # responses read on this connection
         self._inflight: _Request | None = None  # written, its response not read yet
         self._replies: deque[bytes] = deque()
         self._frames = 0  # frames the server has: the next one's number
         self._acked = 0  # replies received: the next one's number
-        links = parts.path.rstrip("/") + "/v1/links"
-        self._link: str | None = None  # the link's path; None once it has ended
-        request = _Request("POST", links, b"", open_timeout)
-        status, _, body = self._exchange(request)
-        if status == 201:
-            try:
-                self._link = f"{links}/{json.loads(body)['link_id']}"
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ConnectionError(f"{url} is not a SpecECD server ({exc})") from None
-        else:
+        self._links = parts.path.rstrip("/") + "/v1/links"
+        self._link: str | None = None  # the link's path, once open
+        self._ended = False  # the link ended or was refused
+        self._connection()  # now, so that an unreachable server or a bad certificate fails here
+
+    def _open(self, frame: bytes | None) -> None:
+        """Open the link, authorized by the token given, else by the one in ``frame`` when
+        it is a hello (the edge's credentials travel there; the server wants them first)."""
+        token = self._token
+        if not token and frame is not None and frame_type(frame) == m.Hello.TYPE:
+            with contextlib.suppress(ProtocolError):  # a malformed hello carries none
+                hello = m.decode(frame)
+                token = hello.auth_token if isinstance(hello, m.Hello) else ""
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        status, _, body = self._exchange(_Request("POST", self._links, b"", self.open_timeout))
+        if status != 201:
             self._refused(status, body)
+            self._ended = True
+            return
+        try:
+            self._link = f"{self._links}/{json.loads(body)['link_id']}"
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConnectionError(f"{self.url} is not a SpecECD server ({exc})") from None
 
     # -- the Transport protocol ---------------------------------------------------------
     def send(self, frame: bytes) -> None:
         self._settle()
+        if self._link is None and not self._ended:
+            self._open(frame)
         if self._link is None:
             if self._replies:
                 return  # a refusal waits to be read; like a closing WebSocket, drop this
@@ -170,6 +194,8 @@ class HttpTransport:
             self._take(request, *self._finish(request))
 
     def recv(self) -> bytes:
+        if self._link is None and not self._ended:
+            self._open(None)
         deadline = time.monotonic() + self.recv_timeout
         while not self._replies:
             if self._inflight is not None:
@@ -191,13 +217,13 @@ class HttpTransport:
             self._settle()
         if self._replies:
             return self._replies.popleft()
-        if self._link is None and self._inflight is None:
+        if self._ended and self._inflight is None:
             raise ConnectionError(f"the link to {self.url} has ended")
         return None
 
     def close(self) -> None:
         """End the link on the server (briefly: the server ends it anyway when idle)."""
-        link, self._link = self._link, None
+        link, self._link, self._ended = self._link, None, True
         self.open_timeout = min(self.open_timeout, CLOSE_TIMEOUT)
         with contextlib.suppress(Exception):  # closing a broken link must not raise
             if link is not None:
@@ -284,7 +310,7 @@ class HttpTransport:
         fatal = error_for_code(code, message).fatal
         self._replies.append(m.encode(m.Error(code, message, -1, fatal)))
         if fatal:
-            self._link = None
+            self._link, self._ended = None, True
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is not None and self._conn.sock is not None:

@@ -24,6 +24,7 @@ from spececd.cloud.engine import Engine
 from spececd.protocol import messages as m
 from spececd.transports.http import links, sessions
 from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors
+from spececd.transports.tls import server_ssl_context
 
 KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
 
@@ -110,10 +111,12 @@ class _Server(uvicorn.Server):
 
 
 async def serve(engine: Engine, host: str, port: int,
-                ssl_context: ssl.SSLContext | None = None,
+                tls: tuple[str, str] | ssl.SSLContext | None = None,
                 ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled; ``ready`` gets the bound port (so port 0 works). A port that
+    """Serve until cancelled. ``tls``: PEM certificate and key, or a server SSL context
+    (https://); ``ready`` gets the port bound (``port`` 0: any free one). A port that
     cannot be bound raises ``OSError``. The caller closes the engine."""
+    ssl_context = server_ssl_context(*tls) if isinstance(tls, tuple) else tls
     app = create_app(engine)
     config = uvicorn.Config(
         app, lifespan="off", ws="none", log_config=None, access_log=False,
