@@ -303,8 +303,7 @@ class EdgeClient:
         ``k``: how many tokens ahead of the received ones to draft (``None``: ``k_max``).
         A hint goes out after every half server step's worth of drafting (measured: the
         server's own steps against this drafter's), so a fast drafter sends fuller hints
-        and a slow one sends them early. Needs a transport that can poll; on one that
-        cannot (in-process) this is cloud-only generation."""
+        and a slow one sends them early."""
         assert params.seed is not None
         seed = params.seed
         mode = Mode.MATCH  # verified by match: drafts travel without distributions
@@ -359,7 +358,7 @@ class EdgeClient:
                 room = min(params.max_tokens - generated, max_context - len(history)) - 1
                 want = min(ahead, room) - len(draft)
                 transport = self._transport
-                if want > 0 and transport is not None and hasattr(transport, "poll"):
+                if want > 0 and transport is not None:
                     chunk = (round(STREAM_CHUNK_OF_STEP * server_step.value / draft_step.value)
                              if draft_step.value and server_step.value else 2)
                     t0 = time.perf_counter()
@@ -392,7 +391,7 @@ class EdgeClient:
         replies: list[m.Welcome | m.Verdict | m.Tokens] = []
         try:
             transport.send(frame)
-            while (data := transport.poll()) is not None:  # type: ignore[attr-defined]
+            while (data := transport.poll()) is not None:
                 replies.append(self._greeted.receive(data))
         except ConnectionError as exc:
             log.warning("link to the verifier failed (%s); reconnecting", exc)
