@@ -269,13 +269,6 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
 
 
 def load_generator(cfg: EdgeConfig) -> Any:
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     from spececd.api import Generator
     from spececd.edge.client import Reconnect
 
@@ -460,13 +453,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InputError("TLS needs both --tls-cert and --tls-key")
     token = config.auth_token(cfg.auth_token_file)
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     from spececd.backends.registry import load_backend
     from spececd.cloud.engine import Engine, EnginePolicy
     from spececd.protocol.session import Limits
