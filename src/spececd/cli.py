@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from spececd import config
 from spececd.config import EdgeConfig, ServerConfig
 from spececd.core.stats import GenerationStats
+from spececd.edge.options import parse_k
 from spececd.errors import InputError, SpecECDError
 from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMismatch
 
@@ -270,19 +271,13 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
 
 def load_generator(cfg: EdgeConfig) -> Any:
     from spececd.api import Generator
-    from spececd.edge.client import Reconnect
 
-    common: dict[str, Any] = dict(
-        device=cfg.device, dtype=cfg.dtype, mode=cfg.mode, k=cfg.k,
-        max_support=cfg.max_support, fallback=cfg.fallback,
-        proactive=None if cfg.proactive == "auto" else cfg.proactive, threads=cfg.threads)
-    if cfg.proactive not in ("auto", "on", "off", "stream"):
-        raise InputError(f"proactive must be auto, on, off or stream, got {cfg.proactive!r}")
+    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
+                                  options=cfg.options)
     draft = cfg.draft_model or default_model("draft")
     if cfg.server:
         return Generator.load(draft, server=cfg.server,
                               auth_token=config.auth_token(cfg.auth_token_file),
-                              reconnect=Reconnect(cfg.reconnect_attempts, cfg.reconnect_delay),
                               tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify, **common)
     return Generator.load(draft, cfg.target_model or default_model("target"), **common)
 
@@ -380,7 +375,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         target = gen.target_backend.description if gen.target_backend else cfg.server
         print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
               f"              target {target}\n"
-              f"mode {gen.mode.value}, k={gen.k or 'auto'}, temperature {cfg.temperature}"
+              f"mode {gen.options.mode.value}, k={gen.options.k or 'auto'}, "
+              f"temperature {cfg.temperature}"
               + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
                  f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
         total = GenerationStats()
@@ -568,7 +564,6 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "load":
         return cmd_bench_load(args)
-    from spececd.api import parse_k
     from spececd.bench.runner import BenchConfig, run_bench, save
 
     ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)

@@ -35,6 +35,7 @@ from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
+from spececd.edge.options import EdgeOptions  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
 from spececd.protocol.session import Limits  # noqa: E402
@@ -133,7 +134,8 @@ def edge(draft: Backend, url: str, **kw: Any) -> Generator:
     if "transport_token" in kw:
         options["auth_token"] = kw.pop("transport_token")
     return Generator(draft, lambda: HttpTransport(url, **options),
-                     max_context=draft.max_context, **kw)
+                     max_context=draft.max_context, auth_token=kw.pop("auth_token", ""),
+                     options=EdgeOptions().with_settings(**kw))
 
 
 # -- the edge's own protocol -----------------------------------------------------------

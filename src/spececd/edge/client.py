@@ -30,6 +30,7 @@ from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
 from spececd.edge.drafter import Drafter
+from spececd.edge.options import Reconnect
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.messages import Fingerprint
@@ -43,13 +44,6 @@ STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of 
 
 class CloudUnreachable(SpecECDError):
     """The verifier could not be reached, after every reconnection attempt."""
-
-
-@dataclass(frozen=True)
-class Reconnect:
-    attempts: int = 5  # reconnections tried before giving up
-    delay: float = 0.25  # seconds before the first; doubled for each next one
-    max_delay: float = 8.0
 
 
 @dataclass(frozen=True)
