@@ -149,16 +149,12 @@ class Generator:
 
     @property
     def options(self) -> EdgeOptions:
-        return self._options
+        return self.client.options
 
     @options.setter
     def options(self, options: EdgeOptions) -> None:
-        options = resolve_proactive(options, in_process=self.target_backend is not None)
-        client = self.client
-        client.reconnect, client.fallback = options.reconnect, options.fallback.value
-        client.proactive, client.k_max = options.proactive is Proactive.ON, options.k_max
-        client.drafter.max_support = options.max_support
-        self._options = options
+        self.client.options = resolve_proactive(options, in_process=self.target_backend
+                                                is not None)
 
     def close(self) -> None:
         self.client.close()
@@ -193,12 +189,7 @@ class Generator:
     def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
                 cloud_only: bool = False) -> Iterator[StreamChunk]:
         decoder = IncrementalDecoder(self.tokenizer)
-        options = self.options
-        rounds = (self.client.cloud_rounds(ids, params, stats) if cloud_only
-                  else self.client.stream_rounds(ids, params, options.k, stats)
-                  if options.proactive is Proactive.STREAM
-                  else self.client.rounds(ids, params, options.mode, options.k, stats))
-        for out in rounds:
+        for out in self.client.generate(ids, params, stats, cloud_only):
             verified = "fallback" if out.fallback else "target"
             for source, part in (("draft", out.token_ids[:out.from_draft]),
                                  (verified, out.token_ids[out.from_draft:])):

@@ -167,7 +167,7 @@ def test_dropped_connection_is_resumed(server: ServerProcess,
                                              stop_token_ids=[])):
             tokens.extend(chunk.token_ids)
             if i == 2:
-                gen.client._transport._ws.close()  # type: ignore[union-attr]
+                gen.client.link.transport._ws.close()  # type: ignore[union-attr]
         assert tokens == reference.token_ids
 
 
@@ -484,7 +484,7 @@ def test_stream_drafting_through_a_slow_link_and_a_dropped_connection(
                                                  stop_token_ids=[])):
                 tokens.extend(chunk.token_ids)
                 if i == 3:
-                    gen.client._transport._ws.close()  # type: ignore[union-attr]
+                    gen.client.link.transport._ws.close()  # type: ignore[union-attr]
             assert tokens == expected and stats.reconnects == 1
     finally:
         proxy.stop()

@@ -257,7 +257,7 @@ def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft:
                                              seed=5, stop_token_ids=[])):
             tokens.extend(chunk.token_ids)
             if i == 2:
-                gen.client._transport._call.cancel()  # the link breaks mid-generation
+                gen.client.link.transport._call.cancel()  # the link breaks mid-generation
         assert tokens == reference.token_ids
 
 
