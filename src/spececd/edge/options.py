@@ -103,13 +103,19 @@ def _number(kind: type[int] | type[float], what: str, low: float,
     return parse
 
 
-def _choice(kind: type[enum.Enum], what: str) -> Callable[[object], object]:
+def _choice(kind: type[enum.Enum], what: str,
+            allowed: tuple[enum.Enum, ...] | None = None) -> Callable[[object], object]:
+    choices = allowed or tuple(kind)
+
     def parse(value: object) -> object:
         try:
-            return kind(value.strip().lower() if isinstance(value, str) else value)
+            choice = kind(value.strip().lower() if isinstance(value, str) else value)
         except ValueError:
-            names = ", ".join(str(choice.value) for choice in kind)
-            raise InputError(f"{what} must be one of {names}, got {value!r}") from None
+            choice = None
+        if choice not in choices:
+            names = ", ".join(str(c.value) for c in choices)
+            raise InputError(f"{what} must be one of {names}, got {value!r}")
+        return choice
 
     return parse
 
@@ -130,7 +136,8 @@ def _reconnect(value: object) -> object:
 # The settings a user can write, by name: config.toml's [edge] keys, SPECECD_EDGE_<NAME>,
 # --flags, and Generator.load's keywords (``reconnect`` is the API's alone).
 SETTINGS: dict[str, Callable[[object], object]] = {
-    "mode": _choice(Mode, "mode"),
+    # The lossy threshold mode needs a threshold the edge does not send yet.
+    "mode": _choice(Mode, "mode", allowed=(Mode.EXACT, Mode.MATCH, Mode.GREEDY)),
     "k": parse_k,
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),
