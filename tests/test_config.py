@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ def test_example_file_lists_every_setting_with_its_default() -> None:
     example = REPO / "config.example.toml"
     text = example.read_text()
     for cls in (ServerConfig, EdgeConfig):
-        for field in dataclasses.fields(cls):
-            assert f"\n{field.name} = " in text, field.name
+        for name in config.settings(cls):
+            assert f"\n{name} = " in text, name
         assert config.load(cls, example, environ={}) == cls()
 
 
@@ -32,9 +31,10 @@ def test_precedence(tmp_path: Path) -> None:
     assert (server.port, server.host, server.idle_timeout, server.max_draft) == \
         (9100, "127.0.0.2", 5.0, 64)
     edge = config.load(EdgeConfig, path, {"k": "3"}, env)
-    assert (edge.k, edge.temperature) == ("3", 0.0)
-    assert config.load(EdgeConfig, path, {}, env).k == "7"
-    assert config.load(EdgeConfig, path, {}, {}).k == "6"
+    assert (edge.options.k, edge.temperature) == (3, 0.0)
+    assert config.load(EdgeConfig, path, {}, env).options.k == 7
+    assert config.load(EdgeConfig, path, {}, {}).options.k == 6
+    assert config.load(EdgeConfig, path, {"k": "auto"}, env).options.k is None
 
 
 @pytest.mark.parametrize("text,match", [

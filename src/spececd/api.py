@@ -24,11 +24,11 @@ from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend
 from spececd.core.sampling import Mode, SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
-from spececd.edge.client import EdgeClient, Reconnect
-from spececd.edge.drafter import DEFAULT_MAX_SUPPORT, Drafter
+from spececd.edge.client import EdgeClient
+from spececd.edge.drafter import Drafter
+from spececd.edge.options import EdgeOptions, Proactive
 from spececd.errors import InputError
 from spececd.transports.base import Transport
-from spececd.transports.memory import local_verifier
 
 
 @dataclass(frozen=True)
@@ -70,109 +70,91 @@ class IncrementalDecoder:
         return text[len(before):]
 
 
-def parse_k(k: int | str) -> int | None:
-    """A fixed draft length, or None for ``"auto"`` (chosen each round)."""
-    if k == "auto":
-        return None
-    try:
-        value = int(k)
-    except (TypeError, ValueError):
-        raise InputError(f"k must be a number >= 1 or 'auto', got {k!r}") from None
-    if value < 1:
-        raise InputError(f"k (draft tokens per round) must be >= 1, got {value}")
-    return value
+def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
+    """What ``proactive="auto"`` means here: on against a server, off in-process, where
+    the verifier runs on the caller's thread and nothing overlaps it.
 
-
-PROACTIVE = ("off", "on", "stream")
-
-
-def proactive_setting(value: bool | str) -> str:
-    """``off``, ``on`` or ``stream`` (True and False stand for on and off)."""
-    setting = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-    if setting not in PROACTIVE:
-        raise InputError(f"proactive must be one of {', '.join(PROACTIVE)}, got {value!r}")
-    return setting
+    In-process generation refuses stream drafting for the same reason. This is the one
+    place that rule lives: it goes once the in-process verifier runs on its own loop."""
+    proactive = options.proactive
+    if in_process and proactive is Proactive.STREAM:
+        raise InputError("stream drafting needs a server (--server): in one process "
+                         "nothing runs while the target works; use --proactive on or off")
+    if proactive is Proactive.AUTO:
+        proactive = Proactive.OFF if in_process else Proactive.ON
+    return replace(options, proactive=proactive)
 
 
 class Generator:
     """Speculative generation with a local drafter and a verifier reached by a transport:
-    in this process (``target=``) or on a server (``server="ws://host:port"``)."""
+    in this process (``target=``) or on a server (``server="ws://host:port"``).
+
+    ``options`` (:class:`~spececd.edge.options.EdgeOptions`) say how to draft and verify;
+    assign new ones to change them between generations."""
 
     def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
-                 mode: str = "exact", k: int | str = 4,
-                 max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
-                 reconnect: Reconnect | None = None, fallback: str = "none",
-                 target: Backend | None = None, proactive: bool | str = False,
-                 k_max: int = 8) -> None:
-        self.k = parse_k(k)
-        if max_support < 1:
-            raise InputError(f"max-support must be >= 1, got {max_support}")
-        if fallback not in ("none", "draft"):
-            raise InputError(f"fallback must be 'none' or 'draft', got {fallback!r}")
-        try:
-            self.mode = Mode(mode)
-        except ValueError:
-            raise InputError(f"unknown mode {mode!r}: use exact, match or greedy") from None
+                 options: EdgeOptions | None = None, auth_token: str = "",
+                 target: Backend | None = None) -> None:
         self.draft_backend, self.target_backend = draft, target
         self.tokenizer = draft.tokenizer
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-        self.client = EdgeClient(Drafter(draft, max_support), connect, fingerprint,
-                                 max_context, auth_token, reconnect, fallback, k_max=k_max)
-        self.proactive = proactive
+        self.client = EdgeClient(Drafter(draft), connect, fingerprint, max_context, auth_token)
+        self.options = options or EdgeOptions()
 
     @classmethod
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
-             device: str = "auto", dtype: str = "auto", mode: str = "exact",
-             k: int | str = 4, max_support: int = DEFAULT_MAX_SUPPORT, auth_token: str = "",
-             reconnect: Reconnect | None = None, fallback: str = "none",
-             tls_ca: str | None = None, tls_verify: bool = True,
-             proactive: bool | str | None = None, threads: int = 0) -> Generator:
+             device: str = "auto", dtype: str = "auto", threads: int = 0,
+             auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
+             options: EdgeOptions | None = None, **settings: Any) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
 
-        ``k``: drafted tokens per round, or ``"auto"`` to choose each round from measured
-        acceptance and costs. ``proactive``: ``"on"`` (or True) drafts the next block while
-        a verdict is in flight; ``"stream"`` lets the server generate without waiting and
-        sends it drafts as hints (:meth:`EdgeClient.stream_rounds`); ``"off"``. Default: on
-        with a server, off in-process, where nothing runs in parallel.
+        ``settings`` are the edge's options by name, over ``options`` (default:
+        :class:`~spececd.edge.options.EdgeOptions`' defaults): ``mode`` (exact, match,
+        greedy), ``k`` (drafted tokens per round, or ``"auto"`` to choose each round from
+        measured acceptance and costs), ``proactive`` (``"on"`` or True: draft the next
+        block while a verdict is in flight; ``"stream"``: the server generates without
+        waiting and the edge sends it drafts as hints; ``"off"``; ``"auto"``: on with a
+        server, off in-process), ``max_support``, ``fallback`` (``"draft"``: finish with
+        the draft model alone when the server is unreachable), ``reconnect``
+        (a :class:`~spececd.edge.options.Reconnect`).
         """
-        if proactive is not None:
-            proactive_setting(proactive)  # a bad value fails before any model loads
-        if (target is None) == (server is None):
+        in_process = server is None
+        if (target is None) == in_process:
             raise InputError("give either a target model (in-process) or a server URL")
-        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
+        # Every option is checked before any model loads.
+        options = resolve_proactive((options or EdgeOptions()).with_settings(**settings),
+                                    in_process)
         if server is not None:
             from spececd.transports.registry import connector
 
-            return cls(draft_backend, connector(server, cafile=tls_ca, verify=tls_verify),
-                       max_context=draft_backend.max_context, mode=mode, k=k,
-                       max_support=max_support, auth_token=auth_token, reconnect=reconnect,
-                       fallback=fallback, proactive=True if proactive is None else proactive)
+            connect = connector(server, cafile=tls_ca, verify=tls_verify)  # checks the URL
+            draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
+            return cls(draft_backend, connect, max_context=draft_backend.max_context,
+                       options=options, auth_token=auth_token)
         assert target is not None
+        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
         if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
                 != tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)):
             raise InputError(f"draft {draft!r} and target {target!r} have incompatible "
                              f"tokenizers or vocabularies; pick a draft model that shares the "
                              f"target's tokenizer")
+        from spececd.transports.memory import local_verifier
+
         verifier = local_verifier(target_backend)
         return cls(draft_backend, verifier,
                    max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
-                   mode=mode, k=k, max_support=max_support, fallback=fallback,
-                   target=target_backend, proactive=proactive or False)
+                   options=options, target=target_backend)
 
     @property
-    def proactive(self) -> str:
-        return self._proactive
+    def options(self) -> EdgeOptions:
+        return self.client.options
 
-    @proactive.setter
-    def proactive(self, value: bool | str) -> None:
-        setting = proactive_setting(value)
-        if setting == "stream" and self.target_backend is not None:
-            raise InputError("stream drafting needs a server (--server): in one process "
-                             "nothing runs while the target works; use --proactive on or off")
-        self._proactive = setting
-        self.client.proactive = setting == "on"
+    @options.setter
+    def options(self, options: EdgeOptions) -> None:
+        self.client.options = resolve_proactive(options, in_process=self.target_backend
+                                                is not None)
 
     def close(self) -> None:
         self.client.close()
@@ -197,7 +179,7 @@ class Generator:
     def params(self, *, max_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None,
                stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
-        if self.mode is Mode.GREEDY:
+        if self.options.mode is Mode.GREEDY:
             temperature = 0.0
         stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -207,11 +189,7 @@ class Generator:
     def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
                 cloud_only: bool = False) -> Iterator[StreamChunk]:
         decoder = IncrementalDecoder(self.tokenizer)
-        rounds = (self.client.cloud_rounds(ids, params, stats) if cloud_only
-                  else self.client.stream_rounds(ids, params, self.k, stats)
-                  if self.proactive == "stream"
-                  else self.client.rounds(ids, params, self.mode, self.k, stats))
-        for out in rounds:
+        for out in self.client.generate(ids, params, stats, cloud_only):
             verified = "fallback" if out.fallback else "target"
             for source, part in (("draft", out.token_ids[:out.from_draft]),
                                  (verified, out.token_ids[out.from_draft:])):

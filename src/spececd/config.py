@@ -2,25 +2,33 @@
 
 Each value comes from, in increasing order of precedence:
 
-1. the defaults below;
+1. the defaults below, and :class:`~spececd.edge.options.EdgeOptions`' for the edge's
+   options (``mode``, ``k``, ``proactive``, ...);
 2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``);
 3. environment variables ``SPECECD_SERVER_<NAME>`` / ``SPECECD_EDGE_<NAME>`` (upper case,
    e.g. ``SPECECD_SERVER_PORT=9000``), and ``SPECECD_AUTH_TOKEN`` for the bearer token;
 4. command-line flags.
 
 ``config.example.toml`` in the repository lists every setting.
+
+Values are converted and checked as they are read, and an error names where the bad value
+came from. The edge's options are parsed here, once, into the :class:`EdgeOptions` that
+everything inside the edge takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from spececd.edge.options import SETTINGS as OPTION_SETTINGS
+from spececd.edge.options import EdgeOptions
 from spececd.errors import InputError
 
 if sys.version_info >= (3, 11):
@@ -53,16 +61,16 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class EdgeConfig:
+    """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
+    edge's options (``mode``, ``k``, ``proactive``, ``max_support``, ``fallback``,
+    ``reconnect_attempts``, ``reconnect_delay``), parsed into ``options``."""
+
     server: str = ""
     draft_model: str = ""
     target_model: str = ""
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
-    mode: str = "exact"
-    k: str = "auto"
-    proactive: str = "auto"
-    max_support: int = 64
     max_tokens: int = 128
     temperature: float = 1.0
     top_k: int = 0
@@ -70,16 +78,14 @@ class EdgeConfig:
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True
-    reconnect_attempts: int = 5
-    reconnect_delay: float = 0.25
-    fallback: str = "none"
+    options: EdgeOptions = field(default_factory=EdgeOptions)
 
 
 Config = TypeVar("Config", ServerConfig, EdgeConfig)
 SECTIONS: dict[type, str] = {ServerConfig: "server", EdgeConfig: "edge"}
 
 
-def _convert(value: Any, kind: type, source: str) -> Any:
+def _convert(value: Any, kind: type) -> Any:
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         if kind is bool:
@@ -87,18 +93,28 @@ def _convert(value: Any, kind: type, source: str) -> Any:
                 return True
             if text in ("0", "false", "no", "off"):
                 return False
-            raise InputError(f"{source}: expected true or false, got {value!r}")
+            raise InputError(f"expected true or false, got {value!r}")
         try:
             return kind(text)
         except ValueError:
-            raise InputError(f"{source}: expected {kind.__name__}, got {value!r}") from None
+            raise InputError(f"expected {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)  # e.g. k = 4 where "auto" is also allowed
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InputError(f"{source}: expected {kind.__name__}, got {value!r}")
+        raise InputError(f"expected {kind.__name__}, got {value!r}")
     return value
+
+
+def settings(cls: type[Config]) -> dict[str, Callable[[Any], Any]]:
+    """The section's settings, by name, each with the function that converts its value."""
+    types = get_type_hints(cls)
+    found: dict[str, Callable[[Any], Any]] = {
+        f.name: functools.partial(_convert, kind=types[f.name])
+        for f in fields(cls) if f.name != "options"}
+    if cls is EdgeConfig:
+        found.update({name: parse for name, parse in OPTION_SETTINGS.items()
+                      if name != "reconnect"})  # the API's Reconnect object has no text form
+    return found
 
 
 def load(cls: type[Config], path: str | Path | None = None,
@@ -108,9 +124,9 @@ def load(cls: type[Config], path: str | Path | None = None,
     """Build a ``cls`` from defaults (``defaults`` overriding the class's own), the file's
     section, the environment and ``flags`` (entries that are None were not given)."""
     section = SECTIONS[cls]
-    types = get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
-    values: dict[str, Any] = dict(defaults or {})
+    known = settings(cls)
+    given: dict[str, tuple[Any, str]] = {  # name: (value, where it came from)
+        name: (value, "default") for name, value in (defaults or {}).items()}
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -119,20 +135,28 @@ def load(cls: type[Config], path: str | Path | None = None,
         except tomllib.TOMLDecodeError as exc:
             raise InputError(f"config file {path} is not valid TOML: {exc}") from None
         table = data.get(section, {})
-        unknown = set(table) - names
+        unknown = set(table) - set(known)
         if unknown:
             raise InputError(f"config file {path}: unknown [{section}] setting(s) "
-                             f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}")
-        for key, value in table.items():
-            values[key] = _convert(value, types[key], f"{path} [{section}] {key}")
+                             f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        given.update({key: (value, f"{path} [{section}] {key}") for key, value in table.items()})
     env = os.environ if environ is None else environ
-    for name in names:
+    for name in known:
         var = f"SPECECD_{section.upper()}_{name.upper()}"
         if var in env:
-            values[name] = _convert(env[var], types[name], var)
+            given[name] = (env[var], var)
     for name, value in (flags or {}).items():
-        if name in names and value is not None:
-            values[name] = _convert(value, types[name], f"--{name.replace('_', '-')}")
+        if name in known and value is not None:
+            given[name] = (value, f"--{name.replace('_', '-')}")
+    values: dict[str, Any] = {}
+    for name, (value, source) in given.items():
+        try:
+            values[name] = known[name](value)
+        except InputError as exc:
+            raise InputError(f"{source}: {exc}") from None
+    if cls is EdgeConfig:
+        options = {name: values.pop(name) for name in OPTION_SETTINGS if name in values}
+        values["options"] = EdgeOptions().with_settings(**options)
     return dataclasses.replace(cls(), **values)
 
 

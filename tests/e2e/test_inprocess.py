@@ -37,12 +37,13 @@ def tiny_gen(tiny_models: dict[str, Path]) -> Generator:
 def test_greedy_is_identical_to_the_target_alone(mode: str, k: int | None,
                                                  tiny_models: dict[str, Path],
                                                  tiny_gen: Generator) -> None:
-    tiny_gen.mode, tiny_gen.k = type(tiny_gen.mode)(mode), k
+    before = tiny_gen.options
+    tiny_gen.options = before.with_settings(mode=mode, k=k or "auto")
     for prompt in PROMPTS:
         ids = tiny_gen.prompt_ids(prompt)
         ours = tiny_gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
         assert ours.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
-    tiny_gen.mode, tiny_gen.k = type(tiny_gen.mode)("exact"), 4
+    tiny_gen.options = before
 
 
 def test_draft_of_the_target_itself_accepts_everything(tiny_models: dict[str, Path]) -> None:

@@ -43,7 +43,7 @@ from tests.chisq import chi_square_p
 from tests.conftest import MODELS, requires_default_pair
 from tests.e2e.server import ServerProcess, free_port
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy
-from tests.e2e.test_network import exact_pair_distribution, mutate, structured_junk
+from tests.e2e.test_network import FIXED_K, exact_pair_distribution, mutate, structured_junk
 
 TRANSPORTS = ["memory", "websocket", "grpc", "http"]
 SCHEMES = {"websocket": "ws", "grpc": "grpc", "http": "http"}
@@ -203,7 +203,7 @@ def test_resume_after_the_server_is_killed(proactive: str, cloud: Cloud,
     try:
         killed = Cloud(cloud.transport, tiny_models["llama"], proc)
         reconnect = Reconnect(attempts=60, delay=0.1, max_delay=0.5)
-        with killed.generator(tiny_models["draft"], reconnect=reconnect,
+        with killed.generator(tiny_models["draft"], reconnect=reconnect, k=FIXED_K,
                               proactive=proactive) as gen:
             sampling: dict[str, Any] = dict(max_tokens=40, temperature=0.9, seed=7,
                                             stop_token_ids=[])
@@ -310,12 +310,12 @@ def test_limits_are_typed_errors(transport: str, limited: ServerProcess,
 def test_fuzzing_leaves_a_legitimate_session_unchanged(
         cloud: Cloud, tiny_models: dict[str, Path]) -> None:
     sampling: dict[str, Any] = dict(max_tokens=60, temperature=0.8, seed=3, stop_token_ids=[])
-    with cloud.generator(tiny_models["draft"]) as gen:
+    with cloud.generator(tiny_models["draft"], k=FIXED_K) as gen:
         reference = gen.generate(PROMPTS[2], **sampling).token_ids
     legit: dict[str, list[int]] = {}
 
     def legitimate() -> None:
-        with cloud.generator(tiny_models["draft"]) as g:
+        with cloud.generator(tiny_models["draft"], k=FIXED_K) as g:
             out: list[int] = []
             for chunk in g.stream(PROMPTS[2], **sampling):
                 out.extend(chunk.token_ids)

@@ -174,10 +174,12 @@ def hello(backend: Any, mode: str = "match", temperature: float = 0.0, token: st
 
 def generator(draft: Any, url: str, **kw: Any) -> Any:
     from spececd.api import Generator
+    from spececd.edge.options import EdgeOptions
 
     options = kw.pop("transport", {})
     return Generator(draft, lambda: GrpcTransport(url, **options),
-                     max_context=draft.max_context, **kw)
+                     max_context=draft.max_context, auth_token=kw.pop("auth_token", ""),
+                     options=EdgeOptions().with_settings(**kw))
 
 
 # -- the Session stream ---------------------------------------------------------------
@@ -228,12 +230,13 @@ def test_every_mode_over_grpc_gives_the_in_process_output(
     """Randomness depends on (seed, position) alone, so a sampled run over gRPC must give
     the very tokens of an in-process run with the same seed."""
     from spececd.api import Generator
+    from spececd.edge.options import EdgeOptions
     from spececd.transports.memory import local_verifier
 
     verifier = local_verifier(target)
     try:
-        with Generator(draft, verifier, max_context=draft.max_context, mode=mode,
-                       k=3) as local:
+        with Generator(draft, verifier, max_context=draft.max_context,
+                       options=EdgeOptions().with_settings(mode=mode, k=3)) as local:
             expected = local.generate("def parse(", max_tokens=30, temperature=temperature,
                                       top_p=top_p, seed=11, stop_token_ids=[])
     finally:
@@ -254,7 +257,7 @@ def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft:
                                              seed=5, stop_token_ids=[])):
             tokens.extend(chunk.token_ids)
             if i == 2:
-                gen.client._transport._call.cancel()  # the link breaks mid-generation
+                gen.client.link.transport._call.cancel()  # the link breaks mid-generation
         assert tokens == reference.token_ids
 
 

@@ -35,6 +35,7 @@ from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
+from spececd.edge.options import EdgeOptions  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
 from spececd.protocol.session import Limits  # noqa: E402
@@ -133,7 +134,8 @@ def edge(draft: Backend, url: str, **kw: Any) -> Generator:
     if "transport_token" in kw:
         options["auth_token"] = kw.pop("transport_token")
     return Generator(draft, lambda: HttpTransport(url, **options),
-                     max_context=draft.max_context, **kw)
+                     max_context=draft.max_context, auth_token=kw.pop("auth_token", ""),
+                     options=EdgeOptions().with_settings(**kw))
 
 
 # -- the edge's own protocol -----------------------------------------------------------
@@ -149,7 +151,7 @@ def test_greedy_through_the_edge_client_is_identical_to_the_target_alone(
             assert out.token_ids == reference[prompt], prompt
             assert out.stats.bytes_sent > 0 and out.stats.bytes_received > 0
             assert out.stats.reconnects == 0
-        transport = gen.client._transport
+        transport = gen.client.link.transport
         assert isinstance(transport, HttpTransport)
         # Everything went over one kept-alive connection, and the byte counts are the
         # HTTP requests and responses themselves, headers included.
@@ -225,7 +227,7 @@ def test_an_ended_link_is_reopened_and_the_output_is_unchanged(
         for i, chunk in enumerate(gen.stream(PROMPTS[2], stats, max_tokens=40, temperature=0,
                                              stop_token_ids=[])):
             tokens.extend(chunk.token_ids)
-            transport = gen.client._transport
+            transport = gen.client.link.transport
             assert isinstance(transport, HttpTransport) and transport._link is not None
             if i == 2:
                 status, _, _ = server.request("DELETE", transport._link)
@@ -236,7 +238,7 @@ def test_an_ended_link_is_reopened_and_the_output_is_unchanged(
                 transport._conn.sock.close()
         assert tokens == reference[PROMPTS[2]]
         assert stats.reconnects == 1  # for the deleted link only
-        assert gen.client._transport is transport and transport._link == link
+        assert gen.client.link.transport is transport and transport._link == link
 
 
 def test_a_connection_the_server_closed_while_idle_is_replaced_unnoticed(
@@ -250,7 +252,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_unnoticed(
             for prompt in PROMPTS[:2]:
                 out = gen.generate(prompt, max_tokens=40, temperature=0, stop_token_ids=[])
                 assert out.token_ids == reference[prompt] and out.stats.reconnects == 0
-                transport = gen.client._transport
+                transport = gen.client.link.transport
                 assert isinstance(transport, HttpTransport)
                 connections.append(transport._conn)
                 links.append(transport._link)

@@ -22,6 +22,7 @@ import torch
 # Imported here, under the module lock: transformers' lazy attributes are not thread-safe
 # on first use, and sessions may load models from several threads at once.
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 from spececd.backends.base import Backend, CachedSequence, resolve_keep
 from spececd.errors import InputError
@@ -169,7 +170,12 @@ class HFSequence:
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, model: str, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
+                 threads: int = 0) -> None:
+        """``threads``: torch's CPU threads for the whole process (0: torch's choice)."""
+        if threads:
+            torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bars on load
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
         local = Path(model).expanduser()

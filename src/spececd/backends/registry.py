@@ -30,7 +30,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto",
                          "pip install torch==2.13.0 'spececd[hf]'")
     from spececd.backends.hf import HFBackend
 
-    return HFBackend(model, device=device, dtype=dtype)
+    return HFBackend(model, device=device, dtype=dtype, threads=threads)
 
 
 def available_devices() -> list[dict[str, str]]:

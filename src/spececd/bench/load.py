@@ -45,7 +45,8 @@ class ReplayDrafter:
         self.rng = random.Random(seed)
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
         start = len(history) - len(self.prompt)
         tokens = []
         for token in self.trace[start:start + k]:
@@ -74,19 +75,19 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
           max_tokens: int, cloud_only: bool, deadline: float, seed: int) -> ClientResult:
     """One edge session generating greedily, again and again, until ``deadline``."""
     from spececd.edge.client import EdgeClient
+    from spececd.edge.options import EdgeOptions
     from spececd.transports.registry import connector
 
-    client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30)
+    client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30,
+                        options=EdgeOptions(mode=Mode.GREEDY, k=k))
     result = ClientResult()
     params = SamplingParams(temperature=0.0, seed=seed, max_tokens=max_tokens)
     start = time.perf_counter()
     try:
         while time.perf_counter() < deadline:
             stats = GenerationStats()
-            rounds = (client.cloud_rounds(prompt, params, stats) if cloud_only else
-                      client.rounds(prompt, params, Mode.GREEDY, k, stats))
             last = time.perf_counter()
-            for out in rounds:
+            for out in client.generate(prompt, params, stats, cloud_only):
                 now = time.perf_counter()
                 result.latencies.append(now - last)
                 result.tokens += len(out.token_ids)
@@ -126,7 +127,8 @@ def target_traces(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
     traces = []
     for prompt in prompts:
         params = SamplingParams(temperature=0.0, seed=0, max_tokens=length)
-        traces.append([t for out in client.cloud_rounds(prompt, params, GenerationStats())
+        traces.append([t for out in client.generate(prompt, params, GenerationStats(),
+                                                    cloud_only=True)
                        for t in out.token_ids])
     client.close()
     return traces

@@ -124,17 +124,18 @@ class SpecRunner:
         self.generators: dict[str, Any] = {}
 
     def configure(self, request: dict[str, Any]) -> None:
-        from spececd.api import Generator, parse_k
+        from spececd.api import Generator
+        from spececd.edge.options import EdgeOptions
         from spececd.transports.registry import connector
 
         url = request["server"]
         if url not in self.generators:
             self.generators[url] = Generator(
-                self.draft, connector(url), max_context=self.draft.max_context,
-                mode=self.job["mode"])
+                self.draft, connector(url), max_context=self.draft.max_context)
         self.generator = self.generators[url]
-        self.generator.k = parse_k(request.get("k") or 4)
-        self.generator.proactive = request.get("proactive") or "off"
+        self.generator.options = EdgeOptions().with_settings(
+            mode=self.job["mode"], k=request.get("k") or 4,
+            proactive=request.get("proactive") or "off")
         self.kind = request["kind"]
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:

@@ -35,21 +35,18 @@ from spececd.core.sampling import (
     sample_sparse,
 )
 
-DEFAULT_MAX_SUPPORT = 64
-
 
 class Drafter:
-    def __init__(self, backend: Backend, max_support: int = DEFAULT_MAX_SUPPORT) -> None:
-        if max_support < 1:
-            raise ValueError("max_support must be >= 1")
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.max_support = max_support
         self.sequence = backend.new_sequence()
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
         """Draft ``k`` tokens after ``history``; return them and, in exact sampling mode,
-        the distribution each was drawn from."""
+        the distribution each was drawn from (cut to its ``max_support`` most likely
+        tokens)."""
         feed = sync(self.sequence, history)
         tokens: list[int] = []
         dists: list[SparseProbs] = []
@@ -61,7 +58,7 @@ class Drafter:
             else:
                 rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
                 if report:
-                    dist = draft_distribution(logits, params, self.max_support)
+                    dist = draft_distribution(logits, params, max_support)
                     dists.append(dist)
                     token = sample_sparse(dist, rng)
                 else:

@@ -1,0 +1,66 @@
+"""The ``spececd`` command line. It owns the terminal: library code only logs.
+
+    spececd demo                     the default pair, in-process, on built-in prompts
+    spececd generate ...             one prompt, streamed or as JSON (--json); in-process,
+                                     or against a server with --server ws://HOST:PORT
+    spececd chat --server ...        an interactive chat, streaming the replies
+    spececd serve ...                the verifier server (the cloud side)
+    spececd bench ...                measurements, side by side
+    spececd convert ...              a transformers folder to GGUF
+    spececd devices                  the devices this machine can run models on
+
+One module per command, each with ``add_parser`` and ``run``; the arguments the edge
+commands share are in :mod:`spececd.cli.options`, what they print in
+:mod:`spececd.cli.output`. Importing the command line imports no model runtime: torch,
+transformers or llama.cpp load with the model that needs them.
+
+Errors a user can cause print one line, ``spececd: error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from spececd.cli import bench, chat, convert, demo, devices, generate, serve
+from spececd.cli.output import JsonLines
+from spececd.errors import InputError, SpecECDError
+from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMismatch
+
+USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch)
+COMMANDS = (demo, generate, chat, serve, bench, convert, devices)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spececd", description="Lossless speculative decoding: a small draft model "
+        "proposes, a large target model verifies.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="spececd: %(message)s")
+    if getattr(args, "log_format", "text") == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
+    if not args.verbose:  # the hub client retries loudly when it cannot connect
+        for name in ("huggingface_hub", "httpx", "transformers", "websockets"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        return int(args.run(args))
+    except USER_ERRORS as exc:
+        print(f"spececd: error: {exc}", file=sys.stderr)
+        return 2
+    except SpecECDError as exc:
+        print(f"spececd: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

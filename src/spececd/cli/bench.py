@@ -1,0 +1,186 @@
+"""``spececd bench``: SpecECD side by side with the target alone, cloud-only generation
+and transformers' assisted generation; ``spececd bench load``: one server under N
+concurrent sessions. The measuring lives in :mod:`spececd.bench`; this is the command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from spececd.cli.options import default_model, demo_prompts
+from spececd.edge.options import parse_k
+from spececd.errors import InputError
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="measure SpecECD against the target alone, "
+                           "cloud-only generation and transformers' assisted generation")
+    bench.add_argument("--draft-model", help="draft model, or several separated by commas "
+                       "(folders, hub ids or .gguf files) to compare in one run "
+                       "(default: the project's draft)")
+    bench.add_argument("--target-model", help="target model, or several separated by commas "
+                       "(default: the project's target)")
+    bench.add_argument("--num-prompts", type=int, default=10,
+                       help="built-in held-out prompts to use (default: 10)")
+    bench.add_argument("--prompts-file", type=Path,
+                       help="prompts instead of the built-in ones: a JSON list of strings, or "
+                       "text with prompts separated by lines holding only ---")
+    bench.add_argument("--iterations", type=int, default=3,
+                       help="measured passes per configuration, after one warm-up (default: 3)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    bench.add_argument("--rtt-ms", default="0,20,50",
+                       help="round-trip times to emulate, comma-separated (default: 0,20,50)")
+    bench.add_argument("--jitter-ms", type=float, default=0.0,
+                       help="round-trip jitter, uniform (default: 0)")
+    bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
+                       "(default: auto, the adaptive policy)")
+    bench.add_argument("--proactive", default="off,on,stream",
+                       help="proactive drafting settings to compare for --k auto; fixed k "
+                       "values run with the first one (default: off,on,stream)")
+    bench.add_argument("--transport", default="websocket",
+                       help="edge-cloud transports to compare, comma-separated, among "
+                       "websocket,grpc,http (default: websocket)")
+    bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
+    bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
+    bench.add_argument("--port", type=int, default=0, help="port for the server (0: any free)")
+    bench.add_argument("--device", default="cpu", help="device for every model (default: cpu)")
+    bench.add_argument("--no-baselines", action="store_true",
+                       help="skip the target alone and transformers' assisted generation")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"),
+                       help="folder for bench.json, bench.csv, bench.md and plots")
+    bench_sub = bench.add_subparsers(dest="bench_command")
+    load = bench_sub.add_parser(
+        "load", help="N concurrent edge sessions against one server, against the server "
+        "generating for the same N users itself")
+    load.add_argument("--server", help="server URL (default: start `spececd serve` on the "
+                      "default target here)")
+    load.add_argument("--target-model", help="target for the server started here")
+    load.add_argument("--draft-model", help="draft model: its tokenizer, and the model of "
+                      "the draft clients (default: the project's draft)")
+    load.add_argument("--clients", default="16",
+                      help="concurrent clients; a list such as 1,2,4,8,16,32 gives a curve")
+    load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
+    load.add_argument("--kind", default="replay,cloud-only",
+                      help="replay (no model, chosen acceptance), draft (real drafter "
+                      "processes), cloud-only (the baseline); comma-separated")
+    load.add_argument("--acceptance", type=float, default=0.8,
+                      help="replay clients: acceptance per position (default: 0.8)")
+    load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--num-prompts", type=int, default=10)
+    load.add_argument("--max-batch", type=int, default=32,
+                      help="for the server started here: sessions per forward pass at most")
+    load.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.set_defaults(run=run)
+
+
+def parse_list(text: str, kind: type, what: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise InputError(f"{what} is empty")
+    return values
+
+
+def load_prompts(path: Path) -> list[str]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    if path.suffix == ".json":
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise InputError(f"{path} must hold a JSON list of strings")
+    else:
+        prompts = [p.strip("\n") for p in re.split(r"(?m)^---$", text)]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise InputError(f"{path} holds no prompts")
+    return prompts
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from spececd.backends.base import tokenizer_fingerprint
+    from spececd.backends.registry import load_backend
+    from spececd.bench import load
+    from spececd.bench.runner import BenchConfig, start_server
+
+    clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    if not set(kinds) <= {"replay", "draft", "cloud-only"} or min(clients) < 1:
+        raise InputError("--kind takes replay, draft, cloud-only; --clients numbers >= 1")
+    draft_model = args.draft_model or default_model("draft")
+    backend = load_backend(draft_model, device="cpu", dtype="float32")
+    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+    prompts = [backend.tokenizer.encode(p) for p in demo_prompts()[:args.num_prompts]]
+    server = None
+    url = args.server
+    if not url:
+        cfg = BenchConfig(draft=draft_model, target=args.target_model or default_model("target"),
+                          prompts=[], max_batch=args.max_batch)
+        server, ports = start_server(cfg)
+        url = f"ws://127.0.0.1:{ports['websocket']}"
+    try:
+        rows = load.run_curve(url, fingerprint, prompts, clients, args.duration, kinds,
+                              args.acceptance, args.k, args.max_tokens, draft_model,
+                              progress=lambda r: print(
+                                  f"{r['clients']:>3} {r['kind']:<10} "
+                                  f"{r['server_tokens_per_s']:>8} tokens/s", file=sys.stderr))
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "load.json").write_text(json.dumps(
+        {"meta": {"server": url, "draft": draft_model, "duration_s": args.duration,
+                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance},
+         "rows": rows}, indent=1))
+    markdown = load.table(rows)
+    (args.out / "load.md").write_text(markdown)
+    load.plot(rows, args.out / "load_curve.png")
+    print(markdown)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command == "load":
+        return run_load(args)
+    from spececd.bench.runner import BenchConfig, run_bench, save
+
+    ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
+                           for v in args.k.split(",") if v.strip()]
+    proactive = [v.strip() for v in args.proactive.split(",") if v.strip()]
+    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream"}:
+        raise InputError("--k needs values such as 2,4,auto and --proactive values among "
+                         "off,on,stream")
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or not set(transports) <= {"websocket", "grpc", "http"}:
+        raise InputError(f"--transport takes websocket, grpc, http; got {args.transport!r}")
+    rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
+    if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
+        raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
+    prompts = (load_prompts(args.prompts_file) if args.prompts_file
+               else demo_prompts()[:args.num_prompts])
+    drafts = (args.draft_model or default_model("draft")).split(",")
+    targets = (args.target_model or default_model("target")).split(",")
+    cfg = BenchConfig(draft=drafts[0], target=targets[0], drafts=drafts, targets=targets,
+                      prompts=prompts,
+                      rtt_ms=rtts, ks=ks, proactive=proactive,
+                      iterations=args.iterations,
+                      max_tokens=args.max_tokens, temperature=args.temperature,
+                      mode=args.mode, seed=args.seed, host=args.host, port=args.port,
+                      device=args.device, jitter_ms=args.jitter_ms,
+                      baselines=not args.no_baselines, transports=transports)
+    raw = run_bench(cfg, progress=sys.stderr.isatty())
+    save(raw, args.out)
+    print((args.out / "bench.md").read_text())
+    print(f"wrote {args.out}/bench.json, bench.csv, bench.md and plots", file=sys.stderr)
+    return 0

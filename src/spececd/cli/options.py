@@ -1,0 +1,143 @@
+"""Arguments the edge commands share, and what they become: an :class:`EdgeConfig` (flags
+over the environment over ``config.toml``), then a loaded Generator.
+
+Flags default to None ("not given") so that the file and the environment show through;
+the defaults the help texts name live in :mod:`spececd.config` and
+:class:`~spececd.edge.options.EdgeOptions`. Nothing here imports a model runtime: the
+backend the chosen model needs is imported when it loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spececd import config
+from spececd.config import EdgeConfig
+from spececd.edge.options import EdgeOptions, Fallback, Proactive
+from spececd.errors import InputError
+
+if TYPE_CHECKING:
+    from spececd.api import Generator
+
+OPTIONS = EdgeOptions()  # for the help texts' defaults
+CONFIG = EdgeConfig()
+
+
+def models_dir() -> Path:
+    """Where the default pair lives: $SPECECD_MODELS, else the repository's models/."""
+    env = os.environ.get("SPECECD_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "models"
+
+
+def default_model(kind: str) -> str:
+    path = models_dir() / kind
+    if not (path / "config.json").is_file():
+        raise InputError(f"the default {kind} model is not at {path}: run from a clone of the "
+                         f"repository, set SPECECD_MODELS, or pass --{kind}-model")
+    return str(path)
+
+
+def demo_prompts() -> list[str]:
+    path = models_dir() / "heldout_prompts.json"
+    if not path.is_file():
+        raise InputError(f"no built-in prompts at {path}: set SPECECD_MODELS to the models/ "
+                         f"folder of a clone of the repository")
+    return list(json.loads(path.read_text()))
+
+
+def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    g = p.add_argument_group("models")
+    if draft:
+        g.add_argument("--draft-model", help="draft model: local folder, hub id or .gguf file "
+                       "(default: the project's trained draft)")
+    g.add_argument("--target-model", help="target model: local folder or hub id "
+                   "(default: the project's trained target)")
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
+                   "(default: auto = float32 on cpu, bfloat16 on GPUs)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: the runtime's choice)")
+    g.add_argument("--config", type=Path, help="config.toml to read settings from; flags and "
+                   "SPECECD_* environment variables override it")
+
+
+def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
+                         max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int,
+                   help=f"tokens to generate at most (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, help=f"0 = greedy (default: {temperature})")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
+    g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
+                   "measured acceptance, draft, verify and network costs (default: "
+                   f"{OPTIONS.k or 'auto'})")
+    g.add_argument("--proactive", choices=[choice.value for choice in Proactive],
+                   help="on: draft the next block while a verdict is in flight; stream: the "
+                   "server generates without waiting for drafts and the edge streams drafts "
+                   "ahead of it (fastest on a slow link; --server only); default: "
+                   f"{OPTIONS.proactive.value} = on with --server, off in-process")
+    g.add_argument("--mode", choices=["exact", "match", "greedy"],
+                   help="verification: exact (Leviathan et al., default), match (token ids "
+                   "only), greedy (temperature 0)")
+    g.add_argument("--max-support", type=int, help="exact mode: draft distribution cut to "
+                   f"this many tokens (default: {OPTIONS.max_support})")
+
+
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network (edge + cloud)")
+    g.add_argument("--server", help="verifier URL, ws://HOST:PORT or wss://HOST:PORT; without "
+                   "it the target runs in this process")
+    g.add_argument("--auth-token-file", help="file holding the bearer token "
+                   "(default: $SPECECD_AUTH_TOKEN)")
+    g.add_argument("--tls-ca", help="CA certificate to verify a wss:// server with")
+    g.add_argument("--insecure", dest="tls_verify", action="store_const", const=False,
+                   help="do not verify the server's TLS certificate")
+    g.add_argument("--reconnect-attempts", type=int, help="reconnections tried when the link "
+                   f"fails (default: {OPTIONS.reconnect.attempts})")
+    g.add_argument("--reconnect-delay", type=float,
+                   help="seconds before the first reconnection, doubled each time "
+                   f"(default: {OPTIONS.reconnect.delay})")
+    g.add_argument("--fallback", choices=[choice.value for choice in Fallback],
+                   help="when the verifier is unreachable: none = fail (default), draft = "
+                   "finish with the draft model alone, marked as such")
+
+
+def add_edge_options(p: argparse.ArgumentParser, temperature: float = CONFIG.temperature,
+                     max_tokens: int = CONFIG.max_tokens, network: bool = True) -> None:
+    """Everything an edge command takes: models, sampling and, unless ``network`` is
+    False, the link to a server."""
+    add_model_options(p)
+    add_sampling_options(p, temperature, max_tokens)
+    if network:
+        add_network_options(p)
+    if (temperature, max_tokens) != (CONFIG.temperature, CONFIG.max_tokens):
+        p.set_defaults(edge_defaults={"temperature": temperature, "max_tokens": max_tokens})
+
+
+def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    flags = {k: v for k, v in vars(args).items() if v is not None}
+    return config.load(EdgeConfig, args.config, flags,
+                       defaults=getattr(args, "edge_defaults", None))
+
+
+def load_generator(cfg: EdgeConfig) -> Generator:
+    from spececd.api import Generator
+
+    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
+                                  options=cfg.options)
+    draft = cfg.draft_model or default_model("draft")
+    if cfg.server:
+        return Generator.load(draft, server=cfg.server,
+                              auth_token=config.auth_token(cfg.auth_token_file),
+                              tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify, **common)
+    return Generator.load(draft, cfg.target_model or default_model("target"), **common)
+
+
+def sampling_kwargs(cfg: EdgeConfig, seed: int | None) -> dict[str, Any]:
+    return dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                top_p=cfg.top_p, seed=seed)

@@ -1,0 +1,95 @@
+"""``spececd serve``: the verifier server, the cloud side.
+
+:func:`serve` is the wiring, in one place: the target backend, the engine with its limits
+and policy, and the listeners (WebSocket, gRPC, HTTP) in front of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from spececd import config
+from spececd.cli.options import add_model_options, default_model
+from spececd.config import ServerConfig
+from spececd.errors import InputError
+
+DEFAULTS = ServerConfig()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the verifier server (the cloud side)")
+    add_model_options(p, draft=False)
+    g = p.add_argument_group("server")
+    d = DEFAULTS
+    g.add_argument("--host", help=f"address to listen on (default: {d.host})")
+    g.add_argument("--port", type=int, help=f"WebSocket port, -1 for none (default: {d.port})")
+    g.add_argument("--grpc-port", type=int, help="also serve gRPC on this port (0: any free "
+                   "port; default: -1 = no gRPC)")
+    g.add_argument("--http-port", type=int, help="also serve HTTP/JSON sessions on this port, "
+                   "with /metrics and the OpenAPI schema (0: any free port; default: -1 = no "
+                   "HTTP)")
+    g.add_argument("--max-sessions", type=int,
+                   help=f"concurrent sessions at most (default: {d.max_sessions})")
+    g.add_argument("--max-context", type=int, help="context tokens per session at most "
+                   f"(default: {d.max_context}, and the model's own)")
+    g.add_argument("--max-draft", type=int,
+                   help=f"drafted tokens per round at most (default: {d.max_draft})")
+    g.add_argument("--max-message-bytes", type=int,
+                   help=f"largest frame accepted (default: {d.max_message_bytes})")
+    g.add_argument("--max-batch", type=int, help="sessions verified in one forward pass at most "
+                   f"(default: {d.max_batch})")
+    g.add_argument("--max-kv-bytes", type=int, help="KV cache bytes across sessions at most; "
+                   "the least recently used idle sessions' caches are freed and rebuilt on "
+                   "their next round (default: 0 = no cap)")
+    g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
+                   f"evicted (default: {d.idle_timeout})")
+    g.add_argument("--auth-token-file", help="require this bearer token (file's first line; "
+                   "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
+    g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
+    g.add_argument("--tls-key", help="TLS private key (PEM)")
+    g.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="logs on stderr as text or as JSON lines (with session ids)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config.load(ServerConfig, args.config,
+                      {k: v for k, v in vars(args).items() if v is not None})
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise InputError("TLS needs both --tls-cert and --tls-key")
+    return serve(cfg, config.auth_token(cfg.auth_token_file))
+
+
+def serve(cfg: ServerConfig, token: str) -> int:
+    """Load the target and serve it on every listener asked for until interrupted."""
+    from spececd.backends.registry import load_backend
+    from spececd.cloud.engine import Engine, EnginePolicy
+    from spececd.protocol.session import Limits
+    from spececd.transports import registry
+
+    listeners = [registry.Listener(name, cfg.host, port) for name, port in
+                 (("websocket", cfg.port), ("grpc", cfg.grpc_port), ("http", cfg.http_port))
+                 if port >= 0]
+    if not listeners:
+        raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
+    backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
+                           dtype=cfg.dtype, threads=cfg.threads)
+    engine = Engine(backend, Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes),
+                    EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch,
+                                 cfg.max_kv_bytes), token)
+
+    def ready(urls: list[str]) -> None:
+        print(f"spececd: serving {backend.description} on {', '.join(urls)}"
+              f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(registry.serve(engine, listeners, (cfg.tls_cert, cfg.tls_key)
+                                   if cfg.tls_cert else None, ready))
+    except OSError as exc:
+        raise InputError(f"cannot listen on {cfg.host}: {exc.strerror}") from None
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,76 @@
+"""What a generation emits, decided in one place.
+
+The strategies (:mod:`spececd.edge.strategies`) bring tokens back from the verifier, or
+from the draft model alone; the :class:`Emitter` owns what happens to them next. It holds
+the authoritative token history, applies stop tokens and ``max_tokens`` exactly
+(:func:`~spececd.core.stopping.clip_emitted`), ends the generation at the context limit
+or when the server says it is done, counts what was emitted, and marks output that was
+never verified. Strategies read the history and the budget from it and never emit
+themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spececd.core.sampling import SamplingParams
+from spececd.core.stats import GenerationStats
+from spececd.core.stopping import clip_emitted
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens one exchange brought, in order: the first ``from_draft`` were drafted and
+    accepted, the rest came from the target; ``done``: the server ended the generation."""
+
+    tokens: Sequence[int]
+    from_draft: int = 0
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """Tokens emitted: the first ``from_draft`` are accepted drafts, the rest came from
+    the target; ``fallback`` output was never verified (the draft model's alone)."""
+
+    token_ids: tuple[int, ...]
+    from_draft: int
+    finished: bool
+    fallback: bool = False
+
+
+class Emitter:
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 stats: GenerationStats, max_context: int) -> None:
+        self.history = list(prompt_ids)
+        self.params, self.stats = params, stats
+        self.max_context = max_context  # positions the history may fill
+        self.generated = 0
+        self.unverified = False
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to generate before ``max_tokens``."""
+        return self.params.max_tokens - self.generated
+
+    @property
+    def room(self) -> int:
+        """Positions left in the context."""
+        return self.max_context - len(self.history)
+
+    def fall_back(self, max_context: int) -> None:
+        """From now on the output is the draft model's alone, up to its own context."""
+        self.unverified, self.stats.fallback = True, True
+        self.max_context = max_context
+
+    def emit(self, piece: Piece) -> RoundOutput:
+        self.history.extend(piece.tokens)
+        out, finished = clip_emitted(piece.tokens, self.params.stop_token_ids, self.remaining)
+        self.generated += len(out)
+        self.stats.generated += len(out)
+        if self.unverified:
+            self.stats.fallback_tokens += len(out)
+        finished = finished or piece.done or len(self.history) >= self.max_context
+        return RoundOutput(tuple(out), min(piece.from_draft, len(out)), finished,
+                           self.unverified)

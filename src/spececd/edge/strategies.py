@@ -1,0 +1,284 @@
+"""How the edge works with the verifier: the strategies of the one generation loop.
+
+Each strategy's ``step`` runs one exchange and returns the :class:`~spececd.edge.emit.Piece`
+objects it brought back, in order; the loop (:meth:`spececd.edge.client.EdgeClient.generate`)
+hands them to the :class:`~spececd.edge.emit.Emitter`, which clips, counts and says when
+to stop. A strategy reads the history and the token budget from the emitter, keeps its
+own statistics (drafting, rounds, timings) and never emits.
+
+- :class:`Rounds`: draft ``k`` tokens, send them, wait for the verdict;
+- :class:`BlockAhead`: the same, drafting the next block while the verdict is in flight;
+- :class:`CloudOnly`: the server generates every token and streams it (the baseline);
+- :class:`StreamDrafting`: cloud-only generation with drafts streamed ahead as hints;
+- :class:`DraftAlone`: the fallback when the verifier is unreachable, unverified.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+from spececd.core.policy import DraftLengthPolicy, Ema
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.stats import GenerationStats
+from spececd.edge.drafter import Drafter
+from spececd.edge.emit import Emitter, Piece
+from spececd.edge.link import Link, Reply
+from spececd.protocol import messages as m
+from spececd.protocol.session import EdgeSession
+
+STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
+
+Block: TypeAlias = tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]  # tokens, dists
+
+
+class Strategy(Protocol):
+    def step(self, out: Emitter) -> list[Piece]: ...
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every strategy works with during one generation."""
+
+    drafter: Drafter
+    link: Link
+    session: EdgeSession
+    mode: Mode  # the session's verification mode
+    params: SamplingParams  # seed set
+    stats: GenerationStats
+    max_support: int
+
+    def draft(self, history: Sequence[int], k: int) -> Block:
+        assert self.params.seed is not None
+        return self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
+                                  self.max_support)
+
+
+class Rounds:
+    """Plain rounds: draft ``k`` tokens after the history, send them, and take the
+    verdict's accepted drafts plus the verifier's own token. ``k`` is fixed (``k_max``) or,
+    ``adaptive``, chosen each round by :class:`DraftLengthPolicy` from live measurements."""
+
+    proactive = False  # whether drafting overlaps the round trip (BlockAhead)
+
+    def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
+        self.work, self.k_max = work, k_max
+        self.policy = (DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
+                       if adaptive else None)
+
+    def choose(self, limit: int) -> int:
+        return self.policy.choose(limit) if self.policy else min(self.k_max, limit)
+
+    def step(self, out: Emitter) -> list[Piece]:
+        stats = self.work.stats
+        limit = max(0, min(out.remaining, out.room) - 1)  # the verifier adds one token
+        t0 = time.perf_counter()
+        tokens, dists = self.draft(out.history, limit)
+        draft_s = time.perf_counter() - t0
+        round_start = time.perf_counter()
+        verdict, hidden_s = self.send(out, tokens, dists)
+        round_s = time.perf_counter() - round_start
+        stats.draft_s += draft_s
+        stats.record_round(len(tokens), verdict.num_accepted)
+        stats.verify_s += verdict.verify_s
+        if self.policy is not None:
+            self.policy.observe(len(tokens), verdict.num_accepted, draft_s, verdict.verify_s,
+                                round_s - verdict.verify_s - hidden_s)
+        n = verdict.num_accepted
+        return [Piece((*tokens[:n], verdict.next_token), from_draft=n)]
+
+    def draft(self, history: list[int], limit: int) -> Block:
+        tokens, dists = self.work.draft(history, self.choose(limit))
+        self.work.stats.draft_steps += len(tokens)
+        return tokens, dists
+
+    def send(self, out: Emitter, tokens: tuple[int, ...],
+             dists: tuple[SparseProbs, ...] | None) -> tuple[m.Verdict, float]:
+        """The verdict on ``tokens``, and the seconds spent drafting while it was awaited."""
+        return self.verdict(out.history, tokens, dists), 0.0
+
+    def verdict(self, history: list[int], tokens: tuple[int, ...],
+                dists: tuple[SparseProbs, ...] | None,
+                while_waiting: Callable[[], None] | None = None) -> m.Verdict:
+        session = self.work.session
+
+        def frame(greeted_now: bool) -> bytes:  # built late: a reconnect re-sends the history
+            return session.draft(history, tokens, dists)
+
+        verdict = self.work.link.exchange(session, frame, self.work.stats, while_waiting)
+        assert isinstance(verdict, m.Verdict)
+        return verdict
+
+
+class Ahead:
+    """A block drafted ahead, while a verdict is in flight: the bonus-token guess followed
+    by the next round's draft, valid if the verdict accepts everything and its own token
+    equals the guess."""
+
+    def __init__(self, work: Work, context: list[int], k: int) -> None:
+        self.work, self.context, self.k = work, context, k
+        self.tokens: tuple[int, ...] = ()
+        self.dists: tuple[SparseProbs, ...] | None = None
+        self.seconds = 0.0
+        self._done = False
+
+    def run(self) -> None:
+        if self._done:  # a retried exchange after a reconnect: the block is still valid
+            return
+        t0 = time.perf_counter()
+        self.tokens, self.dists = self.work.draft(self.context, 1 + self.k)
+        self.seconds = time.perf_counter() - t0
+        self._done = True
+
+    def matches(self, history: list[int]) -> bool:
+        return (self._done and len(history) == len(self.context) + 1
+                and history[-1] == self.tokens[0] and history[:-1] == self.context)
+
+    def block(self, limit: int) -> Block:
+        n = min(self.k, limit)
+        return self.tokens[1:1 + n], (self.dists[1:1 + n] if self.dists is not None else None)
+
+
+class BlockAhead(Rounds):
+    """Rounds that draft the next block while the verdict is in flight, as if every token
+    will be accepted, guessing that the bonus token is the draft's own next token.
+    Drafting is a function of the history and the position only, so a block drafted ahead
+    is exactly the block that would be drafted later: lossless by construction. When the
+    verdict agrees (a hit) the next round sends at once."""
+
+    proactive = True
+
+    def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
+        super().__init__(work, k_max, adaptive)
+        self.ahead: Ahead | None = None
+        self.hit = False
+
+    def draft(self, history: list[int], limit: int) -> Block:
+        ahead = self.ahead
+        self.hit = ahead is not None and ahead.matches(history)
+        if ahead is not None and self.hit:
+            return ahead.block(limit)
+        return super().draft(history, limit)
+
+    def send(self, out: Emitter, tokens: tuple[int, ...],
+             dists: tuple[SparseProbs, ...] | None) -> tuple[m.Verdict, float]:
+        stats = self.work.stats
+        limit = min(out.remaining, out.room) - len(tokens) - 2  # the next round's, on a hit
+        ahead = self.ahead = (Ahead(self.work, [*out.history, *tokens], self.choose(limit))
+                              if limit > 0 else None)
+        verdict = self.verdict(out.history, tokens, dists, ahead.run if ahead else None)
+        seconds = ahead.seconds if ahead else 0.0
+        stats.draft_steps += len(ahead.tokens) if ahead else 0
+        stats.draft_s += seconds
+        stats.proactive_rounds += 1
+        stats.proactive_hits += int(self.hit)
+        return verdict, seconds
+
+
+class CloudOnly:
+    """The server generates every token and streams it, a frame per step; the edge only
+    reads. The baseline speculative decoding has to beat, and the ground stream drafting
+    stands on."""
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+        self.requested = False  # the generation under way was asked for on this connection
+
+    def request(self, out: Emitter, greeted_now: bool) -> bytes | None:
+        if self.requested and not greeted_now:
+            return None  # the stream is under way: only read
+        self.requested = True
+        self.restarted()
+        return self.work.session.generate(out.history, min(out.remaining, out.room),
+                                          self.work.params.stop_token_ids)
+
+    def restarted(self) -> None:
+        """A generation was asked for (again) from the current history."""
+
+    def step(self, out: Emitter) -> list[Piece]:
+        reply = self.work.link.exchange(self.work.session,
+                                        lambda greeted_now: self.request(out, greeted_now),
+                                        self.work.stats)
+        return [self.received(reply)]
+
+    def received(self, reply: Reply) -> Piece:
+        assert isinstance(reply, m.Tokens)
+        self.work.stats.verify_s += reply.compute_s
+        if reply.drafted:  # the server verified hints in this step
+            self.work.stats.record_round(reply.drafted, reply.accepted)
+        return Piece(reply.token_ids, reply.accepted, reply.done)
+
+
+class StreamDrafting(CloudOnly):
+    """Cloud-only generation that the edge speeds up without ever waiting: while the
+    tokens stream back it keeps a draft of up to ``ahead`` tokens past what it received and
+    sends the new part in :class:`~spececd.protocol.messages.Hint` frames; before each step
+    the server verifies the part of the latest hint ahead of its position. A round trip
+    costs stale hints, not idle time, and the output is the target's own for the seed
+    (match verification, randomness per position).
+
+    A hint goes out after every half server step's worth of drafting (measured: the
+    server's lone steps against this drafter's), so a fast drafter sends fuller hints and
+    a slow one sends them early."""
+
+    def __init__(self, work: Work, ahead: int) -> None:
+        super().__init__(work)
+        self.ahead = ahead
+        self.draft: list[int] = []  # drafted tokens after the history
+        self.sent = 0  # how many of them the server has been sent
+        self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
+
+    def restarted(self) -> None:
+        self.sent = 0  # a new connection's generation has no hints yet
+
+    def received(self, reply: Reply) -> Piece:
+        piece = super().received(reply)
+        assert isinstance(reply, m.Tokens)
+        ids = list(reply.token_ids)
+        if self.draft[:len(ids)] == ids:  # the target agreed with the draft so far
+            del self.draft[:len(ids)]
+            self.sent = max(0, self.sent - len(ids))
+        else:
+            self.draft, self.sent = [], 0
+        if not reply.drafted and reply.compute_s > 0:
+            self.server_step.update(reply.compute_s)
+        return piece
+
+    def step(self, out: Emitter) -> list[Piece]:
+        want = min(self.ahead, min(out.remaining, out.room) - 1) - len(self.draft)
+        if not self.requested or want <= 0 or self.work.link.transport is None:
+            return super().step(out)  # ask for the generation, or wait for the next tokens
+        draft_step, server_step = self.draft_step.value, self.server_step.value
+        chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
+                 if draft_step and server_step else 2)
+        work = self.work
+        t0 = time.perf_counter()
+        tokens, _ = work.draft([*out.history, *self.draft], max(1, min(chunk, want)))
+        seconds = time.perf_counter() - t0
+        self.draft_step.update(seconds / max(1, len(tokens)))
+        work.stats.draft_s += seconds
+        work.stats.draft_steps += len(tokens)
+        self.draft.extend(tokens)
+        hint = work.session.hint(len(out.history) + self.sent, self.draft[self.sent:])
+        self.sent = len(self.draft)
+        return [self.received(reply)
+                for reply in work.link.send_and_poll(work.session, hint, work.stats)]
+
+
+class DraftAlone:
+    """The fallback: the draft model alone, a token at a time, unverified."""
+
+    def __init__(self, drafter: Drafter, params: SamplingParams,
+                 stats: GenerationStats) -> None:
+        self.drafter, self.params, self.stats = drafter, params, stats
+
+    def step(self, out: Emitter) -> list[Piece]:
+        assert self.params.seed is not None
+        t0 = time.perf_counter()
+        tokens, _ = self.drafter.draft(out.history, 1, Mode.MATCH, self.params, self.params.seed,
+                                       max_support=1)  # unused: match mode reports nothing
+        self.stats.draft_s += time.perf_counter() - t0
+        self.stats.draft_steps += 1
+        return [Piece(tokens)]

@@ -1,0 +1,91 @@
+"""The edge's options: every source parses through one place, into one typed object, and
+a bad value is an InputError that names it, before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spececd import config
+from spececd.api import Generator, resolve_proactive
+from spececd.config import EdgeConfig
+from spececd.core.sampling import Mode
+from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
+from spececd.errors import InputError
+
+
+def test_text_and_python_values_give_the_same_options() -> None:
+    from_text = EdgeOptions().with_settings(
+        mode="match", k="3", proactive="stream", max_support="16", fallback="draft",
+        reconnect_attempts="2", reconnect_delay="0.5")
+    from_python = EdgeOptions().with_settings(
+        mode=Mode.MATCH, k=3, proactive=Proactive.STREAM, max_support=16,
+        fallback=Fallback.DRAFT, reconnect=Reconnect(attempts=2, delay=0.5))
+    assert from_text == from_python == EdgeOptions(
+        mode=Mode.MATCH, k=3, proactive=Proactive.STREAM, max_support=16,
+        fallback=Fallback.DRAFT, reconnect=Reconnect(2, 0.5))
+    assert EdgeOptions().with_settings(k=" Auto ", proactive=True).k is None
+    assert EdgeOptions().with_settings(proactive=True).proactive is Proactive.ON
+    assert EdgeOptions().with_settings(proactive=False).proactive is Proactive.OFF
+    assert EdgeOptions(k=5).with_settings(k=None, mode=None) == EdgeOptions(k=5)  # None: kept
+
+
+@pytest.mark.parametrize("setting,value,match", [
+    ("k", "0", "k must be a number >= 1 or 'auto', got '0'"),
+    ("k", "many", "k must be a number >= 1 or 'auto'"),
+    ("k", True, "k must be a number"), ("k", 2.5, "k must be a number"),
+    ("mode", "fast", "mode must be one of exact, match, greedy, got 'fast'"),
+    ("mode", "threshold", "mode must be one of exact, match, greedy"),
+    ("proactive", "sideways", "proactive must be one of auto, off, on, stream"),
+    ("fallback", "yes", "fallback must be one of none, draft"),
+    ("max_support", 0, "max-support must be a number >= 1, got 0"),
+    ("reconnect_attempts", "-1", "reconnect-attempts must be a number >= 0"),
+    ("reconnect_delay", "soon", "reconnect-delay must be a number"),
+])
+def test_bad_values_are_input_errors_that_name_the_setting(setting: str, value: object,
+                                                           match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        EdgeOptions().with_settings(**{setting: value})
+
+
+def test_an_unknown_option_is_a_programming_error() -> None:
+    with pytest.raises(TypeError, match="unknown edge option 'kk'"):
+        EdgeOptions().with_settings(kk=3)
+    with pytest.raises(InputError, match="k must be a number >= 1"):
+        EdgeOptions(k=0)  # built directly: the same checks
+
+
+def test_config_sources_name_where_a_bad_option_came_from(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"^SPECECD_EDGE_K: k must be a number"):
+        config.load(EdgeConfig, None, environ={"SPECECD_EDGE_K": "lots"})
+    with pytest.raises(InputError, match=r"^SPECECD_EDGE_K: k must be a number >= 1"):
+        config.load(EdgeConfig, None, environ={"SPECECD_EDGE_K": "0"})
+    path = tmp_path / "config.toml"
+    path.write_text('[edge]\nproactive = "sideways"\n')
+    with pytest.raises(InputError, match=r"config.toml \[edge\] proactive: proactive must"):
+        config.load(EdgeConfig, path, environ={})
+    with pytest.raises(InputError, match=r"^--fallback: fallback must"):
+        config.load(EdgeConfig, None, {"fallback": "maybe"}, environ={})
+    loaded = config.load(EdgeConfig, None, {"proactive": "on", "reconnect_delay": 1.5},
+                         environ={"SPECECD_EDGE_MODE": "greedy"})
+    assert loaded.options == EdgeOptions(mode=Mode.GREEDY, proactive=Proactive.ON,
+                                         reconnect=Reconnect(delay=1.5))
+
+
+def test_generator_checks_options_before_loading_models(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(InputError, match="k must be a number >= 1"):
+        Generator.load(missing, missing, k=0)
+    with pytest.raises(InputError, match="stream drafting needs a server"):
+        Generator.load(missing, missing, proactive="stream")
+    with pytest.raises(InputError, match="no-such-model"):  # the options were fine
+        Generator.load(missing, missing, k=2, proactive="on")
+
+
+def test_auto_means_on_with_a_server_and_off_in_process() -> None:
+    auto = EdgeOptions()
+    assert resolve_proactive(auto, in_process=False).proactive is Proactive.ON
+    assert resolve_proactive(auto, in_process=True).proactive is Proactive.OFF
+    stream = EdgeOptions(proactive=Proactive.STREAM)
+    assert resolve_proactive(stream, in_process=False) == stream
