@@ -71,15 +71,11 @@ class IncrementalDecoder:
 
 
 def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
-    """What ``proactive="auto"`` means here: on against a server, off in-process, where
-    the verifier runs on the caller's thread and nothing overlaps it.
-
-    In-process generation refuses stream drafting for the same reason. This is the one
-    place that rule lives: it goes once the in-process verifier runs on its own loop."""
+    """What ``proactive="auto"`` means here: on against a server, off in-process (where
+    the draft and the target share this machine's cores). Every explicit setting,
+    stream drafting included, works both ways: the in-process verifier runs on its own
+    event loop, like a server."""
     proactive = options.proactive
-    if in_process and proactive is Proactive.STREAM:
-        raise InputError("stream drafting needs a server (--server): in one process "
-                         "nothing runs while the target works; use --proactive on or off")
     if proactive is Proactive.AUTO:
         proactive = Proactive.OFF if in_process else Proactive.ON
     return replace(options, proactive=proactive)

@@ -1,9 +1,10 @@
-"""Edge and cloud in two processes over real loopback WebSockets.
+"""Edge and cloud in two processes over real loopback WebSockets: what is specific to
+the WebSocket listener and the CLI against a server (close codes, idle eviction, a client
+vanishing mid-round, the CLI's auth and fallback paths, metrics and logs, batching).
 
-Each test starts `spececd serve` as a subprocess. Lossless: greedy ids identical to the
-target alone, and sampled first-two-token distributions equal to the target's exact one.
-Faults: server killed and restarted mid-generation, unreachable cloud, idle eviction, a
-client that vanishes mid-round. Security: auth token, TLS, limits, a fuzzer.
+What every transport must show (greedy identity, sampling distribution, resume after a
+kill, auth and TLS, typed limits, fuzzing) is tests/e2e/test_transports.py's, which also
+uses this module's reference distribution and fuzz helpers.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
-from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
-from spececd.errors import InputError  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
-from tests.chisq import chi_square_p  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
@@ -105,57 +103,7 @@ def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingPar
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("mode,temperature,top_p,k", [
-    ("exact", 1.0, 0.9, "3"), ("match", 0.8, 1.0, "3"), ("exact", 1.0, 1.0, "auto")])
-def test_sampling_over_the_wire_keeps_the_target_distribution(
-        mode: str, temperature: float, top_p: float, k: str,
-        tiny_vocab_pair: dict[str, Path]) -> None:
-    draws = 5000
-    prompt = [1, 2, 3]
-    proc = ServerProcess(tiny_vocab_pair["target"])
-    try:
-        result = cli("generate", "--server", proc.url, "--draft-model",
-                     str(tiny_vocab_pair["draft"]), "--device", "cpu", "--prompt-ids",
-                     "1,2,3", "--max-tokens", "2", "--n", str(draws), "--seed", "1234",
-                     "--temperature", str(temperature), "--top-p", str(top_p), "--mode", mode,
-                     "--k", k, "--proactive", "on", "--json")
-    finally:
-        proc.stop()
-    assert result.returncode == 0, result.stderr
-    output = json.loads(result.stdout)
-    pairs = [c["token_ids"] for c in output["completions"]]
-    assert len(pairs) == draws and all(len(p) == 2 for p in pairs)
-    vocab = 10
-    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
-    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
-        temperature=temperature, top_p=top_p)) * draws
-    p_value = chi_square_p(observed, expected)
-    print(f"{mode}: chi-square p={p_value:.4f} over {draws} draws, acceptance "
-          f"{output['stats']['acceptance_rate']}, {int((expected >= 5).sum())} cells")
-    assert p_value > 0.001
-
-
 # -- faults ---------------------------------------------------------------------------
-
-
-def test_server_killed_and_restarted_mid_generation(tiny_models: dict[str, Path]) -> None:
-    proc = ServerProcess(tiny_models["llama"])
-    try:
-        reconnect = Reconnect(attempts=40, delay=0.1, max_delay=0.5)
-        with remote(tiny_models["draft"], proc.url, reconnect=reconnect, k=FIXED_K) as gen:
-            reference = gen.generate(PROMPTS[0], max_tokens=60, temperature=0.9, seed=7,
-                                     stop_token_ids=[])
-            tokens: list[int] = []
-            stats_holder = gen.stream(PROMPTS[0], max_tokens=60, temperature=0.9, seed=7,
-                                      stop_token_ids=[])
-            for i, chunk in enumerate(stats_holder):
-                tokens.extend(chunk.token_ids)
-                if i == 3:
-                    proc.kill()
-                    proc.start()
-            assert tokens == reference.token_ids
-    finally:
-        proc.stop()
 
 
 def test_dropped_connection_is_resumed(server: ServerProcess,
@@ -253,29 +201,6 @@ def test_auth_token_is_enforced(tiny_models: dict[str, Path], tmp_path: Path) ->
         proc.stop()
 
 
-def test_tls(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    proc = ServerProcess(tiny_models["llama"], "--tls-cert", str(cert), "--tls-key", str(key),
-                         scheme="wss")
-    try:
-        with remote(tiny_models["draft"], proc.url, tls_ca=str(cert)) as gen:
-            assert len(gen.generate("x", max_tokens=6, temperature=0).token_ids) == 6
-        untrusted = remote(tiny_models["draft"], proc.url,
-                           reconnect=Reconnect(attempts=0))
-        with pytest.raises(CloudUnreachable):
-            untrusted.generate("x", max_tokens=3)
-        plain = remote(tiny_models["draft"], proc.url.replace("wss", "ws"),
-                       reconnect=Reconnect(attempts=0))
-        with pytest.raises(CloudUnreachable):
-            plain.generate("x", max_tokens=3)
-    finally:
-        proc.stop()
-
-
 def test_limits_over_the_wire(tiny_models: dict[str, Path]) -> None:
     proc = ServerProcess(tiny_models["llama"], "--max-sessions", "2", "--max-draft", "3",
                          "--max-message-bytes", "2000", "--max-context", "64")
@@ -327,64 +252,6 @@ def structured_junk(rng: random.Random) -> bytes:
                             [], [1, 2], {"a": 1}, [-5, 10**6]]
     return msgpack.packb([rng.randint(0, 8), *(rng.choice(values)
                                                for _ in range(rng.randint(0, 7)))])
-
-
-def test_fuzzing_a_live_server_leaves_a_legitimate_session_unchanged(
-        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
-    with remote(tiny_models["draft"], server.url, k=FIXED_K) as gen:
-        reference = gen.generate(PROMPTS[2], max_tokens=80, temperature=0.8, seed=3,
-                                 stop_token_ids=[])
-    legit: dict[str, object] = {}
-
-    def legitimate() -> None:
-        with remote(tiny_models["draft"], server.url, k=FIXED_K) as g:
-            out = []
-            for chunk in g.stream(PROMPTS[2], max_tokens=80, temperature=0.8, seed=3,
-                                  stop_token_ids=[]):
-                out.extend(chunk.token_ids)
-                time.sleep(0.01)  # keep the session alive across the fuzzing
-            legit["tokens"] = out
-
-    thread = threading.Thread(target=legitimate)
-    thread.start()
-    rng = random.Random(0)
-    backend = load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
-    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
-    hello = m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, "exact", 1.0, 0, 1.0, 1, ""))
-    seeds = [hello, m.encode(m.Draft(1, 0, (5, 6), (7, 8), None)),
-             m.encode(m.Verdict(1, 0, 1, 0.0)), m.encode(m.Close("x"))]
-    counts = {"frames": 0, "errors": 0, "verdicts": 0, "closes": 0}
-    ws = None
-    while counts["frames"] < 2000:
-        if ws is None:
-            ws = websockets_sync.connect(server.url, compression=None, proxy=None,
-                                         max_size=None, legacy=True)
-            if rng.random() < 0.5:  # fuzz a greeted session half of the time
-                ws.send(hello)
-                ws.recv(timeout=10)
-        kind = rng.random()
-        frame = (bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))) if kind < 0.3
-                 else structured_junk(rng) if kind < 0.6 else mutate(rng.choice(seeds), rng))
-        counts["frames"] += 1
-        try:
-            ws.send(frame)
-            reply = m.decode(ws.recv(timeout=10))
-        except TimeoutError:
-            raise AssertionError(f"the server did not answer {frame!r}") from None
-        except Exception:
-            counts["closes"] += 1  # closed by the server (a fatal error or a Close frame)
-            ws = None
-            continue
-        counts["errors" if isinstance(reply, m.Error) else "verdicts"] += 1
-        if isinstance(reply, m.Error) and reply.fatal:
-            ws.close()
-            ws = None
-    thread.join(timeout=120)
-    print(f"fuzz: {counts}")
-    assert counts["errors"] + counts["verdicts"] + counts["closes"] == counts["frames"] >= 2000
-    assert counts["errors"] > 1000
-    assert server.alive()
-    assert legit["tokens"] == reference.token_ids
 
 
 def test_async_client_streams_the_same_tokens(server: ServerProcess,
@@ -449,9 +316,8 @@ def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None
                 out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
                 assert out.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
                 total.merge(out.stats)
-            # Timing decides how many hints arrive in time (a benchmark's business), but
-            # on any machine a good share does: measured here, about half the tokens.
-            assert total.accepted >= 0.15 * total.generated, total.as_dict()
+            # How many hints arrive in time is the benchmark's business (timing); that a
+            # hint arriving in time is verified and used is tests/cloud/test_engine.py's.
             # Sampled (match verification, randomness per position): for a seed, exactly
             # the tokens the target generates alone, whatever the drafts were and however
             # they arrived.
@@ -489,11 +355,6 @@ def test_stream_drafting_through_a_slow_link_and_a_dropped_connection(
     finally:
         proxy.stop()
 
-
-def test_stream_drafting_needs_a_server(tiny_models: dict[str, Path]) -> None:
-    with pytest.raises(InputError, match="needs a server"):
-        Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
-                       proactive="stream")
 
 
 def test_cloud_only_generation_streams_the_targets_own_tokens(

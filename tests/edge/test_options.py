@@ -77,8 +77,8 @@ def test_generator_checks_options_before_loading_models(tmp_path: Path) -> None:
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(InputError, match="k must be a number >= 1"):
         Generator.load(missing, missing, k=0)
-    with pytest.raises(InputError, match="stream drafting needs a server"):
-        Generator.load(missing, missing, proactive="stream")
+    with pytest.raises(InputError, match="proactive must be one of"):
+        Generator.load(missing, missing, proactive="sideways")
     with pytest.raises(InputError, match="no-such-model"):  # the options were fine
         Generator.load(missing, missing, k=2, proactive="on")
 
@@ -89,3 +89,4 @@ def test_auto_means_on_with_a_server_and_off_in_process() -> None:
     assert resolve_proactive(auto, in_process=True).proactive is Proactive.OFF
     stream = EdgeOptions(proactive=Proactive.STREAM)
     assert resolve_proactive(stream, in_process=False) == stream
+    assert resolve_proactive(stream, in_process=True) == stream  # the engine runs in-process
