@@ -74,7 +74,7 @@ def test_greedy_over_the_wire_is_identical_to_the_target_alone(
             ids = gen.prompt_ids(prompt)
             out = gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
-            assert out.stats.bytes_sent > 0 and out.stats.network_s >= 0
+            assert out.stats.bytes_sent > 0
 
 
 @requires_default_pair
