@@ -85,6 +85,19 @@ def test_stream_equals_generate_and_marks_sources(tiny_gen: Generator) -> None:
     assert sum(len(c.token_ids) for c in chunks if c.source == "target") == whole.stats.rounds
 
 
+def test_sampled_stream_drafting_in_process_is_the_targets_own_output(
+        tiny_models: dict[str, Path]) -> None:
+    # (greedy identity over every transport: tests/e2e/test_transports.py)
+    gen = Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
+                         dtype="float32", k=4, proactive="stream")
+    ids = gen.prompt_ids(PROMPTS[1])
+    sampled = gen.generate(ids, max_tokens=30, temperature=1.0, seed=4, stop_token_ids=[])
+    alone = gen.generate(ids, cloud_only=True, max_tokens=30, temperature=1.0, seed=4,
+                         stop_token_ids=[])
+    assert sampled.token_ids == alone.token_ids
+    gen.close()
+
+
 def test_seed_makes_sampling_reproducible(tiny_gen: Generator) -> None:
     a = tiny_gen.generate_n(PROMPTS[2], 3, max_tokens=20, temperature=1.0, seed=5)
     b = tiny_gen.generate_n(PROMPTS[2], 3, max_tokens=20, temperature=1.0, seed=5)

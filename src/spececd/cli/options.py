@@ -79,7 +79,7 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--proactive", choices=[choice.value for choice in Proactive],
                    help="on: draft the next block while a verdict is in flight; stream: the "
                    "server generates without waiting for drafts and the edge streams drafts "
-                   "ahead of it (fastest on a slow link; --server only); default: "
+                   "ahead of it (fastest on a slow link); default: "
                    f"{OPTIONS.proactive.value} = on with --server, off in-process")
     g.add_argument("--mode", choices=["exact", "match", "greedy"],
                    help="verification: exact (Leviathan et al., default), match (token ids "
