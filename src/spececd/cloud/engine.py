@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -193,6 +193,23 @@ class Engine:
         log.info("session opened", extra={"session": link.session.session_id,
                                           "sessions": len(self.links)})
         return link
+
+    async def run(self, link: Link, frames: AsyncIterable[bytes], send: Send) -> Ending:
+        """:meth:`serve` ``link`` while a task puts every frame of ``frames`` (a
+        transport's incoming stream, which ends when the client leaves) into it."""
+
+        async def read() -> None:
+            try:
+                async for frame in frames:
+                    link.put(frame)
+            finally:
+                link.end()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            return await self.serve(link, send)
+        finally:
+            reader.cancel()
 
     async def serve(self, link: Link, send: Send) -> Ending:
         """Handle ``link``'s frames until it ends, closes or idles out; release it."""

@@ -133,25 +133,15 @@ class _Servicer:
         self.unary = UnarySessions(engine)
 
     async def Session(self, requests: AsyncIterator[Any], context: Any) -> None:
-        link = self.engine.open()
-
-        async def read() -> None:
-            try:
+        async def frames() -> AsyncIterator[bytes]:
+            with contextlib.suppress(aio.AioRpcError, aio.UsageError):  # the client left
                 async for request in requests:
-                    link.put(request.data)
-            except (aio.AioRpcError, aio.UsageError):
-                pass  # the client went away: the link's end says so
-            finally:
-                link.end()
+                    yield request.data
 
         async def send(frame: bytes) -> None:
             await context.write(pb.Frame(data=frame))
 
-        reader = asyncio.get_running_loop().create_task(read())
-        try:
-            ending = await self.engine.serve(link, send)
-        finally:
-            reader.cancel()
+        ending = await self.engine.run(self.engine.open(), frames(), send)
         metadata: list[tuple[str, str]] = [("spececd-ending", ending.value)]
         if ending is Ending.REFUSED:
             metadata.append(("spececd-error-code", "server_busy"))

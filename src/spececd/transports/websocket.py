@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -71,26 +71,17 @@ CLOSE_CODES = {Ending.CLOSED: (1000, "session closed"), Ending.IDLE: (1001, "idl
 
 def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
     async def handle(ws: ServerConnection) -> None:
-        link = engine.open()
-
-        async def read() -> None:
-            try:
+        async def frames() -> AsyncIterator[bytes]:
+            with contextlib.suppress(ConnectionClosed):  # the client left: the stream ends
                 async for frame in ws:
-                    link.put(frame if isinstance(frame, bytes) else frame.encode())
-            except ConnectionClosed:
-                pass
-            finally:
-                link.end()
+                    yield frame if isinstance(frame, bytes) else frame.encode()
 
-        reader = asyncio.get_running_loop().create_task(read())
         try:
-            ending = await engine.serve(link, ws.send)
+            ending = await engine.run(engine.open(), frames(), ws.send)
             if ending in CLOSE_CODES:
                 await ws.close(*CLOSE_CODES[ending])
         except ConnectionClosed:
             pass  # the client left, maybe mid-round: nothing more to do for it
-        finally:
-            reader.cancel()
 
     return handle
 
