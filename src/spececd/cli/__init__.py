@@ -2,7 +2,7 @@
 
     spececd demo                     the default pair, in-process, on built-in prompts
     spececd generate ...             one prompt, streamed or as JSON (--json); in-process,
-                                     or against a server with --server ws://HOST:PORT
+                                     or against a server with --server URL (ws, grpc, http)
     spececd chat --server ...        an interactive chat, streaming the replies
     spececd serve ...                the verifier server (the cloud side)
     spececd bench ...                measurements, side by side

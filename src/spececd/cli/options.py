@@ -90,8 +90,8 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
 
 def add_network_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("network (edge + cloud)")
-    g.add_argument("--server", help="verifier URL, ws://HOST:PORT or wss://HOST:PORT; without "
-                   "it the target runs in this process")
+    g.add_argument("--server", help="verifier URL: ws://, wss://, grpc://, grpcs://, http:// or "
+                   "https://HOST:PORT; without it the target runs in this process")
     g.add_argument("--auth-token-file", help="file holding the bearer token "
                    "(default: $SPECECD_AUTH_TOKEN)")
     g.add_argument("--tls-ca", help="CA certificate to verify a wss:// server with")
