@@ -141,6 +141,8 @@ class Link:
         """Run one frame through the session (cheap: no model work) and count the errors
         it answered."""
         out = self.session.receive(frame)
+        if self.session.errors == self._reported:  # the usual case: no new error
+            return out
         for code, n in (self.session.errors - self._reported).items():
             self._metrics.errors.labels(code).inc(n)
             log.warning("rejected a frame: %s", code, extra={
