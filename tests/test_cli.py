@@ -65,6 +65,19 @@ def test_generate_streams_text_and_a_summary(capsys: pytest.CaptureFixture[str],
     assert "tokens/s" in err and "acceptance" in err and "mean accepted length" in err
 
 
+def test_threshold_mode_is_labelled_lossy(capsys: pytest.CaptureFixture[str],
+                                         pair: list[str]) -> None:
+    lossy = [*pair, "--prompt", "import os", "--max-tokens", "8", "--seed", "1",
+             "--mode", "threshold", "--threshold", "0.2"]
+    code, out, err = run(capsys, "generate", *lossy, "--json")
+    assert code == 0 and json.loads(out)["stats"]["lossy"] is True
+    code, out, err = run(capsys, "generate", *lossy, "--color", "never")
+    assert code == 0 and "LOSSY threshold mode" in err
+    code, out, err = run(capsys, "generate", *pair, "--prompt", "import os", "--max-tokens",
+                         "8", "--color", "never")
+    assert code == 0 and "LOSSY" not in err
+
+
 @pytest.fixture()
 def bad_cases(tiny_models: dict[str, Path], other_tokenizer_model: Path,
               tmp_path: Path) -> dict[str, list[str]]:
@@ -84,13 +97,17 @@ def bad_cases(tiny_models: dict[str, Path], other_tokenizer_model: Path,
         "prompt longer than the context": [*ok, "--prompt-ids", ",".join(["5"] * 300)],
         "out-of-vocabulary ids": [*ok, "--prompt-ids", "1,2,100000"],
         "malformed ids": [*ok, "--prompt-ids", "1,two,3"],
+        "threshold mode without a threshold": [*ok, "--prompt", "x", "--mode", "threshold"],
+        "a threshold above 1": [*ok, "--prompt", "x", "--mode", "threshold",
+                                "--threshold", "1.5"],
     }
 
 
 @pytest.mark.parametrize("case", [
     "unknown model path", "incompatible tokenizers", "negative temperature", "top-p above 1",
     "top-p zero", "k below 1", "empty prompt", "empty prompt file",
-    "prompt longer than the context", "out-of-vocabulary ids", "malformed ids"])
+    "prompt longer than the context", "out-of-vocabulary ids", "malformed ids",
+    "threshold mode without a threshold", "a threshold above 1"])
 def test_bad_input_is_one_line_and_exit_2(case: str, bad_cases: dict[str, list[str]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "generate", *bad_cases[case])

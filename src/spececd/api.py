@@ -18,7 +18,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend
@@ -29,6 +29,9 @@ from spececd.edge.drafter import Drafter
 from spececd.edge.options import EdgeOptions, Proactive
 from spececd.errors import InputError
 from spececd.transports.base import Transport
+
+if TYPE_CHECKING:
+    from spececd.transports.memory import LocalServer
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,9 @@ class Generator:
 
     def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
                  options: EdgeOptions | None = None, auth_token: str = "",
-                 target: Backend | None = None) -> None:
+                 target: Backend | None = None, local: LocalServer | None = None) -> None:
         self.draft_backend, self.target_backend = draft, target
+        self._local = local  # the in-process verifier, closed with this generator
         self.tokenizer = draft.tokenizer
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
         self.client = EdgeClient(Drafter(draft), connect, fingerprint, max_context, auth_token)
@@ -124,7 +128,8 @@ class Generator:
         if server is not None:
             from spececd.transports.registry import connector
 
-            connect = connector(server, cafile=tls_ca, verify=tls_verify)  # checks the URL
+            connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
+                                auth_token=auth_token)
             draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
             return cls(draft_backend, connect, max_context=draft_backend.max_context,
                        options=options, auth_token=auth_token)
@@ -141,7 +146,7 @@ class Generator:
         verifier = local_verifier(target_backend)
         return cls(draft_backend, verifier,
                    max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
-                   options=options, target=target_backend)
+                   options=options, target=target_backend, local=verifier)
 
     @property
     def options(self) -> EdgeOptions:
@@ -154,6 +159,8 @@ class Generator:
 
     def close(self) -> None:
         self.client.close()
+        if self._local is not None:
+            self._local.close()
 
     def __enter__(self) -> Generator:
         return self

@@ -62,8 +62,8 @@ class ServerConfig:
 @dataclass(frozen=True)
 class EdgeConfig:
     """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
-    edge's options (``mode``, ``k``, ``proactive``, ``max_support``, ``fallback``,
-    ``reconnect_attempts``, ``reconnect_delay``), parsed into ``options``."""
+    edge's options (``mode``, ``threshold``, ``k``, ``proactive``, ``max_support``,
+    ``fallback``, ``reconnect_attempts``, ``reconnect_delay``), parsed into ``options``."""
 
     server: str = ""
     draft_model: str = ""

@@ -120,3 +120,27 @@ def test_default_pair_greedy_identical_on_20_heldout_prompts() -> None:
         assert ours.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
         accepted, drafted = accepted + ours.stats.accepted, drafted + ours.stats.drafted
     assert accepted / drafted > 0.3  # the trained pair really agrees
+
+
+@requires_default_pair
+def test_threshold_mode_is_labelled_lossy_and_keeps_more_as_the_threshold_falls() -> None:
+    """Threshold mode promises no distribution, only this: it says it is lossy, and a lower
+    threshold keeps more of the drafted tokens."""
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())[:4]
+    rates = []
+    for threshold in (0.6, 0.1, 0.01):
+        with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
+                            dtype="float32", k=4, mode="threshold",
+                            threshold=threshold) as gen:
+            accepted = drafted = 0
+            for prompt in prompts:
+                out = gen.generate(prompt, max_tokens=40, temperature=1.0, seed=1,
+                                   stop_token_ids=[])
+                assert out.stats.lossy and out.stats.as_dict()["lossy"] is True
+                accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+        rates.append(accepted / drafted)
+    print(f"threshold acceptance: {rates}")
+    assert rates[0] < rates[1] < rates[2]
+    with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
+                        dtype="float32", k=4) as gen:
+        assert not gen.generate(prompts[0], max_tokens=8, seed=1).stats.lossy

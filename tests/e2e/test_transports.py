@@ -81,6 +81,13 @@ class Cloud:
             self._local = LocalServer(Engine(backend, self._limits))
         return self._local()
 
+    def errors_sent(self) -> int:
+        """How many error frames the verifier behind :meth:`link` has answered, by its own
+        count."""
+        if self.proc is not None:
+            return sum(self.proc.status()["errors"].values())
+        return sum(self._local.engine.status()["errors"].values()) if self._local else 0
+
     def close(self) -> None:
         if self._local is not None:
             self._local.close()
@@ -246,11 +253,13 @@ def test_auth_and_tls(cloud: Cloud, secured: tuple[ServerProcess, Path],
     assert url.split("://")[0].endswith("s")  # the TLS scheme of this transport
     once = Reconnect(attempts=0)
 
-    def load(**kw: Any) -> Generator:
+    def load(reconnect: Reconnect = once, **kw: Any) -> Generator:
         return Generator.load(str(tiny_models["draft"]), server=url, device="cpu",
-                              dtype="float32", reconnect=once, **kw)
+                              dtype="float32", reconnect=reconnect, **kw)
 
-    with load(tls_ca=str(cert), auth_token="s3cret") as gen:
+    # One CI run saw the first wss:// opening handshake of this server time out (10 s) and
+    # never reproduced it; the edge's default is to reconnect, so this one may too.
+    with load(Reconnect(attempts=2, delay=0.1), tls_ca=str(cert), auth_token="s3cret") as gen:
         assert len(gen.generate("x", max_tokens=6, temperature=0).token_ids) == 6
     with pytest.raises(AuthFailed), load(tls_ca=str(cert), auth_token="wrong") as gen:
         gen.generate("x", max_tokens=3)
@@ -329,6 +338,7 @@ def test_fuzzing_leaves_a_legitimate_session_unchanged(
     hello = b""
     seeds: list[bytes] = []
     counts = {"frames": 0, "errors": 0, "answers": 0, "closes": 0}
+    errors_before = cloud.errors_sent()
     while counts["frames"] < 2000:
         if link is None:
             link = cloud.link()
@@ -354,7 +364,8 @@ def test_fuzzing_leaves_a_legitimate_session_unchanged(
             link = None
     thread.join(timeout=180)
     print(f"fuzz over {cloud.transport}: {counts}")
-    assert counts["errors"] + counts["answers"] + counts["closes"] == counts["frames"]
-    assert counts["errors"] > 1000
+    # Every error the server counted reached the fuzzer as a typed frame, and nothing else
+    # did: the legitimate session made none.
+    assert cloud.errors_sent() - errors_before == counts["errors"] > 1000
     assert cloud.proc is None or cloud.proc.alive()
     assert legit["tokens"] == reference

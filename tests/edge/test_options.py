@@ -35,8 +35,12 @@ def test_text_and_python_values_give_the_same_options() -> None:
     ("k", "0", "k must be a number >= 1 or 'auto', got '0'"),
     ("k", "many", "k must be a number >= 1 or 'auto'"),
     ("k", True, "k must be a number"), ("k", 2.5, "k must be a number"),
-    ("mode", "fast", "mode must be one of exact, match, greedy, got 'fast'"),
-    ("mode", "threshold", "mode must be one of exact, match, greedy"),
+    ("mode", "fast", "mode must be one of exact, match, greedy, threshold, got 'fast'"),
+    ("mode", "threshold", "mode threshold and a threshold go together"),
+    ("threshold", "0.5", "mode threshold and a threshold go together"),
+    ("threshold", 1.5, "threshold must be a probability in \\(0, 1\\] \\(0: none\\), got 1.5"),
+    ("threshold", -0.1, "threshold must be a number >= 0"),
+    ("threshold", "none", "threshold must be a number"),
     ("proactive", "sideways", "proactive must be one of auto, off, on, stream"),
     ("fallback", "yes", "fallback must be one of none, draft"),
     ("max_support", 0, "max-support must be a number >= 1, got 0"),
@@ -47,6 +51,13 @@ def test_bad_values_are_input_errors_that_name_the_setting(setting: str, value: 
                                                            match: str) -> None:
     with pytest.raises(InputError, match=match):
         EdgeOptions().with_settings(**{setting: value})
+
+
+def test_threshold_mode_takes_its_threshold_and_no_stream_drafting() -> None:
+    options = EdgeOptions().with_settings(mode="threshold", threshold="0.25")
+    assert (options.mode, options.threshold) == (Mode.THRESHOLD, 0.25)
+    with pytest.raises(InputError, match="stream drafting verifies by match"):
+        options.with_settings(proactive="stream")
 
 
 def test_an_unknown_option_is_a_programming_error() -> None:

@@ -490,6 +490,14 @@ def test_auth_is_required_and_enforced(target: Any, draft: Any) -> None:
         error = m.decode(link.recv())
         assert isinstance(error, m.Error) and error.code == "auth_failed" and error.fatal
         link.close()
+        # The token may come as metadata instead: then the hello needs none.
+        for token, welcomed in (("s3cret", True), ("wrong", False)):
+            link = GrpcTransport(running.url, auth_token=token)
+            link.send(hello(target))
+            reply = m.decode(link.recv())
+            assert isinstance(reply, m.Welcome) if welcomed else (
+                isinstance(reply, m.Error) and reply.code == "auth_failed")
+            link.close()
         with generator(draft, running.url, auth_token="s3cret") as gen:
             assert len(gen.generate("x", max_tokens=5, temperature=0).token_ids) == 5
         channel = grpc.insecure_channel(running.target)
@@ -504,7 +512,7 @@ def test_auth_is_required_and_enforced(target: Any, draft: Any) -> None:
                               metadata=(("authorization", "Bearer s3cret"),))
         assert ok.total_tokens >= len(PROMPT) + 1
         channel.close()
-        assert running.status()["errors"]["auth_failed"] == 4
+        assert running.status()["errors"]["auth_failed"] == 5
     finally:
         running.stop()
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from spececd import config
 from spececd.config import EdgeConfig
+from spececd.core.sampling import Mode
 from spececd.edge.options import EdgeOptions, Fallback, Proactive
 from spececd.errors import InputError
 
@@ -81,9 +82,12 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
                    "server generates without waiting for drafts and the edge streams drafts "
                    "ahead of it (fastest on a slow link); default: "
                    f"{OPTIONS.proactive.value} = on with --server, off in-process")
-    g.add_argument("--mode", choices=["exact", "match", "greedy"],
+    g.add_argument("--mode", choices=[mode.value for mode in Mode],
                    help="verification: exact (Leviathan et al., default), match (token ids "
-                   "only), greedy (temperature 0)")
+                   "only), greedy (temperature 0); threshold is LOSSY, for experiments: "
+                   "keep a drafted token when the target gives it at least --threshold")
+    g.add_argument("--threshold", type=float, help="threshold mode: the target probability "
+                   "a drafted token needs to be kept, in (0, 1]")
     g.add_argument("--max-support", type=int, help="exact mode: draft distribution cut to "
                    f"this many tokens (default: {OPTIONS.max_support})")
 

@@ -53,6 +53,8 @@ def summary_line(stats: GenerationStats) -> str:
             f"in {stats.wall_s:.2f} s")
     if stats.fallback:
         line += f" · {stats.fallback_tokens} tokens from the draft alone (verifier unreachable)"
+    if stats.lossy:
+        line += " · LOSSY threshold mode: not the target model's own output"
     return line
 
 

@@ -113,8 +113,10 @@ class Link:
     """One client's session on the engine: its state machine, its KV cache (allocated by
     the engine on first use, freed on eviction or close) and the frames that arrived."""
 
-    def __init__(self, engine: Engine, refusal: bytes = b"") -> None:
-        self.session = CloudSession(engine.fingerprint, engine.limits, engine.auth_token)
+    def __init__(self, engine: Engine, refusal: bytes = b"", authorized: bool = False) -> None:
+        # ``authorized``: the transport checked the token already, so the hello needs none.
+        self.session = CloudSession(engine.fingerprint, engine.limits,
+                                    "" if authorized else engine.auth_token)
         self.inbox = Inbox()
         self.refusal = refusal  # the error frame to send instead of serving
         self.sequence: CachedSequence | None = None
@@ -182,15 +184,16 @@ class Engine:
         self.metrics.kv_bytes.set_function(lambda: self.kv_tokens() * backend.kv_bytes_per_token)
 
     # -- what transports call ------------------------------------------------------------
-    def open(self) -> Link:
+    def open(self, authorized: bool = False) -> Link:
         """A link for a new client; when the server is full, one that :meth:`serve`
-        answers with a ``server_busy`` error and closes."""
+        answers with a ``server_busy`` error and closes. ``authorized``: the transport
+        checked the client's token itself (gRPC metadata), so its hello needs none."""
         if len(self.links) >= self.policy.max_sessions:
             error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
                                f"sessions; try again later")
             self.metrics.errors.labels(error.code).inc()
             return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
-        link = Link(self)
+        link = Link(self, authorized=authorized)
         self.links.add(link)
         log.info("session opened", extra={"session": link.session.session_id,
                                           "sessions": len(self.links)})

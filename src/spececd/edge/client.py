@@ -99,8 +99,10 @@ class EdgeClient:
         # without distributions.
         streams = cloud_only or proactive is Proactive.STREAM
         mode = Mode.MATCH if streams else options.mode
-        session = EdgeSession(self.fingerprint, mode, params, self.auth_token)
+        session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
+                              options.threshold)
         welcome = self.link.greet(session, stats)
+        stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)
         work = Work(self.drafter, self.link, session, mode, params, stats, options.max_support)
         k_max = min(options.k or options.k_max, welcome.max_draft)

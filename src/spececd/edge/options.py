@@ -54,14 +54,22 @@ class EdgeOptions:
     max_support: int = 64  # exact mode: the draft distribution is cut to this many tokens
     fallback: Fallback = Fallback.NONE
     reconnect: Reconnect = Reconnect()
+    threshold: float = 0.0  # threshold mode (LOSSY) only, in (0, 1]; 0 otherwise
 
     def __post_init__(self) -> None:  # options built directly get the settings' checks
-        for name in ("mode", "k", "proactive", "max_support", "fallback"):
+        for name in ("mode", "k", "proactive", "max_support", "fallback", "threshold"):
             parse_setting(name, getattr(self, name))
         parse_setting("reconnect_attempts", self.reconnect.attempts)
         parse_setting("reconnect_delay", self.reconnect.delay)
         if self.k_max < 1:
             raise InputError(f"k_max must be >= 1, got {self.k_max}")
+        if (self.mode is Mode.THRESHOLD) != (self.threshold > 0):
+            raise InputError("mode threshold and a threshold go together: pass --mode "
+                             "threshold --threshold P (0 < P <= 1; lossy, for experiments), "
+                             "or neither")
+        if self.mode is Mode.THRESHOLD and self.proactive is Proactive.STREAM:
+            raise InputError("stream drafting verifies by match; threshold mode verifies "
+                             "drafted blocks: use --proactive off or on with it")
 
     def with_settings(self, **settings: object) -> EdgeOptions:
         """These options with ``settings`` (by the names in :data:`SETTINGS`, as a user
@@ -126,6 +134,14 @@ def _proactive(value: object) -> object:
     return _choice(Proactive, "proactive")(value)
 
 
+def _threshold(value: object) -> object:
+    number = _number(float, "threshold", low=0.0, hint=" and <= 1")(value)
+    assert isinstance(number, float)
+    if number > 1.0:
+        raise InputError(f"threshold must be a probability in (0, 1] (0: none), got {value!r}")
+    return number
+
+
 def _reconnect(value: object) -> object:
     if not isinstance(value, Reconnect):
         raise InputError(f"reconnect must be a Reconnect(attempts, delay, max_delay), "
@@ -136,8 +152,8 @@ def _reconnect(value: object) -> object:
 # The settings a user can write, by name: config.toml's [edge] keys, SPECECD_EDGE_<NAME>,
 # --flags, and Generator.load's keywords (``reconnect`` is the API's alone).
 SETTINGS: dict[str, Callable[[object], object]] = {
-    # The lossy threshold mode needs a threshold the edge does not send yet.
-    "mode": _choice(Mode, "mode", allowed=(Mode.EXACT, Mode.MATCH, Mode.GREEDY)),
+    "mode": _choice(Mode, "mode"),
+    "threshold": _threshold,
     "k": parse_k,
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),

@@ -7,7 +7,8 @@ server on the running event loop.
 - ``Session`` (bidirectional stream) is one engine link, exactly like a WebSocket
   connection: each request message's ``data`` goes into the link, each reply goes back as
   a response message. Every mode, stream drafting, resume and the Hello's auth token work
-  as over WebSocket because the frames are the same. How the link ended is the call's
+  as over WebSocket because the frames are the same; the auth token may come as metadata
+  ``authorization: Bearer TOKEN`` instead of in the hello. How the link ended is the call's
   trailing metadata ``spececd-ending``; a session that closed ends with OK, one that idled
   out or was refused (the server was full) with UNAVAILABLE.
 - ``VerifyDraft`` and ``BatchVerify`` (unary, for clients that bring their own drafter) go
@@ -141,7 +142,10 @@ class _Servicer:
         async def send(frame: bytes) -> None:
             await context.write(pb.Frame(data=frame))
 
-        ending = await self.engine.run(self.engine.open(), frames(), send)
+        # The token in the metadata authorizes the link; without it (or with a wrong one)
+        # the hello's token is checked, and a wrong one answered with a typed error frame.
+        link = self.engine.open(authorized=_bearer(context) == self.engine.auth_token)
+        ending = await self.engine.run(link, frames(), send)
         metadata: list[tuple[str, str]] = [("spececd-ending", ending.value)]
         if ending is Ending.REFUSED:
             metadata.append(("spececd-error-code", "server_busy"))
@@ -257,8 +261,8 @@ class GrpcTransport:
     """
 
     def __init__(self, url: str, *, cafile: str | None = None, verify: bool = True,
-                 open_timeout: float = 10.0, recv_timeout: float = 120.0,
-                 max_size: int = 16 << 20) -> None:
+                 auth_token: str = "", open_timeout: float = 10.0,
+                 recv_timeout: float = 120.0, max_size: int = 16 << 20) -> None:
         self.url = url
         self.recv_timeout = recv_timeout
         self.bytes_sent = 0
@@ -290,7 +294,9 @@ class GrpcTransport:
 
         self._channel.subscribe(watch, try_to_connect=True)
         # Fail-fast: a channel that cannot connect ends the call at once, saying why.
-        self._call = pb_grpc.VerificationServiceStub(self._channel).Session(self._requests())
+        metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._call = pb_grpc.VerificationServiceStub(self._channel).Session(
+            self._requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, args=(connected,), daemon=True,
                                         name="spececd-grpc-reader")
         self._reader.start()

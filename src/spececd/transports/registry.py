@@ -38,17 +38,19 @@ def scheme_of(url: str) -> str:
 
 
 def connector(url: str, *, cafile: str | None = None, verify: bool = True,
-              open_timeout: float = 10.0, recv_timeout: float = 120.0
+              auth_token: str = "", open_timeout: float = 10.0, recv_timeout: float = 120.0
               ) -> Callable[[], Transport]:
     """A factory of links to the verifier at ``url`` (called again for each reconnection).
-    ``cafile``/``verify``: how a TLS scheme checks the server's certificate."""
+    ``cafile``/``verify``: how a TLS scheme checks the server's certificate;
+    ``auth_token``: sent the transport's own way too (a bearer header or gRPC metadata),
+    for the server and for proxies in front of it."""
     scheme = scheme_of(url)
     module = importlib.import_module(f"spececd.transports.{SCHEMES[scheme]}")
     client: Any = getattr(module, _CLIENTS[SCHEMES[scheme]])
 
     def connect() -> Transport:
-        return client(url, cafile=cafile, verify=verify, open_timeout=open_timeout,  # type: ignore[no-any-return]
-                      recv_timeout=recv_timeout)
+        return client(url, cafile=cafile, verify=verify, auth_token=auth_token,  # type: ignore[no-any-return]
+                      open_timeout=open_timeout, recv_timeout=recv_timeout)
 
     return connect
 

@@ -110,8 +110,8 @@ class WebSocketTransport:
     """A blocking client connection to a verifier server."""
 
     def __init__(self, url: str, *, cafile: str | None = None, verify: bool = True,
-                 open_timeout: float = 10.0, recv_timeout: float = 120.0,
-                 max_size: int = 16 << 20) -> None:
+                 auth_token: str = "", open_timeout: float = 10.0,
+                 recv_timeout: float = 120.0, max_size: int = 16 << 20) -> None:
         self.url = url
         self.recv_timeout = recv_timeout
         self.bytes_sent = 0
@@ -120,6 +120,8 @@ class WebSocketTransport:
                                        compression=None, proxy=None, legacy=True)
         if url.startswith("wss://"):
             options["ssl"] = client_ssl_context(cafile, verify)
+        if auth_token:  # for a proxy in front; the server checks the hello's token
+            options["additional_headers"] = {"Authorization": f"Bearer {auth_token}"}
         try:
             self._ws: ClientConnection = connect(url, **options)
         except InvalidURI as exc:
