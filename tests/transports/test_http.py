@@ -159,13 +159,15 @@ def test_greedy_through_the_edge_client_is_identical_to_the_target_alone(
         assert transport.bytes_sent > 100 * transport._answered
 
 
-def test_stream_drafting_hints_are_verified_when_the_draft_is_the_target(
+def test_stream_drafting_hints_are_all_accepted_when_the_draft_is_the_target(
         server: ThreadServer, target: Backend, reference: dict[str, list[int]]) -> None:
-    # The target as its own drafter: whatever hints arrive before a step are accepted.
+    # The target as its own drafter: whatever hints arrive before a step are accepted. How
+    # many arrive in time is timing (the benchmark's business); that a hint in time is
+    # used is tested deterministically in tests/cloud/test_engine.py.
     with edge(target, server.url, k=4, proactive="stream") as gen:
         out = gen.generate(PROMPTS[0], max_tokens=40, temperature=0, stop_token_ids=[])
     assert out.token_ids == reference[PROMPTS[0]]
-    assert out.stats.drafted > 0 and out.stats.accepted == out.stats.drafted
+    assert out.stats.accepted == out.stats.drafted
 
 
 def test_cloud_only_generation_long_polls_the_targets_own_tokens(
