@@ -15,8 +15,12 @@ session state machines and verification as the networked edge/cloud split.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Generator as PyGenerator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +45,16 @@ class StreamChunk:
     # "draft": drafted and accepted; "target": supplied by the verifier; "fallback": the
     # draft model's, unverified (the verifier was unreachable and fallback="draft")
     source: str
+    # On the last chunk only: "stop" (a stop token or stop string) or "length" (max_tokens
+    # or the context). That chunk may carry no tokens: text held back, or nothing.
+    finish_reason: str | None = None
 
 
 @dataclass
 class Completion:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (a stop token), "length" (max_tokens or the context)
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_tokens or context)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
@@ -63,6 +70,13 @@ class IncrementalDecoder:
         self._prefix = 0  # start of the decoding window
         self._read = 0  # ids before this are emitted
 
+    def flush(self) -> str:
+        """The text still held back (an unfinished character at the end), as it is."""
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        text = self._tokenizer.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(before):] if len(text) > len(before) else ""
+
     def push(self, ids: Sequence[int]) -> str:
         self._ids.extend(ids)
         before = self._tokenizer.decode(self._ids[self._prefix:self._read])
@@ -71,6 +85,36 @@ class IncrementalDecoder:
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(before):]
+
+
+class StopStrings:
+    """Finds the first of ``stops`` in text that arrives in pieces, across piece (and so
+    token) boundaries; holds back the end of the text while it may begin a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self._pending = ""
+        self.found = False
+
+    def push(self, text: str) -> str:
+        """The text that is safe to emit now; after a stop string, nothing more."""
+        if self.found:
+            return ""
+        self._pending += text
+        hits = [i for i in (self._pending.find(stop) for stop in self.stops) if i >= 0]
+        if hits:
+            self.found = True
+            out, self._pending = self._pending[:min(hits)], ""
+            return out
+        keep = max((n for stop in self.stops for n in range(1, len(stop))
+                    if self._pending.endswith(stop[:n])), default=0)
+        out = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
 
 
 def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
@@ -89,7 +133,11 @@ class Generator:
     in this process (``target=``) or on a server (``server="ws://host:port"``).
 
     ``options`` (:class:`~spececd.edge.options.EdgeOptions`) say how to draft and verify;
-    assign new ones to change them between generations."""
+    assign new ones to change them between generations.
+
+    Safe to use from several threads at once: each generation under way has its own
+    session (its own link to the verifier and its own draft KV cache, kept in a pool for
+    the next one), and the draft model runs one forward pass at a time."""
 
     def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
                  options: EdgeOptions | None = None, auth_token: str = "",
@@ -97,8 +145,18 @@ class Generator:
         self.draft_backend, self.target_backend = draft, target
         self._local = local  # the in-process verifier, closed with this generator
         self.tokenizer = draft.tokenizer
+        self.max_context = max_context
         fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-        self.client = EdgeClient(Drafter(draft), connect, fingerprint, max_context, auth_token)
+        draft_lock = threading.Lock()  # the draft model: one forward pass at a time
+
+        def new_client() -> EdgeClient:
+            return EdgeClient(Drafter(draft, draft_lock), connect, fingerprint, max_context,
+                              auth_token)
+
+        self._new_client = new_client
+        self._pool_lock = threading.Lock()
+        self.client = self._new_client()  # the first session; more when used concurrently
+        self._clients, self._idle = [self.client], [self.client]
         self.options = options or EdgeOptions()
 
     @classmethod
@@ -150,15 +208,38 @@ class Generator:
 
     @property
     def options(self) -> EdgeOptions:
-        return self.client.options
+        return self._options
 
     @options.setter
     def options(self, options: EdgeOptions) -> None:
-        self.client.options = resolve_proactive(options, in_process=self.target_backend
-                                                is not None)
+        self._options = resolve_proactive(options, in_process=self.target_backend is not None)
+
+    @contextlib.contextmanager
+    def _session(self, options: EdgeOptions | None = None) -> Iterator[EdgeClient]:
+        """An idle client (a new one when all are busy), with ``options`` (default: this
+        generator's)."""
+        with self._pool_lock:
+            client = self._idle.pop() if self._idle else None
+            if client is None:
+                client = self._new_client()
+                self._clients.append(client)
+        client.options = self._options if options is None else resolve_proactive(
+            options, in_process=self.target_backend is not None)
+        finished = False
+        try:
+            yield client
+            finished = True
+        finally:
+            if not finished:  # abandoned mid-round: a reply may still be on its way
+                client.close()  # so the next generation starts on a new connection
+            with self._pool_lock:
+                self._idle.append(client)
 
     def close(self) -> None:
-        self.client.close()
+        with self._pool_lock:
+            clients, self._clients, self._idle = self._clients, [], []
+        for client in clients:
+            client.close()
         if self._local is not None:
             self._local.close()
 
@@ -173,7 +254,7 @@ class Generator:
         if not ids or (isinstance(prompt, str) and not prompt):
             raise InputError("the prompt is empty: give some text or token ids")
         check_token_ids(ids, self.draft_backend.vocab_size, "the prompt")
-        limit = self.client.max_context
+        limit = self.max_context
         if len(ids) >= limit:
             raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
                              f"{limit}, leaving no room to generate: shorten the prompt")
@@ -189,32 +270,65 @@ class Generator:
                               seed=secrets.randbits(62) if seed is None else seed,
                               max_tokens=max_tokens, stop_token_ids=tuple(stops))
 
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation (``role`` and ``content`` per message) as prompt ids: the
+        tokenizer's chat template when it has one, else a plain transcript ending in
+        ``Assistant:``."""
+        ids = self.tokenizer.apply_chat_template(list(messages))
+        if ids is None:
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+            ids = self.tokenizer.encode(text + "Assistant:")
+        return self.prompt_ids(list(ids))
+
     def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
-                cloud_only: bool = False) -> Iterator[StreamChunk]:
-        decoder = IncrementalDecoder(self.tokenizer)
-        for out in self.client.generate(ids, params, stats, cloud_only):
-            verified = "fallback" if out.fallback else "target"
-            for source, part in (("draft", out.token_ids[:out.from_draft]),
-                                 (verified, out.token_ids[out.from_draft:])):
-                if part:
-                    yield StreamChunk(part, decoder.push(part), source)
+                cloud_only: bool = False, stop: Sequence[str] = (),
+                options: EdgeOptions | None = None) -> Iterator[StreamChunk]:
+        decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        source, last = "target", -1
+        with self._session(options) as client:
+            rounds = client.generate(ids, params, stats, cloud_only)
+            for out in rounds:
+                verified = "fallback" if out.fallback else "target"
+                for source, part in (("draft", out.token_ids[:out.from_draft]),
+                                     (verified, out.token_ids[out.from_draft:])):
+                    if part:
+                        last = part[-1]
+                        yield StreamChunk(part, stops.push(decoder.push(part)), source)
+                        if stops.found:
+                            rounds.close()
+                            client.close()  # ended early: a reply may be on its way
+                            yield StreamChunk((), "", source, "stop")
+                            return
+        stopped = last in params.stop_token_ids
+        yield StreamChunk((), stops.push(decoder.flush()) + stops.flush(), source,
+                          "stop" if stopped or stops.found else "length")
 
     def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
-               cloud_only: bool = False, **sampling: Any) -> Iterator[StreamChunk]:
-        """Yield the completion as it is verified (see :meth:`params` for the options);
-        ``stats``, when given, is filled in as generation goes. ``cloud_only``: no
-        drafting, the verifier generates every token itself (a baseline)."""
+               cloud_only: bool = False, stop: Sequence[str] = (),
+               options: EdgeOptions | None = None, **sampling: Any
+               ) -> PyGenerator[StreamChunk, None, None]:
+        """Yield the completion as it is verified (see :meth:`params` for the sampling
+        options); the last chunk says why it ended. ``stats``, when given, is filled in as
+        generation goes. ``cloud_only``: no drafting, the verifier generates every token
+        itself (a baseline). ``stop``: strings that end the completion, matched on the
+        text across token boundaries and left out of it. ``options``: this generation's
+        edge options, instead of :attr:`options`."""
         ids = self.prompt_ids(prompt)
         yield from self._stream(ids, self.params(**sampling), stats or GenerationStats(),
-                                cloud_only)
+                                cloud_only, stop, options)
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
+                 stop: Sequence[str] = (), options: EdgeOptions | None = None,
                  **sampling: Any) -> Completion:
-        return self.generate_n(prompt, 1, cloud_only=cloud_only, **sampling)[0]
+        return self.generate_n(prompt, 1, cloud_only=cloud_only, stop=stop, options=options,
+                               **sampling)[0]
 
     def generate_n(self, prompt: str | Sequence[int], n: int, *, cloud_only: bool = False,
+                   stop: Sequence[str] = (), options: EdgeOptions | None = None,
                    **sampling: Any) -> list[Completion]:
-        """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...)."""
+        """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...); the keywords
+        are :meth:`stream`'s. A completion that hit a stop string has the text before it,
+        and the token ids that spelled it."""
         ids = self.prompt_ids(prompt)
         base = self.params(**sampling)
         assert base.seed is not None
@@ -223,11 +337,14 @@ class Generator:
             params = replace(base, seed=base.seed + i)
             stats = GenerationStats()
             token_ids: list[int] = []
-            for chunk in self._stream(ids, params, stats, cloud_only):
+            texts: list[str] = []
+            for chunk in self._stream(ids, params, stats, cloud_only, stop, options):
                 token_ids.extend(chunk.token_ids)
-            stopped = bool(token_ids) and token_ids[-1] in params.stop_token_ids
-            completions.append(Completion(token_ids, self.tokenizer.decode(token_ids),
-                                          "stop" if stopped else "length", stats))
+                texts.append(chunk.text)
+                finish = chunk.finish_reason
+            assert finish is not None
+            text = "".join(texts) if stop else self.tokenizer.decode(token_ids)
+            completions.append(Completion(token_ids, text, finish, stats))
         return completions
 
 
@@ -241,9 +358,9 @@ class AsyncGenerator:
             print(chunk.text, end="")
     """
 
-    def __init__(self, generator: Generator) -> None:
+    def __init__(self, generator: Generator, executor: Executor | None = None) -> None:
         self.generator = generator
-        self._lock = asyncio.Lock()  # one generation at a time per link
+        self.executor = executor  # where generations run (None: the loop's default)
 
     @classmethod
     async def load(cls, *args: Any, **kwargs: Any) -> AsyncGenerator:
@@ -254,27 +371,33 @@ class AsyncGenerator:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
 
+        stop = threading.Event()
+
         def work() -> None:
             try:
-                for chunk in self.generator.stream(prompt, stats, **sampling):
+                chunks = self.generator.stream(prompt, stats, **sampling)
+                for chunk in chunks:
                     loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    if stop.is_set():
+                        chunks.close()
+                        break
             except BaseException as exc:  # handed to the consumer, raised there
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             else:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        async with self._lock:
-            worker = loop.run_in_executor(None, work)
+        worker = loop.run_in_executor(self.executor, work)
+        try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
-                    await worker
                     raise item
                 yield item
+        finally:
+            stop.set()  # the consumer left early: the worker ends after its current round
             await worker
 
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
-        async with self._lock:
-            return await asyncio.to_thread(self.generator.generate, prompt, **sampling)
+        return await asyncio.to_thread(self.generator.generate, prompt, **sampling)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.generator.close)

@@ -23,13 +23,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``spececd serve`` on 127.0.0.1; started on construction, stopped by :meth:`stop`.
-    ``urls``: the URL of every transport it opened, by scheme (``ws``, ``grpc``, ``http``,
-    with ``s`` under TLS); ``url`` is the WebSocket one."""
+    """``spececd serve`` (or another serving ``command``, such as ``api``) on 127.0.0.1;
+    started on construction, stopped by :meth:`stop`. ``urls``: the URL of every
+    transport it opened, by scheme (``ws``, ``grpc``, ``http``, with ``s`` under TLS);
+    ``url`` is the one of ``scheme`` on ``port``."""
 
-    def __init__(self, target: Path | str, *extra: str, port: int | None = None,
-                 env: dict[str, str] | None = None, scheme: str = "ws") -> None:
-        self.target, self.extra, self.env = str(target), extra, env
+    def __init__(self, target: Path | str | None, *extra: str, port: int | None = None,
+                 env: dict[str, str] | None = None, scheme: str = "ws",
+                 command: str = "serve") -> None:
+        self.target, self.extra, self.env = target, extra, env
+        self.command = command
         self.port = port or free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[str] | None = None
@@ -39,7 +42,8 @@ class ServerProcess:
     def start(self, timeout: float = 90.0) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(self.env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spececd", "serve", "--target-model", self.target,
+            [sys.executable, "-m", "spececd", self.command,
+             *(["--target-model", str(self.target)] if self.target else []),
              "--device", "cpu", "--threads", "1", "--port", str(self.port), *self.extra],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout

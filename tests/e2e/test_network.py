@@ -363,8 +363,10 @@ def test_cloud_only_generation_streams_the_targets_own_tokens(
         ids = gen.prompt_ids(PROMPTS[4])
         chunks = list(gen.stream(ids, cloud_only=True, max_tokens=30, temperature=0,
                                  stop_token_ids=[]))
-        assert all(c.source == "target" and len(c.token_ids) == 1 for c in chunks)
-        assert [c.token_ids[0] for c in chunks] == hf_greedy(tiny_models["llama"], ids, 30)
+        *tokens, last = chunks  # the last chunk says why it ended
+        assert all(c.source == "target" and len(c.token_ids) == 1 for c in tokens)
+        assert (last.token_ids, last.finish_reason) == ((), "length")
+        assert [c.token_ids[0] for c in tokens] == hf_greedy(tiny_models["llama"], ids, 30)
         sampled = gen.generate(ids, cloud_only=True, max_tokens=12, temperature=1.0, seed=4,
                                stop_token_ids=[])
         again = gen.generate(ids, cloud_only=True, max_tokens=12, temperature=1.0, seed=4,

@@ -4,6 +4,7 @@
     spececd generate ...             one prompt, streamed or as JSON (--json); in-process,
                                      or against a server with --server URL (ws, grpc, http)
     spececd chat --server ...        an interactive chat, streaming the replies
+    spececd api ...                  an OpenAI-compatible API and a playground page
     spececd serve ...                the verifier server (the cloud side)
     spececd bench ...                measurements, side by side
     spececd convert ...              a transformers folder to GGUF
@@ -24,13 +25,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from spececd.cli import bench, chat, convert, demo, devices, generate, serve
+from spececd.cli import api, bench, chat, convert, demo, devices, generate, serve
 from spececd.cli.output import JsonLines
 from spececd.errors import InputError, SpecECDError
 from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMismatch
 
 USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch)
-COMMANDS = (demo, generate, chat, serve, bench, convert, devices)
+COMMANDS = (demo, generate, chat, api, serve, bench, convert, devices)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spececd.cli.options import add_edge_options, edge_config, load_generator, sampling_kwargs
 from spececd.cli.output import Tee, stream_completion, strip_ansi, summary_line, use_colour
-
-if TYPE_CHECKING:
-    from spececd.api import Generator
 
 
 def add_parser(sub: Any) -> None:
@@ -20,16 +17,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(run=run)
-
-
-def chat_prompt(gen: Generator, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation as token ids: the tokenizer's chat template when it has one, else a
-    plain transcript."""
-    ids = gen.tokenizer.apply_chat_template(messages)
-    if ids is not None:
-        return list(ids)
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-    return list(gen.tokenizer.encode(text + "Assistant:"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": line.strip()})
             out = io.StringIO()
             sys.stdout.write("assistant> ")
-            stats = stream_completion(gen, chat_prompt(gen, messages),
+            stats = stream_completion(gen, gen.chat_ids(messages),
                                       sampling_kwargs(cfg, seed), colour,
                                       Tee(sys.stdout, out))  # type: ignore[arg-type]
             messages.append({"role": "assistant", "content": strip_ansi(out.getvalue()).strip()})

@@ -74,6 +74,10 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
+
+
+def add_speculation_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
     g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
                    "measured acceptance, draft, verify and network costs (default: "
                    f"{OPTIONS.k or 'auto'})")
@@ -112,11 +116,15 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_edge_options(p: argparse.ArgumentParser, temperature: float = CONFIG.temperature,
-                     max_tokens: int = CONFIG.max_tokens, network: bool = True) -> None:
-    """Everything an edge command takes: models, sampling and, unless ``network`` is
-    False, the link to a server."""
+                     max_tokens: int = CONFIG.max_tokens, network: bool = True,
+                     sampling: bool = True) -> None:
+    """Everything an edge command takes: models, speculation, sampling (unless
+    ``sampling`` is False: the requests bring theirs) and, unless ``network`` is False, the
+    link to a server."""
     add_model_options(p)
-    add_sampling_options(p, temperature, max_tokens)
+    if sampling:
+        add_sampling_options(p, temperature, max_tokens)
+    add_speculation_options(p)
     if network:
         add_network_options(p)
     if (temperature, max_tokens) != (CONFIG.temperature, CONFIG.max_tokens):

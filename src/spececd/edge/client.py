@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
@@ -61,7 +61,8 @@ class EdgeClient:
         self.link.close()
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 stats: GenerationStats, cloud_only: bool = False) -> Iterator[RoundOutput]:
+                 stats: GenerationStats, cloud_only: bool = False
+                 ) -> Generator[RoundOutput, None, None]:
         """Generate after ``prompt_ids`` (``params.seed`` must be set), yielding what each
         exchange emits. ``cloud_only``: the verifier generates every token (a baseline)."""
         assert params.seed is not None

@@ -18,6 +18,7 @@ The drafter knows nothing about the network or the verifier.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,9 +38,13 @@ from spececd.core.sampling import (
 
 
 class Drafter:
-    def __init__(self, backend: Backend) -> None:
+    """``lock``: held for each call, so drafters of one backend (one per concurrent
+    session, each with its own KV cache) never run the model at the same time."""
+
+    def __init__(self, backend: Backend, lock: threading.Lock | None = None) -> None:
         self.backend = backend
         self.sequence = backend.new_sequence()
+        self.lock = lock or threading.Lock()
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
@@ -47,6 +52,12 @@ class Drafter:
         """Draft ``k`` tokens after ``history``; return them and, in exact sampling mode,
         the distribution each was drawn from (cut to its ``max_support`` most likely
         tokens)."""
+        with self.lock:
+            return self._draft(history, k, mode, params, seed, max_support)
+
+    def _draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+               seed: int, max_support: int
+               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
         feed = sync(self.sequence, history)
         tokens: list[int] = []
         dists: list[SparseProbs] = []

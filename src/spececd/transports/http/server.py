@@ -116,8 +116,22 @@ async def serve(engine: Engine, host: str, port: int,
     """Serve until cancelled. ``tls``: PEM certificate and key, or a server SSL context
     (https://); ``ready`` gets the port bound (``port`` 0: any free one). A port that
     cannot be bound raises ``OSError``. The caller closes the engine."""
-    ssl_context = server_ssl_context(*tls) if isinstance(tls, tuple) else tls
     app = create_app(engine)
+
+    def stopping() -> None:
+        app.state.links.close_all()  # ends every link: its long polls answer at once
+        app.state.sessions.close_all()
+
+    await serve_app(app, host, port, tls, ready, stopping)
+
+
+async def serve_app(app: FastAPI, host: str, port: int,
+                    tls: tuple[str, str] | ssl.SSLContext | None = None,
+                    ready: Callable[[int], None] | None = None,
+                    stopping: Callable[[], None] | None = None) -> None:
+    """Run ``app`` with uvicorn on the caller's event loop until cancelled; ``stopping``
+    runs first when it is (long requests end before uvicorn waits for them)."""
+    ssl_context = server_ssl_context(*tls) if isinstance(tls, tuple) else tls
     config = uvicorn.Config(
         app, lifespan="off", ws="none", log_config=None, access_log=False,
         server_header=False, date_header=False, timeout_keep_alive=KEEP_ALIVE,
@@ -135,8 +149,8 @@ async def serve(engine: Engine, host: str, port: int,
             ready(sock.getsockname()[1])
         await asyncio.shield(task)
     finally:
-        app.state.links.close_all()  # ends every link: its long polls answer at once
-        app.state.sessions.close_all()
+        if stopping is not None:
+            stopping()
         server.should_exit = True
         await task
         sock.close()

@@ -1,0 +1,61 @@
+"""``spececd api``: an OpenAI-compatible HTTP API (and the playground) in front of the
+edge, so that applications speaking the OpenAI API generate through edge drafting."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+from spececd import config
+from spececd.cli.options import add_edge_options, edge_config, load_generator
+from spececd.errors import InputError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("api", help="serve an OpenAI-compatible API and a playground page, "
+                       "generating through edge drafting")
+    add_edge_options(p, sampling=False)
+    g = p.add_argument_group("API")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                   "(default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any)")
+    g.add_argument("--model-name", default="spececd", help="the model name clients send "
+                   "and GET /v1/models lists (default: spececd)")
+    g.add_argument("--api-key-file", help="file holding the key clients must send as "
+                   "`Authorization: Bearer KEY` (default: $SPECECD_API_KEY; none: open)")
+    g.add_argument("--cloud-only", action="store_true", help="the server generates alone "
+                   "(no drafting), for comparison; a request may still set cloud_only")
+    g.add_argument("--max-concurrency", type=int, default=64,
+                   help="sessions generating at once; more requests wait (default: 64)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spececd.openai_api.server import Api, create_app
+    from spececd.transports.http.server import serve_app
+
+    if args.max_concurrency < 1:
+        raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    api_key = (config.auth_token(args.api_key_file) if args.api_key_file
+               else os.environ.get("SPECECD_API_KEY", "").strip())
+    cfg = edge_config(args)
+    with load_generator(cfg) as gen:
+        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)
+
+        def ready(port: int) -> None:
+            url = f"http://{args.host}:{port}"
+            print(f"spececd: serving the OpenAI API on {url}/v1 (model "
+                  f"{args.model_name!r}) and the playground on {url}/", file=sys.stderr,
+                  flush=True)
+
+        try:
+            asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready))
+        except OSError as exc:
+            raise InputError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}; "
+                             f"pick another --port") from None
+        finally:
+            api.executor.shutdown(wait=False, cancel_futures=True)
+    return 0

@@ -1,0 +1,115 @@
+"""The OpenAI request bodies SpecECD accepts, checked field by field.
+
+Fields follow OpenAI's API reference; SpecECD's own extras (``top_k``, ``k``, ``mode``,
+``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM takes its
+extra sampling fields. An unknown field is refused (``extra="forbid"``), and so is a
+known one SpecECD cannot honour yet (:func:`unsupported`), each with a message that
+names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    user: str | None = None
+    # Not supported yet: refused unless they leave the output unchanged.
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: dict[str, float] | None = None
+    # SpecECD's own.
+    top_k: Annotated[int, Field(ge=0)] = 0
+    k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    mode: Literal["exact", "match", "greedy"] | None = None
+    proactive: Literal["auto", "off", "on", "stream"] | None = None
+    cloud_only: bool | None = None  # the server generates alone (default: the server's)
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
+class ChatRequest(Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def unsupported(request: Sampling) -> tuple[str, str] | None:
+    """The first field set to something SpecECD does not do yet, and why; None if none."""
+    checks: list[tuple[str, bool, str]] = [
+        ("presence_penalty", request.presence_penalty != 0, "penalties are not supported yet"),
+        ("frequency_penalty", request.frequency_penalty != 0,
+         "penalties are not supported yet"),
+        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported yet"),
+    ]
+    if isinstance(request, CompletionRequest):
+        checks += [
+            ("echo", request.echo, "echo is not supported"),
+            ("logprobs", request.logprobs is not None, "logprobs are not supported"),
+            ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
+            ("best_of", request.best_of not in (None, request.n),
+             "best_of is not supported: use n"),
+        ]
+    else:
+        assert isinstance(request, ChatRequest)
+        checks += [
+            ("logprobs", request.logprobs, "logprobs are not supported"),
+            ("top_logprobs", request.top_logprobs is not None, "logprobs are not supported"),
+        ]
+    for name, is_set, why in checks:
+        if is_set:
+            return name, f"{why}; leave {name} out"
+    return None

@@ -1,0 +1,276 @@
+"""`spececd api` with the official `openai` client (sync, async, streaming, chat and
+completions), in front of a real `spececd serve`, both on loopback: greedy output equals
+the target alone, stop strings, max_tokens and n behave as OpenAI documents, bad requests
+get 400s in OpenAI's shape, and 32 concurrent streams give what they give one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+
+from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+from tests.e2e.server import ServerProcess, free_port  # noqa: E402
+from tests.e2e.test_inprocess import hf_greedy  # noqa: E402
+
+pytestmark = requires_default_pair
+
+PROMPTS = json.loads((MODELS / "heldout_prompts.json").read_text()) \
+    if (MODELS / "heldout_prompts.json").is_file() else []
+
+
+def api_process(*extra: str, env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess(None, "--draft-model", str(MODELS / "draft"), *extra,
+                         command="api", scheme="http", env=env)
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Iterator[ServerProcess]:
+    proc = ServerProcess(MODELS / "target")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def api(verifier: ServerProcess) -> Iterator[ServerProcess]:
+    proc = api_process("--server", verifier.url)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api: ServerProcess) -> Any:
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from spececd.backends.registry import load_backend
+
+    return load_backend(str(MODELS / "draft"), device="cpu", dtype="float32").tokenizer
+
+
+def target_text(tokenizer: Any, prompt: str | list[int], n: int) -> str:
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    out = hf_greedy(MODELS / "target", list(ids), n)
+    if tokenizer.eos_token_ids and set(out) & set(tokenizer.eos_token_ids):
+        out = out[:min(out.index(t) for t in tokenizer.eos_token_ids if t in out) + 1]
+    return str(tokenizer.decode(out))
+
+
+def test_models_lists_the_served_model(client: Any) -> None:
+    assert [m.id for m in client.models.list()] == ["spececd"]
+
+
+def test_greedy_completion_is_the_target_alone_streamed_or_not(client: Any,
+                                                               tokenizer: Any) -> None:
+    prompt = PROMPTS[0]
+    expected = target_text(tokenizer, prompt, 40)
+    whole = client.completions.create(model="spececd", prompt=prompt, max_tokens=40,
+                                      temperature=0)
+    assert whole.choices[0].text == expected
+    usage = whole.usage
+    assert usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert usage.completion_tokens == 40 and usage.total_tokens == usage.prompt_tokens + 40
+    details = usage.completion_tokens_details
+    spec = whole.model_extra["speculative"]
+    assert details.accepted_prediction_tokens == spec["num_accepted_tokens"] > 0
+    assert details.rejected_prediction_tokens == spec["num_draft_tokens"] - \
+        spec["num_accepted_tokens"]
+    assert spec["cloud_only"] is False and spec["fallback"] is False
+    chunks = list(client.completions.create(model="spececd", prompt=prompt, max_tokens=40,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    sources = {c.choices[0].model_extra["spececd"]["source"] for c in chunks if c.choices}
+    assert {"draft", "target"} <= sources  # accepted drafts and the target's own tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streams_with_the_async_client(api: ServerProcess, tokenizer: Any) -> None:
+    from spececd.api import Generator
+
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def add(a, b):"}]
+    with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
+                        dtype="float32") as gen:
+        expected = target_text(tokenizer, gen.chat_ids(messages), 24)
+
+    async def run() -> tuple[str, str, list[str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+        whole = await client.chat.completions.create(model="spececd", messages=messages,
+                                                     max_tokens=24, temperature=0)
+        stream = await client.chat.completions.create(model="spececd", messages=messages,
+                                                      max_completion_tokens=24,
+                                                      temperature=0, stream=True)
+        parts, roles = [], []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].delta.content or "")
+            roles.append(chunk.choices[0].delta.role)
+        await client.close()
+        assert whole.choices[0].message.role == "assistant"
+        return whole.choices[0].message.content, "".join(parts), roles
+
+    whole, streamed, roles = asyncio.run(run())
+    assert whole == streamed == expected
+    assert roles[0] == "assistant" and set(roles[1:]) <= {None}
+
+
+def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
+                                                                tokenizer: Any) -> None:
+    prompt = PROMPTS[2]
+    full = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
+                                     temperature=0).choices[0].text
+    ids = tokenizer.encode(prompt + full)[len(tokenizer.encode(prompt)):]
+    # A stop string across a token boundary: the end of one token and the start of the next.
+    boundary = len(tokenizer.decode(ids[:len(ids) // 2]))
+    stop = full[boundary - 2:boundary + 2]
+    assert len(stop) == 4 and full.find(stop) > 0
+    for stream in (False, True):
+        out = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
+                                        temperature=0, stop=[stop, "\x00never"], stream=stream)
+        if stream:
+            chunks = [c for c in out if c.choices]
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, finish) == (full[:full.find(stop)], "stop")
+    short = client.completions.create(model="spececd", prompt=prompt, max_tokens=5,
+                                      temperature=0)
+    assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
+    assert full.startswith(short.choices[0].text)
+
+
+def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
+    def draw() -> Any:
+        return client.completions.create(model="spececd", prompt=PROMPTS[3], max_tokens=12,
+                                         temperature=1.0, n=3, seed=11,
+                                         extra_body={"k": 4, "mode": "match"})
+
+    first, second = draw(), draw()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in second.choices]  # match mode: the seed fixes the draw
+    assert len(set(texts)) > 1
+    assert first.usage.completion_tokens == 36
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens  # the prompt counts once
+
+
+@pytest.mark.parametrize("fields,param,status", [
+    ({"foo": 1}, "foo", 400),
+    ({"k": 0}, "k", 400),
+    ({"temperature": 3}, "temperature", 400),
+    ({"presence_penalty": 0.5}, "presence_penalty", 400),
+    ({"logit_bias": {"5": 10}}, "logit_bias", 400),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+    ({"n": 0}, "n", 400),
+    ({"model": "gpt-4o"}, "model", 404),
+    ({"prompt": ""}, None, 400),
+])
+def test_bad_requests_get_openai_errors_that_name_the_field(
+        client: Any, fields: dict[str, Any], param: str | None, status: int) -> None:
+    body: dict[str, Any] = {"model": "spececd", "prompt": "x", "max_tokens": 2}
+    known = {k: v for k, v in fields.items() if k in ("model", "prompt", "temperature",
+                                                      "presence_penalty", "logit_bias",
+                                                      "stop", "n")}
+    extra = {k: v for k, v in fields.items() if k not in known}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**{**body, **known}, extra_body=extra or None)
+    error = caught.value
+    assert error.status_code == status
+    assert set(error.body) >= {"message", "type", "param", "code"}
+    assert error.body["param"] == param
+    if param:
+        assert param in error.body["message"]
+
+
+def test_unreachable_cloud_is_a_503_or_a_labelled_fallback(tokenizer: Any) -> None:
+    dead = f"ws://127.0.0.1:{free_port()}"
+    for extra, fallback in ((("--reconnect-attempts", "0"), False),
+                            (("--reconnect-attempts", "0", "--fallback", "draft"), True)):
+        proc = api_process("--server", dead, *extra)
+        try:
+            client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
+            request = dict(model="spececd", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+            if not fallback:
+                with pytest.raises(openai.APIStatusError) as caught:
+                    client.completions.create(**request)
+                assert caught.value.status_code == 503
+                assert caught.value.body["code"] == "cloud_unreachable"
+                assert "spececd serve" in caught.value.body["message"]
+            else:
+                out = client.completions.create(**request)
+                spec = out.model_extra["speculative"]
+                assert spec["fallback"] is True and spec["fallback_tokens"] == 8
+        finally:
+            proc.stop()
+
+
+def test_the_api_key_is_required_when_set(verifier: ServerProcess) -> None:
+    proc = api_process("--server", verifier.url, env={"SPECECD_API_KEY": "sk-test"})
+    try:
+        wrong = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="spececd", prompt="x", max_tokens=2)
+        right = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-test", max_retries=0)
+        assert right.completions.create(model="spececd", prompt="x",
+                                        max_tokens=2).usage.completion_tokens == 2
+    finally:
+        proc.stop()
+
+
+def test_32_concurrent_streams_equal_their_one_by_one_outputs(client: Any,
+                                                              api: ServerProcess) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    start = time.perf_counter()
+    alone = [client.completions.create(model="spececd", prompt=p, max_tokens=24,
+                                       temperature=0).choices[0].text for p in prompts]
+    one_by_one = 32 * 24 / (time.perf_counter() - start)
+
+    async def one(aclient: Any, prompt: str) -> tuple[str, float]:
+        start = time.perf_counter()
+        first = None
+        parts = []
+        stream = await aclient.completions.create(model="spececd", prompt=prompt,
+                                                  max_tokens=24, temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter() - start
+            parts.extend(c.text for c in chunk.choices)
+        return "".join(parts), first if first is not None else float("nan")
+
+    async def run() -> tuple[list[tuple[str, float]], float]:
+        aclient = openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(aclient, p) for p in prompts))
+        elapsed = time.perf_counter() - start
+        await aclient.close()
+        return list(results), elapsed
+
+    results, elapsed = asyncio.run(run())
+    assert [text for text, _ in results] == alone
+    ttft = sorted(t for _, t in results)
+    print(f"32 streams: {32 * 24 / elapsed:.1f} tokens/s in all ({one_by_one:.1f} one by "
+          f"one), time to first token p50 {statistics.median(ttft):.3f} s, "
+          f"p95 {ttft[int(0.95 * len(ttft)) - 1]:.3f} s")
+
+
+def test_the_playground_page_is_served(api: ServerProcess) -> None:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{api.url}/", timeout=10) as response:
+        page = response.read().decode()
+    assert response.headers["content-type"].startswith("text/html")
+    assert "/v1/completions" in page

@@ -1,0 +1,167 @@
+"""The playground (`GET /` of `spececd api`) in a real headless Chromium, against a real
+`spececd api` on loopback: the page loads with nothing from outside, streams a greedy
+completion coloured by source whose text is the non-streamed completion's, fills in its
+statistics, compares with cloud-only, and shows the server's message on a bad request.
+
+Chromium is Debian's (/usr/lib/chromium/chromium), driven by Playwright; set
+SPECECD_SCREENSHOT to a path to keep a screenshot of the comparison (docs/playground.png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+pytest.importorskip("torch")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+from tests.e2e.server import ServerProcess  # noqa: E402
+
+CHROMIUM = Path("/usr/lib/chromium/chromium")
+PROMPT = "class Stack:\n    def __init__(self):\n        "
+MAX_TOKENS = 48
+
+pytestmark = [
+    requires_default_pair,
+    pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (Debian's "
+                       "chromium package; Playwright's own browser download is not used)"),
+]
+
+
+@dataclass
+class Page:
+    """A browser tab on the playground, with what it logged and asked for."""
+
+    tab: Any
+    console_errors: list[str] = field(default_factory=list)
+    hosts: set[str] = field(default_factory=set)
+
+    def number(self, selector: str) -> float:
+        text = self.tab.text_content(selector)
+        try:
+            return float(text)
+        except ValueError:
+            raise AssertionError(f"{selector} shows {text!r}, not a number") from None
+
+    def generate(self) -> None:
+        """Clicks Generate and waits until the page has finished, asserting it succeeded."""
+        self.tab.click("#generate")
+        self.tab.wait_for_function("document.body.dataset.state !== 'running'",
+                                   timeout=30_000)
+        state = self.tab.evaluate("document.body.dataset.state")
+        assert state == "done", f"{state}: {self.tab.text_content('#error')}"
+
+    def text(self, selector: str) -> str:
+        return str(self.tab.eval_on_selector_all(
+            selector, "els => els.map(e => e.textContent).join('')"))
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[ServerProcess]:
+    proc = ServerProcess(MODELS / "target", "--draft-model", str(MODELS / "draft"),
+                         command="api", scheme="http")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(api: ServerProcess, browser: Any) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    tab = context.new_page()
+    page = Page(tab)
+
+    def on_console(message: Any) -> None:
+        if message.type == "error":
+            page.console_errors.append(message.text)
+
+    tab.on("console", on_console)
+    tab.on("pageerror", lambda exc: page.console_errors.append(str(exc)))
+    tab.on("request", lambda request: page.hosts.add(urlsplit(request.url).hostname or ""))
+    tab.goto(api.url + "/")
+    tab.wait_for_function("document.getElementById('model').textContent === 'spececd'")
+    tab.fill("#prompt", PROMPT)
+    tab.fill("#max-tokens", str(MAX_TOKENS))
+    tab.fill("#temperature", "0")
+    yield page
+    context.close()
+
+
+def completion(api: ServerProcess, **body: Any) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{api.url}/v1/completions", json.dumps({"model": "spececd", **body}).encode(),
+        {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def test_page_loads_with_nothing_from_outside(page: Page) -> None:
+    assert page.tab.title() == "SpecECD playground"
+    assert page.tab.is_hidden("#error")
+    assert page.console_errors == []
+    assert page.hosts == {"127.0.0.1"}
+
+
+def test_stream_is_coloured_by_source_and_is_the_whole_completion(
+        page: Page, api: ServerProcess) -> None:
+    page.generate()
+
+    assert page.tab.locator("#out-spec .tok.draft").count() > 0
+    assert page.tab.locator("#out-spec .tok.target").count() > 0
+    whole = completion(api, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert page.text("#out-spec .tok") == whole["choices"][0]["text"]
+    assert page.number("#stat-tokens") == whole["usage"]["completion_tokens"]
+    assert page.number("#stat-tps") > 0
+    # Draft tokens were accepted (green spans), so both must show it.
+    assert 0 < page.number("#stat-acceptance") <= 100
+    assert page.number("#stat-mal") > 1
+    assert page.console_errors == []
+    assert page.hosts == {"127.0.0.1"}
+
+
+def test_compare_with_cloud_only_sets_both_speeds_side_by_side(
+        page: Page, tmp_path: Path) -> None:
+    page.tab.check("#compare")
+    assert page.tab.is_visible("#panel-cloud")
+    page.generate()
+
+    speculative, alone = page.number("#stat-tps"), page.number("#stat-tps-cloud")
+    assert alone > 0
+    assert page.number("#speedup") == pytest.approx(speculative / alone, rel=0.01, abs=0.01)
+    # Lossless: the target alone writes the same text, every token its own.
+    assert page.text("#out-cloud .tok.target") == page.text("#out-spec .tok")
+    assert page.tab.locator("#out-cloud .tok:not(.target)").count() == 0
+    assert page.console_errors == []
+
+    shot = tmp_path / "playground.png"
+    page.tab.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("SPECECD_SCREENSHOT"):
+        keep = Path(os.environ["SPECECD_SCREENSHOT"])
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, keep)
+
+
+def test_a_bad_request_shows_the_servers_message(page: Page) -> None:
+    page.tab.fill("#temperature", "5")
+    page.tab.click("#generate")
+    page.tab.wait_for_function("document.body.dataset.state === 'error'", timeout=30_000)
+    assert page.tab.is_visible("#error")
+    assert "temperature" in page.tab.text_content("#error")
+    assert page.tab.locator("#out-spec .tok").count() == 0
