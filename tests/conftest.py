@@ -36,7 +36,9 @@ def train_tokenizer(vocab_size: int) -> Any:
 
 
 def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: int = 2,
-                hidden: int = 64) -> Path:
+                hidden: int = 64, width: int = 0) -> Path:
+    """A random-init model of ``arch`` saved with ``tokenizer``; ``width``: its logits'
+    width when it pads its output embeddings past the tokenizer (0: no padding)."""
     import torch
     from transformers import (
         GPT2Config,
@@ -48,7 +50,7 @@ def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: in
     )
 
     torch.manual_seed(seed)
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    vocab, eos = width or len(tokenizer), tokenizer.eos_token_id
     common: dict[str, Any] = dict(vocab_size=vocab, bos_token_id=eos, eos_token_id=eos,
                                   pad_token_id=eos)
     if arch == "llama":
@@ -120,16 +122,25 @@ def word_tokenizer(words: list[str]) -> Any:
 @pytest.fixture(scope="session")
 def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A draft and a target over a 10-word vocabulary, for exact distribution tests."""
+    return vocab_pair(tmp_path_factory.mktemp("tinyvocab"))
+
+
+def vocab_pair(root: Path, arch: str = "llama", widths: tuple[int, int] = (10, 10)
+               ) -> dict[str, Path]:
+    """A target and a draft of ``arch`` over a 10-word vocabulary; ``widths``: the
+    target's and the draft's logits widths (above 10: padded past the tokenizer)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = word_tokenizer(["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"])
-    root = tmp_path_factory.mktemp("tinyvocab")
+    kinds = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config, causal_lm = kinds[arch]
     paths = {}
-    for name, seed, scale in (("target", 10, 4.0), ("draft", 11, 3.0)):
+    for name, seed, scale, width in (("target", 10, 4.0, widths[0]),
+                                     ("draft", 11, 3.0, widths[1])):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        model = causal_lm(config(
+            vocab_size=width, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             bos_token_id=None, eos_token_id=None, pad_token_id=None))
         with torch.no_grad():

@@ -194,11 +194,15 @@ class Generator:
         assert target is not None
         draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
-        if (tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
-                != tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)):
-            raise InputError(f"draft {draft!r} and target {target!r} have incompatible "
-                             f"tokenizers or vocabularies; pick a draft model that shares the "
-                             f"target's tokenizer")
+        ours = tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
+        theirs = tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)
+        if ours != theirs:
+            raise InputError(f"draft {draft!r} and target {target!r} have different "
+                             f"tokenizers: {ours.vocab_size} tokens (hash "
+                             f"{ours.tokenizer_hash[:12]}) against {theirs.vocab_size} (hash "
+                             f"{theirs.tokenizer_hash[:12]}); compared: the string of every "
+                             f"token id (padding past the tokenizer is not). Pick a draft "
+                             f"model that shares the target's tokenizer")
         from spececd.transports.memory import local_verifier
 
         verifier = local_verifier(target_backend)

@@ -96,10 +96,11 @@ def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingPar
     backend = load_backend(str(target), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
     vocab = backend.vocab_size
-    with torch.no_grad():
-        first = process_logits(model(torch.tensor([prompt])).logits[0, -1:].numpy(), params)[0]
+    with torch.no_grad():  # the tokenizer's ids only: a padded model's extra rows are none
+        first = process_logits(model(torch.tensor([prompt])).logits[0, -1:, :vocab].numpy(),
+                               params)[0]
         batch = torch.tensor([[*prompt, a] for a in range(vocab)])
-        second = process_logits(model(batch).logits[:, -1].numpy(), params)
+        second = process_logits(model(batch).logits[:, -1, :vocab].numpy(), params)
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
 
 

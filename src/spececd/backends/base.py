@@ -57,7 +57,9 @@ class CachedSequence(Protocol):
 class Backend(Protocol):
     name: str  # short runtime name: "hf", "llama.cpp"
     description: str  # model, runtime and settings, for logs and status pages
-    vocab_size: int  # width of the logits
+    # Token ids the model's tokenizer has, and the width of the logits it returns: a model
+    # that pads its output embeddings past its tokenizer returns the tokenizer's ids only.
+    vocab_size: int
     max_context: int  # positions the model supports
     kv_bytes_per_token: int  # KV cache one token of context costs in one sequence
     # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
@@ -74,9 +76,12 @@ class Backend(Protocol):
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:
-    """Two models are compatible when their tokenizers map the same strings to the same ids
-    and their logits have the same width; the file format does not matter."""
-    digest = hashlib.sha256("\n".join(tokenizer.vocab_tokens()).encode("utf-8", "surrogatepass"))
+    """Two models are compatible when their tokenizers map the same strings to the same ids:
+    the fingerprint is the number of token ids and a hash of each id's string. How far a
+    model pads its logits past its tokenizer is not compared (its backend drops the
+    padding), nor is the file format."""
+    tokens = tokenizer.vocab_tokens()[:vocab_size]
+    digest = hashlib.sha256("\n".join(tokens).encode("utf-8", "surrogatepass"))
     return Fingerprint(vocab_size=vocab_size, tokenizer_hash=digest.hexdigest())
 
 

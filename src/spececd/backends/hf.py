@@ -131,7 +131,7 @@ class HFSequence:
         self._tokens.extend(int(t) for t in ids)
         if keep == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
-        return out.logits[0, -keep:].float().cpu().numpy()  # type: ignore[no-any-return]
+        return self._backend.valid(out.logits[0, -keep:])
 
     def _layer(self, layer: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This cache's keys and values at ``layer``, left-padded with ``pad`` zeros."""
@@ -198,7 +198,8 @@ class HFBackend(Backend):
                              f"id could not be loaded ({str(exc).splitlines()[0]})") from None
         self.model.to(self.device).eval()
         config = self.model.config
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.logits_width = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = min(len(hf_tokenizer), self.logits_width)  # ids that are tokens
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -262,5 +263,11 @@ class HFBackend(Backend):
                                   layer.values[i:i + 1, :, past - length:past + n])
                                  for layer in out.past_key_values.layers])
             sequence._tokens.extend(int(t) for t in ids)
-            results.append(out.logits[i, n - keep:n].float().cpu().numpy())
+            results.append(self.valid(out.logits[i, n - keep:n]))
         return results
+
+    def valid(self, logits: torch.Tensor) -> np.ndarray:
+        """Logits of the token ids the tokenizer has: the rows a model pads its output
+        embeddings with (Qwen2.5-0.5B to 151,936, -7B to 152,064, for 151,665 tokens) are
+        never a token, so they are dropped here, before anything samples or verifies."""
+        return logits[..., :self.vocab_size].float().cpu().numpy()  # type: ignore[no-any-return]

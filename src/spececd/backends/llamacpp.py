@@ -45,6 +45,7 @@ from spececd.errors import InputError
 log = logging.getLogger(__name__)
 
 KV_ELEMENT_BYTES = 2  # f16, llama.cpp's default KV cache type; contexts keep the default
+UNUSED = 1 << 1  # LLAMA_TOKEN_ATTR_UNUSED: a converter's padding, not a token
 
 
 def _quiet_llama_logs() -> None:
@@ -76,10 +77,24 @@ class LlamaCppTokenizer:
 
     def vocab_tokens(self) -> list[str]:
         model = self._llm._model
-        return [model.token_get_text(i) for i in range(self._llm.n_vocab())]
+        return [model.token_get_text(i) for i in range(token_count(self._llm))]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
         return None  # GGUF chat templates are not rendered yet: chat uses a plain transcript
+
+
+def token_count(llm: Any) -> int:
+    """The ids that are tokens: llama.cpp's vocabulary less the padding a converter appends
+    to reach the model's embedding width (``[PAD151665]``..., marked unused), as in Qwen2.5
+    GGUFs; the same count as the transformers tokenizer's length."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    n = int(llm.n_vocab())
+    while n > 0 and llama_cpp.llama_vocab_get_attr(vocab, n - 1) & UNUSED:
+        n -= 1
+    return n
+
 
 
 class LlamaCppSequence:
@@ -104,7 +119,8 @@ class LlamaCppSequence:
         self._llm.eval(list(ids))
         self._tokens.extend(int(t) for t in ids)
         end = start + n
-        return np.array(self._llm.scores[end - keep:end], dtype=np.float32)
+        vocab = self._backend.vocab_size  # the padding rows are no tokens: dropped
+        return np.array(self._llm.scores[end - keep:end, :vocab], dtype=np.float32)
 
     def truncate(self, n: int) -> None:
         if n < len(self._tokens):
@@ -134,7 +150,7 @@ class LlamaCppBackend(Backend):
             self._spare: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
             raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
-        self.vocab_size = int(self._spare.n_vocab())
+        self.vocab_size = token_count(self._spare)
         self.max_context = int(self._spare.n_ctx())
         try:
             self.kv_bytes_per_token = kv_bytes_per_token(self._spare.metadata)

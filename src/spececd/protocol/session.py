@@ -174,11 +174,12 @@ class CloudSession:
             pass  # a later hello on this connection: the models were checked by the first
         elif hello.fingerprint != self.fingerprint:
             raise IncompatibleModels(
-                f"draft and target models are incompatible: edge has vocabulary "
-                f"{hello.fingerprint.vocab_size} / tokenizer "
-                f"{hello.fingerprint.tokenizer_hash[:12]}, server has "
-                f"{self.fingerprint.vocab_size} / {self.fingerprint.tokenizer_hash[:12]}; "
-                f"use a draft model with the target's tokenizer")
+                f"draft and target tokenizers differ: the edge's has "
+                f"{hello.fingerprint.vocab_size} tokens (hash "
+                f"{hello.fingerprint.tokenizer_hash[:12]}), the server's "
+                f"{self.fingerprint.vocab_size} (hash {self.fingerprint.tokenizer_hash[:12]}); "
+                f"compared: the string of every token id (padding past the tokenizer is "
+                f"not). Use a draft model with the target's tokenizer")
         try:
             params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
                                     top_p=hello.top_p, seed=hello.seed)
