@@ -98,6 +98,11 @@ def bad_cases(tiny_models: dict[str, Path], other_tokenizer_model: Path,
         "out-of-vocabulary ids": [*ok, "--prompt-ids", "1,2,100000"],
         "malformed ids": [*ok, "--prompt-ids", "1,two,3"],
         "threshold mode without a threshold": [*ok, "--prompt", "x", "--mode", "threshold"],
+        "repetition penalty zero": [*ok, "--prompt", "x", "--repetition-penalty", "0"],
+        "presence penalty above 2": [*ok, "--prompt", "x", "--presence-penalty", "3"],
+        "min-p above 1": [*ok, "--prompt", "x", "--min-p", "1.5"],
+        "malformed logit bias": [*ok, "--prompt", "x", "--logit-bias", "5:x"],
+        "logit bias outside the vocabulary": [*ok, "--prompt", "x", "--logit-bias", "99999:1"],
         "a threshold above 1": [*ok, "--prompt", "x", "--mode", "threshold",
                                 "--threshold", "1.5"],
     }
@@ -107,7 +112,9 @@ def bad_cases(tiny_models: dict[str, Path], other_tokenizer_model: Path,
     "unknown model path", "incompatible tokenizers", "negative temperature", "top-p above 1",
     "top-p zero", "k below 1", "empty prompt", "empty prompt file",
     "prompt longer than the context", "out-of-vocabulary ids", "malformed ids",
-    "threshold mode without a threshold", "a threshold above 1"])
+    "threshold mode without a threshold", "a threshold above 1", "repetition penalty zero",
+    "presence penalty above 2", "min-p above 1", "malformed logit bias",
+    "logit bias outside the vocabulary"])
 def test_bad_input_is_one_line_and_exit_2(case: str, bad_cases: dict[str, list[str]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "generate", *bad_cases[case])

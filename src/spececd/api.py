@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from collections.abc import Generator as PyGenerator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -266,13 +266,26 @@ class Generator:
 
     def params(self, *, max_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None,
-               stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
+               stop_token_ids: Sequence[int] | None = None, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None
+               ) -> SamplingParams:
+        """The sampling settings of a generation, checked. ``logit_bias``: token id ->
+        a number added to its logit, in [-100, 100] (-100 in effect bans the token)."""
         if self.options.mode is Mode.GREEDY:
             temperature = 0.0
         stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
+        bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
+        if any(token >= self.draft_backend.vocab_size for token, _ in bias):
+            raise InputError(f"logit-bias names token ids outside the vocabulary of "
+                             f"{self.draft_backend.vocab_size}")
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                               seed=secrets.randbits(62) if seed is None else seed,
-                              max_tokens=max_tokens, stop_token_ids=tuple(stops))
+                              max_tokens=max_tokens, stop_token_ids=tuple(stops),
+                              repetition_penalty=repetition_penalty,
+                              presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, min_p=min_p,
+                              logit_bias=bias)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """A conversation (``role`` and ``content`` per message) as prompt ids: the
@@ -288,6 +301,7 @@ class Generator:
                 cloud_only: bool = False, stop: Sequence[str] = (),
                 options: EdgeOptions | None = None) -> Iterator[StreamChunk]:
         decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        params = replace(params, prompt_len=len(ids))  # penalties count what follows it
         source, last = "target", -1
         with self._session(options) as client:
             rounds = client.generate(ids, params, stats, cloud_only)

@@ -75,6 +75,11 @@ class EdgeConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: str = ""  # "ID:BIAS,ID:BIAS"
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True

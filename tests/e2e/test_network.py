@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -96,11 +97,14 @@ def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingPar
     backend = load_backend(str(target), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
     vocab = backend.vocab_size
+    params = replace(params, prompt_len=len(prompt))  # penalties count what follows it
     with torch.no_grad():  # the tokenizer's ids only: a padded model's extra rows are none
         first = process_logits(model(torch.tensor([prompt])).logits[0, -1:, :vocab].numpy(),
-                               params)[0]
+                               params, prompt, len(prompt))[0]
         batch = torch.tensor([[*prompt, a] for a in range(vocab)])
-        second = process_logits(model(batch).logits[:, -1, :vocab].numpy(), params)
+        rows = model(batch).logits[:, -1, :vocab].numpy()
+        second = np.stack([process_logits(rows[a:a + 1], params, [*prompt, a],
+                                          len(prompt) + 1)[0] for a in range(vocab)])
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
 
 

@@ -151,6 +151,28 @@ def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
     assert full.startswith(short.choices[0].text)
 
 
+def test_penalties_and_logit_bias_reach_both_sides(client: Any, tokenizer: Any) -> None:
+    from spececd.api import Generator
+
+    prompt = PROMPTS[4]
+    plain = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
+                                      temperature=0).choices[0].text
+    first = tokenizer.encode(prompt + plain)[len(tokenizer.encode(prompt))]
+    banned = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
+                                       temperature=0, logit_bias={str(first): -100},
+                                       stream=True)
+    ids = [t for c in banned for t in c.choices[0].model_extra["spececd"]["token_ids"]]
+    assert len(ids) == 24 and first not in ids
+    sampling: dict[str, Any] = dict(presence_penalty=0.8, frequency_penalty=0.4)
+    extras: dict[str, Any] = dict(repetition_penalty=1.3, min_p=0.05)
+    penalized = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
+                                          temperature=0, **sampling, extra_body=extras)
+    with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
+                        dtype="float32") as gen:
+        expected = gen.generate(prompt, max_tokens=24, temperature=0, **sampling, **extras)
+    assert penalized.choices[0].text == expected.text != plain
+
+
 def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
     def draw() -> Any:
         return client.completions.create(model="spececd", prompt=PROMPTS[3], max_tokens=12,
@@ -170,8 +192,10 @@ def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
     ({"foo": 1}, "foo", 400),
     ({"k": 0}, "k", 400),
     ({"temperature": 3}, "temperature", 400),
-    ({"presence_penalty": 0.5}, "presence_penalty", 400),
-    ({"logit_bias": {"5": 10}}, "logit_bias", 400),
+    ({"presence_penalty": 2.5}, "presence_penalty", 400),
+    ({"logit_bias": {"5": 200}}, "logit_bias", 400),
+    ({"logit_bias": {"five": 1}}, "logit_bias", 400),
+    ({"repetition_penalty": 0}, "repetition_penalty", 400),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
     ({"n": 0}, "n", 400),
     ({"model": "gpt-4o"}, "model", 404),
@@ -182,7 +206,7 @@ def test_bad_requests_get_openai_errors_that_name_the_field(
     body: dict[str, Any] = {"model": "spececd", "prompt": "x", "max_tokens": 2}
     known = {k: v for k, v in fields.items() if k in ("model", "prompt", "temperature",
                                                       "presence_penalty", "logit_bias",
-                                                      "stop", "n")}
+                                                      "stop", "n")}  # the SDK's own
     extra = {k: v for k, v in fields.items() if k not in known}
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(**{**body, **known}, extra_body=extra or None)

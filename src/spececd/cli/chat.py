@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
             out = io.StringIO()
             sys.stdout.write("assistant> ")
             stats = stream_completion(gen, gen.chat_ids(messages),
-                                      sampling_kwargs(cfg, seed), colour,
+                                      sampling_kwargs(cfg, seed, args.stop), colour,
                                       Tee(sys.stdout, out))  # type: ignore[arg-type]
             messages.append({"role": "assistant", "content": strip_ansi(out.getvalue()).strip()})
             print(summary_line(stats), file=sys.stderr)

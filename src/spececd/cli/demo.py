@@ -19,7 +19,10 @@ from spececd.core.stats import GenerationStats
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="run the default pair in-process on built-in prompts")
-    add_edge_options(p, temperature=0.0, max_tokens=64, network=False)
+    # Sampled, with a repetition penalty: what the pair writes, not a greedy loop.
+    # Greedy is one flag away: --temperature 0 --repetition-penalty 1.
+    add_edge_options(p, temperature=0.7, max_tokens=64, repetition_penalty=1.2,
+                     network=False)
     p.add_argument("--num-prompts", type=int, default=3, help="built-in prompts to run")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(run=run)
@@ -29,12 +32,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
     with load_generator(cfg) as gen:
         colour = use_colour(args.color, sys.stdout)
-        kwargs = sampling_kwargs(cfg, args.seed)
+        kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         target = gen.target_backend.description if gen.target_backend else cfg.server
         print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
               f"              target {target}\n"
               f"mode {gen.options.mode.value}, k={gen.options.k or 'auto'}, "
-              f"temperature {cfg.temperature}"
+              f"temperature {cfg.temperature}, repetition penalty "
+              f"{cfg.repetition_penalty:g}"
               + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
                  f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
         total = GenerationStats()

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = parse_prompt(args)
     cfg = edge_config(args)
     with load_generator(cfg) as gen:
-        kwargs = sampling_kwargs(cfg, args.seed)
+        kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         if args.json:
             completions = gen.generate_n(prompt, args.n, **kwargs)
             total = GenerationStats()
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
             }))
             return 0
         colour = use_colour(args.color, sys.stdout)
-        base_seed = gen.params(**kwargs).seed
+        sampling = {k: v for k, v in kwargs.items() if k != "stop"}  # params' own keywords
+        base_seed = gen.params(**sampling).seed
         assert base_seed is not None
         for i in range(args.n):
             if args.n > 1:

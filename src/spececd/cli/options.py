@@ -66,7 +66,7 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
-                         max_tokens: int) -> None:
+                         max_tokens: int, repetition_penalty: float) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int,
                    help=f"tokens to generate at most (default: {max_tokens})")
@@ -74,6 +74,19 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
+    g.add_argument("--min-p", type=float, help="drop tokens below this share of the most "
+                   "likely one's probability (default: 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 makes tokens of the prompt "
+                   "and output so far less likely, as in transformers (default: "
+                   f"{repetition_penalty:g}; 1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="OpenAI's: subtracted from the "
+                   "logit of every token the output has used, -2 to 2 (default: 0)")
+    g.add_argument("--frequency-penalty", type=float, help="OpenAI's: subtracted once per "
+                   "use of a token in the output, -2 to 2 (default: 0)")
+    g.add_argument("--logit-bias", help="added to token logits: ID:BIAS,ID:BIAS "
+                   "(bias -100 to 100; -100 bans the token)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the completion at this text, left out of it (repeatable)")
 
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
@@ -116,19 +129,22 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_edge_options(p: argparse.ArgumentParser, temperature: float = CONFIG.temperature,
-                     max_tokens: int = CONFIG.max_tokens, network: bool = True,
-                     sampling: bool = True) -> None:
+                     max_tokens: int = CONFIG.max_tokens,
+                     repetition_penalty: float = CONFIG.repetition_penalty,
+                     network: bool = True, sampling: bool = True) -> None:
     """Everything an edge command takes: models, speculation, sampling (unless
     ``sampling`` is False: the requests bring theirs) and, unless ``network`` is False, the
     link to a server."""
     add_model_options(p)
     if sampling:
-        add_sampling_options(p, temperature, max_tokens)
+        add_sampling_options(p, temperature, max_tokens, repetition_penalty)
     add_speculation_options(p)
     if network:
         add_network_options(p)
-    if (temperature, max_tokens) != (CONFIG.temperature, CONFIG.max_tokens):
-        p.set_defaults(edge_defaults={"temperature": temperature, "max_tokens": max_tokens})
+    defaults = {"temperature": temperature, "max_tokens": max_tokens,
+                "repetition_penalty": repetition_penalty}
+    if any(getattr(CONFIG, name) != value for name, value in defaults.items()):
+        p.set_defaults(edge_defaults=defaults)
 
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
@@ -150,6 +166,23 @@ def load_generator(cfg: EdgeConfig) -> Generator:
     return Generator.load(draft, cfg.target_model or default_model("target"), **common)
 
 
-def sampling_kwargs(cfg: EdgeConfig, seed: int | None) -> dict[str, Any]:
+def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None
+                    ) -> dict[str, Any]:
     return dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, seed=seed)
+                top_p=cfg.top_p, seed=seed, min_p=cfg.min_p,
+                repetition_penalty=cfg.repetition_penalty,
+                presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+                logit_bias=parse_logit_bias(cfg.logit_bias), stop=stop or [])
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """``"ID:BIAS,ID:BIAS"`` as a dict; InputError naming the bad pair."""
+    bias: dict[int, float] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        token, _, value = pair.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise InputError(f"logit-bias takes ID:BIAS pairs separated by commas, e.g. "
+                             f"'50256:-100,13:2.5'; got {pair!r}") from None
+    return bias

@@ -49,7 +49,8 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     all_logits = backend.extend_batch(items)
     results = []
     for (_, request), logits in zip(work, all_logits, strict=True):  # logits: [k + 1, vocab]
-        target_probs = process_logits(logits, request.params)
+        target_probs = process_logits(logits, request.params,
+                                      (*request.context, *request.tokens), len(request.context))
         assert request.params.seed is not None
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
         results.append(verify(request.tokens, target_probs, rngs, request.mode,

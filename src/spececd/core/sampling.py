@@ -1,10 +1,16 @@
 """Sampling parameters, logits processing and sampling: pure NumPy, explicit RNG.
 
-`process_logits` turns raw logits into the distribution a model samples from, applying
-temperature, then top-k, then top-p, with the semantics of transformers'
-``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (ties with the k-th score are kept) and
-``TopPLogitsWarper`` (the smallest set whose mass exceeds ``top_p``, at least one token).
-Temperature 0 means greedy: a one-hot distribution on the first argmax.
+`process_logits` turns raw logits into the distribution a model samples from. First the
+penalties, which depend on the tokens so far (:func:`penalize`): the repetition penalty
+(transformers' ``RepetitionPenaltyLogitsProcessor``, over the prompt and the generated
+tokens), the presence and frequency penalties (OpenAI's definition, as vLLM applies it:
+over the generated tokens only), then ``logit_bias`` (added to the logits). Then
+temperature, top-k, top-p and min-p, with the semantics of transformers'
+``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (ties with the k-th score are kept),
+``TopPLogitsWarper`` (the smallest set whose mass exceeds ``top_p``, at least one token)
+and ``MinPLogitsWarper`` (tokens below ``min_p`` times the most likely one's probability
+go). Temperature 0 means greedy: a one-hot distribution on the first argmax of the
+penalized logits.
 
 The drafter's distribution is sent to the verifier as a :class:`SparseProbs` (support ids
 plus probabilities). Both sides read it through :meth:`SparseProbs.normalized`, so the
@@ -62,6 +68,12 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    prompt_len: int = 0  # the context's first tokens that are the prompt (set by the edge)
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -76,10 +88,31 @@ class SamplingParams:
             raise InputError(f"max-tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not (np.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InputError(f"repetition-penalty must be a number > 0 (1 disables it), got "
+                             f"{self.repetition_penalty}")
+        for name, value in (("presence-penalty", self.presence_penalty),
+                            ("frequency-penalty", self.frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                raise InputError(f"{name} must be in [-2, 2] (0 disables it), got {value}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min-p must be in [0, 1] (0 disables it), got {self.min_p}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise InputError(f"logit-bias takes token ids >= 0 and biases in [-100, 100], "
+                                 f"got {token}: {bias}")
+        if self.prompt_len < 0:
+            raise InputError(f"prompt_len must be >= 0, got {self.prompt_len}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the distribution depends on the tokens so far (see :func:`penalize`)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
 
 def round_rng(seed: int, stream: int, position: int) -> np.random.Generator:
@@ -93,10 +126,53 @@ def _softmax(scores: np.ndarray) -> np.ndarray:  # [n, vocab] -> [n, vocab]
     return exp / exp.sum(axis=-1, keepdims=True)  # type: ignore[no-any-return]
 
 
-def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Logits ``[n, vocab]`` to float64 probabilities ``[n, vocab]`` per `params`."""
+def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+             start: int) -> np.ndarray:
+    """The penalties and biases of ``params`` applied to ``logits`` ``[n, vocab]``, where
+    row ``i`` is the distribution after ``history[:start + i]`` (a block's rows follow
+    its drafted tokens). Returns float64 logits (the input when nothing applies)."""
+    if not params.penalized:
+        return logits
+    scores = logits.astype(np.float64)
+    n, vocab = scores.shape
+    if start + n - 1 > len(history):
+        raise ValueError(f"{n} rows after {start} tokens need {start + n - 1} tokens of "
+                         f"history, got {len(history)}")
+    tokens = np.asarray(history[:start + n - 1], dtype=np.int64)
+    first_generated = min(params.prompt_len, start)
+    seen = np.bincount(tokens[:start], minlength=vocab)[:vocab] > 0  # prompt and output
+    counts = np.bincount(tokens[first_generated:start], minlength=vocab)[:vocab]  # output
+    bias = np.zeros(vocab)
+    for token, value in params.logit_bias:
+        if token < vocab:
+            bias[token] += value
+    for i in range(n):
+        if i:  # the previous row's token is history now
+            token = int(tokens[start + i - 1])
+            seen[token] = True
+            if start + i - 1 >= params.prompt_len:
+                counts[token] += 1
+        row = scores[i]
+        if params.repetition_penalty != 1.0:
+            picked = row[seen]
+            row[seen] = np.where(picked > 0, picked / params.repetition_penalty,
+                                 picked * params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        row += bias
+    return scores
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams,
+                   history: Sequence[int] | None = None, start: int = 0) -> np.ndarray:
+    """Logits ``[n, vocab]`` to float64 probabilities ``[n, vocab]`` per `params`; row
+    ``i`` follows ``history[:start + i]``, which the penalties need (:func:`penalize`)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties and biases need the token history")
+        logits = penalize(logits, params, history, start)
     n, vocab = logits.shape
     if params.greedy:
         probs = np.zeros((n, vocab), dtype=np.float64)
@@ -114,7 +190,11 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(
             scores, order, np.where(remove, -np.inf, np.take_along_axis(scores, order, -1)), -1
         )
-    return _softmax(scores)
+    probs = _softmax(scores)
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(axis=-1, keepdims=True), 0.0, probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -160,9 +240,12 @@ class SparseProbs:
         return cls(ids=ids.astype(np.int64), probs=(kept / kept.sum()).astype(np.float32))
 
 
-def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: int) -> SparseProbs:
-    """The sparse distribution a drafter samples from, for one position's ``logits`` ``[vocab]``."""
-    return SparseProbs.from_dense(process_logits(logits[None, :], params)[0], max_support)
+def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: int,
+                       history: Sequence[int] = ()) -> SparseProbs:
+    """The sparse distribution a drafter samples from, for the ``logits`` ``[vocab]`` of
+    the position after ``history``."""
+    return SparseProbs.from_dense(
+        process_logits(logits[None, :], params, history, len(history))[0], max_support)
 
 
 def sample_sparse(dist: SparseProbs, rng: np.random.Generator) -> int:

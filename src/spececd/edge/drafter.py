@@ -30,6 +30,7 @@ from spececd.core.sampling import (
     SamplingParams,
     SparseProbs,
     draft_distribution,
+    penalize,
     process_logits,
     round_rng,
     sample,
@@ -62,18 +63,22 @@ class Drafter:
         tokens: list[int] = []
         dists: list[SparseProbs] = []
         report = mode is Mode.EXACT and not params.greedy
+        context = list(history)  # penalties count the tokens drafted so far too
         for i in range(k):
             logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
             if params.greedy:
-                token = int(np.argmax(logits))
+                scores = penalize(logits[None, :], params, context, len(context))[0]
+                token = int(np.argmax(scores))
             else:
                 rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
                 if report:
-                    dist = draft_distribution(logits, params, max_support)
+                    dist = draft_distribution(logits, params, max_support, context)
                     dists.append(dist)
                     token = sample_sparse(dist, rng)
                 else:
-                    token = sample(process_logits(logits[None, :], params)[0], rng)
+                    probs = process_logits(logits[None, :], params, context, len(context))
+                    token = sample(probs[0], rng)
             tokens.append(token)
+            context.append(token)
             feed = [token]
         return tuple(tokens), (tuple(dists) if report else None)

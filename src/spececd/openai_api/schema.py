@@ -1,10 +1,10 @@
 """The OpenAI request bodies SpecECD accepts, checked field by field.
 
-Fields follow OpenAI's API reference; SpecECD's own extras (``top_k``, ``k``, ``mode``,
-``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM takes its
-extra sampling fields. An unknown field is refused (``extra="forbid"``), and so is a
-known one SpecECD cannot honour yet (:func:`unsupported`), each with a message that
-names the field.
+Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
+``min_p``, ``repetition_penalty``) and SpecECD's own (``k``, ``mode``, ``proactive``,
+``cloud_only``) sit beside them in the body, the way vLLM takes its extras. An unknown
+field is refused (``extra="forbid"``), and so is a known one SpecECD cannot honour
+(:func:`unsupported`), each with a message that names the field.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ class Sampling(BaseModel):
     stop: Stop = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     user: str | None = None
-    # Not supported yet: refused unless they leave the output unchanged.
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[str, float] | None = None
-    # SpecECD's own.
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # Beyond OpenAI's, as vLLM accepts them.
     top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    # SpecECD's own.
     k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     mode: Literal["exact", "match", "greedy"] | None = None
     proactive: Literal["auto", "off", "on", "stream"] | None = None
@@ -89,12 +91,7 @@ class ChatRequest(Sampling):
 
 def unsupported(request: Sampling) -> tuple[str, str] | None:
     """The first field set to something SpecECD does not do yet, and why; None if none."""
-    checks: list[tuple[str, bool, str]] = [
-        ("presence_penalty", request.presence_penalty != 0, "penalties are not supported yet"),
-        ("frequency_penalty", request.frequency_penalty != 0,
-         "penalties are not supported yet"),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported yet"),
-    ]
+    checks: list[tuple[str, bool, str]] = []
     if isinstance(request, CompletionRequest):
         checks += [
             ("echo", request.echo, "echo is not supported"),

@@ -182,7 +182,9 @@ class Api:
         sampling: dict[str, Any] = dict(
             max_tokens=min(max_tokens, room) if max_tokens else room,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            stop=body.stops(), options=options)
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            logit_bias=body.logit_bias, stop=body.stops(), options=options)
         self.gen.params(**{k: v for k, v in sampling.items()  # checked before streaming
                            if k not in ("stop", "options")})
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only

@@ -14,7 +14,7 @@ machines, which know the vocabulary and the limits.
 Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
-    Hello(version, fingerprint, sampling, mode, auth, threshold)  ->
+    Hello(version, fingerprint, sampling, mode, auth, threshold, extras)  ->
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s)
@@ -48,7 +48,7 @@ import numpy as np
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the Hello's sampling extras (penalties, min-p, logit bias)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,20 @@ SAME_FINGERPRINT = Fingerprint(0, "")
 
 
 @dataclass(frozen=True)
+class SamplingExtras:
+    """The Hello's sampling settings beyond temperature, top-k and top-p (protocol 3):
+    each side applies them identically (see :mod:`spececd.core.sampling`). On the wire as
+    one list, left off when every value is its default."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    prompt_len: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Hello:
     TYPE: ClassVar[int] = 1
     protocol_version: int
@@ -75,6 +89,7 @@ class Hello:
     seed: int
     auth_token: str = ""
     threshold: float = 0.0  # threshold mode (lossy) only; left off the wire when 0
+    extras: SamplingExtras = SamplingExtras()
 
 
 @dataclass(frozen=True)
@@ -197,8 +212,14 @@ def encode(message: Message) -> bytes:
                            _hash_bytes(fp.tokenizer_hash), message.mode,
                            _number(message.temperature), message.top_k,
                            _number(message.top_p), message.seed, message.auth_token]
-        if message.threshold:
+        extras = message.extras
+        if message.threshold or extras != SamplingExtras():
             body.append(_number(message.threshold))
+        if extras != SamplingExtras():
+            body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
+                         _number(extras.frequency_penalty), _number(extras.min_p),
+                         extras.prompt_len, [t for t, _ in extras.logit_bias],
+                         [_number(b) for _, b in extras.logit_bias]])
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
@@ -232,7 +253,7 @@ def encode(message: Message) -> bytes:
 # Field types per message, for structural checks on decode.
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM),
+    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras"),
     Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
     Verdict.TYPE: (_INT, _INT, _INT, _INT),
@@ -244,7 +265,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 1, Welcome.TYPE: 1, Draft.TYPE: 1, Tokens.TYPE: 2}
+_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 1, Draft.TYPE: 1, Tokens.TYPE: 2}
 
 
 def _number(value: float) -> float | int:
@@ -275,6 +296,12 @@ def _check(kind: str, value: Any) -> bool:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in value))
+    if kind == "extras":  # [4 numbers, prompt_len, bias ids, bias values]
+        return (isinstance(value, list) and len(value) == 7
+                and all(_check(_NUM, v) for v in value[:4]) and _check(_INT, value[4])
+                and isinstance(value[5], list) and _check(_IDS, value[5])
+                and isinstance(value[6], list) and len(value[6]) == len(value[5])
+                and all(_check(_NUM, v) for v in value[6]))
     return value is None or (  # probs: [sizes, ids bytes, probs bytes]
         isinstance(value, list) and len(value) == 3 and isinstance(value[0], list)
         and _check(_IDS, value[0])
@@ -313,8 +340,15 @@ def decode(frame: bytes) -> Message:
         raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
     if kind == Hello.TYPE:
         fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
+        extras = SamplingExtras()
+        if len(body) > 10:
+            rep, presence, frequency, min_p, prompt_len, ids, biases = body[10]
+            extras = SamplingExtras(float(rep), float(presence), float(frequency),
+                                    float(min_p), prompt_len,
+                                    tuple(zip(ids, map(float, biases), strict=True)))
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
-                     float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0)
+                     float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
+                     extras)
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
@@ -345,6 +379,7 @@ __all__ = [
     "Hello",
     "Hint",
     "Message",
+    "SamplingExtras",
     "Tokens",
     "Verdict",
     "Welcome",

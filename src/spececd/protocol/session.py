@@ -145,11 +145,11 @@ class CloudSession:
         return m.encode(m.Error(exc.code, str(exc), seq, exc.fatal))
 
     def _handle(self, message: m.Message) -> bytes | VerifyRequest | GenerateRequest | None:
-        if self.state is State.CLOSED:
-            raise UnexpectedMessage("the session is closed; open a new connection")
-        if isinstance(message, m.Close):
+        if isinstance(message, m.Close):  # closing a closed session changes nothing
             self.state, self.stream = State.CLOSED, None
             return None
+        if self.state is State.CLOSED:
+            raise UnexpectedMessage("the session is closed; open a new connection")
         if isinstance(message, m.Hello):
             return self._hello(message)  # the first, or a new generation on this connection
         if self.state is State.AWAIT_HELLO:
@@ -181,8 +181,16 @@ class CloudSession:
                 f"compared: the string of every token id (padding past the tokenizer is "
                 f"not). Use a draft model with the target's tokenizer")
         try:
-            params = SamplingParams(temperature=hello.temperature, top_k=hello.top_k,
-                                    top_p=hello.top_p, seed=hello.seed)
+            extras = hello.extras
+            params = SamplingParams(
+                temperature=hello.temperature, top_k=hello.top_k, top_p=hello.top_p,
+                seed=hello.seed, repetition_penalty=extras.repetition_penalty,
+                presence_penalty=extras.presence_penalty,
+                frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
+                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len)
+            if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
+                raise ValueError(f"logit_bias names token ids the vocabulary of "
+                                 f"{self.fingerprint.vocab_size} does not have")
             requested = Mode(hello.mode)
         except ValueError as exc:
             raise UnexpectedMessage(f"bad session parameters: {exc}") from None
@@ -353,9 +361,12 @@ class EdgeSession:
                  auth_token: str = "", threshold: float = 0.0) -> None:
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
+        extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
+                                  params.frequency_penalty, params.min_p, params.prompt_len,
+                                  params.logit_bias)
         self.hello_message = m.Hello(m.PROTOCOL_VERSION, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
-                                     params.seed, auth_token, threshold)
+                                     params.seed, auth_token, threshold, extras)
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0
