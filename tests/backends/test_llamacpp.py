@@ -207,3 +207,42 @@ def test_shipped_gguf_draft_pairs_with_the_default_target() -> None:
         out = gen.generate(ids, max_tokens=32, temperature=0, stop_token_ids=[])
         assert out.token_ids == hf_greedy(MODELS / "target", ids, 32)
         assert out.stats.accepted > 0
+
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+    "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}")
+HEADERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def test_a_gguf_chat_template_renders_like_transformers(tmp_path: Path) -> None:
+    """A Llama-3-style template in the GGUF's metadata (written by the converter from the
+    tokenizer's): system prompt and several turns give the transformers tokenizer's ids."""
+    from tests.conftest import build_model, train_tokenizer
+
+    tokenizer = train_tokenizer(512)
+    tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>",
+                                  "additional_special_tokens": HEADERS})
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    folder = build_model("llama", tmp_path / "chat", tokenizer, seed=9)
+    gguf = convert(folder, tmp_path / "chat.f32.gguf", "f32")
+    ours = load_backend(str(gguf))
+    theirs = load_backend(str(folder), device="cpu", dtype="float32")
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def add(a, b):"},
+                {"role": "assistant", "content": "return a + b"},
+                {"role": "user", "content": "and subtract?"}]
+    ids = ours.tokenizer.apply_chat_template(messages)
+    assert ids is not None and ids == theirs.tokenizer.apply_chat_template(messages)
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in [*HEADERS, "<|begin_of_text|>"]}
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
+    assert specials <= set(ids)  # each marker one token, not spelled out
+    assert ours.tokenizer.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    with Generator.load(str(gguf), str(folder), device="cpu", k=3) as gen:
+        assert gen.chat_ids(messages) == ids
+    plain = load_backend(str(MODELS / "draft.gguf")) if (MODELS / "draft.gguf").is_file() \
+        else None
+    if plain is not None:  # a GGUF without a template: the plain transcript is used
+        assert plain.tokenizer.apply_chat_template(messages) is None

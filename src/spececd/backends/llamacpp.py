@@ -66,6 +66,7 @@ class LlamaCppTokenizer:
         self._add_bos = metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
         eos = llm.token_eos()
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos >= 0 else ()
+        self._chat: Any = None  # the chat template's formatter, made on first use
 
     def encode(self, text: str) -> list[int]:
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos,
@@ -80,7 +81,23 @@ class LlamaCppTokenizer:
         return [model.token_get_text(i) for i in range(token_count(self._llm))]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
-        return None  # GGUF chat templates are not rendered yet: chat uses a plain transcript
+        """The GGUF's ``tokenizer.chat_template`` rendered the way llama.cpp's Python
+        bindings render it (Jinja2, sandboxed, with the generation prompt), then
+        tokenized with special tokens and no extra BOS (the template writes its own);
+        None when the GGUF has no template."""
+        if self._chat is None:
+            template = self._llm.metadata.get("tokenizer.chat_template")
+            if not template:
+                return None
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            def text(token: int) -> str:
+                return str(self._llm._model.token_get_text(token)) if token >= 0 else ""
+
+            self._chat = Jinja2ChatFormatter(template, eos_token=text(self._llm.token_eos()),
+                                             bos_token=text(self._llm.token_bos()))
+        prompt = self._chat(messages=messages).prompt  # type: ignore[arg-type]
+        return list(self._llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
 
 
 def token_count(llm: Any) -> int:
