@@ -25,12 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
-from spececd.backends.registry import load_backend
+from spececd.backends.registry import load_backend, load_tokenizer
 from spececd.core.sampling import Mode, SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
-from spececd.edge.drafter import Drafter
+from spececd.edge.drafter import Drafter, DraftSource
 from spececd.edge.options import EdgeOptions, Proactive
+from spececd.edge.retokenize import CrossDrafter
 from spececd.errors import InputError
 from spececd.transports.base import Transport
 
@@ -137,21 +138,31 @@ class Generator:
 
     Safe to use from several threads at once: each generation under way has its own
     session (its own link to the verifier and its own draft KV cache, kept in a pool for
-    the next one), and the draft model runs one forward pass at a time."""
+    the next one), and the draft model runs one forward pass at a time.
+
+    ``target_tokenizer`` (and its ``target_vocab`` size): the target's tokenizer, when the
+    draft's is another. The generator then speaks target ids and drafts across the two
+    tokenizers (:mod:`spececd.edge.retokenize`), verified by match: still lossless."""
 
     def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
                  options: EdgeOptions | None = None, auth_token: str = "",
-                 target: Backend | None = None, local: LocalServer | None = None) -> None:
+                 target: Backend | None = None, local: LocalServer | None = None,
+                 target_tokenizer: Tokenizer | None = None, target_vocab: int = 0) -> None:
         self.draft_backend, self.target_backend = draft, target
         self._local = local  # the in-process verifier, closed with this generator
-        self.tokenizer = draft.tokenizer
         self.max_context = max_context
-        fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        fingerprint = own if target_tokenizer is None else tokenizer_fingerprint(
+            target_tokenizer, target_vocab)
+        self.cross = fingerprint != own  # drafting across two tokenizers
+        self.tokenizer = target_tokenizer if self.cross and target_tokenizer else draft.tokenizer
+        self.vocab_size = fingerprint.vocab_size
         draft_lock = threading.Lock()  # the draft model: one forward pass at a time
 
         def new_client() -> EdgeClient:
-            return EdgeClient(Drafter(draft, draft_lock), connect, fingerprint, max_context,
-                              auth_token)
+            drafter: DraftSource = (CrossDrafter(draft, self.tokenizer, draft_lock)
+                                    if self.cross else Drafter(draft, draft_lock))
+            return EdgeClient(drafter, connect, fingerprint, max_context, auth_token)
 
         self._new_client = new_client
         self._pool_lock = threading.Lock()
@@ -163,7 +174,8 @@ class Generator:
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
              device: str = "auto", dtype: str = "auto", threads: int = 0,
              auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
-             options: EdgeOptions | None = None, **settings: Any) -> Generator:
+             target_tokenizer: str | None = None, options: EdgeOptions | None = None,
+             **settings: Any) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
 
@@ -176,6 +188,11 @@ class Generator:
         server, off in-process), ``max_support``, ``fallback`` (``"draft"``: finish with
         the draft model alone when the server is unreachable), ``reconnect``
         (a :class:`~spececd.edge.options.Reconnect`).
+
+        A draft whose tokenizer is not the target's drafts across the two (verified by
+        match, lossless): in-process that is found from the two models; against a server,
+        name the target's tokenizer (``target_tokenizer``: a transformers folder or hub
+        id) so the edge can speak the target's ids.
         """
         in_process = server is None
         if (target is None) == in_process:
@@ -189,26 +206,21 @@ class Generator:
             connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
                                 auth_token=auth_token)
             draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
+            theirs, vocab = load_tokenizer(target_tokenizer) if target_tokenizer else (None, 0)
             return cls(draft_backend, connect, max_context=draft_backend.max_context,
-                       options=options, auth_token=auth_token)
+                       options=options, auth_token=auth_token, target_tokenizer=theirs,
+                       target_vocab=vocab)
         assert target is not None
         draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
-        ours = tokenizer_fingerprint(draft_backend.tokenizer, draft_backend.vocab_size)
-        theirs = tokenizer_fingerprint(target_backend.tokenizer, target_backend.vocab_size)
-        if ours != theirs:
-            raise InputError(f"draft {draft!r} and target {target!r} have different "
-                             f"tokenizers: {ours.vocab_size} tokens (hash "
-                             f"{ours.tokenizer_hash[:12]}) against {theirs.vocab_size} (hash "
-                             f"{theirs.tokenizer_hash[:12]}); compared: the string of every "
-                             f"token id (padding past the tokenizer is not). Pick a draft "
-                             f"model that shares the target's tokenizer")
         from spececd.transports.memory import local_verifier
 
         verifier = local_verifier(target_backend)
         return cls(draft_backend, verifier,
                    max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
-                   options=options, target=target_backend, local=verifier)
+                   options=options, target=target_backend, local=verifier,
+                   target_tokenizer=target_backend.tokenizer,
+                   target_vocab=target_backend.vocab_size)
 
     @property
     def options(self) -> EdgeOptions:
@@ -216,7 +228,16 @@ class Generator:
 
     @options.setter
     def options(self, options: EdgeOptions) -> None:
-        self._options = resolve_proactive(options, in_process=self.target_backend is not None)
+        self._options = self._resolve(options)
+
+    def _resolve(self, options: EdgeOptions) -> EdgeOptions:
+        """``options`` as they run here: ``proactive="auto"`` resolved, and, across two
+        tokenizers, exact verification (which needs the draft's distribution over the
+        target's ids) replaced by match, which needs ids only."""
+        options = resolve_proactive(options, in_process=self.target_backend is not None)
+        if self.cross and options.mode is Mode.EXACT:
+            options = replace(options, mode=Mode.MATCH)
+        return options
 
     @contextlib.contextmanager
     def _session(self, options: EdgeOptions | None = None) -> Iterator[EdgeClient]:
@@ -227,8 +248,7 @@ class Generator:
             if client is None:
                 client = self._new_client()
                 self._clients.append(client)
-        client.options = self._options if options is None else resolve_proactive(
-            options, in_process=self.target_backend is not None)
+        client.options = self._options if options is None else self._resolve(options)
         finished = False
         try:
             yield client
@@ -257,7 +277,7 @@ class Generator:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
             raise InputError("the prompt is empty: give some text or token ids")
-        check_token_ids(ids, self.draft_backend.vocab_size, "the prompt")
+        check_token_ids(ids, self.vocab_size, "the prompt")
         limit = self.max_context
         if len(ids) >= limit:
             raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
@@ -276,9 +296,9 @@ class Generator:
             temperature = 0.0
         stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
-        if any(token >= self.draft_backend.vocab_size for token, _ in bias):
+        if any(token >= self.vocab_size for token, _ in bias):
             raise InputError(f"logit-bias names token ids outside the vocabulary of "
-                             f"{self.draft_backend.vocab_size}")
+                             f"{self.vocab_size}")
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                               seed=secrets.randbits(62) if seed is None else seed,
                               max_tokens=max_tokens, stop_token_ids=tuple(stops),

@@ -83,6 +83,7 @@ class EdgeConfig:
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True
+    target_tokenizer: str = ""  # with a server: the target's, when the draft's differs
     options: EdgeOptions = field(default_factory=EdgeOptions)
 
 

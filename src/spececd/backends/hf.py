@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from spececd.backends.base import Backend, CachedSequence, resolve_keep
+from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -75,32 +76,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-class HFTokenizer:
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]) -> None:
-        self._tok = tokenizer
-        self.eos_token_ids = eos_token_ids
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=True)["input_ids"])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=False))
-
-    def vocab_tokens(self) -> list[str]:
-        vocab = self._tok.get_vocab()
-        by_id = [""] * (max(vocab.values()) + 1)
-        for token, i in vocab.items():
-            by_id[i] = token
-        return by_id
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
-        if not getattr(self._tok, "chat_template", None):
-            return None
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        return list(ids)
 
 
 class HFSequence:
@@ -201,11 +176,8 @@ class HFBackend(Backend):
         self.logits_width = int(self.model.get_output_embeddings().weight.shape[0])
         self.vocab_size = min(len(hf_tokenizer), self.logits_width)  # ids that are tokens
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = hf_tokenizer.eos_token_id
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
-        self.tokenizer = HFTokenizer(hf_tokenizer, eos_ids)
+        self.tokenizer = HFTokenizer(hf_tokenizer, eos_token_ids(
+            source, hf_tokenizer, self.model.generation_config))
         text = config.get_text_config(decoder=True)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -270,4 +242,4 @@ class HFBackend(Backend):
         """Logits of the token ids the tokenizer has: the rows a model pads its output
         embeddings with (Qwen2.5-0.5B to 151,936, -7B to 152,064, for 151,665 tokens) are
         never a token, so they are dropped here, before anything samples or verifies."""
-        return logits[..., :self.vocab_size].float().cpu().numpy()  # type: ignore[no-any-return]
+        return logits[..., :self.vocab_size].float().cpu().numpy()

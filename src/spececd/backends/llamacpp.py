@@ -68,8 +68,8 @@ class LlamaCppTokenizer:
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos >= 0 else ()
         self._chat: Any = None  # the chat template's formatter, made on first use
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self._add_bos,
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=bos and self._add_bos,
                                        special=True))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -96,7 +96,7 @@ class LlamaCppTokenizer:
 
             self._chat = Jinja2ChatFormatter(template, eos_token=text(self._llm.token_eos()),
                                              bos_token=text(self._llm.token_bos()))
-        prompt = self._chat(messages=messages).prompt  # type: ignore[arg-type]
+        prompt = self._chat(messages=messages).prompt
         return list(self._llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
 
 

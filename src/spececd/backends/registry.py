@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from spececd.backends.base import Backend
+from spececd.backends.base import Backend, Tokenizer
 from spececd.errors import InputError
 
 BACKENDS = ("hf", "llama.cpp")
@@ -31,6 +31,19 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto",
     from spececd.backends.hf import HFBackend
 
     return HFBackend(model, device=device, dtype=dtype, threads=threads)
+
+
+def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
+    """A model's tokenizer alone, and how many token ids it has: a transformers folder or
+    hub id (for an edge whose draft has another tokenizer than the server's target)."""
+    if model.lower().endswith(".gguf"):
+        raise InputError("the target tokenizer must be a transformers folder or hub id "
+                         "(tokenizer files), not a GGUF file")
+    if importlib.util.find_spec("transformers") is None:
+        raise InputError("loading a tokenizer needs transformers: pip install 'spececd[hf]'")
+    from spececd.backends.hf_tokenizer import load_tokenizer as load_hf_tokenizer
+
+    return load_hf_tokenizer(model)
 
 
 def available_devices() -> list[dict[str, str]]:

@@ -116,6 +116,9 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--auth-token-file", help="file holding the bearer token "
                    "(default: $SPECECD_AUTH_TOKEN)")
     g.add_argument("--tls-ca", help="CA certificate to verify a wss:// server with")
+    g.add_argument("--target-tokenizer", help="the server's target tokenizer (transformers "
+                   "folder or hub id) when the draft model's is another: the edge then "
+                   "drafts across the two, verified by match (lossless)")
     g.add_argument("--insecure", dest="tls_verify", action="store_const", const=False,
                    help="do not verify the server's TLS certificate")
     g.add_argument("--reconnect-attempts", type=int, help="reconnections tried when the link "
@@ -162,7 +165,8 @@ def load_generator(cfg: EdgeConfig) -> Generator:
     if cfg.server:
         return Generator.load(draft, server=cfg.server,
                               auth_token=config.auth_token(cfg.auth_token_file),
-                              tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify, **common)
+                              tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify,
+                              target_tokenizer=cfg.target_tokenizer or None, **common)
     return Generator.load(draft, cfg.target_model or default_model("target"), **common)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
-from spececd.edge.drafter import Drafter
+from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
 from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
@@ -47,7 +47,7 @@ class EdgeClient:
     choose the strategy; ``Proactive.AUTO`` is the caller's to resolve (it runs here as
     plain rounds)."""
 
-    def __init__(self, drafter: Drafter, connect: Callable[[], Transport],
+    def __init__(self, drafter: DraftSource, connect: Callable[[], Transport],
                  fingerprint: Fingerprint, max_context: int, auth_token: str = "",
                  options: EdgeOptions | None = None) -> None:
         self.drafter = drafter

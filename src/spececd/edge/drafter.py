@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -36,6 +37,15 @@ from spececd.core.sampling import (
     sample,
     sample_sparse,
 )
+
+
+class DraftSource(Protocol):
+    """What the edge loop drafts with: :class:`Drafter`, or a
+    :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer."""
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]: ...
 
 
 class Drafter:

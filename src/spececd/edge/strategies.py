@@ -23,7 +23,7 @@ from typing import Protocol, TypeAlias
 from spececd.core.policy import DraftLengthPolicy, Ema
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
-from spececd.edge.drafter import Drafter
+from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, Piece
 from spececd.edge.link import Link, Reply
 from spececd.protocol import messages as m
@@ -42,7 +42,7 @@ class Strategy(Protocol):
 class Work:
     """What every strategy works with during one generation."""
 
-    drafter: Drafter
+    drafter: DraftSource
     link: Link
     session: EdgeSession
     mode: Mode  # the session's verification mode
@@ -133,7 +133,7 @@ class Ahead:
         self._done = True
 
     def matches(self, history: list[int]) -> bool:
-        return (self._done and len(history) == len(self.context) + 1
+        return (self._done and bool(self.tokens) and len(history) == len(self.context) + 1
                 and history[-1] == self.tokens[0] and history[:-1] == self.context)
 
     def block(self, limit: int) -> Block:
@@ -270,7 +270,7 @@ class StreamDrafting(CloudOnly):
 class DraftAlone:
     """The fallback: the draft model alone, a token at a time, unverified."""
 
-    def __init__(self, drafter: Drafter, params: SamplingParams,
+    def __init__(self, drafter: DraftSource, params: SamplingParams,
                  stats: GenerationStats) -> None:
         self.drafter, self.params, self.stats = drafter, params, stats
 

@@ -179,7 +179,8 @@ class CloudSession:
                 f"{hello.fingerprint.tokenizer_hash[:12]}), the server's "
                 f"{self.fingerprint.vocab_size} (hash {self.fingerprint.tokenizer_hash[:12]}); "
                 f"compared: the string of every token id (padding past the tokenizer is "
-                f"not). Use a draft model with the target's tokenizer")
+                f"not). Use a draft model with the target's tokenizer, or give the edge the "
+                f"target's tokenizer (--target-tokenizer) to draft across the two")
         try:
             extras = hello.extras
             params = SamplingParams(

@@ -1,0 +1,153 @@
+"""A draft whose tokenizer is not the target's (string-level exact match): greedy output
+equal to the target alone and the target's sampled distribution, in-process and over the
+network; stop strings across token boundaries; and acceptance that shows the drafts get
+through: a draft with the target's very predictions behind a permuted vocabulary has
+every drafted token accepted under greedy decoding."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from spececd.api import Generator  # noqa: E402
+from spececd.core.sampling import Mode, SamplingParams  # noqa: E402
+from spececd.protocol.errors import IncompatibleModels  # noqa: E402
+from tests.chisq import chi_square_p  # noqa: E402
+from tests.conftest import word_tokenizer  # noqa: E402
+from tests.e2e.server import ServerProcess  # noqa: E402
+from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+
+WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_models: dict[str, Path], permuted: dict[str, Path]
+            ) -> Iterator[dict[str, ServerProcess]]:
+    procs = {"bpe": ServerProcess(tiny_models["llama"]),
+             "words": ServerProcess(permuted["target"])}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def permuted(tiny_vocab_pair: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, Path]:
+    """The 10-word target, and as the draft the same model behind a permuted vocabulary:
+    another tokenizer (the same words under other ids), the same predictions in text."""
+    from transformers import AutoModelForCausalLM
+
+    order = [0, 3, 7, 1, 9, 5, 2, 8, 4, 6]  # word i gets id order[i]
+    model = AutoModelForCausalLM.from_pretrained(tiny_vocab_pair["target"],
+                                                 dtype=torch.float32)
+    with torch.no_grad():
+        for weight in (model.get_input_embeddings().weight,
+                       model.get_output_embeddings().weight):
+            weight[order] = weight.clone()
+    root = tmp_path_factory.mktemp("permuted")
+    model.save_pretrained(root / "draft")
+    word_tokenizer(sorted(WORDS, key=lambda w: order[WORDS.index(w)])).save_pretrained(
+        root / "draft")
+    return {"target": tiny_vocab_pair["target"], "draft": root / "draft"}
+
+
+def generator(draft: Path, target: Path, server: ServerProcess | None, **kw: Any
+              ) -> Generator:
+    if server is None:
+        return Generator.load(str(draft), str(target), device="cpu", dtype="float32", **kw)
+    return Generator.load(str(draft), server=server.url, target_tokenizer=str(target),
+                          device="cpu", dtype="float32", **kw)
+
+
+@pytest.mark.parametrize("where", ["memory", "websocket"])
+@pytest.mark.parametrize("k,proactive", [(4, "off"), ("auto", "on")])
+def test_greedy_is_the_target_alone(where: str, k: int | str, proactive: str,
+                                    tiny_models: dict[str, Path], other_tokenizer_model: Path,
+                                    servers: dict[str, ServerProcess]) -> None:
+    server = servers["bpe"] if where == "websocket" else None
+    with generator(other_tokenizer_model, tiny_models["llama"], server, k=k,
+                   proactive=proactive) as gen:
+        assert gen.cross and gen.options.mode is Mode.MATCH  # exact needs one vocabulary
+        drafted = 0
+        for prompt in PROMPTS[:3]:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
+            drafted += out.stats.drafted
+        assert drafted > 0  # the draft's text came through as target ids
+
+
+def test_stop_strings_across_token_boundaries(tiny_models: dict[str, Path],
+                                              other_tokenizer_model: Path) -> None:
+    with generator(other_tokenizer_model, tiny_models["llama"], None, k=4) as gen:
+        full = gen.generate(PROMPTS[1], max_tokens=40, temperature=0, stop_token_ids=[])
+        ids = full.token_ids
+        boundary = len(gen.tokenizer.decode(ids[:len(ids) // 2]))
+        stop = full.text[boundary - 2:boundary + 2]
+        cut = gen.generate(PROMPTS[1], max_tokens=40, temperature=0, stop_token_ids=[],
+                           stop=[stop])
+    assert (cut.text, cut.finish_reason) == (full.text[:full.text.find(stop)], "stop")
+
+
+@pytest.mark.parametrize("where", ["memory", "websocket"])
+def test_a_draft_that_predicts_like_the_target_is_accepted_throughout(
+        where: str, permuted: dict[str, Path], servers: dict[str, ServerProcess]) -> None:
+    server = servers["words"] if where == "websocket" else None
+    with generator(permuted["draft"], permuted["target"], server, k=4) as gen:
+        assert gen.cross
+        out = gen.generate([1, 2, 3], max_tokens=40, temperature=0, stop_token_ids=[])
+    assert out.stats.drafted > 20 and out.stats.accepted == out.stats.drafted
+    print(f"permuted vocabulary, greedy: {out.stats.accepted}/{out.stats.drafted} accepted")
+
+
+@pytest.mark.parametrize("where", ["memory", "websocket"])
+def test_sampling_keeps_the_target_distribution(
+        where: str, permuted: dict[str, Path], servers: dict[str, ServerProcess]) -> None:
+    server = servers["words"] if where == "websocket" else None
+    draws, prompt, vocab = 3000, [1, 2, 3], 10
+    with generator(permuted["draft"], permuted["target"], server, k=3,
+                   proactive="on") as gen:
+        completions = gen.generate_n(prompt, draws, max_tokens=2, temperature=1.0, seed=77,
+                                     stop_token_ids=[], top_p=0.9)
+    pairs = [c.token_ids for c in completions]
+    assert all(len(p) == 2 for p in pairs)
+    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(permuted["target"], prompt,
+                                       SamplingParams(temperature=1.0, top_p=0.9)) * draws
+    accepted = sum(c.stats.accepted for c in completions)
+    drafted = sum(c.stats.drafted for c in completions)
+    print(f"permuted vocabulary, sampled over {where}: acceptance "
+          f"{accepted / max(drafted, 1):.3f}, p = {chi_square_p(observed, expected):.3f}")
+    assert drafted > 0 and chi_square_p(observed, expected) > 0.001
+
+
+def test_without_the_target_tokenizer_the_server_says_what_to_pass(
+        tiny_models: dict[str, Path], other_tokenizer_model: Path,
+        servers: dict[str, ServerProcess]) -> None:
+    with Generator.load(str(other_tokenizer_model), server=servers["bpe"].url, device="cpu",
+                        dtype="float32") as gen, pytest.raises(IncompatibleModels,
+                                                               match="--target-tokenizer"):
+        gen.generate("x", max_tokens=3)
+
+
+def test_the_cli_drafts_across_tokenizers(tiny_models: dict[str, Path],
+                                          other_tokenizer_model: Path,
+                                          servers: dict[str, ServerProcess],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from spececd.cli import main
+
+    code = main(["generate", "--draft-model", str(other_tokenizer_model), "--server",
+                 servers["bpe"].url, "--target-tokenizer", str(tiny_models["llama"]),
+                 "--device", "cpu", "--prompt-ids", "5,6,7", "--max-tokens", "12",
+                 "--temperature", "0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["completions"][0]["token_ids"] == hf_greedy(tiny_models["llama"], [5, 6, 7], 12)
