@@ -18,12 +18,13 @@ MODELS = REPO / "models"
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(vocab_size: int) -> Any:
+def train_tokenizer(vocab_size: int,
+                    files: tuple[str, ...] = ("textwrap.py", "shlex.py", "bisect.py")) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "bisect.py")]
+    texts = [(stdlib / name).read_text() for name in files]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -94,9 +95,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dic
 
 @pytest.fixture(scope="session")
 def other_tokenizer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama whose tokenizer differs from the others (a different vocabulary)."""
+    """A tiny Llama whose tokenizer differs from the others: another size, and merges
+    learnt from other files."""
     root = tmp_path_factory.mktemp("other")
-    return build_model("llama", root / "llama", train_tokenizer(300), seed=4)
+    other = train_tokenizer(400, files=("heapq.py", "fnmatch.py", "csv.py"))
+    return build_model("llama", root / "llama", other, seed=4)
 
 
 def default_pair_present() -> bool:

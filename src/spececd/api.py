@@ -191,8 +191,9 @@ class Generator:
 
         A draft whose tokenizer is not the target's drafts across the two (verified by
         match, lossless): in-process that is found from the two models; against a server,
-        name the target's tokenizer (``target_tokenizer``: a transformers folder or hub
-        id) so the edge can speak the target's ids.
+        the edge asks the server for its target's tokenizer when it loads (over WebSocket
+        and HTTP; :mod:`spececd.backends.bundle`), or takes ``target_tokenizer`` (a
+        transformers folder or hub id: needed over gRPC, or with a GGUF target).
         """
         in_process = server is None
         if (target is None) == in_process:
@@ -206,7 +207,14 @@ class Generator:
             connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
                                 auth_token=auth_token)
             draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
-            theirs, vocab = load_tokenizer(target_tokenizer) if target_tokenizer else (None, 0)
+            if target_tokenizer:
+                shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
+            else:  # the server's, when it differs from the draft's (it says so)
+                from spececd.backends import bundle
+
+                shared = bundle.fetch(server, tokenizer_fingerprint(
+                    draft_backend.tokenizer, draft_backend.vocab_size), tls_ca, tls_verify)
+            theirs, vocab = shared if shared else (None, 0)
             return cls(draft_backend, connect, max_context=draft_backend.max_context,
                        options=options, auth_token=auth_token, target_tokenizer=theirs,
                        target_vocab=vocab)

@@ -18,7 +18,9 @@ torch = pytest.importorskip("torch")
 
 from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import Mode, SamplingParams  # noqa: E402
+from spececd.errors import InputError  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
+from spececd.protocol.messages import Fingerprint  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.conftest import word_tokenizer  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
@@ -31,7 +33,7 @@ WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
 @pytest.fixture(scope="module")
 def servers(tiny_models: dict[str, Path], permuted: dict[str, Path]
             ) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"bpe": ServerProcess(tiny_models["llama"]),
+    procs = {"bpe": ServerProcess(tiny_models["llama"], "--grpc-port", "0"),
              "words": ServerProcess(permuted["target"])}
     yield procs
     for proc in procs.values():
@@ -59,12 +61,19 @@ def permuted(tiny_vocab_pair: dict[str, Path], tmp_path_factory: pytest.TempPath
     return {"target": tiny_vocab_pair["target"], "draft": root / "draft"}
 
 
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test fetches the server's tokenizer afresh, into its own cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "spececd" / "tokenizers"
+
+
 def generator(draft: Path, target: Path, server: ServerProcess | None, **kw: Any
               ) -> Generator:
+    """In-process, or against the server, which hands the edge its tokenizer."""
     if server is None:
         return Generator.load(str(draft), str(target), device="cpu", dtype="float32", **kw)
-    return Generator.load(str(draft), server=server.url, target_tokenizer=str(target),
-                          device="cpu", dtype="float32", **kw)
+    return Generator.load(str(draft), server=server.url, device="cpu", dtype="float32", **kw)
 
 
 @pytest.mark.parametrize("where", ["memory", "websocket"])
@@ -129,13 +138,35 @@ def test_sampling_keeps_the_target_distribution(
     assert drafted > 0 and chi_square_p(observed, expected) > 0.001
 
 
-def test_without_the_target_tokenizer_the_server_says_what_to_pass(
+def test_the_servers_tokenizer_is_fetched_checked_and_cached(
         tiny_models: dict[str, Path], other_tokenizer_model: Path,
-        servers: dict[str, ServerProcess]) -> None:
-    with Generator.load(str(other_tokenizer_model), server=servers["bpe"].url, device="cpu",
-                        dtype="float32") as gen, pytest.raises(IncompatibleModels,
-                                                               match="--target-tokenizer"):
+        servers: dict[str, ServerProcess], cache: Path) -> None:
+    from spececd.backends import bundle
+    from spececd.backends.base import tokenizer_fingerprint
+    from spececd.backends.registry import load_backend
+
+    draft = load_backend(str(other_tokenizer_model), device="cpu", dtype="float32")
+    target = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+    own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    theirs = tokenizer_fingerprint(target.tokenizer, target.vocab_size)
+    assert bundle.fetch(servers["bpe"].url, theirs) is None  # the same: nothing to fetch
+    fetched = bundle.fetch(servers["bpe"].url, own)
+    assert fetched is not None
+    tokenizer, vocab = fetched
+    assert tokenizer_fingerprint(tokenizer, vocab) == theirs
+    assert tokenizer.eos_token_ids == target.tokenizer.eos_token_ids
+    cached = cache / f"{theirs.tokenizer_hash}.msgpack"
+    assert cached.is_file()
+    with pytest.raises(InputError, match="does not rebuild identically"):
+        # a bundle that is not what the server said it has
+        bundle.load(cached.read_bytes(), Fingerprint(theirs.vocab_size, "0" * 64))
+    assert own.tokenizer_hash != theirs.tokenizer_hash
+    # gRPC has no plain HTTP to fetch it over: the server refuses, and says what to pass.
+    with Generator.load(str(other_tokenizer_model), server=servers["bpe"].urls["grpc"],
+                        device="cpu", dtype="float32") as gen, \
+            pytest.raises(IncompatibleModels, match="--target-tokenizer"):
         gen.generate("x", max_tokens=3)
+
 
 
 def test_the_cli_drafts_across_tokenizers(tiny_models: dict[str, Path],

@@ -4,7 +4,9 @@ with :func:`load_tokenizer`."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from spececd.errors import InputError
@@ -20,6 +22,12 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def files(self) -> dict[str, bytes]:
+        with tempfile.TemporaryDirectory() as folder:
+            self._tok.save_pretrained(folder)
+            return {path.name: path.read_bytes() for path in Path(folder).iterdir()
+                    if path.is_file()}
 
     def vocab_tokens(self) -> list[str]:
         vocab = self._tok.get_vocab()

@@ -76,6 +76,9 @@ class LlamaCppTokenizer:
         data: bytes = self._llm.detokenize(list(ids), special=True)
         return data.decode("utf-8", errors="replace")
 
+    def files(self) -> dict[str, bytes]:
+        return {}  # a GGUF's tokenizer has no transformers files to rebuild it from
+
     def vocab_tokens(self) -> list[str]:
         model = self._llm._model
         return [model.token_get_text(i) for i in range(token_count(self._llm))]

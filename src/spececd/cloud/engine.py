@@ -31,6 +31,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from spececd.backends import bundle
 from spececd.backends.base import Backend, CachedSequence, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
@@ -170,6 +171,7 @@ class Engine:
                              max_message_bytes=limits.max_message_bytes)
         self.policy = policy or EnginePolicy()
         self.fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+        self._bundle: bytes | None = None
         self.auth_token = auth_token
         self.metrics = Metrics()
         self.links: set[Link] = set()
@@ -359,6 +361,13 @@ class Engine:
 
     def kv_tokens(self) -> int:
         return sum(link.kv_tokens for link in list(self.links))
+
+    def tokenizer_bundle(self) -> bytes | None:
+        """The target's tokenizer for edges whose draft has another (None: the target's
+        cannot be exported); built on first request."""
+        if self._bundle is None:
+            self._bundle = bundle.pack(self.backend.tokenizer, self.backend.vocab_size) or b""
+        return self._bundle or None
 
     def ready(self) -> bool:
         return len(self.links) < self.policy.max_sessions

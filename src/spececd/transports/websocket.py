@@ -32,6 +32,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
+from spececd.backends import bundle
 from spececd.cloud.engine import Ending, Engine
 from spececd.transports.tls import client_ssl_context, server_ssl_context
 
@@ -56,6 +57,15 @@ def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
             return Response(HTTPStatus.OK, "OK", Headers([
                 ("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
                 ("Content-Length", str(len(body)))]), body)
+        if request.path in (bundle.PATH, bundle.PATH + "/fingerprint"):
+            data = (engine.tokenizer_bundle() if request.path == bundle.PATH
+                    else bundle.fingerprint_json(engine.fingerprint))
+            if data is None:
+                return connection.respond(HTTPStatus.NOT_FOUND, "this target's tokenizer "
+                                          "cannot be exported: use --target-tokenizer\n")
+            return Response(HTTPStatus.OK, "OK", Headers([
+                ("Content-Type", "application/json" if request.path != bundle.PATH
+                 else "application/vnd.msgpack"), ("Content-Length", str(len(data)))]), data)
         if request.path == "/status":
             response = connection.respond(HTTPStatus.OK, json.dumps(engine.status()) + "\n")
             response.headers["Content-Type"] = "application/json"

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import PlainTextResponse
 
+from spececd.backends import bundle
 from spececd.cloud.engine import Engine
 from spececd.protocol import messages as m
 from spececd.transports.http import links, sessions
@@ -50,6 +51,22 @@ async def readyz(engine: EngineDep) -> PlainTextResponse:
 async def status(engine: EngineDep) -> dict[str, Any]:
     """Sessions, KV cache, evictions, errors by code, uptime and model."""
     return engine.status()
+
+
+@ops.get(bundle.PATH + "/fingerprint")
+async def tokenizer_fingerprint(engine: EngineDep) -> Response:
+    """The target tokenizer's fingerprint (what the handshake compares)."""
+    return Response(bundle.fingerprint_json(engine.fingerprint), media_type="application/json")
+
+
+@ops.get(bundle.PATH, responses={404: {"description": "the tokenizer cannot be exported"}})
+async def tokenizer(engine: EngineDep) -> Response:
+    """The target's tokenizer (a msgpack bundle), for edges whose draft has another."""
+    data = engine.tokenizer_bundle()
+    if data is None:
+        return PlainTextResponse("this target's tokenizer cannot be exported: use "
+                                 "--target-tokenizer\n", 404)
+    return Response(data, media_type="application/vnd.msgpack")
 
 
 @ops.get("/metrics", response_class=PlainTextResponse)

@@ -1,0 +1,133 @@
+"""The target's tokenizer, shared by the server with edges whose draft has another one.
+
+An edge that drafts across two tokenizers (:mod:`spececd.edge.retokenize`) must speak the
+target's token ids, so it needs the target's tokenizer. Rather than making every user find
+it, the server serves it: ``GET /v1/tokenizer/fingerprint`` (JSON, what the handshake
+compares) and ``GET /v1/tokenizer`` (a msgpack bundle: the fingerprint, the end-of-sequence
+ids and the files transformers rebuilds the tokenizer from), on the WebSocket and HTTP
+ports. The edge asks for the fingerprint when it loads; only when it differs from its
+draft's does it fetch the bundle, load it, check that the rebuilt tokenizer has exactly
+the server's fingerprint, and cache it by that fingerprint's hash
+(``$XDG_CACHE_HOME/spececd/tokenizers``, default ``~/.cache``). A GGUF target's tokenizer
+cannot be exported as transformers files: such a server answers 404, and the edge then
+needs ``--target-tokenizer``. So does an edge on gRPC, which has no plain HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from spececd.backends.base import Tokenizer, tokenizer_fingerprint
+from spececd.errors import InputError
+from spececd.protocol.messages import Fingerprint
+
+log = logging.getLogger(__name__)
+
+PATH = "/v1/tokenizer"
+HTTP_BASES = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
+
+
+def fingerprint_json(fingerprint: Fingerprint) -> bytes:
+    return json.dumps({"vocab_size": fingerprint.vocab_size,
+                       "tokenizer_hash": fingerprint.tokenizer_hash}).encode()
+
+
+def pack(tokenizer: Tokenizer, vocab_size: int) -> bytes | None:
+    """The bundle a server serves; None when the tokenizer cannot be exported."""
+    files = tokenizer.files()
+    if not files:
+        return None
+    fingerprint = tokenizer_fingerprint(tokenizer, vocab_size)
+    return msgpack.packb({  # type: ignore[no-any-return]
+        "vocab_size": fingerprint.vocab_size, "tokenizer_hash": fingerprint.tokenizer_hash,
+        "eos_token_ids": list(tokenizer.eos_token_ids), "files": files}, use_bin_type=True)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "spececd" / "tokenizers"
+
+
+def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:
+    """Rebuild the tokenizer of a bundle and check it is exactly ``expected``."""
+    from spececd.backends.hf_tokenizer import HFTokenizer
+
+    try:
+        bundle: dict[str, Any] = msgpack.unpackb(data, raw=False)
+        files: dict[str, bytes] = bundle["files"]
+        eos = tuple(int(t) for t in bundle["eos_token_ids"])
+    except Exception as exc:
+        raise InputError(f"the server's tokenizer bundle is malformed ({exc}): pass "
+                         f"--target-tokenizer") from None
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name, content in files.items():
+            if "/" in name or name.startswith("."):
+                raise InputError(f"the server's tokenizer bundle names a bad file {name!r}")
+            (Path(folder) / name).write_bytes(content)
+        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(folder), eos)
+        vocab = expected.vocab_size
+        got = tokenizer_fingerprint(tokenizer, vocab)
+        if got != expected or len(tokenizer.vocab_tokens()) < vocab:
+            raise InputError(f"the server's tokenizer does not rebuild identically here "
+                             f"(hash {got.tokenizer_hash[:12]}, expected "
+                             f"{expected.tokenizer_hash[:12]}): pass --target-tokenizer")
+    return tokenizer, vocab
+
+
+def fetch(server: str, own: Fingerprint, cafile: str | None = None, verify: bool = True,
+          timeout: float = 5.0) -> tuple[Tokenizer, int] | None:
+    """The server's target tokenizer when it differs from ``own`` (the draft's); None
+    when they agree, or when the server cannot say (gRPC, an older server, a GGUF
+    target, unreachable now): the handshake then decides, with its own message."""
+    scheme, _, rest = server.partition("://")
+    if scheme not in HTTP_BASES:
+        return None
+    base = f"{HTTP_BASES[scheme]}://{rest.rstrip('/')}"
+    context = None
+    if base.startswith("https"):
+        from spececd.transports.tls import client_ssl_context
+
+        context = client_ssl_context(cafile, verify)
+
+    def get(path: str) -> bytes:
+        with urllib.request.urlopen(base + path, timeout=timeout, context=context) as reply:
+            return reply.read()  # type: ignore[no-any-return]
+
+    try:
+        raw = json.loads(get(PATH + "/fingerprint"))
+        theirs = Fingerprint(int(raw["vocab_size"]), str(raw["tokenizer_hash"]))
+    except (OSError, ValueError, KeyError, ssl.SSLError) as exc:
+        log.info("no tokenizer fingerprint from %s (%s)", base, exc)
+        return None
+    if theirs == own:
+        return None
+    cached = cache_dir() / f"{theirs.tokenizer_hash}.msgpack"
+    if cached.is_file():
+        return load(cached.read_bytes(), theirs)
+    try:
+        data = get(PATH)
+    except urllib.error.HTTPError as exc:
+        raise InputError(f"the server's target has another tokenizer than the draft and "
+                         f"cannot share it (HTTP {exc.code}): pass --target-tokenizer") from None
+    except OSError as exc:
+        log.info("could not fetch the tokenizer from %s (%s)", base, exc)
+        return None
+    loaded = load(data, theirs)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_suffix(".tmp")
+    temporary.write_bytes(data)
+    temporary.replace(cached)
+    log.info("fetched the target's tokenizer from %s (cached in %s)", base, cached)
+    return loaded
