@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -166,6 +167,7 @@ class Generator:
 
         self._new_client = new_client
         self._pool_lock = threading.Lock()
+        self._closed = False
         self.client = self._new_client()  # the first session; more when used concurrently
         self._clients, self._idle = [self.client], [self.client]
         self.options = options or EdgeOptions()
@@ -248,27 +250,31 @@ class Generator:
         return options
 
     @contextlib.contextmanager
-    def _session(self, options: EdgeOptions | None = None) -> Iterator[EdgeClient]:
-        """An idle client (a new one when all are busy), with ``options`` (default: this
-        generator's)."""
+    def _session(self, options: EdgeOptions, in_flight: bool) -> Iterator[EdgeClient]:
+        """An idle client (a new one when all are busy) set to ``options``. ``in_flight``:
+        a generation left early may have a reply on its way (a stream), so its connection
+        is closed and the next generation opens a new one."""
         with self._pool_lock:
             client = self._idle.pop() if self._idle else None
-            if client is None:
-                client = self._new_client()
+        if client is None:
+            client = self._new_client()  # outside the lock: a GGUF draft opens a context
+            with self._pool_lock:
                 self._clients.append(client)
-        client.options = self._options if options is None else self._resolve(options)
+        client.options = options
         finished = False
         try:
             yield client
             finished = True
         finally:
-            if not finished:  # abandoned mid-round: a reply may still be on its way
-                client.close()  # so the next generation starts on a new connection
-            with self._pool_lock:
-                self._idle.append(client)
+            if (not finished and in_flight) or self._closed:
+                client.close()
+            if not self._closed:
+                with self._pool_lock:
+                    self._idle.append(client)
 
     def close(self) -> None:
         with self._pool_lock:
+            self._closed = True
             clients, self._clients, self._idle = self._clients, [], []
         for client in clients:
             client.close()
@@ -300,8 +306,6 @@ class Generator:
                ) -> SamplingParams:
         """The sampling settings of a generation, checked. ``logit_bias``: token id ->
         a number added to its logit, in [-100, 100] (-100 in effect bans the token)."""
-        if self.options.mode is Mode.GREEDY:
-            temperature = 0.0
         stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         if any(token >= self.vocab_size for token, _ in bias):
@@ -319,7 +323,11 @@ class Generator:
         """A conversation (``role`` and ``content`` per message) as prompt ids: the
         tokenizer's chat template when it has one, else a plain transcript ending in
         ``Assistant:``."""
-        ids = self.tokenizer.apply_chat_template(list(messages))
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages))
+        except Exception as exc:  # templates raise on what their model does not take
+            raise InputError(f"the model's chat template refused these messages: "
+                             f"{exc}") from None
         if ids is None:
             text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
             ids = self.tokenizer.encode(text + "Assistant:")
@@ -328,26 +336,45 @@ class Generator:
     def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
                 cloud_only: bool = False, stop: Sequence[str] = (),
                 options: EdgeOptions | None = None) -> Iterator[StreamChunk]:
-        decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        options = self._options if options is None else self._resolve(options)
+        if options.mode is Mode.GREEDY:
+            params = replace(params, temperature=0.0)
         params = replace(params, prompt_len=len(ids))  # penalties count what follows it
-        source, last = "target", -1
-        with self._session(options) as client:
+        decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        emitted: list[int] = []
+        source = "target"
+        streams = cloud_only or options.proactive is Proactive.STREAM
+        with self._session(options, in_flight=streams) as client:
             rounds = client.generate(ids, params, stats, cloud_only)
             for out in rounds:
                 verified = "fallback" if out.fallback else "target"
                 for source, part in (("draft", out.token_ids[:out.from_draft]),
                                      (verified, out.token_ids[out.from_draft:])):
-                    if part:
-                        last = part[-1]
-                        yield StreamChunk(part, stops.push(decoder.push(part)), source)
-                        if stops.found:
-                            rounds.close()
-                            client.close()  # ended early: a reply may be on its way
-                            yield StreamChunk((), "", source, "stop")
-                            return
-        stopped = last in params.stop_token_ids
+                    if not part:
+                        continue
+                    # A stop token ends the completion: its id is kept, its text is not.
+                    ends = part[-1] in params.stop_token_ids
+                    text = stops.push(decoder.push(part[:-1] if ends else part))
+                    if stops.found:  # the ids up to the stop string, no further
+                        part = self._through_stop(emitted, part, stops.stops)
+                        yield StreamChunk(part, text, source)
+                        rounds.close()  # ends the session early
+                        yield StreamChunk((), "", source, "stop")
+                        return
+                    emitted.extend(part)
+                    yield StreamChunk(part, text, source)
+        stopped = bool(emitted) and emitted[-1] in params.stop_token_ids
         yield StreamChunk((), stops.push(decoder.flush()) + stops.flush(), source,
-                          "stop" if stopped or stops.found else "length")
+                          "stop" if stopped else "length")
+
+    def _through_stop(self, emitted: Sequence[int], part: tuple[int, ...],
+                      stops: Sequence[str]) -> tuple[int, ...]:
+        """The shortest head of ``part`` whose text, after ``emitted``'s, spells a stop."""
+        for n in range(1, len(part)):
+            text = self.tokenizer.decode([*emitted, *part[:n]])
+            if any(stop in text for stop in stops):
+                return part[:n]
+        return part
 
     def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
                cloud_only: bool = False, stop: Sequence[str] = (),
@@ -373,8 +400,9 @@ class Generator:
                    stop: Sequence[str] = (), options: EdgeOptions | None = None,
                    **sampling: Any) -> list[Completion]:
         """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...); the keywords
-        are :meth:`stream`'s. A completion that hit a stop string has the text before it,
-        and the token ids that spelled it."""
+        are :meth:`stream`'s. A completion's text leaves out a stop token's text and a stop
+        string; its token ids keep the stop token, and the ids that spelled a stop
+        string."""
         ids = self.prompt_ids(prompt)
         base = self.params(**sampling)
         assert base.seed is not None
@@ -389,8 +417,7 @@ class Generator:
                 texts.append(chunk.text)
                 finish = chunk.finish_reason
             assert finish is not None
-            text = "".join(texts) if stop else self.tokenizer.decode(token_ids)
-            completions.append(Completion(token_ids, text, finish, stats))
+            completions.append(Completion(token_ids, "".join(texts), finish, stats))
         return completions
 
 
@@ -443,7 +470,8 @@ class AsyncGenerator:
             await worker
 
     async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
-        return await asyncio.to_thread(self.generator.generate, prompt, **sampling)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, functools.partial(self.generator.generate, prompt, **sampling))
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.generator.close)

@@ -82,7 +82,7 @@ def test_round_rng_depends_only_on_seed_stream_position() -> None:
 
 def test_sparse_support_is_cut_and_renormalised() -> None:
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
-    dist = draft_distribution(logits, SamplingParams(temperature=1.0), max_support=2)
+    dist = draft_distribution(logits, SamplingParams(temperature=1.0), max_support=2, history=())
     assert sorted(dist.ids.tolist()) == [0, 1]
     np.testing.assert_allclose(dist.dense(4), [4 / 7, 3 / 7, 0, 0], rtol=1e-6)
     assert abs(float(dist.probs.sum()) - 1) < 1e-6

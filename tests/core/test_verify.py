@@ -139,7 +139,8 @@ def draft_table(setting: Setting) -> list[SparseProbs]:
     dists = []
     for row in range(V):
         if setting.draft == "model":
-            dists.append(draft_distribution(DRAFT_LOGITS[row], setting.params, max_support=V))
+            dists.append(draft_distribution(DRAFT_LOGITS[row], setting.params, max_support=V,
+                                            history=()))
         elif setting.draft == "uniform":
             dists.append(SparseProbs.from_dense(np.full(V, 1.0 / V)))
         elif setting.draft == "onehot_wrong":

@@ -144,3 +144,47 @@ def test_threshold_mode_is_labelled_lossy_and_keeps_more_as_the_threshold_falls(
     with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
                         dtype="float32", k=4) as gen:
         assert not gen.generate(prompts[0], max_tokens=8, seed=1).stats.lossy
+
+
+def test_stop_strings_are_found_across_pieces_and_held_back_meanwhile() -> None:
+    from spececd.api import StopStrings
+
+    stops = StopStrings(["END", "\n\n"])
+    assert stops.push("abc E") == "abc "  # "E" may begin "END": held back
+    assert stops.push("N") == ""
+    assert stops.push("x") == "ENx"  # it did not
+    assert stops.push("y\n") == "y"
+    assert stops.push("\nmore") == "" and stops.found  # "\n\n" across two pieces
+    assert stops.push("later") == ""
+    overlapping = StopStrings(["aab"])
+    assert overlapping.push("aaa") == "a" and overlapping.push("b") == "" and overlapping.found
+
+
+def test_the_completion_ends_cleanly_at_a_stop(tiny_gen: Generator) -> None:
+    ids = tiny_gen.prompt_ids(PROMPTS[0])
+    full = tiny_gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+    # A stop token: kept in the ids, its text left out of the completion.
+    stop_id = full.token_ids[6]
+    at_token = tiny_gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[stop_id])
+    assert at_token.token_ids == full.token_ids[:7] and at_token.finish_reason == "stop"
+    assert at_token.text == tiny_gen.tokenizer.decode(full.token_ids[:6])
+    # A stop string: the ids are the ones that spelled it, and no more.
+    text = full.text
+    stop = text[len(tiny_gen.tokenizer.decode(full.token_ids[:10])):][:3]
+    cut = tiny_gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[], stop=[stop])
+    assert cut.text == text[:text.find(stop)] and cut.finish_reason == "stop"
+    assert stop in tiny_gen.tokenizer.decode(cut.token_ids)
+    assert stop not in tiny_gen.tokenizer.decode(cut.token_ids[:-1])
+    assert cut.stats.generated >= len(cut.token_ids)
+
+
+def test_per_call_options_and_threshold_with_cloud_only(tiny_gen: Generator) -> None:
+    ids = tiny_gen.prompt_ids(PROMPTS[1])
+    greedy = tiny_gen.generate(ids, max_tokens=16, temperature=0, stop_token_ids=[])
+    forced = tiny_gen.generate(ids, max_tokens=16, temperature=1.0, seed=3, stop_token_ids=[],
+                               options=tiny_gen.options.with_settings(mode="greedy"))
+    assert forced.token_ids == greedy.token_ids  # greedy mode means temperature 0
+    lossy = tiny_gen.options.with_settings(mode="threshold", threshold=0.2)
+    out = tiny_gen.generate(ids, max_tokens=8, seed=3, cloud_only=True, options=lossy)
+    assert len(out.token_ids) == 8  # cloud-only verifies nothing: no threshold is sent
+    assert lossy.with_settings(mode="exact").threshold == 0.0

@@ -61,8 +61,8 @@ def tokenizer() -> Any:
 def target_text(tokenizer: Any, prompt: str | list[int], n: int) -> str:
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     out = hf_greedy(MODELS / "target", list(ids), n)
-    if tokenizer.eos_token_ids and set(out) & set(tokenizer.eos_token_ids):
-        out = out[:min(out.index(t) for t in tokenizer.eos_token_ids if t in out) + 1]
+    if set(out) & set(tokenizer.eos_token_ids):  # the end: its text is no part of the reply
+        out = out[:min(out.index(t) for t in tokenizer.eos_token_ids if t in out)]
     return str(tokenizer.decode(out))
 
 
@@ -145,6 +145,11 @@ def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
         else:
             text, finish = out.choices[0].text, out.choices[0].finish_reason
         assert (text, finish) == (full[:full.find(stop)], "stop")
+    stopped = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
+                                        temperature=0, stop=[stop])
+    details = stopped.usage.completion_tokens_details
+    assert stopped.usage.completion_tokens < 48  # the ids that spelled the stop, no more
+    assert details.accepted_prediction_tokens <= stopped.usage.completion_tokens
     short = client.completions.create(model="spececd", prompt=prompt, max_tokens=5,
                                       temperature=0)
     assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
@@ -199,6 +204,7 @@ def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
     ({"n": 0}, "n", 400),
     ({"model": "gpt-4o"}, "model", 404),
+    ({"stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"prompt": ""}, None, 400),
 ])
 def test_bad_requests_get_openai_errors_that_name_the_field(
@@ -206,7 +212,7 @@ def test_bad_requests_get_openai_errors_that_name_the_field(
     body: dict[str, Any] = {"model": "spececd", "prompt": "x", "max_tokens": 2}
     known = {k: v for k, v in fields.items() if k in ("model", "prompt", "temperature",
                                                       "presence_penalty", "logit_bias",
-                                                      "stop", "n")}  # the SDK's own
+                                                      "stop", "n", "stream_options")}
     extra = {k: v for k, v in fields.items() if k not in known}
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(**{**body, **known}, extra_body=extra or None)
@@ -246,6 +252,13 @@ def test_the_api_key_is_required_when_set(verifier: ServerProcess) -> None:
         wrong = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
+        import urllib.error
+        import urllib.request
+        accented = urllib.request.Request(f"{proc.url}/v1/models", headers={
+            "Authorization": "Bearer caf\u00e9".encode().decode("latin-1")})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(accented, timeout=10)
+        assert caught.value.code == 401
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model="spececd", prompt="x", max_tokens=2)
         right = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="sk-test", max_retries=0)

@@ -528,7 +528,8 @@ def test_operations_and_the_openapi_schema_on_the_same_port(target: Backend) -> 
         assert status == 200 and set(schema["paths"]) == {
             "/v1/links", "/v1/links/{link_id}", "/v1/links/{link_id}/frames", "/v1/sessions",
             "/v1/sessions/{session_id}", "/v1/sessions/{session_id}/prefill",
-            "/v1/sessions/{session_id}/verify", "/healthz", "/readyz", "/status", "/metrics"}
+            "/v1/sessions/{session_id}/verify", "/healthz", "/readyz", "/status", "/metrics",
+            "/v1/tokenizer", "/v1/tokenizer/fingerprint"}
         verify = schema["paths"]["/v1/sessions/{session_id}/verify"]["post"]
         assert verify["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
             .endswith("/VerifyBody")

@@ -241,7 +241,7 @@ class SparseProbs:
 
 
 def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: int,
-                       history: Sequence[int] = ()) -> SparseProbs:
+                       history: Sequence[int]) -> SparseProbs:
     """The sparse distribution a drafter samples from, for the ``logits`` ``[vocab]`` of
     the position after ``history``."""
     return SparseProbs.from_dense(

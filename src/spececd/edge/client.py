@@ -101,7 +101,7 @@ class EdgeClient:
         streams = cloud_only or proactive is Proactive.STREAM
         mode = Mode.MATCH if streams else options.mode
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
-                              options.threshold)
+                              options.threshold if mode is Mode.THRESHOLD else 0.0)
         welcome = self.link.greet(session, stats)
         stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)

@@ -76,6 +76,9 @@ class EdgeOptions:
         wrote them) applied; a setting that is None keeps its value."""
         values = {name: parse_setting(name, value) for name, value in settings.items()
                   if value is not None}
+        if values.get("mode", Mode.THRESHOLD) is not Mode.THRESHOLD \
+                and "threshold" not in values:
+            values["threshold"] = 0.0  # leaving threshold mode leaves its threshold
         reconnect = values.pop("reconnect", self.reconnect)
         attempts = values.pop("reconnect_attempts", None)
         delay = values.pop("reconnect_delay", None)

@@ -30,7 +30,7 @@ class Sampling(BaseModel):
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
@@ -40,7 +40,7 @@ class Sampling(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Beyond OpenAI's, as vLLM accepts them.
-    top_k: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM's): off
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     # SpecECD's own.

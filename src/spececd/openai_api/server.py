@@ -26,6 +26,7 @@ stream has begun, a failure arrives as an ``error`` event before ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import secrets
@@ -45,9 +46,11 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.errors import InputError
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
-from spececd.protocol.errors import ProtocolError
+from spececd.protocol.errors import ProtocolError, ServerBusy
 
 log = logging.getLogger(__name__)
+
+DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming client is still there
 
 
 class ApiError(Exception):
@@ -72,6 +75,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, CloudUnreachable):
         return ApiError(503, f"the verifier is unreachable: {exc}", "server_error",
                         code="cloud_unreachable")
+    if isinstance(exc, ServerBusy):
+        return ApiError(503, f"the verifier is full: {exc}", "server_error", code=exc.code)
     if isinstance(exc, ProtocolError):
         return ApiError(502, f"the verifier refused this edge: {exc}", "server_error",
                         code=exc.code)
@@ -106,6 +111,7 @@ class Choice:
     stats: GenerationStats = field(default_factory=GenerationStats)
     text: list[str] = field(default_factory=list)
     tokens: int = 0
+    from_draft: int = 0  # of them, drafted and accepted
     finish_reason: str | None = None
 
 
@@ -124,7 +130,8 @@ class Run:
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.choices)
-        accepted = sum(c.stats.accepted for c in self.choices)
+        # OpenAI's meaning: drafted tokens that appear in the completion, and the rest.
+        accepted = sum(c.from_draft for c in self.choices)
         drafted = sum(c.stats.drafted for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
@@ -162,6 +169,9 @@ class Api:
 
     def check(self, request: Request, body: Sampling) -> None:
         guard(self, request)
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
         if body.model != self.model:
             raise ApiError(404, f"The model `{body.model}` does not exist: this server "
                            f"serves `{self.model}` (see GET /v1/models)", param="model",
@@ -181,7 +191,7 @@ class Api:
         room = self.gen.max_context - longest
         sampling: dict[str, Any] = dict(
             max_tokens=min(max_tokens, room) if max_tokens else room,
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logit_bias=body.logit_bias, stop=body.stops(), options=options)
@@ -218,6 +228,7 @@ class Api:
                 else:
                     choice.text.append(item.text)
                     choice.tokens += len(item.token_ids)
+                    choice.from_draft += len(item.token_ids) if item.source == "draft" else 0
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item
         finally:
@@ -225,12 +236,21 @@ class Api:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def respond(self, run: Run, chat: bool) -> Response:
+    async def respond(self, run: Run, chat: bool, request: Request) -> Response:
         stream = self.chunks(run)
         if not run.request.stream:
-            try:
+            async def drain() -> None:
                 async for _ in stream:
                     pass
+
+            work = asyncio.ensure_future(drain())
+            while not (await asyncio.wait({work}, timeout=DISCONNECT_POLL))[0]:
+                if await request.is_disconnected():  # nobody to answer: stop generating
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    return Response(status_code=499)
+            try:
+                work.result()
             except Exception as exc:
                 raise api_error(exc) from exc
             return JSONResponse(self.whole(run, chat))
@@ -310,6 +330,11 @@ def create_app(api: Api) -> FastAPI:
         error = api_error(exc)
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(Exception)
+    async def on_failure(_: Request, exc: Exception) -> JSONResponse:
+        error = api_error(exc)  # anything unforeseen still answers in OpenAI's shape
+        return JSONResponse(error.body(), status_code=error.status)
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return on_validation(exc)
@@ -333,7 +358,8 @@ def create_app(api: Api) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check(request, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
-        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False)
+        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False,
+                                 request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -342,7 +368,7 @@ def create_app(api: Api) -> FastAPI:
                      "content": m.text()} for m in body.messages]
         ids = await asyncio.to_thread(guarded(api.gen.chat_ids), messages)
         limit = body.max_completion_tokens or body.max_tokens
-        return await api.respond(api.start(body, [ids], limit, "chatcmpl"), True)
+        return await api.respond(api.start(body, [ids], limit, "chatcmpl"), True, request)
 
     return app
 
@@ -351,7 +377,8 @@ def guard(api: Api, request: Request) -> None:
     """The API key check alone, for routes without a body."""
     if api.api_key:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), api.api_key):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 api.api_key.encode()):
             raise ApiError(401, "Incorrect API key provided: send the server's key as "
                            "`Authorization: Bearer <key>`", code="invalid_api_key")
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hmac
 import queue
 import ssl
 import threading
@@ -144,7 +145,8 @@ class _Servicer:
 
         # The token in the metadata authorizes the link; without it (or with a wrong one)
         # the hello's token is checked, and a wrong one answered with a typed error frame.
-        link = self.engine.open(authorized=_bearer(context) == self.engine.auth_token)
+        link = self.engine.open(authorized=hmac.compare_digest(
+            _bearer(context).encode(), self.engine.auth_token.encode()))
         ending = await self.engine.run(link, frames(), send)
         metadata: list[tuple[str, str]] = [("spececd-ending", ending.value)]
         if ending is Ending.REFUSED:
