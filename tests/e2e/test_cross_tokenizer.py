@@ -22,7 +22,7 @@ from spececd.errors import InputError  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
 from spececd.protocol.messages import Fingerprint  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
-from tests.conftest import word_tokenizer  # noqa: E402
+from tests.conftest import MODELS, requires_default_pair, word_tokenizer  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
@@ -182,3 +182,22 @@ def test_the_cli_drafts_across_tokenizers(tiny_models: dict[str, Path],
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["completions"][0]["token_ids"] == hf_greedy(tiny_models["llama"], [5, 6, 7], 12)
+
+
+@requires_default_pair
+def test_the_default_draft_behind_a_permuted_vocabulary_keeps_its_acceptance(
+        tmp_path: Path) -> None:
+    """The same trained draft under other token ids: drafting across the two tokenizers
+    costs no acceptance where re-tokenizing is exact (greedy, same drafts)."""
+    from spececd.bench.permute import permute
+
+    permuted = permute(MODELS / "draft", tmp_path / "draft-permuted")
+    results = []
+    for draft in (MODELS / "draft", permuted):
+        with Generator.load(str(draft), str(MODELS / "target"), device="cpu",
+                            dtype="float32", k=4) as gen:
+            out = gen.generate(PROMPTS[0], max_tokens=48, temperature=0, stop_token_ids=[])
+            results.append((gen.cross, out.token_ids, out.stats.accepted, out.stats.drafted))
+    (same, ids, accepted, drafted), (cross, cross_ids, cross_accepted, cross_drafted) = results
+    assert not same and cross and ids == cross_ids
+    assert (cross_accepted, cross_drafted) == (accepted, drafted) and accepted > 0

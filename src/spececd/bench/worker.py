@@ -54,9 +54,13 @@ class HFRunner:
         self.model = AutoModelForCausalLM.from_pretrained(job["target"],
                                                           dtype=torch.float32).eval()
         self.assistant = None
+        self.universal: dict[str, Any] = {}
         if job["kind"] == "assisted":
             self.assistant = AutoModelForCausalLM.from_pretrained(
                 job["draft"], dtype=torch.float32).eval()
+            theirs = AutoTokenizer.from_pretrained(job["draft"])
+            if theirs.get_vocab() != self.tokenizer.get_vocab():  # transformers' own way
+                self.universal = dict(tokenizer=self.tokenizer, assistant_tokenizer=theirs)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
@@ -70,7 +74,8 @@ class HFRunner:
         start = time.perf_counter()
         out = self.model.generate(
             ids, max_new_tokens=job["max_tokens"], min_new_tokens=job["max_tokens"],
-            assistant_model=self.assistant, streamer=timer, pad_token_id=0, **sampling)
+            assistant_model=self.assistant, streamer=timer, pad_token_id=0, **sampling,
+            **self.universal)
         wall = time.perf_counter() - start
         tokens = out.shape[1] - ids.shape[1]
         ttft = (timer.first or time.perf_counter()) - start
@@ -130,8 +135,15 @@ class SpecRunner:
 
         url = request["server"]
         if url not in self.generators:
+            from spececd.backends import bundle
+            from spececd.backends.base import tokenizer_fingerprint
+
+            shared = bundle.fetch(url, tokenizer_fingerprint(self.draft.tokenizer,
+                                                             self.draft.vocab_size))
+            theirs, vocab = shared if shared else (None, 0)  # a draft with another tokenizer
             self.generators[url] = Generator(
-                self.draft, connector(url), max_context=self.draft.max_context)
+                self.draft, connector(url), max_context=self.draft.max_context,
+                target_tokenizer=theirs, target_vocab=vocab)
         self.generator = self.generators[url]
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k") or 4,
