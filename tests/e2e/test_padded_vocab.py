@@ -150,7 +150,9 @@ def test_sampling_keeps_the_target_distribution(
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
     expected = exact_pair_distribution(pair["target"], prompt,
                                        SamplingParams(temperature=1.0)) * draws
-    assert chi_square_p(observed, expected) > 0.001
+    p_value = chi_square_p(observed, expected)
+    print(f"padded {pair_name} {mode} over {where}: p = {p_value:.3f}")
+    assert p_value > 0.001
 
 
 def test_a_padded_gguf_draft_pairs_with_a_padded_transformers_target(

@@ -58,9 +58,16 @@ class HFRunner:
         if job["kind"] == "assisted":
             self.assistant = AutoModelForCausalLM.from_pretrained(
                 job["draft"], dtype=torch.float32).eval()
-            theirs = AutoTokenizer.from_pretrained(job["draft"])
-            if theirs.get_vocab() != self.tokenizer.get_vocab():  # transformers' own way
-                self.universal = dict(tokenizer=self.tokenizer, assistant_tokenizer=theirs)
+            theirs, ours = AutoTokenizer.from_pretrained(job["draft"]).get_vocab(), \
+                self.tokenizer.get_vocab()
+            if theirs.keys() == ours.keys() and theirs != ours:
+                raise SystemExit("transformers' assisted generation takes these two "
+                                 "tokenizers (the same tokens under other ids) for one: "
+                                 "run this pair with --no-baselines")
+            if theirs != ours:  # transformers' universal assisted generation
+                self.universal = dict(tokenizer=self.tokenizer,
+                                      assistant_tokenizer=AutoTokenizer.from_pretrained(
+                                          job["draft"]))
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
