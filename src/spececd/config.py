@@ -54,6 +54,7 @@ class ServerConfig:
     max_kv_bytes: int = 0
     max_message_bytes: int = 1 << 20
     idle_timeout: float = 300.0
+    drain_timeout: float = 30.0  # SIGTERM: seconds to let sessions move on before exiting
     auth_token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -63,7 +64,8 @@ class ServerConfig:
 class EdgeConfig:
     """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
     edge's options (``mode``, ``threshold``, ``k``, ``proactive``, ``max_support``,
-    ``fallback``, ``reconnect_attempts``, ``reconnect_delay``), parsed into ``options``."""
+    ``fallback``, ``reconnect_attempts``, ``reconnect_delay``, ``reconnect_timeout``), parsed
+    into ``options``."""
 
     server: str = ""
     draft_model: str = ""

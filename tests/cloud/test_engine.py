@@ -166,3 +166,39 @@ def test_idle_links_end_and_a_full_server_refuses_with_a_typed_error(target: Bac
     assert ending is Ending.REFUSED
     assert isinstance(sent[0], m.Error) and sent[0].code == "server_busy" and sent[0].fatal
     assert not engine.links
+
+
+def test_draining_refuses_new_work_and_lets_sessions_go(target: Backend) -> None:
+    """SIGTERM's drain: an idle session gets a fatal ``draining`` error at once (its edge
+    reconnects elsewhere), a new one is refused the same way, and readiness goes."""
+    engine = Engine(target)
+
+    async def main() -> tuple[list[m.Message], Ending, list[m.Message], Ending, bool]:
+        idle = engine.open()
+        idle.put(hello(target))
+        seen: list[m.Message] = []
+
+        async def send(frame: bytes) -> None:
+            seen.append(m.decode(frame))
+
+        serving = asyncio.ensure_future(engine.serve(idle, send))
+        while not seen:  # the welcome: the session now waits for its next frame
+            await asyncio.sleep(0.01)
+        await engine.drain(timeout=5.0)
+        ended = await serving
+        refused: list[m.Message] = []
+
+        async def collect(frame: bytes) -> None:
+            refused.append(m.decode(frame))
+
+        late = engine.open()
+        late_ending = await engine.serve(late, collect)
+        return seen, ended, refused, late_ending, engine.ready()
+
+    seen, ended, refused, late_ending, ready = asyncio.run(main())
+    assert isinstance(seen[0], m.Welcome) and ended is Ending.DRAINED
+    for error in (seen[-1], refused[0]):
+        assert isinstance(error, m.Error) and error.code == "draining" and error.fatal
+    assert late_ending is Ending.DRAINED and not ready
+    assert not engine.links
+    engine.close()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -33,6 +34,7 @@ from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
+from spececd.edge.options import Reconnect  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
@@ -494,3 +496,67 @@ def test_default_pair_20_concurrent_sessions_identical_to_alone() -> None:
     assert values["spececd_batch_size_sum"] > values["spececd_batch_size_count"]
     for (ids, tokens), prompt in zip(outputs, prompts, strict=True):
         assert tokens == hf_greedy(MODELS / "target", ids, 32), prompt
+
+
+def test_a_rolling_restart_loses_no_session(tiny_models: dict[str, Path]) -> None:
+    """SIGTERM drains the server (its sessions are told to go) and it exits within its
+    drain timeout; the edge keeps reconnecting, with backoff and jitter,
+    for longer than the old five attempts, and finishes with identical output once a new
+    server answers on the same address."""
+    import signal
+
+    proc = ServerProcess(tiny_models["llama"], "--drain-timeout", "5")
+    try:
+        with remote(tiny_models["draft"], proc.url, k=FIXED_K,
+                    reconnect=Reconnect(delay=0.2, max_delay=1.0, timeout=60.0)) as gen:
+            sampling: dict[str, Any] = dict(max_tokens=40, temperature=0.9, seed=5,
+                                            stop_token_ids=[])
+            reference = gen.generate(PROMPTS[2], **sampling).token_ids
+            tokens: list[int] = []
+            stats = GenerationStats()
+            for i, chunk in enumerate(gen.stream(PROMPTS[2], stats, **sampling)):
+                tokens.extend(chunk.token_ids)
+                if i == 3:
+                    assert proc.proc is not None
+                    start = time.monotonic()
+                    proc.proc.send_signal(signal.SIGTERM)
+                    assert proc.proc.wait(timeout=15) == 0
+                    assert time.monotonic() - start < 10  # the drain timeout bounds it
+                    time.sleep(9.0)  # longer than the old reconnection window
+                    proc.start()
+            assert tokens == reference
+            assert stats.reconnects >= 1
+    finally:
+        proc.stop()
+
+
+def test_with_fallback_the_draft_bridges_an_outage_and_verification_resumes(
+        tiny_models: dict[str, Path]) -> None:
+    """--fallback draft: while the verifier is down the draft generates alone, each token
+    marked as such, and generation is verified again as soon as a server answers."""
+    proc = ServerProcess(tiny_models["llama"])
+    try:
+        with remote(tiny_models["draft"], proc.url, k=FIXED_K, fallback="draft",
+                    reconnect=Reconnect(delay=0.1, max_delay=0.5)) as gen:
+            sources: list[str] = []
+            stats = GenerationStats()
+            restarted = False
+            for i, chunk in enumerate(gen.stream(PROMPTS[3], stats, max_tokens=200,
+                                                 temperature=0, stop_token_ids=[])):
+                if chunk.token_ids:
+                    sources.append(chunk.source)
+                if i == 2:
+                    proc.kill()
+                if not restarted and "fallback" in sources:
+                    proc.start()  # takes a few seconds; the draft goes on meanwhile
+                    restarted = True
+                time.sleep(0.03)  # a reader that takes its time: the outage spans tokens
+            first = sources.index("fallback")
+            after = sources[first:]
+            assert sources[:first] and all(s != "fallback" for s in sources[:first])
+            resumed = next(i for i, s in enumerate(after) if s != "fallback")
+            assert all(s != "fallback" for s in after[resumed:])  # verified from here on
+            assert 0 < stats.fallback_tokens < stats.generated == 200
+            assert stats.fallback and stats.reconnects >= 1
+    finally:
+        proc.stop()

@@ -121,8 +121,11 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
                    "drafts across the two, verified by match (lossless)")
     g.add_argument("--insecure", dest="tls_verify", action="store_const", const=False,
                    help="do not verify the server's TLS certificate")
-    g.add_argument("--reconnect-attempts", type=int, help="reconnections tried when the link "
-                   f"fails (default: {OPTIONS.reconnect.attempts})")
+    g.add_argument("--reconnect-timeout", type=float, help="seconds to keep reconnecting "
+                   "when the link fails, with backoff and jitter, before giving up "
+                   f"(default: {OPTIONS.reconnect.timeout:g})")
+    g.add_argument("--reconnect-attempts", help="reconnections tried at most within that "
+                   "time (default: unlimited)")
     g.add_argument("--reconnect-delay", type=float,
                    help="seconds before the first reconnection, doubled each time "
                    f"(default: {OPTIONS.reconnect.delay})")

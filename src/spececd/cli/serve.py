@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import sys
 from typing import Any
 
@@ -46,6 +48,10 @@ def add_parser(sub: Any) -> None:
                    "their next round (default: 0 = no cap)")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {d.idle_timeout})")
+    g.add_argument("--drain-timeout", type=float, help="on SIGTERM: refuse new sessions and "
+                   "rounds with a `draining` error (edges reconnect elsewhere at once), mark "
+                   "/readyz not ready, let passes under way finish, and exit within this many "
+                   f"seconds (default: {d.drain_timeout:g})")
     g.add_argument("--auth-token-file", help="require this bearer token (file's first line; "
                    "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
     g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
@@ -85,9 +91,22 @@ def serve(cfg: ServerConfig, token: str) -> int:
         print(f"spececd: serving {backend.description} on {', '.join(urls)}"
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
+    async def main() -> None:
+        serving = asyncio.ensure_future(registry.serve(
+            engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None, ready))
+
+        async def drain() -> None:
+            print("spececd: draining (SIGTERM)", file=sys.stderr, flush=True)
+            await engine.drain(cfg.drain_timeout)
+            serving.cancel()
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(drain()))
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+
     try:
-        asyncio.run(registry.serve(engine, listeners, (cfg.tls_cert, cfg.tls_key)
-                                   if cfg.tls_cert else None, ready))
+        asyncio.run(main())
     except OSError as exc:
         raise InputError(f"cannot listen on {cfg.host}: {exc.strerror}") from None
     finally:

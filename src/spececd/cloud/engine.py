@@ -37,7 +37,7 @@ from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
 from spececd.core.policy import Ema
 from spececd.protocol import messages as m
-from spececd.protocol.errors import ProtocolError, ServerBusy, VerificationFailed
+from spececd.protocol.errors import Draining, ProtocolError, ServerBusy, VerificationFailed
 from spececd.protocol.session import CloudSession, GenerateRequest, Limits, State, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class Ending(enum.Enum):
     CLOSED = "closed"  # the session closed: a Close frame, or a fatal error was answered
     IDLE = "idle"  # no frame within the idle timeout
     REFUSED = "refused"  # the server was full; the error frame was sent
+    DRAINED = "drained"  # the server is shutting down; the draining error was sent
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class EnginePolicy:
     max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
 
 
+_WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
+
+
 class Inbox:
     """Frames received on one link, in order, each with its arrival time; ``None`` marks
     the end of the link. Used on the engine's event loop only."""
@@ -69,6 +73,10 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
         self.ended = False
+
+    def wake(self) -> None:
+        """Wake a :meth:`get` that waits (the engine is draining); frames stay queued."""
+        self._queue.put_nowait(_WAKE)
 
     def put(self, frame: bytes) -> None:
         self._queue.put_nowait((time.perf_counter(), frame))
@@ -83,7 +91,7 @@ class Inbox:
             item = await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
             raise TimeoutError from None
-        return None if item is None else item[1]
+        return None if item is None else item[1]  # _WAKE: b"", and the engine is draining
 
     def poll(self) -> list[tuple[float, bytes]]:
         """The frames that have arrived, without waiting; the end mark stays for ``get``."""
@@ -93,7 +101,8 @@ class Inbox:
             if item is None:
                 self._queue.put_nowait(None)
                 break
-            frames.append(item)
+            if item is not _WAKE:
+                frames.append(item)
         return frames
 
     async def wait(self, timeout: float) -> list[tuple[float, bytes]]:
@@ -106,7 +115,7 @@ class Inbox:
             if item is None:
                 self._queue.put_nowait(None)
                 return []
-            return [item, *self.poll()]
+            return [*([] if item is _WAKE else [item]), *self.poll()]
         return self.poll()
 
 
@@ -172,6 +181,7 @@ class Engine:
         self.policy = policy or EnginePolicy()
         self.fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
         self._bundle: bytes | None = None
+        self.draining = False  # shutting down: no new sessions or rounds (drain())
         self.auth_token = auth_token
         self.metrics = Metrics()
         self.links: set[Link] = set()
@@ -186,10 +196,26 @@ class Engine:
         self.metrics.kv_bytes.set_function(lambda: self.kv_tokens() * backend.kv_bytes_per_token)
 
     # -- what transports call ------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Shut down gracefully: refuse new sessions and new rounds with a ``draining``
+        error (the edge then reconnects at once, elsewhere), let the passes under way
+        finish, and return once every session is gone or ``timeout`` seconds passed."""
+        self.draining = True
+        log.info("draining %d sessions", len(self.links))
+        for link in list(self.links):
+            link.inbox.wake()
+        deadline = time.monotonic() + timeout
+        while self.links and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def open(self, authorized: bool = False) -> Link:
         """A link for a new client; when the server is full, one that :meth:`serve`
         answers with a ``server_busy`` error and closes. ``authorized``: the transport
         checked the client's token itself (gRPC metadata), so its hello needs none."""
+        if self.draining:
+            error: ProtocolError = Draining("the server is shutting down; reconnect to "
+                                            "another one and re-send the history")
+            return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
         if len(self.links) >= self.policy.max_sessions:
             error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
                                f"sessions; try again later")
@@ -222,7 +248,7 @@ class Engine:
         """Handle ``link``'s frames until it ends, closes or idles out; release it."""
         if link.refusal:
             await send(link.refusal)
-            return Ending.REFUSED
+            return Ending.DRAINED if self.draining else Ending.REFUSED
         ending = Ending.CLIENT_LEFT
         try:
             while True:
@@ -232,6 +258,11 @@ class Engine:
                     ending = Ending.IDLE
                     return ending
                 if frame is None:
+                    return ending
+                if self.draining:  # new work goes to another replica
+                    await send(link.error(Draining("the server is shutting down; reconnect "
+                                                   "and re-send the history"), -1))
+                    ending = Ending.DRAINED
                     return ending
                 await self._handle(link, frame, send)
                 if link.closed:
@@ -276,6 +307,11 @@ class Engine:
         while (stream := session.stream) is not None and stream.request is request:
             if link.inbox.ended:
                 return  # nobody is listening any more
+            if self.draining:
+                session.stream = None
+                await send(link.error(Draining("the server is shutting down; reconnect and "
+                                               "re-send the history"), -1))
+                return
             later = link.inbox.poll()
             if (not later and dry_since is not None and turnaround.seen and step_s.seen
                     and turnaround.value < step_s.value):
@@ -370,7 +406,7 @@ class Engine:
         return self._bundle or None
 
     def ready(self) -> bool:
-        return len(self.links) < self.policy.max_sessions
+        return not self.draining and len(self.links) < self.policy.max_sessions
 
     def status(self) -> dict[str, object]:
         per_token = self.backend.kv_bytes_per_token

@@ -14,6 +14,7 @@ The loop does not know whether the verifier is in this process or across the wor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -40,6 +41,11 @@ from spececd.transports.base import Transport
 __all__ = ["CloudUnreachable", "EdgeClient", "Reconnect", "RoundOutput"]
 
 log = logging.getLogger(__name__)
+
+# With --fallback draft: seconds of failed reconnection before the draft goes on alone, and
+# then between tries of the verifier, which takes the generation back once it answers.
+FALLBACK_AFTER = 2.0
+PROBE_EVERY = 1.0
 
 
 class EdgeClient:
@@ -68,18 +74,39 @@ class EdgeClient:
         assert params.seed is not None
         out = Emitter(prompt_ids, params, stats, self.max_context)
         start = time.perf_counter()
+        probe = False  # the verifier was unreachable: try it once, without waiting
         try:
-            try:
-                yield from self._run(self._strategy(out, params, stats, cloud_only), out)
-            except CloudUnreachable:
-                if self.options.fallback is not Fallback.DRAFT:
-                    raise
-                log.warning("the verifier is unreachable: finishing with the draft model alone "
-                            "(this output is the draft's, not the target's)")
+            while True:
+                try:
+                    yield from self._run(self._strategy(out, params, stats, cloud_only, probe),
+                                         out)
+                    return
+                except CloudUnreachable:
+                    if self.options.fallback is not Fallback.DRAFT:
+                        raise
+                if not probe:
+                    log.warning("the verifier is unreachable: generating with the draft model "
+                                "alone (unverified, marked as such) until it answers again")
                 out.fall_back(self.max_context)
-                yield from self._run(DraftAlone(self.drafter, params, stats), out)
+                if (yield from self._draft_alone(out, params, stats)):
+                    return
+                probe = True
         finally:
             stats.wall_s += time.perf_counter() - start
+
+    def _draft_alone(self, out: Emitter, params: SamplingParams, stats: GenerationStats
+                     ) -> Generator[RoundOutput, None, bool]:
+        """The draft alone for :data:`PROBE_EVERY` seconds (the verifier is unreachable);
+        True when that finished the generation."""
+        alone = DraftAlone(self.drafter, params, stats)
+        until = time.monotonic() + PROBE_EVERY
+        while time.monotonic() < until:
+            for piece in alone.step(out):
+                emitted = out.emit(piece)
+                yield emitted
+                if emitted.finished:
+                    return True
+        return False
 
     @staticmethod
     def _run(strategy: Strategy, out: Emitter) -> Iterator[RoundOutput]:
@@ -91,11 +118,18 @@ class EdgeClient:
                     return
 
     def _strategy(self, out: Emitter, params: SamplingParams, stats: GenerationStats,
-                  cloud_only: bool) -> Strategy:
-        """Greet the verifier and set up the strategy the options choose."""
+                  cloud_only: bool, probe: bool = False) -> Strategy:
+        """Greet the verifier and set up the strategy the options choose. ``probe``: the
+        verifier was unreachable, and the draft generates alone: try it once, and
+        continue verified if it answers."""
         options = self.options
         proactive = options.proactive
-        self.link.reconnect = options.reconnect  # options may change between generations
+        reconnect = options.reconnect  # options may change between generations
+        if options.fallback is Fallback.DRAFT:  # the draft goes on alone during an outage
+            reconnect = dataclasses.replace(
+                reconnect, timeout=min(reconnect.timeout, FALLBACK_AFTER))
+        self.link.reconnect = dataclasses.replace(reconnect, attempts=0) if probe \
+            else reconnect
         # Stream drafting and cloud-only generation are verified by match: drafts travel
         # without distributions.
         streams = cloud_only or proactive is Proactive.STREAM
@@ -103,6 +137,10 @@ class EdgeClient:
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
                               options.threshold if mode is Mode.THRESHOLD else 0.0)
         welcome = self.link.greet(session, stats)
+        self.link.reconnect = reconnect
+        if probe:
+            log.warning("the verifier answers again: generation is verified from here on")
+            out.verified_again()
         stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)
         work = Work(self.drafter, self.link, session, mode, params, stats, options.max_support)

@@ -48,6 +48,7 @@ class Emitter:
         self.max_context = max_context  # positions the history may fill
         self.generated = 0
         self.unverified = False
+        self.verified_context = max_context  # the limit while verified
 
     @property
     def remaining(self) -> int:
@@ -61,8 +62,14 @@ class Emitter:
 
     def fall_back(self, max_context: int) -> None:
         """From now on the output is the draft model's alone, up to its own context."""
+        if not self.unverified:
+            self.verified_context = self.max_context
         self.unverified, self.stats.fallback = True, True
         self.max_context = max_context
+
+    def verified_again(self) -> None:
+        """The verifier answers again: from now on the output is verified."""
+        self.unverified, self.max_context = False, self.verified_context
 
     def emit(self, piece: Piece) -> RoundOutput:
         self.history.extend(piece.tokens)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import TypeAlias
@@ -24,6 +25,7 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.options import Reconnect
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
+from spececd.protocol.errors import Draining
 from spececd.protocol.session import EdgeSession
 from spececd.transports.base import Transport
 
@@ -67,7 +69,7 @@ class Link:
         send nothing, a stream is under way), run ``while_waiting`` while the reply is on its
         way, and return the reply (``make_frame`` None: the welcome); reconnect and retry
         when the link fails."""
-        failures = 0
+        failures, failing_since = 0, 0.0
         while True:
             transport = self.transport
             sent = received = 0
@@ -98,16 +100,26 @@ class Link:
                     stats.network_s += max(0.0, time.perf_counter() - start - reply.verify_s
                                            - overlapped)
                 return reply
-            except ConnectionError as exc:
+            except (ConnectionError, Draining) as exc:
                 self.drop()
                 failures += 1
-                if failures > self.reconnect.attempts:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                policy = self.reconnect
+                if (policy.attempts is not None and failures > policy.attempts) or \
+                        now - failing_since > policy.timeout:
                     raise CloudUnreachable(
-                        f"cannot reach the verifier after {self.reconnect.attempts} "
-                        f"reconnection attempts ({exc}); check that `spececd serve` runs at "
-                        f"that address, or pass --fallback draft") from None
+                        f"cannot reach the verifier ({exc}) after {failures - 1} reconnection "
+                        f"attempts in {now - failing_since:.1f} s; check that `spececd serve` "
+                        f"runs at that address, or pass --fallback draft") from None
                 stats.reconnects += 1
-                wait = min(self.reconnect.delay * 2 ** (failures - 1), self.reconnect.max_delay)
+                # A draining server is alive and sends us on: go at once the first time.
+                # Otherwise back off, with jitter so that a fleet of edges does not come
+                # back in lockstep, and never past the window.
+                backoff = min(policy.delay * 2 ** (failures - 1), policy.max_delay)
+                wait = 0.0 if isinstance(exc, Draining) and failures == 1 else min(
+                    backoff * random.uniform(0.5, 1.0),
+                    max(0.0, failing_since + policy.timeout - now))
                 log.warning("link to the verifier failed (%s); reconnecting in %.2f s", exc, wait)
                 time.sleep(wait)
             finally:
@@ -127,7 +139,7 @@ class Link:
             transport.send(frame)
             while (data := transport.poll()) is not None:
                 replies.append(session.receive(data))
-        except ConnectionError as exc:
+        except (ConnectionError, Draining) as exc:
             log.warning("link to the verifier failed (%s); reconnecting", exc)
             stats.reconnects += 1
             self.drop()

@@ -40,9 +40,12 @@ class Fallback(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Reconnect:
-    attempts: int = 5  # reconnections tried before giving up
-    delay: float = 0.25  # seconds before the first; doubled for each next one
+    attempts: int | None = None  # reconnections tried at most (None: as the timeout allows)
+    delay: float = 0.25  # seconds before the first; doubled for each next one, with jitter
     max_delay: float = 8.0
+    # Seconds of failing reconnections before giving up: long enough for a verifier to
+    # restart with a large model (30-120 s), or for the balancer to route elsewhere.
+    timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class EdgeOptions:
             parse_setting(name, getattr(self, name))
         parse_setting("reconnect_attempts", self.reconnect.attempts)
         parse_setting("reconnect_delay", self.reconnect.delay)
+        parse_setting("reconnect_timeout", self.reconnect.timeout)
         if self.k_max < 1:
             raise InputError(f"k_max must be >= 1, got {self.k_max}")
         if (self.mode is Mode.THRESHOLD) != (self.threshold > 0):
@@ -80,13 +84,15 @@ class EdgeOptions:
                 and "threshold" not in values:
             values["threshold"] = 0.0  # leaving threshold mode leaves its threshold
         reconnect = values.pop("reconnect", self.reconnect)
-        attempts = values.pop("reconnect_attempts", None)
-        delay = values.pop("reconnect_delay", None)
         assert isinstance(reconnect, Reconnect)
+        attempts = values.pop("reconnect_attempts", reconnect.attempts)
+        delay = values.pop("reconnect_delay", None)
+        timeout = values.pop("reconnect_timeout", None)
         assert isinstance(attempts, int | None) and isinstance(delay, float | None)
-        reconnect = Reconnect(reconnect.attempts if attempts is None else attempts,
-                              reconnect.delay if delay is None else delay,
-                              reconnect.max_delay)
+        assert isinstance(timeout, float | None)
+        reconnect = Reconnect(attempts, reconnect.delay if delay is None else delay,
+                              reconnect.max_delay,
+                              reconnect.timeout if timeout is None else timeout)
         return dataclasses.replace(self, reconnect=reconnect, **values)  # type: ignore[arg-type]
 
 
@@ -147,7 +153,8 @@ def _threshold(value: object) -> object:
 
 def _reconnect(value: object) -> object:
     if not isinstance(value, Reconnect):
-        raise InputError(f"reconnect must be a Reconnect(attempts, delay, max_delay), "
+        raise InputError(f"reconnect must be a Reconnect(attempts, delay, max_delay, "
+                         f"timeout), "
                          f"got {value!r}")
     return value
 
@@ -161,8 +168,11 @@ SETTINGS: dict[str, Callable[[object], object]] = {
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),
     "fallback": _choice(Fallback, "fallback"),
-    "reconnect_attempts": _number(int, "reconnect-attempts", low=0),
+    "reconnect_attempts": lambda value: None if value is None or (
+        isinstance(value, str) and value.strip().lower() == "unlimited") else _number(
+        int, "reconnect-attempts", low=0, hint=" or 'unlimited'")(value),
     "reconnect_delay": _number(float, "reconnect-delay", low=0),
+    "reconnect_timeout": _number(float, "reconnect-timeout", low=0),
     "reconnect": _reconnect,
 }
 

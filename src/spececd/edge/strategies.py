@@ -26,6 +26,7 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, Piece
 from spececd.edge.link import Link, Reply
+from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.session import EdgeSession
 
@@ -279,6 +280,10 @@ class DraftAlone:
         t0 = time.perf_counter()
         tokens, _ = self.drafter.draft(out.history, 1, Mode.MATCH, self.params, self.params.seed,
                                        max_support=1)  # unused: match mode reports nothing
+        if not tokens:  # a draft with another tokenizer that cannot realign here
+            raise SpecECDError("the verifier is unreachable and the draft model cannot go on "
+                               "alone here (its text does not realign with the target's "
+                               "tokens)")
         self.stats.draft_s += time.perf_counter() - t0
         self.stats.draft_steps += 1
         return [Piece(tokens)]

@@ -19,6 +19,8 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── UnknownSession        a session or link id the server does not hold (never had, or
     │                         closed or idled out): open a new one and re-send the history
     ├── ServerBusy            no capacity for another session                    (fatal)
+    ├── Draining              the server is shutting down: reconnect (through the
+    │                         balancer, to another replica) and re-send the history (fatal)
     └── VerificationFailed    the server could not run the target pass; the session stays
                               usable (a new draft builds on what the server held before)
 """
@@ -81,6 +83,11 @@ class ServerBusy(ProtocolError):
     fatal = True
 
 
+class Draining(ProtocolError):
+    code = "draining"
+    fatal = True
+
+
 class VerificationFailed(ProtocolError):
     code = "verification_failed"
 
@@ -89,7 +96,7 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
                 IncompatibleModels, AuthFailed, InvalidTokens, InvalidProbabilities,
-                LimitExceeded, OutOfOrder, UnknownSession, ServerBusy,
+                LimitExceeded, OutOfOrder, UnknownSession, ServerBusy, Draining,
                 VerificationFailed)
 }
 

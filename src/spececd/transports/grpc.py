@@ -149,13 +149,16 @@ class _Servicer:
             _bearer(context).encode(), self.engine.auth_token.encode()))
         ending = await self.engine.run(link, frames(), send)
         metadata: list[tuple[str, str]] = [("spececd-ending", ending.value)]
-        if ending is Ending.REFUSED:
-            metadata.append(("spececd-error-code", "server_busy"))
+        refusals = {Ending.REFUSED: "server_busy", Ending.DRAINED: "draining"}
+        if ending in refusals:
+            metadata.append(("spececd-error-code", refusals[ending]))
         context.set_trailing_metadata(tuple(metadata))
-        if ending in (Ending.IDLE, Ending.REFUSED):
+        details = {Ending.IDLE: "the session idled out; reconnect and resume",
+                   Ending.REFUSED: "the server is full; try later",
+                   Ending.DRAINED: "the server is shutting down; reconnect and resume"}
+        if ending in details:
             context.set_code(Code.UNAVAILABLE)
-            context.set_details("the session idled out; reconnect and resume"
-                                if ending is Ending.IDLE else "the server is full; try later")
+            context.set_details(details[ending])
 
     async def _verify(self, request: Any, token: str) -> Any:
         strategy, params, dists = _unary_call(request)

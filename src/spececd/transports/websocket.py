@@ -76,7 +76,8 @@ def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
 
 
 CLOSE_CODES = {Ending.CLOSED: (1000, "session closed"), Ending.IDLE: (1001, "idle timeout"),
-               Ending.REFUSED: (1013, "server busy")}
+               Ending.REFUSED: (1013, "server busy"),
+               Ending.DRAINED: (1012, "server shutting down")}
 
 
 def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
