@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -287,3 +289,19 @@ def test_a_later_hello_on_the_connection_may_leave_the_fingerprint_out() -> None
     assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
     edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=1))
     assert len(edge.hello(checked=True)) < len(edge.hello()) - 30
+
+
+def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded() -> None:
+    plain = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5))
+    penalized = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5,
+                                                           presence_penalty=0.5))
+    assert plain.hello_message.protocol_version == 2
+    assert plain.hello_message.extras == m.SamplingExtras()  # prompt_len matters to no one
+    assert penalized.hello_message.protocol_version == m.PROTOCOL_VERSION == 3
+    assert penalized.hello_message.extras.prompt_len == 5
+    for edge in (plain, penalized):  # this server takes both
+        session = CloudSession(FP, Limits())
+        assert isinstance(m.decode(session.receive(edge.hello())), m.Welcome)
+    forged = m.encode(dataclasses.replace(penalized.hello_message, protocol_version=2))
+    error = m.decode(CloudSession(FP, Limits()).receive(forged))
+    assert isinstance(error, m.Error) and error.code == "version_mismatch"

@@ -49,6 +49,9 @@ from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import MalformedFrame
 
 PROTOCOL_VERSION = 3  # 3: the Hello's sampling extras (penalties, min-p, logit bias)
+# The versions a server accepts. A hello without extras is the same frame in both, and the
+# edge then sends 2: mixed fleets keep working through a rolling upgrade.
+COMPATIBLE_VERSIONS = (2, 3)
 
 
 @dataclass(frozen=True)

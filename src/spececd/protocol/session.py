@@ -164,7 +164,8 @@ class CloudSession:
         raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
 
     def _hello(self, hello: m.Hello) -> bytes:
-        if hello.protocol_version != m.PROTOCOL_VERSION:
+        if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
+                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
         if self._auth_token and not hmac.compare_digest(
@@ -362,10 +363,13 @@ class EdgeSession:
                  auth_token: str = "", threshold: float = 0.0) -> None:
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
+        counts_output = bool(params.presence_penalty or params.frequency_penalty)
         extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
-                                  params.frequency_penalty, params.min_p, params.prompt_len,
-                                  params.logit_bias)
-        self.hello_message = m.Hello(m.PROTOCOL_VERSION, fingerprint, mode.value,
+                                  params.frequency_penalty, params.min_p,
+                                  params.prompt_len if counts_output else 0, params.logit_bias)
+        # Protocol 2 when nothing needs 3, so that a server not yet upgraded still serves.
+        version = m.PROTOCOL_VERSION if extras != m.SamplingExtras() else 2
+        self.hello_message = m.Hello(version, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
                                      params.seed, auth_token, threshold, extras)
         self.welcome: m.Welcome | None = None
