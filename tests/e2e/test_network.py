@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -21,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -39,6 +37,7 @@ from spececd.protocol import messages as m  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+from tests.fuzz import bad_frames  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +216,7 @@ def test_limits_over_the_wire(tiny_models: dict[str, Path]) -> None:
         third = websockets_sync.connect(proc.url, compression=None, proxy=None, legacy=True)
         busy = m.decode(third.recv(timeout=10))
         assert isinstance(busy, m.Error) and busy.code == "server_busy" and busy.fatal
-        cases = {
-            "limit_exceeded": [m.encode(m.Draft(1, 0, (5,), (1, 2, 3, 4), None)),
-                               m.encode(m.Draft(2, 0, tuple([5] * 70), (1,), None)),
-                               b"\x00" * 3000],
-            "invalid_tokens": [m.encode(m.Draft(3, 0, (5,), (100000,), None))],
-            "malformed_frame": [b"\xc1\xc1"],
-        }
-        for code, frames in cases.items():
+        for code, frames in bad_frames().items():
             for bad in frames:
                 first.send(bad)  # type: ignore[attr-defined]
                 reply = m.decode(first.recv(timeout=10))  # type: ignore[attr-defined]
@@ -236,29 +228,6 @@ def test_limits_over_the_wire(tiny_models: dict[str, Path]) -> None:
         second.close()  # type: ignore[attr-defined]
     finally:
         proc.stop()
-
-
-def mutate(frame: bytes, rng: random.Random) -> bytes:
-    data = bytearray(frame)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        if choice < 0.4 and data:
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        elif choice < 0.6 and data:
-            del data[rng.randrange(len(data)):]
-        elif choice < 0.8:
-            data[rng.randrange(len(data) + 1):0] = bytes(rng.randrange(256)
-                                                         for _ in range(rng.randint(1, 8)))
-        else:
-            data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
-    return bytes(data)
-
-
-def structured_junk(rng: random.Random) -> bytes:
-    values: list[object] = [0, -1, 2**40, 1.5, float("nan"), "x", b"\x00" * 8, None, True,
-                            [], [1, 2], {"a": 1}, [-5, 10**6]]
-    return msgpack.packb([rng.randint(0, 8), *(rng.choice(values)
-                                               for _ in range(rng.randint(0, 7)))])
 
 
 def test_async_client_streams_the_same_tokens(server: ServerProcess,

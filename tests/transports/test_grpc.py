@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -33,6 +32,7 @@ from spececd.transports import grpc_stubs  # noqa: E402
 from spececd.transports import spececd_pb2 as pb  # noqa: E402
 from spececd.transports import spececd_pb2_grpc as pb_grpc  # noqa: E402
 from spececd.transports.grpc import GrpcTransport, message_bytes, serve  # noqa: E402
+from tests.fuzz import mutate, structured_junk  # noqa: E402
 
 PROMPT = (5, 17, 42, 99, 3)
 
@@ -559,29 +559,6 @@ def test_oversize_frames_get_a_typed_error_and_oversize_messages_end_the_call(
         link.close()
     finally:
         running.stop()
-
-
-def mutate(frame: bytes, rng: random.Random) -> bytes:
-    data = bytearray(frame)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        if choice < 0.4 and data:
-            data[rng.randrange(len(data))] = rng.randrange(256)
-        elif choice < 0.6 and data:
-            del data[rng.randrange(len(data)):]
-        elif choice < 0.8:
-            data[rng.randrange(len(data) + 1):0] = bytes(rng.randrange(256)
-                                                         for _ in range(rng.randint(1, 8)))
-        else:
-            data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
-    return bytes(data)
-
-
-def structured_junk(rng: random.Random) -> bytes:
-    values: list[object] = [0, -1, 2**40, 1.5, float("nan"), "x", b"\x00" * 8, None, True,
-                            [], [1, 2], {"a": 1}, [-5, 10**6]]
-    return msgpack.packb([rng.randint(0, 9), *(rng.choice(values)
-                                               for _ in range(rng.randint(0, 7)))])
 
 
 def test_fuzzing_sessions_leaves_a_legitimate_session_unchanged(

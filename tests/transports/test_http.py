@@ -44,6 +44,7 @@ from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+from tests.fuzz import mutate  # noqa: E402
 
 
 class ThreadServer:
@@ -550,22 +551,6 @@ def test_operations_and_the_openapi_schema_on_the_same_port(target: Backend) -> 
 
 
 # -- hostile input ---------------------------------------------------------------------
-
-
-def mutate(data: bytes, rng: random.Random) -> bytes:
-    out = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        if choice < 0.4 and out:
-            out[rng.randrange(len(out))] = rng.randrange(256)
-        elif choice < 0.6 and out:
-            del out[rng.randrange(len(out)):]
-        elif choice < 0.8:
-            out[rng.randrange(len(out) + 1):0] = bytes(rng.randrange(256)
-                                                       for _ in range(rng.randint(1, 8)))
-        else:
-            out += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
-    return bytes(out)
 
 
 JUNK: list[Any] = [0, -1, 2**40, 1.5, float("nan"), float("inf"), "x", "exact", None, True,

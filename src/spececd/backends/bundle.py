@@ -15,6 +15,7 @@ needs ``--target-tokenizer``. So does an edge on gRPC, which has no plain HTTP.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -60,6 +61,9 @@ def cache_dir() -> Path:
 
 def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:
     """Rebuild the tokenizer of a bundle and check it is exactly ``expected``."""
+    if importlib.util.find_spec("transformers") is None:
+        raise InputError("the target has another tokenizer than the draft, and rebuilding "
+                         "it needs transformers: pip install transformers (no torch needed)")
     from spececd.backends.hf_tokenizer import HFTokenizer
 
     try:

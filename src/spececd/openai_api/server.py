@@ -31,7 +31,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
@@ -44,7 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from spececd.api import AsyncGenerator, Generator, StreamChunk
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
-from spececd.errors import InputError
+from spececd.errors import InputError, SpecECDError
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
 from spececd.protocol.errors import ProtocolError, ServerBusy
 
@@ -249,17 +249,11 @@ class Api:
                     work.cancel()
                     await asyncio.gather(work, return_exceptions=True)
                     return Response(status_code=499)
-            try:
-                work.result()
-            except Exception as exc:
-                raise api_error(exc) from exc
+            work.result()  # a failure is answered by the app's handler (api_error)
             return JSONResponse(self.whole(run, chat))
         # The first chunk before the status line: a verifier that cannot be reached is a
         # 503, not a stream that fails.
-        try:
-            first = await anext(stream)
-        except Exception as exc:
-            raise api_error(exc) from exc
+        first = await anext(stream)
         return StreamingResponse(self.events(run, chat, first, stream),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -321,19 +315,14 @@ def create_app(api: Api) -> FastAPI:
     app = FastAPI(title="SpecECD OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.api = api
 
-    @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(InputError)
-    async def on_input_error(_: Request, exc: InputError) -> JSONResponse:
+    async def answer(_: Request, exc: Exception) -> JSONResponse:
         error = api_error(exc)
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.exception_handler(Exception)
-    async def on_failure(_: Request, exc: Exception) -> JSONResponse:
-        error = api_error(exc)  # anything unforeseen still answers in OpenAI's shape
-        return JSONResponse(error.body(), status_code=error.status)
+    # Ours (a bad value, an unreachable or refusing verifier) and anything unforeseen
+    # answer in OpenAI's shape.
+    for kind in (ApiError, SpecECDError, Exception):
+        app.add_exception_handler(kind, answer)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -366,7 +355,7 @@ def create_app(api: Api) -> FastAPI:
         api.check(request, body)
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in body.messages]
-        ids = await asyncio.to_thread(guarded(api.gen.chat_ids), messages)
+        ids = await asyncio.to_thread(api.gen.chat_ids, messages)
         limit = body.max_completion_tokens or body.max_tokens
         return await api.respond(api.start(body, [ids], limit, "chatcmpl"), True, request)
 
@@ -383,18 +372,6 @@ def guard(api: Api, request: Request) -> None:
                            "`Authorization: Bearer <key>`", code="invalid_api_key")
 
 
-def guarded(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` with an InputError turned into a 400."""
-
-    def call(*args: Any) -> Any:
-        try:
-            return function(*args)
-        except InputError as exc:
-            raise ApiError(400, str(exc)) from None
-
-    return call
-
-
 def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int]]:
     prompt = body.prompt
     many: list[Any] = [prompt] if isinstance(prompt, str) or (
@@ -402,7 +379,7 @@ def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int
     if not many:
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")
-    return [guarded(gen.prompt_ids)(p) for p in many]
+    return [gen.prompt_ids(p) for p in many]
 
 
 def on_validation(exc: RequestValidationError) -> JSONResponse:
