@@ -176,8 +176,8 @@ class Generator:
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
              device: str = "auto", dtype: str = "auto", threads: int = 0,
              auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
-             target_tokenizer: str | None = None, options: EdgeOptions | None = None,
-             **settings: Any) -> Generator:
+             target_tokenizer: str | None = None, round_timeout: float = 120.0,
+             options: EdgeOptions | None = None, **settings: Any) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
 
@@ -196,6 +196,11 @@ class Generator:
         the edge asks the server for its target's tokenizer when it loads (over WebSocket
         and HTTP; :mod:`spececd.backends.bundle`), or takes ``target_tokenizer`` (a
         transformers folder or hub id: needed over gRPC, or with a GGUF target).
+
+        ``round_timeout``: seconds to wait for the server's reply before treating the link
+        as dead and reconnecting (with the history re-sent, so the output is unchanged): how
+        long a hung server or replica stalls generation. Also bounds the connection's
+        opening, at most 10 s.
         """
         in_process = server is None
         if (target is None) == in_process:
@@ -206,8 +211,12 @@ class Generator:
         if server is not None:
             from spececd.transports.registry import connector
 
+            if not round_timeout > 0:
+                raise InputError(f"round_timeout must be a number of seconds > 0, got "
+                                 f"{round_timeout!r}")
             connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
-                                auth_token=auth_token)
+                                auth_token=auth_token, open_timeout=min(10.0, round_timeout),
+                                recv_timeout=round_timeout)
             draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
             if target_tokenizer:
                 shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)

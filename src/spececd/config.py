@@ -86,6 +86,7 @@ class EdgeConfig:
     tls_ca: str = ""
     tls_verify: bool = True
     target_tokenizer: str = ""  # with a server: the target's, when the draft's differs
+    round_timeout: float = 120.0  # seconds without a reply before the link is deemed dead
     options: EdgeOptions = field(default_factory=EdgeOptions)
 
 

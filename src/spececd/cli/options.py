@@ -121,6 +121,9 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
                    "drafts across the two, verified by match (lossless)")
     g.add_argument("--insecure", dest="tls_verify", action="store_const", const=False,
                    help="do not verify the server's TLS certificate")
+    g.add_argument("--round-timeout", type=float, help="seconds to wait for the verifier's "
+                   "reply before treating the link as dead and reconnecting (a hung replica "
+                   f"behind a balancer costs this long; default: {CONFIG.round_timeout:g})")
     g.add_argument("--reconnect-timeout", type=float, help="seconds to keep reconnecting "
                    "when the link fails, with backoff and jitter, before giving up "
                    f"(default: {OPTIONS.reconnect.timeout:g})")
@@ -169,7 +172,8 @@ def load_generator(cfg: EdgeConfig) -> Generator:
         return Generator.load(draft, server=cfg.server,
                               auth_token=config.auth_token(cfg.auth_token_file),
                               tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify,
-                              target_tokenizer=cfg.target_tokenizer or None, **common)
+                              target_tokenizer=cfg.target_tokenizer or None,
+                              round_timeout=cfg.round_timeout, **common)
     return Generator.load(draft, cfg.target_model or default_model("target"), **common)
 
 

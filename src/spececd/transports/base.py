@@ -1,8 +1,25 @@
-"""What the edge needs from a transport: move whole frames, in order, both ways."""
+"""What the edge needs from a transport: move whole frames, in order, both ways.
+
+Every edge connection also carries an affinity key, :data:`AFFINITY_HEADER` (gRPC
+metadata: its lowercase form), fresh for each connection: a load balancer in front of
+several verifier replicas hashes on it so that every request of an HTTP link reaches the
+replica that holds the link, while new connections, and reconnections after a replica
+failed or drained, spread over the replicas. A WebSocket connection or a gRPC stream is
+pinned by being one connection or stream; the key costs them nothing and lets one hash
+rule cover every transport.
+"""
 
 from __future__ import annotations
 
+import secrets
 from typing import Protocol
+
+AFFINITY_HEADER = "SpecECD-Affinity"
+
+
+def affinity_key() -> str:
+    """A new connection's affinity key: random, so connections spread over replicas."""
+    return secrets.token_hex(8)
 
 
 class Transport(Protocol):

@@ -51,6 +51,7 @@ from spececd.core.sampling import Mode, SparseProbs
 from spececd.protocol.errors import InvalidProbabilities, ProtocolError, UnexpectedMessage
 from spececd.transports import spececd_pb2 as pb
 from spececd.transports import spececd_pb2_grpc as pb_grpc
+from spececd.transports.base import AFFINITY_HEADER, affinity_key
 
 GRPC_OVERHEAD = 64 * 1024  # room above the session's message limit before gRPC refuses
 CLOSE_WAIT = 1.0  # seconds close() lets the server end the stream before cancelling it
@@ -299,7 +300,8 @@ class GrpcTransport:
 
         self._channel.subscribe(watch, try_to_connect=True)
         # Fail-fast: a channel that cannot connect ends the call at once, saying why.
-        metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        metadata = ((AFFINITY_HEADER.lower(), affinity_key()),
+                    *((("authorization", f"Bearer {auth_token}"),) if auth_token else ()))
         self._call = pb_grpc.VerificationServiceStub(self._channel).Session(
             self._requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, args=(connected,), daemon=True,

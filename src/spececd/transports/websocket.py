@@ -34,6 +34,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from spececd.backends import bundle
 from spececd.cloud.engine import Ending, Engine
+from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.tls import client_ssl_context, server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,10 @@ class WebSocketTransport:
                                        compression=None, proxy=None, legacy=True)
         if url.startswith("wss://"):
             options["ssl"] = client_ssl_context(cafile, verify)
+        headers = {AFFINITY_HEADER: affinity_key()}  # for a balancer in front
         if auth_token:  # for a proxy in front; the server checks the hello's token
-            options["additional_headers"] = {"Authorization": f"Bearer {auth_token}"}
+            headers["Authorization"] = f"Bearer {auth_token}"
+        options["additional_headers"] = headers
         try:
             self._ws: ClientConnection = connect(url, **options)
         except InvalidURI as exc:

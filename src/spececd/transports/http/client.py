@@ -27,6 +27,7 @@ from spececd.protocol.errors import (
     ServerBusy,
     error_for_code,
 )
+from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.http.links import FIRST_REPLY, MAX_WAIT
 from spececd.transports.tls import client_ssl_context
 
@@ -163,7 +164,9 @@ class HttpTransport:
             with contextlib.suppress(ProtocolError):  # a malformed hello carries none
                 hello = m.decode(frame)
                 token = hello.auth_token if isinstance(hello, m.Hello) else ""
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The key pins every request of this link to one replica behind a balancer.
+        self._headers = {AFFINITY_HEADER: affinity_key(),
+                         **({"Authorization": f"Bearer {token}"} if token else {})}
         status, _, body = self._exchange(_Request("POST", self._links, b"", self.open_timeout))
         if status != 201:
             self._refused(status, body)
