@@ -17,9 +17,19 @@ from typing import Any
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held at once while chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 class ServerProcess:
@@ -86,3 +96,35 @@ class ServerProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class NginxProcess:
+    """Debian's nginx in the foreground with ``conf`` (a complete nginx.conf, its runtime
+    files under ``runtime_dir``); started on construction, stopped by :meth:`stop`."""
+
+    def __init__(self, conf: str, runtime_dir: Path) -> None:
+        path = runtime_dir / "nginx.conf"
+        path.write_text(conf)
+        self.proc = subprocess.Popen(["nginx", "-c", str(path)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        assert self.proc.stderr is not None
+        threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
+        deadline = time.monotonic() + 10
+        while not (runtime_dir / "nginx.pid").exists():  # written once it listens
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nginx did not start: {''.join(self.log)}")
+            time.sleep(0.05)
+
+    def _drain(self, stream: Any) -> None:
+        for line in stream:
+            self.log.append(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # fast shutdown
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
