@@ -49,17 +49,25 @@ class Cluster:
         free = free_ports(12)
         ports = [Ports(*free[i:i + 3]) for i in (0, 3, 6)]
         self.listen = Ports(*free[9:])
-        self.replicas = [ServerProcess(model, "--grpc-port", str(p.grpc), "--http-port",
-                                       str(p.http), "--drain-timeout", f"{DRAIN_TIMEOUT:g}",
-                                       port=p.websocket) for p in ports]
-        self.nginx = NginxProcess(nginx_conf(loopback(ports, self.listen), str(runtime_dir),
-                                             "127.0.0.1"), runtime_dir)
+        self.replicas: list[ServerProcess] = []
+        self.nginx: NginxProcess | None = None
+        try:
+            for p in ports:
+                self.replicas.append(ServerProcess(
+                    model, "--grpc-port", str(p.grpc), "--http-port", str(p.http),
+                    "--drain-timeout", f"{DRAIN_TIMEOUT:g}", port=p.websocket))
+            self.nginx = NginxProcess(nginx_conf(loopback(ports, self.listen),
+                                                 str(runtime_dir), "127.0.0.1"), runtime_dir)
+        except BaseException:
+            self.stop()
+            raise
 
     def url(self, transport: str) -> str:
         return f"{SCHEMES[transport]}://127.0.0.1:{getattr(self.listen, transport)}"
 
     def stop(self) -> None:
-        self.nginx.stop()
+        if self.nginx is not None:
+            self.nginx.stop()
         for replica in self.replicas:
             assert replica.proc is not None
             if replica.alive():

@@ -64,11 +64,18 @@ class ClientResult:
     seconds: float = 0.0  # time spent generating (model loading excluded)
 
 
-def metrics(url: str) -> dict[str, float]:
-    http = url.replace("ws://", "http://").replace("wss://", "https://")
-    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+def metrics(*urls: str) -> dict[str, float]:
+    """The Prometheus metrics of the servers at ``urls`` (their WebSocket or HTTP URLs),
+    summed: behind a balancer, every replica's."""
+    total: dict[str, float] = {}
+    for url in urls:
+        http = url.replace("ws://", "http://").replace("wss://", "https://")
+        text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split()[:2]
+                total[name] = total.get(name, 0.0) + float(value)
+    return total
 
 
 def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k: int,
@@ -137,12 +144,14 @@ def target_traces(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
 def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clients: int,
              duration: float, kind: str, acceptance: float = 0.8, k: int = 4,
              max_tokens: int = 64, draft_model: str | None = None,
-             traces: list[list[int]] | None = None) -> dict[str, Any]:
+             traces: list[list[int]] | None = None,
+             replicas: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``clients`` sessions of ``kind`` (``replay``, ``draft`` or ``cloud-only``) for
-    ``duration`` seconds; return the measured figures."""
+    ``duration`` seconds; return the measured figures. ``replicas``: where the server
+    metrics are read when ``url`` is a balancer (default: ``url`` itself)."""
     if kind == "replay" and traces is None:
         traces = target_traces(url, fingerprint, prompts, max_tokens)
-    before = metrics(url)
+    before = metrics(*(replicas or [url]))
     start = time.perf_counter()
     deadline = start + duration
     if kind == "draft":
@@ -169,7 +178,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     # Clients generate for ``duration`` each; draft processes start after loading their
     # model, so the window is the longest a client spent generating, not the wall time.
     wall = max(r.seconds for r in results) or (time.perf_counter() - start)
-    after = metrics(url)
+    after = metrics(*(replicas or [url]))
     tokens = sum(r.tokens for r in results)
     latencies = sorted(x for r in results for x in r.latencies)
     passes = after.get("spececd_batch_size_count", 0) - before.get("spececd_batch_size_count", 0)
@@ -201,7 +210,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
 def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
               clients: list[int], duration: float, kinds: list[str], acceptance: float,
               k: int, max_tokens: int, draft_model: str | None,
-              progress: Any = None) -> list[dict[str, Any]]:
+              progress: Any = None, replicas: Sequence[str] = ()) -> list[dict[str, Any]]:
     """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them."""
     traces = (target_traces(url, fingerprint, prompts, max_tokens)
               if "replay" in kinds else None)
@@ -209,7 +218,7 @@ def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
     for n in clients:
         for kind in kinds:
             rows.append(run_load(url, fingerprint, prompts, n, duration, kind, acceptance, k,
-                                 max_tokens, draft_model, traces))
+                                 max_tokens, draft_model, traces, replicas))
             if progress is not None:
                 progress(rows[-1])
     return rows

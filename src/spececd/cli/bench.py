@@ -60,6 +60,8 @@ def add_parser(sub: Any) -> None:
         "generating for the same N users itself")
     load.add_argument("--server", help="server URL (default: start `spececd serve` on the "
                       "default target here)")
+    load.add_argument("--replicas", help="when --server is a load balancer: its replicas' "
+                      "URLs, comma-separated, whose metrics are summed (passes, batch sizes)")
     load.add_argument("--target-model", help="target for the server started here")
     load.add_argument("--draft-model", help="draft model: its tokenizer, and the model of "
                       "the draft clients (default: the project's draft)")
@@ -123,6 +125,9 @@ def run_load(args: argparse.Namespace) -> int:
     prompts = [backend.tokenizer.encode(p) for p in demo_prompts()[:args.num_prompts]]
     server = None
     url = args.server
+    replicas = [r.strip() for r in (args.replicas or "").split(",") if r.strip()]
+    if replicas and not url:
+        raise InputError("--replicas goes with --server (the balancer in front of them)")
     if not url:
         cfg = BenchConfig(draft=draft_model, target=args.target_model or default_model("target"),
                           prompts=[], max_batch=args.max_batch)
@@ -133,14 +138,16 @@ def run_load(args: argparse.Namespace) -> int:
                               args.acceptance, args.k, args.max_tokens, draft_model,
                               progress=lambda r: print(
                                   f"{r['clients']:>3} {r['kind']:<10} "
-                                  f"{r['server_tokens_per_s']:>8} tokens/s", file=sys.stderr))
+                                  f"{r['server_tokens_per_s']:>8} tokens/s", file=sys.stderr),
+                              replicas=replicas)
     finally:
         if server is not None:
             server.terminate()
             server.wait(10)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps(
-        {"meta": {"server": url, "draft": draft_model, "duration_s": args.duration,
+        {"meta": {"server": url, "replicas": replicas or [url], "draft": draft_model,
+                  "duration_s": args.duration,
                   "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance},
          "rows": rows}, indent=1))
     markdown = load.table(rows)
