@@ -120,14 +120,15 @@ class StopStrings:
 
 
 def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
-    """What ``proactive="auto"`` means here: on against a server, off in-process (where
-    the draft and the target share this machine's cores). Every explicit setting,
-    stream drafting included, works both ways: the in-process verifier runs on its own
-    event loop, like a server."""
-    proactive = options.proactive
-    if proactive is Proactive.AUTO:
-        proactive = Proactive.OFF if in_process else Proactive.ON
-    return replace(options, proactive=proactive)
+    """What ``proactive="auto"`` means here: against a server, measure which of block-ahead
+    rounds and stream drafting is faster on the link and use it (the edge client's
+    :class:`~spececd.core.policy.StrategyChooser`); in-process, plain rounds (the draft and
+    the target share this machine's cores, and there is no link to hide). Every explicit
+    setting, stream drafting included, works both ways: the in-process verifier runs on its
+    own event loop, like a server."""
+    if options.proactive is Proactive.AUTO and in_process:
+        return replace(options, proactive=Proactive.OFF)
+    return options
 
 
 class Generator:
@@ -259,10 +260,8 @@ class Generator:
         return options
 
     @contextlib.contextmanager
-    def _session(self, options: EdgeOptions, in_flight: bool) -> Iterator[EdgeClient]:
-        """An idle client (a new one when all are busy) set to ``options``. ``in_flight``:
-        a generation left early may have a reply on its way (a stream), so its connection
-        is closed and the next generation opens a new one."""
+    def _session(self, options: EdgeOptions) -> Iterator[EdgeClient]:
+        """An idle client (a new one when all are busy) set to ``options``."""
         with self._pool_lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
@@ -270,14 +269,12 @@ class Generator:
             with self._pool_lock:
                 self._clients.append(client)
         client.options = options
-        finished = False
         try:
             yield client
-            finished = True
         finally:
-            if (not finished and in_flight) or self._closed:
+            if self._closed:
                 client.close()
-            if not self._closed:
+            else:
                 with self._pool_lock:
                     self._idle.append(client)
 
@@ -352,9 +349,10 @@ class Generator:
         decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
         emitted: list[int] = []
         source = "target"
-        streams = cloud_only or options.proactive is Proactive.STREAM
-        with self._session(options, in_flight=streams) as client:
-            rounds = client.generate(ids, params, stats, cloud_only)
+        # Closing the client's generation when this one ends, however it ends, lets the
+        # client end a stream it leaves early before the next generation takes it.
+        with self._session(options) as client, \
+                contextlib.closing(client.generate(ids, params, stats, cloud_only)) as rounds:
             for out in rounds:
                 verified = "fallback" if out.fallback else "target"
                 for source, part in (("draft", out.token_ids[:out.from_draft]),

@@ -37,13 +37,14 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
     kinds = {row["kind"] for row in summary}
     assert kinds == {"target", "assisted", "cloud", "spececd"}
     spec = [row for row in summary if row["kind"] == "spececd"]
-    # RTTs x (k=2 plain, k=auto plain, k=auto proactive, k=auto stream)
-    assert len(spec) == 2 * 4
+    # RTTs x (k=2 plain, k=auto plain, proactive, stream and auto)
+    assert len(spec) == 2 * 5
     for row in spec:
         assert row["label"] in ("EXCELLENT", "GOOD", "MODERATE", "POOR")
         assert 0 <= row["acceptance_rate"] <= 1 and row["bytes_per_token"] > 0
-        if row["config"].startswith("SpecECD k=auto stream"):
-            assert "bound" not in row  # another loop: the bound does not apply
+        if row["proactive"] in ("stream", "auto"):
+            assert "bound" not in row  # another loop (at times): the bound does not apply
+            assert ("auto_stream_share" in row) == (row["proactive"] == "auto")
         else:
             assert row["bound"] > 0 and row["c"] > 0 and row["v"] > 0
     rtt10 = next(r for r in summary if r["kind"] == "cloud" and r["rtt_ms"] == 10)

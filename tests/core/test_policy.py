@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
-from spececd.core.policy import DraftLengthPolicy
+from spececd.core.policy import Arm, DraftLengthPolicy, StrategyChooser
 
 
 def feed(policy: DraftLengthPolicy, accept_prob: float, draft_ms: float, verify_ms: float,
@@ -71,3 +72,69 @@ def test_proactive_hits_hide_the_drafting_cost() -> None:
             policy.observe(4, 4, 0.004, 0.006, 0.02)
     assert proactive.cost(4) < plain.cost(4)
     assert proactive.cost(4) == pytest.approx(max(4 * 0.001, 0.006 + 0.02), rel=0.05)
+
+
+# -- the strategy chooser (--proactive auto) ------------------------------------------
+
+
+def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int,
+             tokens: int = 64) -> list[tuple[Arm, int]]:
+    """Generations of ``tokens`` each, every segment generated at ``speed[arm]`` tokens per
+    second (a function of the link, as the chooser sees it); (arm, tokens) per segment."""
+    segments = []
+    for _ in range(generations):
+        arm, left = chooser.start(), tokens
+        while left > 0:
+            n = min(chooser.segment, left)
+            segments.append((arm, n))
+            left -= n
+            following = chooser.observe(arm, n, n / speed[arm])
+            if arm is Arm.ROUNDS:  # streaming goes on to the end of its generation
+                arm = following
+    return segments
+
+
+def share(segments: list[tuple[Arm, int]], arm: Arm) -> float:
+    return sum(n for a, n in segments if a is arm) / sum(n for _, n in segments)
+
+
+def test_a_slow_link_settles_on_streaming_and_rarely_probes_rounds() -> None:
+    chooser = StrategyChooser()
+    segments = simulate(chooser, {Arm.ROUNDS: 40.0, Arm.STREAM: 100.0}, generations=100)
+    assert segments[0][0] is Arm.ROUNDS and segments[1][0] is Arm.STREAM  # tried both
+    later = segments[8:]
+    assert share(later, Arm.STREAM) > 0.98  # rounds far behind: probed at most spacing
+    assert chooser.leader() is Arm.STREAM
+
+
+def test_a_fast_link_settles_on_rounds_and_probes_a_close_stream_ever_less_often() -> None:
+    chooser = StrategyChooser()
+    segments = simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=200)
+    assert chooser.leader() is Arm.ROUNDS
+    assert share(segments, Arm.ROUNDS) > 0.9
+    probes = [i for i, (arm, _) in enumerate(segments) if arm is Arm.STREAM]
+    gaps = [b - a for a, b in itertools.pairwise(probes) if b - a > 1]
+    assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]  # spaced out, doubling
+
+
+def test_a_link_that_changes_is_followed() -> None:
+    chooser = StrategyChooser(max_probe=512)
+    simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=20)
+    assert chooser.leader() is Arm.ROUNDS
+    # The link slows down: rounds lose their lead at once (they are what runs).
+    simulate(chooser, {Arm.ROUNDS: 30.0, Arm.STREAM: 100.0}, generations=5)
+    assert chooser.leader() is Arm.STREAM
+    # It speeds up again: found by the next probe of rounds, within a generation or two.
+    segments = simulate(chooser, {Arm.ROUNDS: 150.0, Arm.STREAM: 100.0}, generations=60)
+    assert chooser.leader() is Arm.ROUNDS
+    assert [arm for arm, _ in segments[:12]].count(Arm.ROUNDS) >= 4
+    # Streaming, far behind, is probed once per max_probe tokens: a 64-token generation
+    # per 512 tokens of rounds.
+    assert share(segments[-80:], Arm.ROUNDS) > 0.85
+
+
+def test_nothing_measured_is_no_measure() -> None:
+    chooser = StrategyChooser()
+    assert chooser.observe(Arm.ROUNDS, 0, 0.5) is Arm.ROUNDS
+    assert chooser.observe(Arm.ROUNDS, 16, 0.0) is Arm.ROUNDS
+    assert chooser.speed(Arm.ROUNDS) is None and chooser.start() is Arm.ROUNDS

@@ -110,7 +110,7 @@ def test_stop_strings_across_token_boundaries(tiny_models: dict[str, Path],
 def test_a_draft_that_predicts_like_the_target_is_accepted_throughout(
         where: str, permuted: dict[str, Path], servers: dict[str, ServerProcess]) -> None:
     server = servers["words"] if where == "websocket" else None
-    with generator(permuted["draft"], permuted["target"], server, k=4) as gen:
+    with generator(permuted["draft"], permuted["target"], server, k=4, proactive="on") as gen:
         assert gen.cross
         out = gen.generate([1, 2, 3], max_tokens=40, temperature=0, stop_token_ids=[])
     assert out.stats.drafted > 20 and out.stats.accepted == out.stats.drafted

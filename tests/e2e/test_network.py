@@ -47,9 +47,10 @@ def server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-# Sampled runs that must repeat exactly for a seed use a fixed k: in exact mode a token's
-# value depends on whether its position was drafted or was the bonus, and k=auto places
-# those boundaries from live timings.
+# Sampled runs that must repeat exactly for a seed use a fixed k and a fixed strategy: in
+# exact mode a token's value depends on whether its position was drafted or was the bonus,
+# and k=auto places those boundaries from live timings; proactive "auto" (the default
+# against a server) switches to stream drafting, verified by match, by live timings too.
 FIXED_K = 4
 
 
@@ -238,7 +239,8 @@ def test_async_client_streams_the_same_tokens(server: ServerProcess,
 
     async def run() -> tuple[list[int], list[int]]:
         gen = await AsyncGenerator.load(str(tiny_models["draft"]), server=server.url,
-                                        device="cpu", dtype="float32", k=FIXED_K)
+                                        device="cpu", dtype="float32", k=FIXED_K,
+                                        proactive="on")
         tokens = [t async for chunk in gen.stream(PROMPTS[3], max_tokens=25, temperature=0.7,
                                                   seed=2) for t in chunk.token_ids]
         whole = await gen.generate(PROMPTS[3], max_tokens=25, temperature=0.7, seed=2)
@@ -331,6 +333,47 @@ def test_stream_drafting_through_a_slow_link_and_a_dropped_connection(
     finally:
         proxy.stop()
 
+
+
+@pytest.mark.parametrize("proactive", ["stream", "auto"])
+def test_a_stream_left_early_does_not_leak_into_the_next_generation(
+        server: ServerProcess, tiny_models: dict[str, Path], proactive: str) -> None:
+    """A stop string ends a generation while the server still streams it; the next
+    generation on the same client must not receive the rest."""
+    with remote(tiny_models["draft"], server.url, proactive=proactive) as gen:
+        sampling: dict[str, Any] = dict(max_tokens=60, temperature=0, stop_token_ids=[])
+        full = gen.generate(PROMPTS[0], **sampling)
+        text = full.text
+        stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3)
+                    if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+        for _ in range(3):
+            cut = gen.generate(PROMPTS[0], stop=[stop], **sampling)
+            assert cut.finish_reason == "stop" and text.startswith(cut.text)
+        assert gen.generate(PROMPTS[0], **sampling).token_ids == full.token_ids
+
+
+def test_auto_settles_on_stream_drafting_over_a_slow_link(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    """--proactive auto (the default against a server) measures both ways to speculate on
+    its link: with a 100 ms round trip, rounds pay it on every round and stream drafting
+    does not, so the edge settles on streaming (by a wide margin: a timing this test cannot
+    get wrong by noise). Either way the output is the target's own."""
+    from spececd.bench.netem import DelayProxy
+
+    proxy = DelayProxy("127.0.0.1", server.port, 50.0).start()
+    try:
+        with remote(tiny_models["draft"], f"ws://127.0.0.1:{proxy.port}") as gen:
+            assert gen.options.proactive.value == "auto"
+            streamed = []
+            for prompt in PROMPTS[:4]:
+                ids = gen.prompt_ids(prompt)
+                out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
+                assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 48)
+                streamed.append(out.stats.auto_stream_tokens)
+    finally:
+        proxy.stop()
+    assert streamed[0] > 0  # the first generation tried streaming after a round segment
+    assert streamed[-1] == 48  # and the last was streamed from its start
 
 
 def test_cloud_only_generation_streams_the_targets_own_tokens(
@@ -476,7 +519,7 @@ def test_a_rolling_restart_loses_no_session(tiny_models: dict[str, Path]) -> Non
 
     proc = ServerProcess(tiny_models["llama"], "--drain-timeout", "5")
     try:
-        with remote(tiny_models["draft"], proc.url, k=FIXED_K,
+        with remote(tiny_models["draft"], proc.url, k=FIXED_K, proactive="on",
                     reconnect=Reconnect(delay=0.2, max_delay=1.0, timeout=60.0)) as gen:
             sampling: dict[str, Any] = dict(max_tokens=40, temperature=0.9, seed=5,
                                             stop_token_ids=[])

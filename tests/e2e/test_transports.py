@@ -328,12 +328,12 @@ def answer_within(link: Transport, seconds: float) -> bytes | None:
 def test_fuzzing_leaves_a_legitimate_session_unchanged(
         cloud: Cloud, tiny_models: dict[str, Path]) -> None:
     sampling: dict[str, Any] = dict(max_tokens=60, temperature=0.8, seed=3, stop_token_ids=[])
-    with cloud.generator(tiny_models["draft"], k=FIXED_K) as gen:
+    with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="on") as gen:
         reference = gen.generate(PROMPTS[2], **sampling).token_ids
     legit: dict[str, list[int]] = {}
 
     def legitimate() -> None:
-        with cloud.generator(tiny_models["draft"], k=FIXED_K) as g:
+        with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="on") as g:
             out: list[int] = []
             for chunk in g.stream(PROMPTS[2], **sampling):
                 out.extend(chunk.token_ids)

@@ -94,9 +94,9 @@ def test_generator_checks_options_before_loading_models(tmp_path: Path) -> None:
         Generator.load(missing, missing, k=2, proactive="on")
 
 
-def test_auto_means_on_with_a_server_and_off_in_process() -> None:
+def test_auto_chooses_against_a_server_and_is_off_in_process() -> None:
     auto = EdgeOptions()
-    assert resolve_proactive(auto, in_process=False).proactive is Proactive.ON
+    assert resolve_proactive(auto, in_process=False).proactive is Proactive.AUTO
     assert resolve_proactive(auto, in_process=True).proactive is Proactive.OFF
     stream = EdgeOptions(proactive=Proactive.STREAM)
     assert resolve_proactive(stream, in_process=False) == stream

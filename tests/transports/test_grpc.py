@@ -236,7 +236,8 @@ def test_every_mode_over_grpc_gives_the_in_process_output(
     verifier = local_verifier(target)
     try:
         with Generator(draft, verifier, max_context=draft.max_context,
-                       options=EdgeOptions().with_settings(mode=mode, k=3)) as local:
+                       options=EdgeOptions().with_settings(mode=mode, k=3,
+                                                           proactive="on")) as local:
             expected = local.generate("def parse(", max_tokens=30, temperature=temperature,
                                       top_p=top_p, seed=11, stop_token_ids=[])
     finally:
@@ -249,7 +250,7 @@ def test_every_mode_over_grpc_gives_the_in_process_output(
 
 
 def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft: Any) -> None:
-    with generator(draft, server.url, mode="exact", k=3) as gen:
+    with generator(draft, server.url, mode="exact", k=3, proactive="on") as gen:
         reference = gen.generate("import os", max_tokens=30, temperature=0.9, seed=5,
                                  stop_token_ids=[])
         tokens: list[int] = []

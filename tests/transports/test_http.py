@@ -205,8 +205,8 @@ def test_a_server_restart_mid_generation_is_resumed_unchanged(
     first = ThreadServer(Engine(target))
     port, second = first.port, None
     try:
-        with edge(draft, first.url, k=3, reconnect=Reconnect(attempts=40, delay=0.05,
-                                                             max_delay=0.2)) as gen:
+        with edge(draft, first.url, k=3, proactive="on",
+                  reconnect=Reconnect(attempts=40, delay=0.05, max_delay=0.2)) as gen:
             expected = gen.generate(PROMPTS[1], max_tokens=40, temperature=0.9, seed=5,
                                     stop_token_ids=[]).token_ids
             tokens: list[int] = []

@@ -36,7 +36,7 @@ class BenchConfig:
     prompts: list[str]
     rtt_ms: list[float] = field(default_factory=lambda: [0.0, 20.0, 50.0])
     ks: list[int | str] = field(default_factory=lambda: ["auto"])  # ints or "auto"
-    proactive: list[str] = field(default_factory=lambda: ["off", "on", "stream"])
+    proactive: list[str] = field(default_factory=lambda: ["off", "on", "stream", "auto"])
     iterations: int = 3
     max_tokens: int = 64
     temperature: float = 0.0
@@ -61,7 +61,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
-        name += {"off": " plain", "on": " proactive", "stream": " stream"}[proactive]
+        name += {"off": " plain", "on": " proactive", "stream": " stream",
+                 "auto": " auto"}[proactive]
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name

@@ -38,9 +38,11 @@ def add_parser(sub: Any) -> None:
                        help="round-trip jitter, uniform (default: 0)")
     bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
                        "(default: auto, the adaptive policy)")
-    bench.add_argument("--proactive", default="off,on,stream",
+    bench.add_argument("--proactive", default="off,on,stream,auto",
                        help="proactive drafting settings to compare for --k auto; fixed k "
-                       "values run with the first one (default: off,on,stream)")
+                       "values run with the first one (default: off,on,stream,auto; auto "
+                       "chooses between on and stream as it goes, the default against a "
+                       "server)")
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")
@@ -165,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
                            for v in args.k.split(",") if v.strip()]
     proactive = [v.strip() for v in args.proactive.split(",") if v.strip()]
-    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream"}:
+    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream", "auto"}:
         raise InputError("--k needs values such as 2,4,auto and --proactive values among "
-                         "off,on,stream")
+                         "off,on,stream,auto")
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or not set(transports) <= {"websocket", "grpc", "http"}:
         raise InputError(f"--transport takes websocket, grpc, http; got {args.transport!r}")

@@ -51,6 +51,8 @@ def summary_line(stats: GenerationStats) -> str:
     line = (f"{stats.tokens_per_s:.1f} tokens/s · acceptance {stats.acceptance_rate:.1%} · "
             f"mean accepted length {stats.mean_accepted_len:.2f} · {stats.generated} tokens "
             f"in {stats.wall_s:.2f} s")
+    if stats.auto_stream_tokens:
+        line += f" · {stats.auto_stream_tokens} by stream drafting (auto: faster on this link)"
     if stats.fallback:
         line += f" · {stats.fallback_tokens} tokens from the draft alone (verifier unreachable)"
     if stats.lossy:

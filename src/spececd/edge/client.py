@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
+from spececd.core.policy import Arm, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
@@ -26,6 +27,7 @@ from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
 from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
 from spececd.edge.strategies import (
+    Adaptive,
     BlockAhead,
     CloudOnly,
     DraftAlone,
@@ -50,8 +52,9 @@ PROBE_EVERY = 1.0
 
 class EdgeClient:
     """Generates with ``drafter`` against the verifier ``connect`` reaches. ``options``
-    choose the strategy; ``Proactive.AUTO`` is the caller's to resolve (it runs here as
-    plain rounds)."""
+    choose the strategy; with ``Proactive.AUTO`` the client measures which of block-ahead
+    rounds and stream drafting is faster on its link (:class:`Adaptive`), learning across
+    its generations."""
 
     def __init__(self, drafter: DraftSource, connect: Callable[[], Transport],
                  fingerprint: Fingerprint, max_context: int, auth_token: str = "",
@@ -62,6 +65,7 @@ class EdgeClient:
         self.auth_token = auth_token
         self.options = options or EdgeOptions()
         self.link = Link(connect, self.options.reconnect)
+        self.chooser = StrategyChooser()  # what --proactive auto has learnt of this link
 
     def close(self) -> None:
         self.link.close()
@@ -75,11 +79,14 @@ class EdgeClient:
         out = Emitter(prompt_ids, params, stats, self.max_context)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting
+        strategy: Strategy | None = None
+        finished = False
         try:
             while True:
                 try:
-                    yield from self._run(self._strategy(out, params, stats, cloud_only, probe),
-                                         out)
+                    strategy = self._strategy(out, params, stats, cloud_only, probe)
+                    yield from self._run(strategy, out)
+                    finished = True
                     return
                 except CloudUnreachable:
                     if self.options.fallback is not Fallback.DRAFT:
@@ -89,10 +96,15 @@ class EdgeClient:
                                 "alone (unverified, marked as such) until it answers again")
                 out.fall_back(self.max_context)
                 if (yield from self._draft_alone(out, params, stats)):
+                    finished = True
                     return
                 probe = True
         finally:
             stats.wall_s += time.perf_counter() - start
+            if not finished and strategy is not None and strategy.streams:
+                # Left early (a stop string, a caller gone) while the server generates:
+                # its next frames belong to no generation, so this connection ends here.
+                self.link.drop()
 
     def _draft_alone(self, out: Emitter, params: SamplingParams, stats: GenerationStats
                      ) -> Generator[RoundOutput, None, bool]:
@@ -131,12 +143,19 @@ class EdgeClient:
         self.link.reconnect = dataclasses.replace(reconnect, attempts=0) if probe \
             else reconnect
         # Stream drafting and cloud-only generation are verified by match: drafts travel
-        # without distributions.
+        # without distributions. Threshold mode does not stream, so auto means rounds there.
+        if proactive is Proactive.AUTO and options.mode is Mode.THRESHOLD:
+            proactive = Proactive.ON
         streams = cloud_only or proactive is Proactive.STREAM
         mode = Mode.MATCH if streams else options.mode
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
                               options.threshold if mode is Mode.THRESHOLD else 0.0)
-        welcome = self.link.greet(session, stats)
+        # Auto: rounds in the asked mode, or streaming by match (the same session when the
+        # mode is match), whichever the chooser starts this generation with.
+        arm = self.chooser.start() if proactive is Proactive.AUTO and not cloud_only else None
+        stream_session = session if mode is Mode.MATCH else EdgeSession(
+            self.fingerprint, Mode.MATCH, params, self.auth_token)
+        welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
         self.link.reconnect = reconnect
         if probe:
             log.warning("the verifier answers again: generation is verified from here on")
@@ -147,6 +166,9 @@ class EdgeClient:
         k_max = min(options.k or options.k_max, welcome.max_draft)
         if cloud_only:
             return CloudOnly(work)
+        if arm is not None:
+            stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
+            return Adaptive(work, stream, self.chooser, arm, k_max, adaptive=options.k is None)
         if proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max)
         rounds = BlockAhead if proactive is Proactive.ON else Rounds

@@ -10,6 +10,8 @@ own statistics (drafting, rounds, timings) and never emits.
 - :class:`BlockAhead`: the same, drafting the next block while the verdict is in flight;
 - :class:`CloudOnly`: the server generates every token and streams it (the baseline);
 - :class:`StreamDrafting`: cloud-only generation with drafts streamed ahead as hints;
+- :class:`Adaptive`: block-ahead rounds or stream drafting, whichever is faster here
+  (:class:`~spececd.core.policy.StrategyChooser`);
 - :class:`DraftAlone`: the fallback when the verifier is unreachable, unverified.
 """
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from spececd.core.policy import DraftLengthPolicy, Ema
+from spececd.core.policy import Arm, DraftLengthPolicy, Ema, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
@@ -36,6 +38,11 @@ Block: TypeAlias = tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]  # tok
 
 
 class Strategy(Protocol):
+    @property
+    def streams(self) -> bool:
+        """Whether the server generates on its own (a generation left may still send)."""
+        ...
+
     def step(self, out: Emitter) -> list[Piece]: ...
 
 
@@ -63,6 +70,7 @@ class Rounds:
     ``adaptive``, chosen each round by :class:`DraftLengthPolicy` from live measurements."""
 
     proactive = False  # whether drafting overlaps the round trip (BlockAhead)
+    streams = False
 
     def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
         self.work, self.k_max = work, k_max
@@ -183,6 +191,8 @@ class CloudOnly:
     reads. The baseline speculative decoding has to beat, and the ground stream drafting
     stands on."""
 
+    streams = True
+
     def __init__(self, work: Work) -> None:
         self.work = work
         self.requested = False  # the generation under way was asked for on this connection
@@ -268,8 +278,46 @@ class StreamDrafting(CloudOnly):
                 for reply in work.link.send_and_poll(work.session, hint, work.stats)]
 
 
+class Adaptive:
+    """``--proactive auto`` against a server: block-ahead rounds (in the session's mode) or
+    stream drafting (by match, on a session of its own on the same link, whose cache the
+    server shares), whichever the ``chooser`` finds faster on this link; both are lossless,
+    so the output's distribution does not depend on the choice (for a seed, the tokens may,
+    as with ``k`` auto in exact mode). A generation under way switches to streaming at
+    once; streaming goes on to the end of its generation (the server's generation cannot
+    be taken back mid-way)."""
+
+    def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser, arm: Arm,
+                 k_max: int, adaptive: bool) -> None:
+        self.stream_work, self.chooser, self.arm, self.k_max = stream, chooser, arm, k_max
+        self.current: Strategy = (BlockAhead(rounds, k_max, adaptive)
+                                  if self.arm is Arm.ROUNDS else StreamDrafting(stream, k_max))
+        self.tokens, self.seconds = 0, 0.0  # this segment's
+
+    @property
+    def streams(self) -> bool:
+        return self.arm is Arm.STREAM
+
+    def step(self, out: Emitter) -> list[Piece]:
+        t0 = time.perf_counter()
+        pieces = self.current.step(out)
+        self.seconds += time.perf_counter() - t0
+        tokens = sum(len(piece.tokens) for piece in pieces)
+        self.tokens += tokens
+        if self.arm is Arm.STREAM:
+            self.stream_work.stats.auto_stream_tokens += tokens
+        if self.tokens >= self.chooser.segment:
+            arm = self.chooser.observe(self.arm, self.tokens, self.seconds)
+            self.tokens, self.seconds = 0, 0.0
+            if self.arm is Arm.ROUNDS and arm is Arm.STREAM:
+                self.arm, self.current = arm, StreamDrafting(self.stream_work, self.k_max)
+        return pieces
+
+
 class DraftAlone:
     """The fallback: the draft model alone, a token at a time, unverified."""
+
+    streams = False
 
     def __init__(self, drafter: DraftSource, params: SamplingParams,
                  stats: GenerationStats) -> None:
