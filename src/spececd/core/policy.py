@@ -214,3 +214,45 @@ class StrategyChooser:
         self._spacing = (self.max_probe if behind < self.close * ahead
                          else min(self.max_probe, 2 * self._spacing))
         self._since_probe = 0
+
+
+@dataclass
+class HintGate:
+    """Stream drafting: whether hints are worth sending on this link.
+
+    A hint helps only if it reaches the server before the server has generated past it.
+    When the round trip is longer than the server takes to generate as many tokens as
+    the edge drafts ahead, every hint arrives late: drafting then costs the edge's time
+    and the link's bytes for nothing. After ``patience`` steps in a row in which the
+    server verified no hint, the gate closes for ``pause`` tokens (the edge only reads,
+    as in cloud-only generation), then opens to try again; each fruitless try doubles the
+    pause (up to ``max_pause``), and a verified hint resets it. Pure: the caller counts.
+    """
+
+    patience: int = 16
+    first_pause: int = 32
+    max_pause: int = 1024
+    _fruitless: int = 0  # steps in a row that verified no hint, while hints were sent
+    _pause: int = 0  # the current pause's length in tokens
+    _closed_for: int = 0  # tokens still to receive before the gate opens
+
+    def __post_init__(self) -> None:
+        self._pause = self.first_pause
+
+    @property
+    def open(self) -> bool:
+        return self._closed_for <= 0
+
+    def step(self, tokens: int, verified: bool, hinted: bool) -> None:
+        """Feed one server step: the ``tokens`` it brought, whether it verified hints, and
+        whether hints were out when it ran."""
+        if not self.open:
+            self._closed_for -= tokens
+            return
+        if verified:
+            self._fruitless, self._pause = 0, self.first_pause
+        elif hinted:
+            self._fruitless += 1
+            if self._fruitless >= self.patience:
+                self._closed_for, self._fruitless = self._pause, 0
+                self._pause = min(self.max_pause, 2 * self._pause)

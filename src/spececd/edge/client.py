@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
-from spececd.core.policy import Arm, StrategyChooser
+from spececd.core.policy import Arm, HintGate, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
@@ -65,7 +65,9 @@ class EdgeClient:
         self.auth_token = auth_token
         self.options = options or EdgeOptions()
         self.link = Link(connect, self.options.reconnect)
-        self.chooser = StrategyChooser()  # what --proactive auto has learnt of this link
+        # What this client has learnt of its link: which way to speculate (auto), and
+        # whether stream drafting's hints arrive in time.
+        self.chooser, self.hint_gate = StrategyChooser(), HintGate()
 
     def close(self) -> None:
         self.link.close()
@@ -168,8 +170,9 @@ class EdgeClient:
             return CloudOnly(work)
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
-            return Adaptive(work, stream, self.chooser, arm, k_max, adaptive=options.k is None)
+            return Adaptive(work, stream, self.chooser, self.hint_gate, arm, k_max,
+                            adaptive=options.k is None)
         if proactive is Proactive.STREAM:
-            return StreamDrafting(work, ahead=k_max)
+            return StreamDrafting(work, ahead=k_max, gate=self.hint_gate)
         rounds = BlockAhead if proactive is Proactive.ON else Rounds
         return rounds(work, k_max, adaptive=options.k is None)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from spececd.core.policy import Arm, DraftLengthPolicy, Ema, StrategyChooser
+from spececd.core.policy import Arm, DraftLengthPolicy, Ema, HintGate, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
@@ -232,11 +232,14 @@ class StreamDrafting(CloudOnly):
 
     A hint goes out after every half server step's worth of drafting (measured: the
     server's lone steps against this drafter's), so a fast drafter sends fuller hints and
-    a slow one sends them early."""
+    a slow one sends them early. When hints keep arriving after the server has generated
+    past them (a round trip longer than the lookahead), the ``gate`` stops drafting for a
+    while: the edge then costs what cloud-only generation costs."""
 
-    def __init__(self, work: Work, ahead: int) -> None:
+    def __init__(self, work: Work, ahead: int, gate: HintGate | None = None) -> None:
         super().__init__(work)
         self.ahead = ahead
+        self.gate = gate or HintGate()  # closed while hints keep arriving too late
         self.draft: list[int] = []  # drafted tokens after the history
         self.sent = 0  # how many of them the server has been sent
         self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
@@ -247,6 +250,7 @@ class StreamDrafting(CloudOnly):
     def received(self, reply: Reply) -> Piece:
         piece = super().received(reply)
         assert isinstance(reply, m.Tokens)
+        self.gate.step(len(reply.token_ids), verified=reply.drafted > 0, hinted=self.sent > 0)
         ids = list(reply.token_ids)
         if self.draft[:len(ids)] == ids:  # the target agreed with the draft so far
             del self.draft[:len(ids)]
@@ -259,7 +263,8 @@ class StreamDrafting(CloudOnly):
 
     def step(self, out: Emitter) -> list[Piece]:
         want = min(self.ahead, min(out.remaining, out.room) - 1) - len(self.draft)
-        if not self.requested or want <= 0 or self.work.link.transport is None:
+        if not (self.requested and want > 0 and self.gate.open
+                and self.work.link.transport is not None):
             return super().step(out)  # ask for the generation, or wait for the next tokens
         draft_step, server_step = self.draft_step.value, self.server_step.value
         chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
@@ -287,11 +292,12 @@ class Adaptive:
     once; streaming goes on to the end of its generation (the server's generation cannot
     be taken back mid-way)."""
 
-    def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser, arm: Arm,
-                 k_max: int, adaptive: bool) -> None:
-        self.stream_work, self.chooser, self.arm, self.k_max = stream, chooser, arm, k_max
+    def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser, gate: HintGate,
+                 arm: Arm, k_max: int, adaptive: bool) -> None:
+        self.stream_work, self.chooser, self.gate = stream, chooser, gate
+        self.arm, self.k_max = arm, k_max
         self.current: Strategy = (BlockAhead(rounds, k_max, adaptive)
-                                  if self.arm is Arm.ROUNDS else StreamDrafting(stream, k_max))
+                                  if arm is Arm.ROUNDS else StreamDrafting(stream, k_max, gate))
         self.tokens, self.seconds = 0, 0.0  # this segment's
 
     @property
@@ -310,7 +316,8 @@ class Adaptive:
             arm = self.chooser.observe(self.arm, self.tokens, self.seconds)
             self.tokens, self.seconds = 0, 0.0
             if self.arm is Arm.ROUNDS and arm is Arm.STREAM:
-                self.arm, self.current = arm, StreamDrafting(self.stream_work, self.k_max)
+                self.arm = arm
+                self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
         return pieces
 
 
