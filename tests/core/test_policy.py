@@ -88,7 +88,7 @@ def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int
             n = min(chooser.segment, left)
             segments.append((arm, n))
             left -= n
-            following = chooser.observe(arm, n, n / speed[arm])
+            following = chooser.record(arm, n, n / speed[arm])
             if arm is Arm.ROUNDS:  # streaming goes on to the end of its generation
                 arm = following
     return segments
@@ -133,11 +133,13 @@ def test_a_link_that_changes_is_followed() -> None:
     assert share(segments[-80:], Arm.ROUNDS) > 0.85
 
 
-def test_nothing_measured_is_no_measure() -> None:
+def test_a_segment_counts_its_tokens_over_all_its_time() -> None:
     chooser = StrategyChooser()
-    assert chooser.observe(Arm.ROUNDS, 0, 0.5) is Arm.ROUNDS
-    assert chooser.observe(Arm.ROUNDS, 16, 0.0) is Arm.ROUNDS
+    assert chooser.record(Arm.ROUNDS, 0, 0.05) is Arm.ROUNDS  # no token, but time
+    assert chooser.record(Arm.ROUNDS, 15, 0.1) is Arm.ROUNDS  # not a segment yet
     assert chooser.speed(Arm.ROUNDS) is None and chooser.start() is Arm.ROUNDS
+    assert chooser.record(Arm.ROUNDS, 1, 0.05) is Arm.STREAM  # 16 tokens: now stream
+    assert chooser.speed(Arm.ROUNDS) == pytest.approx(80.0)
 
 
 # -- the hint gate (stream drafting) ----------------------------------------------------

@@ -298,7 +298,10 @@ class Adaptive:
         self.arm, self.k_max = arm, k_max
         self.current: Strategy = (BlockAhead(rounds, k_max, adaptive)
                                   if arm is Arm.ROUNDS else StreamDrafting(stream, k_max, gate))
-        self.tokens, self.seconds = 0, 0.0  # this segment's
+        # The first exchange of an arm carries one-off costs (the prompt's prefill, a new
+        # hello, the request of a stream) that would make whichever arm starts a
+        # generation look slower: it is not measured.
+        self.warm = False
 
     @property
     def streams(self) -> bool:
@@ -307,17 +310,17 @@ class Adaptive:
     def step(self, out: Emitter) -> list[Piece]:
         t0 = time.perf_counter()
         pieces = self.current.step(out)
-        self.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         tokens = sum(len(piece.tokens) for piece in pieces)
-        self.tokens += tokens
         if self.arm is Arm.STREAM:
             self.stream_work.stats.auto_stream_tokens += tokens
-        if self.tokens >= self.chooser.segment:
-            arm = self.chooser.observe(self.arm, self.tokens, self.seconds)
-            self.tokens, self.seconds = 0, 0.0
-            if self.arm is Arm.ROUNDS and arm is Arm.STREAM:
-                self.arm = arm
-                self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
+        if not self.warm:
+            self.warm = bool(pieces)
+            return pieces
+        arm = self.chooser.record(self.arm, tokens, seconds)
+        if self.arm is Arm.ROUNDS and arm is Arm.STREAM:
+            self.arm, self.warm = arm, False
+            self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
         return pieces
 
 
