@@ -373,7 +373,8 @@ def test_auto_settles_on_stream_drafting_over_a_slow_link(
     finally:
         proxy.stop()
     assert streamed[0] > 0  # the first generation tried streaming after a round segment
-    assert streamed[-1] == 48  # and the last was streamed from its start
+    # From then on it streams, but for a probe of rounds now and then (16 tokens or so).
+    assert sum(streamed[1:]) >= 0.75 * 3 * 48
 
 
 def test_cloud_only_generation_streams_the_targets_own_tokens(
