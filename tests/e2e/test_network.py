@@ -543,6 +543,28 @@ def test_a_rolling_restart_loses_no_session(tiny_models: dict[str, Path]) -> Non
         proc.stop()
 
 
+def test_sigterm_stops_a_server_whose_stderr_is_gone(tiny_models: dict[str, Path]) -> None:
+    """A server started by a process that has since gone (its stderr pipe closed) must
+    still drain and exit on SIGTERM: saying so on stderr must not be what fails."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "spececd", "serve", "--target-model",
+                             str(tiny_models["llama"]), "--threads", "1", "--port", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stderr is not None
+        while "serving" not in proc.stderr.readline():
+            assert proc.poll() is None, "the server did not start"
+        proc.stderr.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_with_fallback_the_draft_bridges_an_outage_and_verification_resumes(
         tiny_models: dict[str, Path]) -> None:
     """--fallback draft: while the verifier is down the draft generates alone, each token

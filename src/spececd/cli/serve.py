@@ -96,9 +96,12 @@ def serve(cfg: ServerConfig, token: str) -> int:
             engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None, ready))
 
         async def drain() -> None:
-            print("spececd: draining (SIGTERM)", file=sys.stderr, flush=True)
-            await engine.drain(cfg.drain_timeout)
-            serving.cancel()
+            try:
+                with contextlib.suppress(OSError):  # stderr may be gone (its reader left)
+                    print("spececd: draining (SIGTERM)", file=sys.stderr, flush=True)
+                await engine.drain(cfg.drain_timeout)
+            finally:  # whatever happens, SIGTERM ends the server
+                serving.cancel()
 
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(drain()))
