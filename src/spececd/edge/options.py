@@ -25,7 +25,9 @@ from spececd.errors import InputError
 class Proactive(str, enum.Enum):
     """What the edge does while the verifier works."""
 
-    AUTO = "auto"  # on with a server, off in-process (resolved by spececd.api)
+    # With a server: on or stream, whichever is measured faster on the link (the edge
+    # client's StrategyChooser); in-process: off (resolved by spececd.api).
+    AUTO = "auto"
     OFF = "off"  # plain rounds: draft, send, wait for the verdict
     ON = "on"  # draft the next block while the verdict is in flight
     STREAM = "stream"  # the server generates; drafts stream ahead of it as hints
