@@ -182,10 +182,10 @@ class StrategyChooser:
 
     A session starts in rounds and measures streaming next, then keeps the faster arm
     (the other must be faster by ``margin`` to take over) and measures the other again
-    after ``probe_after`` tokens: a spacing that doubles each time the other arm loses again, up to
-    ``max_probe``, and goes straight there when the other was far behind (under ``close``
-    times the leader). A change of link is noticed late; an arm that is clearly worse
-    costs little.
+    after ``probe_after`` tokens: a spacing that doubles each time the other arm loses
+    again, up to ``max_probe``, and goes straight there when the other was far behind
+    (under ``close`` times the leader). A change of link is noticed late; an arm that is
+    clearly worse costs little.
 
     Pure: no clock, no I/O. Stream drafting cannot stop a generation under way, so a
     switch to rounds takes effect at the next generation (:meth:`start`); a switch to
