@@ -219,17 +219,9 @@ class Generator:
                                 auth_token=auth_token, open_timeout=min(10.0, round_timeout),
                                 recv_timeout=round_timeout)
             draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
-            if target_tokenizer:
-                shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
-            else:  # the server's, when it differs from the draft's (it says so)
-                from spececd.backends import bundle
-
-                shared = bundle.fetch(server, tokenizer_fingerprint(
-                    draft_backend.tokenizer, draft_backend.vocab_size), tls_ca, tls_verify)
-            theirs, vocab = shared if shared else (None, 0)
-            return cls(draft_backend, connect, max_context=draft_backend.max_context,
-                       options=options, auth_token=auth_token, target_tokenizer=theirs,
-                       target_vocab=vocab)
+            return cls.remote(draft_backend, server, connect, target_tokenizer=target_tokenizer,
+                              tls_ca=tls_ca, tls_verify=tls_verify, options=options,
+                              auth_token=auth_token)
         assert target is not None
         draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
         target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
@@ -241,6 +233,26 @@ class Generator:
                    options=options, target=target_backend, local=verifier,
                    target_tokenizer=target_backend.tokenizer,
                    target_vocab=target_backend.vocab_size)
+
+    @classmethod
+    def remote(cls, draft: Backend, server: str, connect: Callable[[], Transport], *,
+               target_tokenizer: str | None = None, tls_ca: str | None = None,
+               tls_verify: bool = True, options: EdgeOptions | None = None,
+               auth_token: str = "") -> Generator:
+        """A generator for a loaded draft and the verifier at ``server``, reached through
+        ``connect``: with the target's tokenizer when the draft's is another
+        (``target_tokenizer``, else the server's, which it hands out when they differ)."""
+        if target_tokenizer:
+            shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
+        else:
+            from spececd.backends import bundle
+
+            shared = bundle.fetch(server, tokenizer_fingerprint(draft.tokenizer,
+                                                                draft.vocab_size),
+                                  tls_ca, tls_verify)
+        theirs, vocab = shared if shared else (None, 0)
+        return cls(draft, connect, max_context=draft.max_context, options=options,
+                   auth_token=auth_token, target_tokenizer=theirs, target_vocab=vocab)
 
     @property
     def options(self) -> EdgeOptions:
@@ -365,7 +377,7 @@ class Generator:
                     if stops.found:  # the ids up to the stop string, no further
                         part = self._through_stop(emitted, part, stops.stops)
                         yield StreamChunk(part, text, source)
-                        rounds.close()  # ends the session early
+                        rounds.close()  # at once, not when the caller takes the last chunk
                         yield StreamChunk((), "", source, "stop")
                         return
                     emitted.extend(part)

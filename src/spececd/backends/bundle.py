@@ -35,6 +35,7 @@ from spececd.protocol.messages import Fingerprint
 log = logging.getLogger(__name__)
 
 PATH = "/v1/tokenizer"
+NOT_EXPORTABLE = "this target's tokenizer cannot be exported: use --target-tokenizer\n"
 HTTP_BASES = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
 
 

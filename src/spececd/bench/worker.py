@@ -141,16 +141,8 @@ class SpecRunner:
         from spececd.transports.registry import connector
 
         url = request["server"]
-        if url not in self.generators:
-            from spececd.backends import bundle
-            from spececd.backends.base import tokenizer_fingerprint
-
-            shared = bundle.fetch(url, tokenizer_fingerprint(self.draft.tokenizer,
-                                                             self.draft.vocab_size))
-            theirs, vocab = shared if shared else (None, 0)  # a draft with another tokenizer
-            self.generators[url] = Generator(
-                self.draft, connector(url), max_context=self.draft.max_context,
-                target_tokenizer=theirs, target_vocab=vocab)
+        if url not in self.generators:  # (a draft with another tokenizer gets the target's)
+            self.generators[url] = Generator.remote(self.draft, url, connector(url))
         self.generator = self.generators[url]
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k") or 4,

@@ -66,6 +66,12 @@ class EnginePolicy:
 _WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
 
 
+def _draining() -> Draining:
+    """What a draining server answers new sessions, new rounds and streams under way."""
+    return Draining("the server is shutting down; reconnect (through a balancer: to "
+                    "another replica) and re-send the history")
+
+
 class Inbox:
     """Frames received on one link, in order, each with its arrival time; ``None`` marks
     the end of the link. Used on the engine's event loop only."""
@@ -213,8 +219,7 @@ class Engine:
         answers with a ``server_busy`` error and closes. ``authorized``: the transport
         checked the client's token itself (gRPC metadata), so its hello needs none."""
         if self.draining:
-            error: ProtocolError = Draining("the server is shutting down; reconnect to "
-                                            "another one and re-send the history")
+            error: ProtocolError = _draining()
             return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
         if len(self.links) >= self.policy.max_sessions:
             error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
@@ -260,8 +265,7 @@ class Engine:
                 if frame is None:
                     return ending
                 if self.draining:  # new work goes to another replica
-                    await send(link.error(Draining("the server is shutting down; reconnect "
-                                                   "and re-send the history"), -1))
+                    await send(link.error(_draining(), -1))
                     ending = Ending.DRAINED
                     return ending
                 await self._handle(link, frame, send)
@@ -309,8 +313,7 @@ class Engine:
                 return  # nobody is listening any more
             if self.draining:
                 session.stream = None
-                await send(link.error(Draining("the server is shutting down; reconnect and "
-                                               "re-send the history"), -1))
+                await send(link.error(_draining(), -1))
                 return
             later = link.inbox.poll()
             if (not later and dry_since is not None and turnaround.seen and step_s.seen

@@ -62,8 +62,7 @@ def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
             data = (engine.tokenizer_bundle() if request.path == bundle.PATH
                     else bundle.fingerprint_json(engine.fingerprint))
             if data is None:
-                return connection.respond(HTTPStatus.NOT_FOUND, "this target's tokenizer "
-                                          "cannot be exported: use --target-tokenizer\n")
+                return connection.respond(HTTPStatus.NOT_FOUND, bundle.NOT_EXPORTABLE)
             return Response(HTTPStatus.OK, "OK", Headers([
                 ("Content-Type", "application/json" if request.path != bundle.PATH
                  else "application/vnd.msgpack"), ("Content-Length", str(len(data)))]), data)

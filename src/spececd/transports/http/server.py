@@ -64,8 +64,7 @@ async def tokenizer(engine: EngineDep) -> Response:
     """The target's tokenizer (a msgpack bundle), for edges whose draft has another."""
     data = engine.tokenizer_bundle()
     if data is None:
-        return PlainTextResponse("this target's tokenizer cannot be exported: use "
-                                 "--target-tokenizer\n", 404)
+        return PlainTextResponse(bundle.NOT_EXPORTABLE, 404)
     return Response(data, media_type="application/vnd.msgpack")
 
 
