@@ -82,11 +82,13 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
           max_tokens: int, cloud_only: bool, deadline: float, seed: int) -> ClientResult:
     """One edge session generating greedily, again and again, until ``deadline``."""
     from spececd.edge.client import EdgeClient
-    from spececd.edge.options import EdgeOptions
+    from spececd.edge.options import EdgeOptions, Proactive
     from spececd.transports.registry import connector
 
+    # Plain rounds, as the load figures are defined (a verify pass per round), not the
+    # default "auto", which may stream.
     client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30,
-                        options=EdgeOptions(mode=Mode.GREEDY, k=k))
+                        options=EdgeOptions(mode=Mode.GREEDY, k=k, proactive=Proactive.OFF))
     result = ClientResult()
     params = SamplingParams(temperature=0.0, seed=seed, max_tokens=max_tokens)
     start = time.perf_counter()
