@@ -84,7 +84,7 @@ def test_empty_draft_samples_the_bonus() -> None:
 
 def test_shapes_are_checked() -> None:
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="k \\+ 1"):
+    with pytest.raises(ValueError, match="n \\+ 1"):
         verify([1, 2], one_hot([1, 2]), rng, Mode.MATCH)
     with pytest.raises(ValueError, match="draft distribution"):
         verify([1], one_hot([1, 2]), rng, Mode.EXACT, None)

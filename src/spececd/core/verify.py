@@ -24,13 +24,31 @@ experiments only, is LOSSY:
   below it is replaced by the verifier's own draw from ``target_probs``. It keeps tokens the
   target finds merely plausible, so its output is not the target's distribution.
 
+A block may be a **tree** of candidates (Sequoia, SpecInfer): ``parents[i]`` is the node
+that drafted token ``i`` follows, ``-1`` for the context's last token, each parent before
+its children. ``target_probs`` row 0 is the distribution after the context and row
+``i + 1`` the one after node ``i``'s path. Verification walks down from the root: at a
+node it decides among the children in order, follows the one it keeps, and stops with
+the verifier's own token where it keeps none. A chain (``parents = None``) is the tree
+whose every node has one child. Per mode, at a node with children ``c_1, c_2, ...``:
+
+- ``match``/``greedy``: draw the verifier's token from the node's ``target_probs``; follow
+  the first child equal to it, else emit it. Token ids only; duplicates are harmless.
+- ``exact`` (recursive rejection): child ``c_j`` carries ``draft_probs[c_j]``, the
+  distribution it was drawn from given its earlier siblings (the same distribution drawn
+  with replacement, or without the earlier siblings' tokens without replacement). Accept
+  it with probability ``min(1, P(x) / q_j(x))``; after a rejection ``P`` becomes
+  ``norm(max(0, P - q_j))``; when every child is rejected, emit a draw from ``P``. By
+  induction over the children, the emitted token follows the node's ``target_probs``.
+- ``threshold``: follow the first child the target gives at least ``threshold``.
+
 This module is pure: arrays and an explicit RNG in, a frozen result out.
 
-The RNG is either one generator for the whole block or a function from the offset in the
+The RNG is either one generator for the whole block or a function from the depth in the
 block to a generator. The verifier passes the latter, keyed by absolute position, so that
 position ``n``'s draws do not depend on where a block started: in ``match`` and ``greedy``
 mode the output is then exactly the target-alone sample for the same seed, however the
-tokens were split into blocks (or generated without a draft).
+tokens were split into blocks, or branched into trees (or generated without a draft).
 """
 
 from __future__ import annotations
@@ -46,46 +64,82 @@ from spececd.core.sampling import Mode, SparseProbs, sample
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int
-    next_token: int  # the correction if num_accepted < k, else the bonus
+    next_token: int  # the correction where a node's children were all rejected, else the bonus
+    path: tuple[int, ...] | None = None  # trees: the accepted nodes, root first
+
+
+def check_tree(parents: Sequence[int], size: int) -> None:
+    """Raise ``ValueError`` unless ``parents`` ``[size]`` is a tree in node order."""
+    if len(parents) != size:
+        raise ValueError(f"a tree of {size} nodes needs {size} parents, got {len(parents)}")
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i}'s parent must be -1 or an earlier node, got {parent}")
+
+
+def tree_paths(parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each node's path from the root, itself last: the drafted tokens its row follows."""
+    paths: list[tuple[int, ...]] = []
+    for i, parent in enumerate(parents):
+        paths.append((*paths[parent], i) if parent >= 0 else (i,))
+    return paths
 
 
 def verify(
-    draft_tokens: Sequence[int],  # [k]
-    target_probs: np.ndarray,  # [k + 1, vocab]
+    draft_tokens: Sequence[int],  # [n]
+    target_probs: np.ndarray,  # [n + 1, vocab]
     rng: np.random.Generator | Callable[[int], np.random.Generator],
     mode: Mode,
-    draft_probs: Sequence[SparseProbs] | None = None,  # [k], required in exact mode
+    draft_probs: Sequence[SparseProbs] | None = None,  # [n], required in exact mode
     threshold: float = 0.0,  # threshold mode only, in (0, 1]
+    parents: Sequence[int] | None = None,  # [n]: a tree; None: a chain
 ) -> VerifyResult:
-    k = len(draft_tokens)
-    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
-        raise ValueError(f"target_probs must be [k + 1, vocab] = [{k + 1}, V], "
+    n = len(draft_tokens)
+    if target_probs.ndim != 2 or target_probs.shape[0] != n + 1:
+        raise ValueError(f"target_probs must be [n + 1, vocab] = [{n + 1}, V], "
                          f"got {target_probs.shape}")
-    if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != k):
+    if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != n):
         raise ValueError("exact mode needs one draft distribution per drafted token")
     if mode is Mode.THRESHOLD and not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold mode needs a threshold in (0, 1], got {threshold}")
+    children: list[list[int]] = [[] for _ in range(n + 1)]  # by row: node + 1
+    if parents is None:
+        for i in range(n):
+            children[i].append(i)
+    else:
+        check_tree(parents, n)
+        for i, parent in enumerate(parents):
+            children[parent + 1].append(i)
 
-    def at(i: int) -> np.random.Generator:
-        return rng if isinstance(rng, np.random.Generator) else rng(i)
+    def at(depth: int) -> np.random.Generator:
+        return rng if isinstance(rng, np.random.Generator) else rng(depth)
 
-    for i, token in enumerate(draft_tokens):
-        gen = at(i)
+    path: list[int] = []
+    row = 0  # the node reached, as its row in target_probs
+    while True:
+        gen, probs = at(len(path)), target_probs[row]
+        chosen = emitted = None
         if mode is Mode.EXACT:
             assert draft_probs is not None
-            target_p, draft_p = target_probs[i, token], draft_probs[i].prob_of(token)
-            if gen.random() < min(1.0, target_p / draft_p):
-                continue
-            residual = np.maximum(target_probs[i] - draft_probs[i].dense(target_probs.shape[1]), 0)
-            # A zero residual means target == draft here, where rejection has probability 0;
-            # only rounding gets us here, and the target distribution is then the residual.
-            correction = sample(residual if residual.sum() > 0 else target_probs[i], gen)
-            return VerifyResult(num_accepted=i, next_token=correction)
-        if mode is Mode.THRESHOLD:
-            if target_probs[i, token] >= threshold:
-                continue
-            return VerifyResult(num_accepted=i, next_token=sample(target_probs[i], gen))
-        own = sample(target_probs[i], gen)
-        if own != token:
-            return VerifyResult(num_accepted=i, next_token=own)
-    return VerifyResult(num_accepted=k, next_token=sample(target_probs[k], at(k)))
+            mass = 1.0  # probs is P times mass: a residual is left unnormalised
+            for child in children[row]:
+                token, dist = draft_tokens[child], draft_probs[child]
+                if gen.random() < min(1.0, probs[token] / mass / dist.prob_of(token)):
+                    chosen = child
+                    break
+                residual = np.maximum(probs / mass - dist.dense(target_probs.shape[1]), 0)
+                # A zero residual means P == q here, where rejection has probability 0;
+                # only rounding gets here, and P is then the residual.
+                if residual.sum() > 0:
+                    probs, mass = residual, float(residual.sum())
+        elif mode is Mode.THRESHOLD:
+            chosen = next((c for c in children[row] if probs[draft_tokens[c]] >= threshold),
+                          None)
+        else:
+            emitted = sample(probs, gen)
+            chosen = next((c for c in children[row] if draft_tokens[c] == emitted), None)
+        if chosen is None:
+            token = sample(probs, gen) if emitted is None else emitted
+            return VerifyResult(len(path), token, None if parents is None else tuple(path))
+        path.append(chosen)
+        row = chosen + 1
