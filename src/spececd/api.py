@@ -188,7 +188,8 @@ class Generator:
         measured acceptance and costs), ``proactive`` (``"on"`` or True: draft the next
         block while a verdict is in flight; ``"stream"``: the server generates without
         waiting and the edge sends it drafts as hints; ``"off"``; ``"auto"``: on with a
-        server, off in-process), ``max_support``, ``fallback`` (``"draft"``: finish with
+        server, off in-process), ``max_support``, ``tree_width`` (candidates per drafted
+        position: token trees where the draft is unsure), ``fallback`` (``"draft"``: finish with
         the draft model alone when the server is unreachable), ``reconnect``
         (a :class:`~spececd.edge.options.Reconnect`).
 

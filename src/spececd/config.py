@@ -64,8 +64,8 @@ class ServerConfig:
 class EdgeConfig:
     """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
     edge's options (``mode``, ``threshold``, ``k``, ``proactive``, ``max_support``,
-    ``fallback``, ``reconnect_attempts``, ``reconnect_delay``, ``reconnect_timeout``), parsed
-    into ``options``."""
+    ``tree_width``, ``fallback``, ``reconnect_attempts``, ``reconnect_delay``,
+    ``reconnect_timeout``), parsed into ``options``."""
 
     server: str = ""
     draft_model: str = ""

@@ -14,8 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.backends.base import sync  # noqa: E402
+from spececd.backends.base import Extend, sync  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
+from spececd.core.verify import tree_paths  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -53,6 +54,70 @@ def test_extend_truncate_match_a_fresh_forward(arch: str, tiny_models: dict[str,
             worst = max(worst, float(np.abs(logits - expected).max()))
     print(f"{arch}: max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+def random_tree(rng: np.random.Generator, n: int, first: int = -1) -> list[int]:
+    """Parents of a random tree of ``n`` nodes; the roots' parent is ``first``."""
+    return [first if i == 0 or rng.random() < 0.3 else int(rng.integers(0, i))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_extend_gives_each_node_its_paths_logits(arch: str,
+                                                        tiny_models: dict[str, Path]) -> None:
+    """Each node of a tree sees the cache and its ancestors only; keeping one path
+    (a gather) leaves the cache a fresh forward over that path would build."""
+    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+    assert backend.tree_attention
+    rng = np.random.default_rng(11)
+    worst = 0.0
+    seq = backend.new_sequence()
+    prefix = [int(t) for t in rng.integers(0, backend.vocab_size, size=9)]
+    seq.extend(prefix, keep=0)
+    for _ in range(3):
+        n = int(rng.integers(4, 10))
+        ids = [int(t) for t in rng.integers(0, backend.vocab_size, size=n)]
+        parents = random_tree(rng, n)
+        logits = seq.extend(ids, parents=parents)
+        paths = tree_paths(parents)
+        for node, path in enumerate(paths):
+            expected = fresh_logits(backend, [*prefix, *(ids[i] for i in path)])[-1]
+            worst = max(worst, float(np.abs(logits[node] - expected).max()))
+        kept = paths[int(rng.integers(0, n))]
+        seq.select(len(prefix), [len(prefix) + i for i in kept])
+        prefix = [*prefix, *(ids[i] for i in kept)]
+        assert seq.tokens == prefix
+        after = [int(t) for t in rng.integers(0, backend.vocab_size, size=2)]
+        logits = seq.extend(after)
+        expected = fresh_logits(backend, [*prefix, *after])[-2:]
+        worst = max(worst, float(np.abs(logits - expected).max()))
+        prefix = [*prefix, *after]
+    print(f"{arch}: tree max |logit difference| {worst:.2e}")
+    assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_trees_match_separate_extends(arch: str, tiny_models: dict[str, Path]) -> None:
+    """A batch mixing trees and chains over caches of different lengths."""
+    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+    rng = np.random.default_rng(3)
+    items, references = [], []
+    for cached, n, tree in ((0, 5, True), (7, 3, False), (12, 8, True)):
+        stream = [int(t) for t in rng.integers(0, backend.vocab_size, size=cached + n)]
+        parents = [-1, *(p + 1 for p in random_tree(rng, n - 1))] if tree else None
+        pair = []
+        for _ in range(2):
+            seq = backend.new_sequence()
+            if cached:
+                seq.extend(stream[:cached], keep=0)
+            pair.append(seq)
+        items.append(Extend(pair[0], stream[cached:], n, parents))
+        references.append(pair[1].extend(stream[cached:], None, parents))
+    results = backend.extend_batch(items)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(results, references, strict=True))
+    print(f"{arch}: batched tree max |logit difference| {worst:.2e}")
+    assert worst <= TOLERANCE
+    assert [len(item.sequence.tokens) for item in items] == [5, 10, 20]
 
 
 def test_sync_keeps_the_shared_prefix(tiny_models: dict[str, Path]) -> None:
@@ -95,7 +160,7 @@ def test_batched_extend_matches_separate_extends(arch: str,
     worst = 0.0
     for _ in range(3):
         adds = [int(rng.integers(1, 7)) for _ in streams]
-        items = [(seq, stream[len(seq.tokens):len(seq.tokens) + add], add)
+        items = [Extend(seq, stream[len(seq.tokens):len(seq.tokens) + add], add)
                  for seq, stream, add in zip(sequences, streams, adds, strict=True)]
         results = backend.extend_batch(items)
         for seq, stream, logits in zip(sequences, streams, results, strict=True):

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spececd.backends.base import Backend, CachedSequence, tokenizer_fingerprint
+from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
 from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Ending, Engine, EnginePolicy
 from spececd.protocol import messages as m
@@ -123,11 +123,10 @@ class FailingBackend:
     def new_sequence(self) -> CachedSequence:
         return self._backend.new_sequence()
 
-    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
-                     ) -> list[Any]:
-        if any(self.poison in ids for _, ids, _ in items):
+    def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
+        if any(self.poison in item.ids for item in items):
             raise RuntimeError("device lost")
-        return [sequence.extend(ids, keep) for sequence, ids, keep in items]
+        return [item.sequence.extend(item.ids, item.keep) for item in items]
 
 
 def test_a_failed_verification_is_a_typed_error_and_the_session_goes_on(

@@ -128,6 +128,20 @@ def test_greedy_is_identical_to_the_target_alone(
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
 
 
+@pytest.mark.parametrize("mode,proactive", [("greedy", "off"), ("exact", "on")])
+def test_greedy_token_trees_are_identical_to_the_target_alone(
+        mode: str, proactive: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+    with cloud.generator(tiny_models["draft"], k=4, mode=mode, proactive=proactive,
+                         tree_width=3) as gen:
+        siblings = 0
+        for prompt in PROMPTS[:3]:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
+            siblings += out.stats.tree_siblings
+        assert siblings > 0  # trees were drafted and verified, not chains alone
+
+
 @pytest.fixture(scope="module")
 def qwen_server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
     proc = ServerProcess(tiny_models["qwen2"], *ALL_LISTENERS)
@@ -194,6 +208,29 @@ def test_sampling_keeps_the_target_distribution(
             stop_token_ids=[])]
     assert all(len(p) == 2 for p in pairs)
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
+        temperature=temperature, top_p=top_p)) * draws
+    assert chi_square_p(observed, expected) > 0.001
+
+
+@pytest.mark.parametrize("transport", ["memory", "websocket"])  # the same frames on all
+@pytest.mark.parametrize("mode,temperature,top_p", [("exact", 1.0, 0.9), ("match", 0.8, 1.0)])
+def test_sampled_token_trees_keep_the_target_distribution(
+        transport: str, mode: str, temperature: float, top_p: float,
+        vocab_server: ServerProcess, tiny_vocab_pair: dict[str, Path]) -> None:
+    """Trees of up to 3 candidates per position: siblings drawn without replacement in
+    exact mode, the next most likely tokens in match mode."""
+    draws, prompt, vocab = 3000, [1, 2, 3], 10
+    cloud = Cloud(transport, tiny_vocab_pair["target"],
+                  None if transport == "memory" else vocab_server)
+    with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="off",
+                         tree_width=3) as gen:
+        chunks = list(gen.generate_n(prompt, draws, max_tokens=2, temperature=temperature,
+                                     top_p=top_p, seed=1234, stop_token_ids=[]))
+    assert all(len(c.token_ids) == 2 for c in chunks)
+    assert sum(c.stats.tree_siblings for c in chunks) > draws  # most rounds branched
+    observed = np.bincount([a * vocab + b for a, b in (c.token_ids for c in chunks)],
+                           minlength=vocab * vocab)
     expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
         temperature=temperature, top_p=top_p)) * draws
     assert chi_square_p(observed, expected) > 0.001

@@ -297,7 +297,7 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
                                                            presence_penalty=0.5))
     assert plain.hello_message.protocol_version == 2
     assert plain.hello_message.extras == m.SamplingExtras()  # prompt_len matters to no one
-    assert penalized.hello_message.protocol_version == m.PROTOCOL_VERSION == 3
+    assert penalized.hello_message.protocol_version == 3
     assert penalized.hello_message.extras.prompt_len == 5
     for edge in (plain, penalized):  # this server takes both
         session = CloudSession(FP, Limits())

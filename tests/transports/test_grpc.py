@@ -27,6 +27,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
+from spececd.backends.base import Extend  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.transports import grpc_stubs  # noqa: E402
 from spececd.transports import spececd_pb2 as pb  # noqa: E402
@@ -311,8 +312,8 @@ class CountingBackend:
     def new_sequence(self) -> Any:
         return self._backend.new_sequence()
 
-    def extend_batch(self, items: Sequence[tuple[Any, Sequence[int], int]]) -> list[Any]:
-        self.fed.extend(len(ids) for _, ids, _ in items)
+    def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
+        self.fed.extend(len(item.ids) for item in items)
         return self._backend.extend_batch(items)  # type: ignore[no-any-return]
 
 

@@ -29,7 +29,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from spececd.api import Generator  # noqa: E402
-from spececd.backends.base import Backend, tokenizer_fingerprint  # noqa: E402
+from spececd.backends.base import (  # noqa: E402
+    Backend,
+    Extend,
+    tokenizer_fingerprint,
+)
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
@@ -334,8 +338,8 @@ class FedTokens:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def extend_batch(self, items: Sequence[tuple[Any, Sequence[int], int]]) -> list[Any]:
-        self.fed.extend(len(ids) for _, ids, _ in items)
+    def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
+        self.fed.extend(len(item.ids) for item in items)
         return self._backend.extend_batch(items)  # type: ignore[attr-defined, no-any-return]
 
 

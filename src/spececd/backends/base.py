@@ -10,14 +10,25 @@ target can serve many sessions. A sequence knows three operations:
 - ``truncate(n)``: forget every token after the first ``n`` (KV rollback);
 - ``tokens``: the cached token ids.
 
+A backend with ``tree_attention`` also extends by a **tree** of tokens:
+``extend(ids, keep, parents)``, where ``parents[i]`` is the index in ``ids`` of the token
+``ids[i]`` follows, or ``-1`` for the last cached token (a chain: ``-1, 0, 1, ...``). Each
+new token attends to the cached tokens and its own ancestors only, at the position of its
+depth, so its logits are those of the path that leads to it. The cache then holds the tree
+in ``ids`` order until ``select(n, positions)`` keeps the first ``n`` cached tokens and
+those at ``positions`` (ascending, each at least ``n``): the accepted path, gathered. A
+backend without it refuses a tree with ``ValueError``; ``select`` of a contiguous run is a
+``truncate`` everywhere.
+
 Logits at position ``i`` are the model's prediction for token ``i + 1``. The contract
 checked by the conformance suite: after any sequence of extend/truncate calls, ``extend``
 returns the logits a fresh forward pass over the same tokens would give.
 
 A backend declares what callers may ask of it, so that nobody probes with ``getattr``:
 ``name``, ``description`` (for people), ``vocab_size``, ``max_context``,
-``kv_bytes_per_token`` (what one token of context costs in KV cache, for memory limits) and
-``extend_batch`` (several sequences' extends, in one forward pass where the runtime can).
+``kv_bytes_per_token`` (what one token of context costs in KV cache, for memory limits),
+``tree_attention`` and ``extend_batch`` (several sequences' extends, in one forward pass
+where the runtime can).
 Backends subclass :class:`Backend` explicitly and so inherit the looping
 ``extend_batch``; mypy then reports a declared attribute a backend never sets, and a class
 that only matches structurally must define every member, ``extend_batch`` included.
@@ -29,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -54,8 +65,19 @@ class Tokenizer(Protocol):
 class CachedSequence(Protocol):
     @property
     def tokens(self) -> list[int]: ...
-    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray: ...
+    def extend(self, ids: Sequence[int], keep: int | None = None,
+               parents: Sequence[int] | None = None) -> np.ndarray: ...
     def truncate(self, n: int) -> None: ...
+    def select(self, n: int, positions: Sequence[int]) -> None: ...
+
+
+class Extend(NamedTuple):
+    """One sequence's part of :meth:`Backend.extend_batch`."""
+
+    sequence: CachedSequence
+    ids: Sequence[int]
+    keep: int
+    parents: Sequence[int] | None = None  # a tree over ids (tree_attention backends)
 
 
 class Backend(Protocol):
@@ -68,15 +90,15 @@ class Backend(Protocol):
     kv_bytes_per_token: int  # KV cache one token of context costs in one sequence
     # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
     tokenizer: Tokenizer
+    tree_attention: bool = False  # extend takes trees (see the module docstring)
 
     def new_sequence(self) -> CachedSequence: ...
 
-    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
-                     ) -> list[np.ndarray]:
-        """``sequence.extend(ids, keep)`` for each ``(sequence, ids, keep)``, in order, each
-        sequence made by this backend. This default runs them one by one; a backend that
-        can run them as one forward pass overrides it with the same results."""
-        return [sequence.extend(ids, keep) for sequence, ids, keep in items]
+    def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        """``sequence.extend(ids, keep, parents)`` for each item, in order, each sequence
+        made by this backend. This default runs them one by one; a backend that can run
+        them as one forward pass overrides it with the same results."""
+        return [item.sequence.extend(item.ids, item.keep, item.parents) for item in items]
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:
@@ -95,6 +117,30 @@ def resolve_keep(n: int, keep: int | None) -> int:
     if not 0 <= keep <= n:
         raise ValueError(f"keep must be in [0, {n}], got {keep}")
     return keep
+
+
+def is_chain(parents: Sequence[int] | None) -> bool:
+    return parents is None or all(parent == i - 1 for i, parent in enumerate(parents))
+
+
+def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For a tree over ``n`` new tokens: which of them each one sees (its ancestors and
+    itself, ``[n, n]`` bool) and its depth (1 for a child of the last cached token, ``[n]``)."""
+    n = len(parents)
+    visible = np.eye(n, dtype=bool)
+    depth = np.ones(n, dtype=np.int64)
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"token {i}'s parent must be -1 or an earlier token, got {parent}")
+        if parent >= 0:
+            visible[i] |= visible[parent]
+            depth[i] = depth[parent] + 1
+    return visible, depth
+
+
+def contiguous(n: int, positions: Sequence[int]) -> bool:
+    """Whether ``positions`` are ``n, n + 1, ...``: a ``select`` that is a ``truncate``."""
+    return all(position == n + i for i, position in enumerate(positions))
 
 
 def sync(sequence: CachedSequence, context: Sequence[int]) -> list[int]:

@@ -24,7 +24,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from spececd.backends.base import Backend, CachedSequence, resolve_keep
+from spececd.backends.base import (
+    Backend,
+    CachedSequence,
+    Extend,
+    contiguous,
+    is_chain,
+    resolve_keep,
+    tree_layout,
+)
 from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
 from spececd.errors import InputError
 
@@ -92,16 +100,26 @@ class HFSequence:
         return self._tokens
 
     @torch.inference_mode()
-    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray:
+    def extend(self, ids: Sequence[int], keep: int | None = None,
+               parents: Sequence[int] | None = None) -> np.ndarray:
         n, keep = len(ids), resolve_keep(len(ids), keep)
         if n == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
         start = len(self._tokens)
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._backend.device)
-        positions = torch.arange(start, start + n, device=self._backend.device)
+        device = self._backend.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + n, device=device)
+        position_ids, mask = positions[None, :], None
+        if not is_chain(parents):
+            assert parents is not None
+            visible, depth = tree_layout(parents)
+            position_ids = torch.tensor(start + depth - 1, device=device)[None, :]
+            allowed = torch.ones((1, n, start + n), dtype=torch.bool, device=device)
+            allowed[0, :, start:] = torch.from_numpy(visible)
+            mask = self._backend.additive(allowed)
         out = self._backend.model(input_ids=input_ids, past_key_values=self._cache,
-                                  use_cache=True, cache_position=positions,
-                                  position_ids=positions[None, :], logits_to_keep=max(keep, 1))
+                                  attention_mask=mask, use_cache=True, cache_position=positions,
+                                  position_ids=position_ids, logits_to_keep=max(keep, 1))
         self._cache = out.past_key_values
         self._tokens.extend(int(t) for t in ids)
         if keep == 0:
@@ -141,9 +159,20 @@ class HFSequence:
             self._cache.crop(-remove)
         del self._tokens[n:]
 
+    def select(self, n: int, positions: Sequence[int]) -> None:
+        if contiguous(n, positions):
+            self.truncate(n + len(positions))
+            return
+        keep = [*range(n), *positions]
+        index = torch.tensor(keep, dtype=torch.long, device=self._backend.device)
+        self._set_cache([(layer.keys.index_select(2, index), layer.values.index_select(2, index))
+                         for layer in self._cache.layers])
+        self._tokens = [self._tokens[i] for i in keep]
+
 
 class HFBackend(Backend):
     name = "hf"
+    tree_attention = True
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  threads: int = 0) -> None:
@@ -194,28 +223,36 @@ class HFBackend(Backend):
         return sequence
 
     @torch.inference_mode()
-    def extend_batch(self, items: Sequence[tuple[CachedSequence, Sequence[int], int]]
-                     ) -> list[np.ndarray]:
+    def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """``extend`` for several sequences in one forward pass: ``(sequence, ids, keep)``
         each, ids non-empty. Caches of different lengths are left-padded into one batch
         with an attention mask; new tokens are right-padded; each sequence then gets its
         own cache back. Results equal separate ``extend`` calls up to float rounding."""
         if len(items) == 1:
-            sequence, ids, keep = items[0]
-            return [sequence.extend(ids, keep)]
-        own = [(self._own(sequence), ids, keep) for sequence, ids, keep in items]
+            return [items[0].sequence.extend(*items[0][1:])]
+        own = [(self._own(item.sequence), item.ids, item.keep) for item in items]
         device = self.device
         lengths = [len(s.tokens) for s, _, _ in own]
         counts = [len(ids) for _, ids, _ in own]
         past, width = max(lengths), max(counts)
         batch = len(own)
+        trees = any(not is_chain(item.parents) for item in items)
         input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
         mask = torch.zeros((batch, past + width), dtype=torch.long, device=device)
+        # With a tree in the batch, every row says what it sees: [batch, 1, width, past + width].
+        allowed = torch.zeros((batch, width, past + width), dtype=torch.bool, device=device)
         positions = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for i, ((_, ids, _), length, n) in enumerate(zip(own, lengths, counts, strict=True)):
-            input_ids[i, :n] = torch.tensor(list(ids), device=device)
+        for i, (item, length, n) in enumerate(zip(items, lengths, counts, strict=True)):
+            input_ids[i, :n] = torch.tensor(list(item.ids), device=device)
             mask[i, past - length:past + n] = 1
             positions[i] = torch.arange(length, length + width, device=device)
+            if trees:
+                visible, depth = tree_layout(item.parents or range(-1, n - 1))
+                positions[i, :n] = torch.tensor(length + depth - 1, device=device)
+                allowed[i, :n, past - length:past] = True
+                allowed[i, :n, past:past + n] = torch.from_numpy(visible)
+                pad = torch.arange(n, width, device=device)
+                allowed[i, pad, past + pad] = True  # padding rows see themselves only
         cache = DynamicCache(config=self.model.config)
         if past:
             for layer in range(len(own[0][0]._cache.layers)):
@@ -225,7 +262,8 @@ class HFBackend(Backend):
                     keys.append(k)
                     values.append(v)
                 cache.update(torch.cat(keys), torch.cat(values), layer)
-        out = self.model(input_ids=input_ids, attention_mask=mask, past_key_values=cache,
+        out = self.model(input_ids=input_ids, past_key_values=cache,
+                         attention_mask=self.additive(allowed) if trees else mask,
                          use_cache=True, position_ids=positions,
                          cache_position=torch.arange(past, past + width, device=device))
         results = []
@@ -237,6 +275,12 @@ class HFBackend(Backend):
             sequence._tokens.extend(int(t) for t in ids)
             results.append(self.valid(out.logits[i, n - keep:n]))
         return results
+
+    def additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A custom attention mask from ``allowed`` ``[batch, queries, keys]``: 0 where a
+        query sees a key, the dtype's minimum elsewhere, ``[batch, 1, queries, keys]``."""
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.model.dtype).min)[:, None]
 
     def valid(self, logits: torch.Tensor) -> np.ndarray:
         """Logits of the token ids the tokenizer has: the rows a model pads its output

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import Backend, resolve_keep
+from spececd.backends.base import Backend, contiguous, is_chain, resolve_keep
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,10 @@ class LlamaCppSequence:
     def tokens(self) -> list[int]:
         return self._tokens
 
-    def extend(self, ids: Sequence[int], keep: int | None = None) -> np.ndarray:
+    def extend(self, ids: Sequence[int], keep: int | None = None,
+               parents: Sequence[int] | None = None) -> np.ndarray:
+        if not is_chain(parents):
+            raise ValueError("the llama.cpp backend verifies chains only (no tree attention)")
         n, keep = len(ids), resolve_keep(len(ids), keep)
         if n == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
@@ -146,6 +149,11 @@ class LlamaCppSequence:
         if n < len(self._tokens):
             del self._tokens[n:]
             self._llm.n_tokens = n
+
+    def select(self, n: int, positions: Sequence[int]) -> None:
+        if not contiguous(n, positions):
+            raise ValueError("the llama.cpp backend keeps contiguous runs only (no trees)")
+        self.truncate(n + len(positions))
 
 
 class LlamaCppBackend(Backend):

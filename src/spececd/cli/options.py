@@ -108,6 +108,10 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    "a drafted token needs to be kept, in (0, 1]")
     g.add_argument("--max-support", type=int, help="exact mode: draft distribution cut to "
                    f"this many tokens (default: {OPTIONS.max_support})")
+    g.add_argument("--tree-width", type=int, help="draft token trees: up to this many "
+                   "candidates where the draft is unsure (a server whose target has tree "
+                   f"attention verifies them in one pass; default: {OPTIONS.tree_width}, "
+                   "chains)")
 
 
 def add_network_options(p: argparse.ArgumentParser) -> None:

@@ -132,7 +132,8 @@ class Link:
     def __init__(self, engine: Engine, refusal: bytes = b"", authorized: bool = False) -> None:
         # ``authorized``: the transport checked the token already, so the hello needs none.
         self.session = CloudSession(engine.fingerprint, engine.limits,
-                                    "" if authorized else engine.auth_token)
+                                    "" if authorized else engine.auth_token,
+                                    engine.backend.tree_attention)
         self.inbox = Inbox()
         self.refusal = refusal  # the error frame to send instead of serving
         self.sequence: CachedSequence | None = None
@@ -289,7 +290,8 @@ class Engine:
                 self.metrics.record_pass(len(out.tokens), done.result.num_accepted, 1,
                                          done.seconds, is_round=True)
                 await send(link.session.verdict(out, done.result.num_accepted,
-                                                done.result.next_token, done.seconds))
+                                                done.result.next_token, done.seconds,
+                                                done.result.path))
         elif isinstance(out, GenerateRequest):
             await self._generate(link, out, send)
 

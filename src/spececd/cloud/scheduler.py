@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spececd.backends.base import Backend, CachedSequence, sync
+from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
 from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
-from spececd.core.verify import VerifyResult, verify
+from spececd.core.verify import VerifyResult, tree_paths, verify
 from spececd.protocol.session import VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -40,22 +40,45 @@ class VerificationError(Exception):
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
                       ) -> list[VerifyResult]:
-    """Verify each request's tokens after its context on its own cached sequence, all in
-    one target forward pass (``Backend.extend_batch``)."""
+    """Verify each request's tokens (a chain or a tree) after its context on its own cached
+    sequence, all in one target forward pass (``Backend.extend_batch``). A tree's cache
+    then keeps the accepted path only (``CachedSequence.select``)."""
     items = []
     for sequence, request in work:
         feed = sync(sequence, request.context)
-        items.append((sequence, [*feed, *request.tokens], len(request.tokens) + 1))
+        parents = None
+        if request.parents is not None:  # the fed context is a chain; the tree hangs off it
+            root = len(feed) - 1
+            parents = [*range(-1, root), *(p + len(feed) if p >= 0 else root
+                                           for p in request.parents)]
+        items.append(Extend(sequence, [*feed, *request.tokens], len(request.tokens) + 1,
+                            parents))
     all_logits = backend.extend_batch(items)
     results = []
-    for (_, request), logits in zip(work, all_logits, strict=True):  # logits: [k + 1, vocab]
-        target_probs = process_logits(logits, request.params,
-                                      (*request.context, *request.tokens), len(request.context))
+    for (sequence, request), logits in zip(work, all_logits, strict=True):  # [n + 1, vocab]
+        target_probs = _target_probs(logits, request)
         assert request.params.seed is not None
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
-        results.append(verify(request.tokens, target_probs, rngs, request.mode,
-                              request.draft_probs, request.threshold))
+        result = verify(request.tokens, target_probs, rngs, request.mode,
+                        request.draft_probs, request.threshold, request.parents)
+        if result.path is not None:
+            start = len(request.context)
+            sequence.select(start, [start + node for node in result.path])
+        results.append(result)
     return results
+
+
+def _target_probs(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
+    """The target's distributions ``[n + 1, vocab]`` at the root and after each drafted
+    token. Penalties depend on the tokens before a row: a chain's rows follow one another,
+    a tree's row follows its node's path."""
+    context, params = request.context, request.params
+    if request.parents is None or not params.penalized:
+        return process_logits(logits, params, (*context, *request.tokens), len(context))
+    histories = [context, *((*context, *(request.tokens[i] for i in path))
+                            for path in tree_paths(request.parents))]
+    return np.concatenate([process_logits(logits[row:row + 1], params, history, len(history))
+                           for row, history in enumerate(histories)])
 
 
 def _position_rng(seed: int, start: int, offset: int) -> np.random.Generator:

@@ -151,7 +151,8 @@ class EdgeClient:
         streams = cloud_only or proactive is Proactive.STREAM
         mode = Mode.MATCH if streams else options.mode
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
-                              options.threshold if mode is Mode.THRESHOLD else 0.0)
+                              options.threshold if mode is Mode.THRESHOLD else 0.0,
+                              trees=options.tree_width > 1 and not streams)
         # Auto: rounds in the asked mode, or streaming by match (the same session when the
         # mode is match), whichever the chooser starts this generation with.
         arm = self.chooser.start() if proactive is Proactive.AUTO and not cloud_only else None
@@ -164,7 +165,8 @@ class EdgeClient:
             out.verified_again()
         stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)
-        work = Work(self.drafter, self.link, session, mode, params, stats, options.max_support)
+        work = Work(self.drafter, self.link, session, mode, params, stats, options.max_support,
+                    options.tree_width)
         k_max = min(options.k or options.k_max, welcome.max_draft)
         if cloud_only:
             return CloudOnly(work)

@@ -13,6 +13,17 @@ What it samples from depends on the mode:
 - ``match``: the full processed distribution; nothing is reported;
 - temperature 0 (or ``greedy``): the argmax; nothing is reported.
 
+With ``width > 1`` it drafts a **tree**: the same chain, plus, at each step where the draft
+is unsure, up to ``width - 1`` sibling leaves from the distribution that step drew from.
+A sibling costs no draft forward pass and one position of the verifier's pass; where the
+target rejects the chain's token, a sibling may still be its token. Siblings are the next
+most likely tokens (greedy, ``match``: the verifier compares ids only) or, in ``exact``
+mode, draws without replacement, each reported with the distribution it was drawn from;
+whether to draw one is decided before the draw (from the mass left: at least
+``MIN_MASS``), so that each sibling follows its reported distribution. A likely token is a
+sibling when the draft gives it at least ``SIBLING_RATIO`` of the chain token's
+probability: where the draft is sure, the chain goes alone.
+
 The drafter knows nothing about the network or the verifier.
 """
 
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -38,14 +50,42 @@ from spececd.core.sampling import (
     sample_sparse,
 )
 
+SIBLING_RATIO = 0.25  # a likely sibling has at least this times the chain token's probability
+MIN_MASS = 0.1  # exact mode: draw another sibling while this much draft probability is left
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A drafted tree: ``tokens`` in node order, each with its parent (``-1``: after the
+    history) and, in exact mode, the distribution it was drawn from; ``chain`` lists the
+    nodes of the main line, the one a draft of width 1 would have drafted."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    dists: tuple[SparseProbs, ...] | None
+    chain: tuple[int, ...]
+
+    @classmethod
+    def of_chain(cls, tokens: tuple[int, ...], dists: tuple[SparseProbs, ...] | None) -> Tree:
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)), dists, tuple(range(len(tokens))))
+
+    @property
+    def branched(self) -> bool:
+        """Whether any node has a sibling (else the tree is its chain)."""
+        return len(self.chain) < len(self.tokens)
+
 
 class DraftSource(Protocol):
     """What the edge loop drafts with: :class:`Drafter`, or a
-    :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer."""
+    :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer
+    (which drafts chains only: its ``tree`` has width 1)."""
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]: ...
+
+    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree: ...
 
 
 class Drafter:
@@ -63,32 +103,83 @@ class Drafter:
         """Draft ``k`` tokens after ``history``; return them and, in exact sampling mode,
         the distribution each was drawn from (cut to its ``max_support`` most likely
         tokens)."""
-        with self.lock:
-            return self._draft(history, k, mode, params, seed, max_support)
+        tree = self.tree(history, k, 1, k, mode, params, seed, max_support)
+        return tree.tokens, tree.dists
 
-    def _draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-               seed: int, max_support: int
-               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        """A chain of ``k`` tokens after ``history`` with up to ``width - 1`` siblings at
+        each step, ``budget`` nodes in all (see the module docstring)."""
+        with self.lock:
+            return self._tree(history, k, width, budget, mode, params, seed, max_support)
+
+    def _tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+              params: SamplingParams, seed: int, max_support: int) -> Tree:
         feed = sync(self.sequence, history)
         tokens: list[int] = []
+        parents: list[int] = []
         dists: list[SparseProbs] = []
+        chain: list[int] = []
         report = mode is Mode.EXACT and not params.greedy
         context = list(history)  # penalties count the tokens drafted so far too
         for i in range(k):
             logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
-            if params.greedy:
-                scores = penalize(logits[None, :], params, context, len(context))[0]
-                token = int(np.argmax(scores))
+            rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
+            parent = chain[-1] if chain else -1
+            choices: list[tuple[int, SparseProbs | None]]
+            if report:
+                dist = draft_distribution(logits, params, max_support, context)
+                token = sample_sparse(dist, rng)
+                siblings = _drawn_siblings(dist, token, rng, width - 1)
+                choices = [(token, dist), *siblings]
             else:
-                rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
-                if report:
-                    dist = draft_distribution(logits, params, max_support, context)
-                    dists.append(dist)
-                    token = sample_sparse(dist, rng)
+                if params.greedy:
+                    scores = penalize(logits[None, :], params, context, len(context))[0]
+                    token = int(np.argmax(scores))
+                    probs = process_logits(scores[None, :], SamplingParams(), (), 0)[0]
                 else:
-                    probs = process_logits(logits[None, :], params, context, len(context))
-                    token = sample(probs[0], rng)
-            tokens.append(token)
+                    probs = process_logits(logits[None, :], params, context, len(context))[0]
+                    token = sample(probs, rng)
+                choices = [(token, None), *((t, None) for t in _likely_siblings(
+                    probs, token, width - 1))]
+            room = budget - len(tokens) - (k - 1 - i)  # keep a place for the chain's rest
+            chain.append(len(tokens))
+            for token_j, dist_j in choices[:max(1, room)]:
+                tokens.append(token_j)
+                parents.append(parent)
+                if dist_j is not None:
+                    dists.append(dist_j)
             context.append(token)
             feed = [token]
-        return tuple(tokens), (tuple(dists) if report else None)
+        return Tree(tuple(tokens), tuple(parents), tuple(dists) if report else None,
+                    tuple(chain))
+
+
+def _likely_siblings(probs: np.ndarray, token: int, n: int) -> list[int]:
+    """Up to ``n`` of the next most likely tokens after ``token`` in ``probs`` ``[vocab]``,
+    each with at least ``SIBLING_RATIO`` times the probability of ``token``."""
+    if n <= 0:
+        return []
+    top = np.argpartition(-probs, n)[:n + 1] if probs.size > n + 1 else np.arange(probs.size)
+    top = top[np.argsort(-probs[top], kind="stable")]
+    floor = SIBLING_RATIO * probs[token]
+    return [int(t) for t in top if t != token and probs[t] >= floor and probs[t] > 0][:n]
+
+
+def _drawn_siblings(dist: SparseProbs, token: int, rng: np.random.Generator, n: int
+                    ) -> list[tuple[int, SparseProbs]]:
+    """Up to ``n`` siblings of ``token`` drawn from ``dist`` without replacement, each with
+    the distribution it was drawn from. Whether to draw the next one depends only on the
+    mass left, never on what the draw gives, so each sibling follows its distribution."""
+    siblings: list[tuple[int, SparseProbs]] = []
+    probs = dist.normalized()
+    taken = [token]
+    while len(siblings) < n:
+        left = ~np.isin(dist.ids, taken)
+        if probs[left].sum() < MIN_MASS or not left.any():
+            break
+        rest = SparseProbs(dist.ids[left], (probs[left] / probs[left].sum()).astype(np.float32))
+        sibling = sample_sparse(rest, rng)
+        siblings.append((sibling, rest))
+        taken.append(sibling)
+    return siblings

@@ -60,9 +60,11 @@ class EdgeOptions:
     fallback: Fallback = Fallback.NONE
     reconnect: Reconnect = Reconnect()
     threshold: float = 0.0  # threshold mode (LOSSY) only, in (0, 1]; 0 otherwise
+    tree_width: int = 1  # candidates per drafted position (1: chains; > 1: token trees)
 
     def __post_init__(self) -> None:  # options built directly get the settings' checks
-        for name in ("mode", "k", "proactive", "max_support", "fallback", "threshold"):
+        for name in ("mode", "k", "proactive", "max_support", "fallback", "threshold",
+                     "tree_width"):
             parse_setting(name, getattr(self, name))
         parse_setting("reconnect_attempts", self.reconnect.attempts)
         parse_setting("reconnect_delay", self.reconnect.delay)
@@ -169,6 +171,7 @@ SETTINGS: dict[str, Callable[[object], object]] = {
     "k": parse_k,
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),
+    "tree_width": _number(int, "tree-width", low=1),
     "fallback": _choice(Fallback, "fallback"),
     "reconnect_attempts": lambda value: None if value is None or (
         isinstance(value, str) and value.strip().lower() == "unlimited") else _number(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from spececd.backends.base import Backend, Tokenizer
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
-from spececd.edge.drafter import Drafter
+from spececd.edge.drafter import Drafter, Tree
 
 LOOK_BEHIND = 4  # committed target tokens re-encoded with the draft's text
 
@@ -59,3 +59,9 @@ class CrossDrafter:
         if ids[:len(behind)] != behind:
             return (), None  # the boundary moved: drafting on would rewrite committed tokens
         return tuple(ids[len(behind):len(behind) + k]), None
+
+    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        """A chain: a draft's token boundaries are not the target's, so its candidates for
+        one target position are not comparable."""
+        return Tree.of_chain(*self.draft(history, k, mode, params, seed, max_support))

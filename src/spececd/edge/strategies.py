@@ -25,7 +25,7 @@ from typing import Protocol, TypeAlias
 from spececd.core.policy import Arm, DraftLengthPolicy, Ema, HintGate, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
-from spececd.edge.drafter import DraftSource
+from spececd.edge.drafter import DraftSource, Tree
 from spececd.edge.emit import Emitter, Piece
 from spececd.edge.link import Link, Reply
 from spececd.errors import SpecECDError
@@ -57,11 +57,24 @@ class Work:
     params: SamplingParams  # seed set
     stats: GenerationStats
     max_support: int
+    tree_width: int = 1  # candidates per position in a round's draft (if the server takes trees)
 
     def draft(self, history: Sequence[int], k: int) -> Block:
         assert self.params.seed is not None
         return self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
                                   self.max_support)
+
+    def tree(self, history: Sequence[int], k: int, room: int) -> Tree:
+        """A round's draft: a chain of ``k`` tokens, branched where the draft is unsure
+        when the server verifies trees, in at most ``room`` nodes."""
+        welcome = self.session.welcome
+        width = self.tree_width if self.session.trees else 1
+        if width == 1 or welcome is None:
+            return Tree.of_chain(*self.draft(history, k))
+        assert self.params.seed is not None
+        budget = max(k, min(k * width, welcome.max_draft, room))
+        return self.drafter.tree(history, k, width, budget, self.mode, self.params,
+                                 self.params.seed, self.max_support)
 
 
 class Rounds:
@@ -84,37 +97,38 @@ class Rounds:
         stats = self.work.stats
         limit = max(0, min(out.remaining, out.room) - 1)  # the verifier adds one token
         t0 = time.perf_counter()
-        tokens, dists = self.draft(out.history, limit)
+        tree = self.draft(out.history, limit, out.room - 1)  # siblings add no depth
         draft_s = time.perf_counter() - t0
         round_start = time.perf_counter()
-        verdict, hidden_s = self.send(out, tokens, dists)
+        verdict, hidden_s = self.send(out, tree)
         round_s = time.perf_counter() - round_start
         stats.draft_s += draft_s
-        stats.record_round(len(tokens), verdict.num_accepted)
+        stats.record_round(len(tree.chain), verdict.num_accepted)
+        stats.tree_siblings += len(tree.tokens) - len(tree.chain)
         stats.verify_s += verdict.verify_s
         if self.policy is not None:
-            self.policy.observe(len(tokens), verdict.num_accepted, draft_s, verdict.verify_s,
-                                round_s - verdict.verify_s - hidden_s)
+            self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s,
+                                verdict.verify_s, round_s - verdict.verify_s - hidden_s)
         n = verdict.num_accepted
-        return [Piece((*tokens[:n], verdict.next_token), from_draft=n)]
+        path = range(n) if verdict.path is None else verdict.path
+        return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n)]
 
-    def draft(self, history: list[int], limit: int) -> Block:
-        tokens, dists = self.work.draft(history, self.choose(limit))
-        self.work.stats.draft_steps += len(tokens)
-        return tokens, dists
+    def draft(self, history: list[int], limit: int, room: int) -> Tree:
+        tree = self.work.tree(history, self.choose(limit), room)
+        self.work.stats.draft_steps += len(tree.chain)
+        return tree
 
-    def send(self, out: Emitter, tokens: tuple[int, ...],
-             dists: tuple[SparseProbs, ...] | None) -> tuple[m.Verdict, float]:
-        """The verdict on ``tokens``, and the seconds spent drafting while it was awaited."""
-        return self.verdict(out.history, tokens, dists), 0.0
+    def send(self, out: Emitter, tree: Tree) -> tuple[m.Verdict, float]:
+        """The verdict on ``tree``, and the seconds spent drafting while it was awaited."""
+        return self.verdict(out.history, tree), 0.0
 
-    def verdict(self, history: list[int], tokens: tuple[int, ...],
-                dists: tuple[SparseProbs, ...] | None,
+    def verdict(self, history: list[int], tree: Tree,
                 while_waiting: Callable[[], None] | None = None) -> m.Verdict:
         session = self.work.session
 
         def frame(greeted_now: bool) -> bytes:  # built late: a reconnect re-sends the history
-            return session.draft(history, tokens, dists)
+            return session.draft(history, tree.tokens, tree.dists,
+                                 tree.parents if tree.branched else None)
 
         verdict = self.work.link.exchange(session, frame, self.work.stats, while_waiting)
         assert isinstance(verdict, m.Verdict)
@@ -145,9 +159,10 @@ class Ahead:
         return (self._done and bool(self.tokens) and len(history) == len(self.context) + 1
                 and history[-1] == self.tokens[0] and history[:-1] == self.context)
 
-    def block(self, limit: int) -> Block:
+    def block(self, limit: int) -> Tree:
         n = min(self.k, limit)
-        return self.tokens[1:1 + n], (self.dists[1:1 + n] if self.dists is not None else None)
+        return Tree.of_chain(self.tokens[1:1 + n],
+                             self.dists[1:1 + n] if self.dists is not None else None)
 
 
 class BlockAhead(Rounds):
@@ -155,7 +170,8 @@ class BlockAhead(Rounds):
     will be accepted, guessing that the bonus token is the draft's own next token.
     Drafting is a function of the history and the position only, so a block drafted ahead
     is exactly the block that would be drafted later: lossless by construction. When the
-    verdict agrees (a hit) the next round sends at once."""
+    verdict agrees (a hit) the next round sends at once. With token trees, the block
+    ahead follows the tree's main chain, and is sent as a chain."""
 
     proactive = True
 
@@ -164,20 +180,20 @@ class BlockAhead(Rounds):
         self.ahead: Ahead | None = None
         self.hit = False
 
-    def draft(self, history: list[int], limit: int) -> Block:
+    def draft(self, history: list[int], limit: int, room: int) -> Tree:
         ahead = self.ahead
         self.hit = ahead is not None and ahead.matches(history)
         if ahead is not None and self.hit:
             return ahead.block(limit)
-        return super().draft(history, limit)
+        return super().draft(history, limit, room)
 
-    def send(self, out: Emitter, tokens: tuple[int, ...],
-             dists: tuple[SparseProbs, ...] | None) -> tuple[m.Verdict, float]:
+    def send(self, out: Emitter, tree: Tree) -> tuple[m.Verdict, float]:
         stats = self.work.stats
-        limit = min(out.remaining, out.room) - len(tokens) - 2  # the next round's, on a hit
-        ahead = self.ahead = (Ahead(self.work, [*out.history, *tokens], self.choose(limit))
+        chain = tuple(tree.tokens[i] for i in tree.chain)
+        limit = min(out.remaining, out.room) - len(chain) - 2  # the next round's, on a hit
+        ahead = self.ahead = (Ahead(self.work, [*out.history, *chain], self.choose(limit))
                               if limit > 0 else None)
-        verdict = self.verdict(out.history, tokens, dists, ahead.run if ahead else None)
+        verdict = self.verdict(out.history, tree, ahead.run if ahead else None)
         seconds = ahead.seconds if ahead else 0.0
         stats.draft_steps += len(ahead.tokens) if ahead else 0
         stats.draft_s += seconds

@@ -16,8 +16,8 @@ Exchange (ARCHITECTURE §5)::
     edge                                   cloud
     Hello(version, fingerprint, sampling, mode, auth, threshold, extras)  ->
                                            <- Welcome(session_id, limits, lossy)
-    Draft(seq, context_len, prefix, tokens, draft_probs) ->
-                                           <- Verdict(seq, num_accepted, next_token, verify_s)
+    Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
+                                           <- Verdict(seq, num_accepted, next_token, verify_s, path)
     ...
     Close ->
 
@@ -29,6 +29,11 @@ hint or replacing it. A hint gets no answer of its own: before each step the ser
 verifies whatever part of the latest hint lies ahead of its position and agrees with what
 it has generated, and the ``Tokens`` of that step say how many draft tokens it verified
 (``drafted``) and kept (``accepted``). A hint that arrives too late is ignored.
+
+A draft may be a tree of candidates (protocol 4, when the ``Welcome`` says ``trees``):
+``parents[i]`` is the node drafted token ``i`` follows (``-1``: the context's last token,
+each parent before its children), and the verdict's ``path`` lists the nodes it accepted,
+root first. A chain sends neither.
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -48,10 +53,11 @@ import numpy as np
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 3  # 3: the Hello's sampling extras (penalties, min-p, logit bias)
-# The versions a server accepts. A hello without extras is the same frame in both, and the
-# edge then sends 2: mixed fleets keep working through a rolling upgrade.
-COMPATIBLE_VERSIONS = (2, 3)
+PROTOCOL_VERSION = 4  # 3: the Hello's sampling extras; 4: token trees
+# The versions a server accepts. An edge sends the lowest version that carries what it
+# asks for (2 without extras or trees), so mixed fleets keep working through a rolling
+# upgrade; a server answers a version-4 hello only with a Welcome an older edge can't read.
+COMPATIBLE_VERSIONS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class Welcome:
     max_draft: int
     max_context: int
     lossy: bool = False  # the session's mode may change the output distribution
+    trees: bool = False  # the server verifies token trees (protocol 4 hellos only)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class Draft:
     prefix: tuple[int, ...]
     tokens: tuple[int, ...]
     draft_probs: tuple[SparseProbs, ...] | None = None  # one per token, exact mode only
+    parents: tuple[int, ...] | None = None  # a tree: each token's parent node (-1: root)
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ class Verdict:
     num_accepted: int
     next_token: int
     verify_s: float = 0.0
+    path: tuple[int, ...] | None = None  # a tree's accepted nodes, root first
 
 
 @dataclass(frozen=True)
@@ -226,16 +235,22 @@ def encode(message: Message) -> bytes:
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
-        if message.lossy:
+        if message.lossy or message.trees:
+            body.append(message.lossy)
+        if message.trees:
             body.append(True)
     elif isinstance(message, Draft):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
                 _pack_ids(message.tokens)]
-        if message.draft_probs is not None:
+        if message.draft_probs is not None or message.parents is not None:
             body.append(_pack_probs(message.draft_probs))
+        if message.parents is not None:
+            body.append(list(message.parents))
     elif isinstance(message, Verdict):
         body = [message.seq, message.num_accepted, message.next_token,
                 _ticks(message.verify_s)]
+        if message.path is not None:
+            body.append(list(message.path))
     elif isinstance(message, Generate):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
                 message.max_tokens, list(message.stop_token_ids)]
@@ -255,11 +270,12 @@ def encode(message: Message) -> bytes:
 
 # Field types per message, for structural checks on decode.
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
+_NODES = "nodes"  # a list of node indices, -1 allowed
 _SCHEMA: dict[int, tuple[str, ...]] = {
     Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras"),
-    Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL),
-    Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs"),
-    Verdict.TYPE: (_INT, _INT, _INT, _INT),
+    Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
+    Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
+    Verdict.TYPE: (_INT, _INT, _INT, _INT, _NODES),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
     Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT),
     Hint.TYPE: (_INT, _IDS),
@@ -268,7 +284,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 1, Draft.TYPE: 1, Tokens.TYPE: 2}
+_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2}
 
 
 def _number(value: float) -> float | int:
@@ -295,6 +311,9 @@ def _check(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == _BIN:
         return isinstance(value, (bytes, str))
+    if kind == _NODES:
+        return isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
     if kind == _IDS:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
@@ -356,10 +375,15 @@ def decode(frame: bytes) -> Message:
         return Welcome(*body)
     if kind == Draft.TYPE:
         tokens = _unpack_ids(body[3])
+        parents = tuple(body[5]) if len(body) > 5 else None
+        if parents is not None and (len(parents) != len(tokens) or any(
+                not -1 <= parent < i for i, parent in enumerate(parents))):
+            raise MalformedFrame("parents: one per drafted token, each -1 or an earlier node")
         return Draft(body[0], body[1], _unpack_ids(body[2]), tokens,
-                     _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)))
+                     _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)), parents)
     if kind == Verdict.TYPE:
-        return Verdict(body[0], body[1], body[2], body[3] * TICK)
+        return Verdict(body[0], body[1], body[2], body[3] * TICK,
+                       tuple(body[4]) if len(body) > 4 else None)
     if kind == Generate.TYPE:
         return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:

@@ -65,6 +65,7 @@ class VerifyRequest:
     mode: Mode
     params: SamplingParams
     threshold: float = 0.0  # threshold mode (lossy) only
+    parents: tuple[int, ...] | None = None  # a tree's parent of each token; None: a chain
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,15 @@ class State(enum.Enum):
 
 
 class CloudSession:
-    def __init__(self, fingerprint: m.Fingerprint, limits: Limits, auth_token: str = "") -> None:
+    """``trees``: the target's backend verifies token trees (offered to protocol-4 edges)."""
+
+    def __init__(self, fingerprint: m.Fingerprint, limits: Limits, auth_token: str = "",
+                 trees: bool = False) -> None:
         self.fingerprint = fingerprint
         self.limits = limits
         self._auth_token = auth_token
+        self._trees = trees
+        self.trees = False  # this session's edge was told it may send trees
         self.state = State.AWAIT_HELLO
         self.session_id = secrets.token_hex(8)
         self.mode = Mode.GREEDY
@@ -210,8 +216,9 @@ class CloudSession:
         self.state, self._checked = State.READY, True
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         self.stream = None
+        self.trees = self._trees and hello.protocol_version >= 4  # older edges can't read it
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
-                                  self.limits.max_context, self.lossy))
+                                  self.limits.max_context, self.lossy, self.trees))
 
     def _context(self, seq: int, context_len: int, prefix: tuple[int, ...],
                  new_tokens: tuple[int, ...], extra: int) -> tuple[int, ...]:
@@ -238,6 +245,10 @@ class CloudSession:
         k = len(draft.tokens)
         if k > self.limits.max_draft:
             raise LimitExceeded(f"draft of {k} tokens is over the limit of {self.limits.max_draft}")
+        if draft.parents is not None and not self.trees:
+            raise UnexpectedMessage("this server verifies chains only (its target's backend "
+                                    "has no tree attention, or the hello was older than "
+                                    "protocol 4): draft without parents")
         context = self._context(draft.seq, draft.context_len, draft.prefix, draft.tokens, 1)
         if self.mode is Mode.EXACT:
             if draft.draft_probs is None:
@@ -247,7 +258,7 @@ class CloudSession:
         self._last_seq = draft.seq
         self.context, self.stream = context, None
         return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
-                             self.params, self.threshold)
+                             self.params, self.threshold, draft.parents)
 
     def _generate(self, request: m.Generate) -> GenerateRequest:
         if request.max_tokens < 1:
@@ -329,11 +340,23 @@ class CloudSession:
                                  min(num_accepted, len(emitted)))), done
 
     def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
-                verify_s: float) -> bytes:
-        """Record the verifier's decision for `request`; return the frame to send."""
-        self.context = request.context + request.tokens[:num_accepted] + (next_token,)
-        self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s))
+                verify_s: float, path: tuple[int, ...] | None = None) -> bytes:
+        """Record the verifier's decision for `request` (``path``: a tree's accepted
+        nodes); return the frame to send."""
+        accepted = request.tokens[:num_accepted] if path is None else tuple(
+            request.tokens[i] for i in path)
+        self.context = request.context + accepted + (next_token,)
+        self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s,
+                                                path))
         return self._last_verdict
+
+
+def _is_path(path: tuple[int, ...], parents: tuple[int, ...], length: int) -> bool:
+    """Whether ``path`` is ``length`` nodes of the tree ``parents``, each the child of the
+    one before, the first a child of the root."""
+    return len(path) == length and all(
+        0 <= node < len(parents) and parents[node] == (path[j - 1] if j else -1)
+        for j, node in enumerate(path))
 
 
 def _check_distribution(i: int, token: int, dist: SparseProbs, vocab: int) -> None:
@@ -360,15 +383,17 @@ class EdgeSession:
     """
 
     def __init__(self, fingerprint: m.Fingerprint, mode: Mode, params: SamplingParams,
-                 auth_token: str = "", threshold: float = 0.0) -> None:
+                 auth_token: str = "", threshold: float = 0.0, trees: bool = False) -> None:
+        """``trees``: ask for token trees (a protocol-4 hello; the welcome says whether
+        the server verifies them)."""
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
         counts_output = bool(params.presence_penalty or params.frequency_penalty)
         extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
                                   params.frequency_penalty, params.min_p,
                                   params.prompt_len if counts_output else 0, params.logit_bias)
-        # Protocol 2 when nothing needs 3, so that a server not yet upgraded still serves.
-        version = m.PROTOCOL_VERSION if extras != m.SamplingExtras() else 2
+        # The lowest version that carries what is asked, so that older servers still serve.
+        version = 4 if trees else 3 if extras != m.SamplingExtras() else 2
         self.hello_message = m.Hello(version, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
                                      params.seed, auth_token, threshold, extras)
@@ -386,12 +411,19 @@ class EdgeSession:
                                                 fingerprint=m.SAME_FINGERPRINT))
         return m.encode(self.hello_message)
 
+    @property
+    def trees(self) -> bool:
+        """Whether the server took this session's offer of token trees."""
+        return self.welcome is not None and self.welcome.trees
+
     def draft(self, history: tuple[int, ...] | list[int], tokens: tuple[int, ...],
-              draft_probs: tuple[SparseProbs, ...] | None) -> bytes:
-        """The frame for a draft of ``tokens`` continuing ``history``."""
+              draft_probs: tuple[SparseProbs, ...] | None,
+              parents: tuple[int, ...] | None = None) -> bytes:
+        """The frame for a draft of ``tokens`` (a tree with ``parents``; see
+        :class:`~spececd.protocol.messages.Draft`) continuing ``history``."""
         self._seq += 1
         self._pending = m.Draft(self._seq, self.server_len, tuple(history[self.server_len:]),
-                                tokens, draft_probs)
+                                tokens, draft_probs, parents)
         return m.encode(self._pending)
 
     def generate(self, history: tuple[int, ...] | list[int], max_tokens: int,
@@ -421,6 +453,11 @@ class EdgeSession:
             if not 0 <= message.num_accepted <= len(pending.tokens):
                 raise UnexpectedMessage(f"verdict accepts {message.num_accepted} of "
                                         f"{len(pending.tokens)} drafted tokens")
+            if (message.path is None) != (pending.parents is None) or (
+                    message.path is not None and not _is_path(
+                        message.path, pending.parents or (), message.num_accepted)):
+                raise UnexpectedMessage(f"verdict's path {message.path} is not a path of "
+                                        f"{message.num_accepted} nodes from the draft's root")
             self.server_len = (pending.context_len + len(pending.prefix)
                                + message.num_accepted + 1)
             self._pending = None
