@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.backends.base import Backend, CachedSequence  # noqa: E402
+from spececd.backends.base import Backend, Extend  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from tests.backends.test_conformance import TOLERANCE  # noqa: E402
 from tests.conftest import MODELS  # noqa: E402
@@ -64,7 +64,7 @@ def test_hf_kv_bytes_per_token_is_what_its_cache_holds(arch: str, expected: int,
     assert held == 10 * expected
 
 
-ExtendBatch = Callable[[Backend, Sequence[tuple[CachedSequence, Sequence[int], int]]],
+ExtendBatch = Callable[[Backend, Sequence[Extend]],
                       list[np.ndarray]]
 
 
@@ -86,7 +86,8 @@ def test_extend_batch_equals_separate_extends(backend: Backend,
         keeps = [int(rng.integers(0, add + 1)) for add in adds]
         spans = [stream[len(seq.tokens):len(seq.tokens) + add]
                  for seq, stream, add in zip(batched, streams, adds, strict=True)]
-        results = extend_batch(backend, list(zip(batched, spans, keeps, strict=True)))
+        results = extend_batch(backend, [Extend(*item) for item in zip(batched, spans, keeps,
+                                                                   strict=True)])
         for seq, alone, ids, keep, logits in zip(batched, separate, spans, keeps, results,
                                                  strict=True):
             expected = alone.extend(ids, keep)
@@ -100,4 +101,5 @@ def test_hf_extend_batch_refuses_another_backends_sequences(
     ours, theirs = (load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
                     for _ in range(2))
     with pytest.raises(TypeError, match="made by this backend"):
-        ours.extend_batch([(ours.new_sequence(), [1, 2], 1), (theirs.new_sequence(), [3], 1)])
+        ours.extend_batch([Extend(ours.new_sequence(), [1, 2], 1),
+                           Extend(theirs.new_sequence(), [3], 1)])

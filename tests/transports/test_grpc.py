@@ -307,6 +307,7 @@ class CountingBackend:
         self.name, self.vocab_size = backend.name, backend.vocab_size
         self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
         self.description, self.kv_bytes_per_token = "counting", backend.kv_bytes_per_token
+        self.tree_attention = backend.tree_attention
         self.fed: list[int] = []
 
     def new_sequence(self) -> Any:

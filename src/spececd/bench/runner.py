@@ -51,10 +51,11 @@ class BenchConfig:
     targets: list[str] = field(default_factory=list)  # several targets ([] = target)
     max_batch: int = 32  # the server's sessions per forward pass
     transports: list[str] = field(default_factory=lambda: ["websocket"])  # edge-cloud links
+    trees: list[int] = field(default_factory=lambda: [1])  # tree widths (1: chains)
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
-                proactive: str | None = None) -> str:
+                proactive: str | None = None, tree: int | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
             "spececd": "SpecECD", "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative"}[kind]
@@ -63,6 +64,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
     if proactive is not None:
         name += {"off": " plain", "on": " proactive", "stream": " stream",
                  "auto": " auto"}[proactive]
+    if tree:
+        name += f" tree {tree}"
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name
@@ -132,7 +135,7 @@ def machine() -> dict[str, Any]:
 
 def name(entry: dict[str, Any]) -> str:
     return config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"),
-                       entry.get("proactive")) + entry.get("tag", "")
+                       entry.get("proactive"), entry.get("tree")) + entry.get("tag", "")
 
 
 def label(model: str) -> str:
@@ -203,14 +206,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "tag": (f" [{label(target)}]" if pairs else "") + over})
             for d, draft in enumerate(drafts):
                 # Every proactive setting for k=auto; fixed k values with the first one
-                # only (the comparison that matters there is against the policy).
+                # only (the comparison that matters there is against the policy). Trees
+                # for every setting that drafts rounds (stream drafting sends chains).
                 plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
                           "proactive": proactive, "worker": f"spececd{d}",
                           "target": label(target), "transport": transport,
+                          "tree": width if width > 1 else None,
                           "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "")
                           + over}
                          for k in cfg.ks for proactive in
-                         (cfg.proactive if k == "auto" else cfg.proactive[:1])]
+                         (cfg.proactive if k == "auto" else cfg.proactive[:1])
+                         for width in cfg.trees if width == 1 or proactive != "stream"]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()
@@ -230,7 +236,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                                                       for m in [*drafts, *targets]})),
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
-                         "proactive": cfg.proactive,
+                         "proactive": cfg.proactive, "trees": cfg.trees,
                          "mode": cfg.mode, "temperature": cfg.temperature,
                          "max_tokens": cfg.max_tokens, "iterations": cfg.iterations,
                          "num_prompts": len(cfg.prompts), "machine": machine(),

@@ -146,7 +146,7 @@ class SpecRunner:
         self.generator = self.generators[url]
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k") or 4,
-            proactive=request.get("proactive") or "off")
+            proactive=request.get("proactive") or "off", tree_width=request.get("tree") or 1)
         self.kind = request["kind"]
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:

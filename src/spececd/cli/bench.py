@@ -43,6 +43,9 @@ def add_parser(sub: Any) -> None:
                        "values run with the first one (default: off,on,stream,auto; auto "
                        "chooses between on and stream as it goes, the default against a "
                        "server)")
+    bench.add_argument("--tree-width", default="1",
+                       help="token tree widths to compare, comma-separated, for the settings "
+                       "that draft rounds (1: chains; e.g. 1,3; default: 1)")
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")
@@ -173,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or not set(transports) <= {"websocket", "grpc", "http"}:
         raise InputError(f"--transport takes websocket, grpc, http; got {args.transport!r}")
+    trees = parse_list(args.tree_width, int, "--tree-width")
+    if min(trees) < 1:
+        raise InputError(f"--tree-width takes widths >= 1, got {args.tree_width!r}")
     rtts = parse_list(args.rtt_ms, float, "--rtt-ms")
     if min(rtts) < 0 or args.iterations < 1 or args.max_tokens < 1:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
@@ -187,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,
                       device=args.device, jitter_ms=args.jitter_ms,
-                      baselines=not args.no_baselines, transports=transports)
+                      baselines=not args.no_baselines, transports=transports, trees=trees)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
     save(raw, args.out)
     print((args.out / "bench.md").read_text())

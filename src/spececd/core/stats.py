@@ -41,6 +41,7 @@ class GenerationStats:
     # token trees: candidates sent beside the drafted chains (``drafted`` counts the chains'
     # tokens, one per position, so that acceptance stays per position)
     tree_siblings: int = 0
+    target_passes: int = 0  # verifier passes this generation took: verdicts and streamed steps
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
     accepted_by_position: list[int] = field(default_factory=list)
@@ -61,7 +62,7 @@ class GenerationStats:
                      "draft_steps",
                      "verify_s", "network_s", "bytes_sent", "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits",
-                     "auto_stream_tokens", "tree_siblings"):
+                     "auto_stream_tokens", "tree_siblings", "target_passes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fallback = self.fallback or other.fallback
         self.lossy = self.lossy or other.lossy

@@ -136,7 +136,9 @@ class Drafter:
                 if params.greedy:
                     scores = penalize(logits[None, :], params, context, len(context))[0]
                     token = int(np.argmax(scores))
-                    probs = process_logits(scores[None, :], SamplingParams(), (), 0)[0]
+                    # Siblings by the draft's confidence: its softmax at temperature 1.
+                    probs = (process_logits(scores[None, :], SamplingParams())[0]
+                             if width > 1 else scores)
                 else:
                     probs = process_logits(logits[None, :], params, context, len(context))[0]
                     token = sample(probs, rng)
