@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spececd.backends.registry import load_backend  # noqa: E402
-from spececd.core.sampling import Mode, SamplingParams  # noqa: E402
-from spececd.edge.drafter import Drafter  # noqa: E402
+from spececd.backends.registry import load_backend
+from spececd.core.sampling import Mode, SamplingParams
+from spececd.edge.drafter import Drafter
 
 HISTORY = [5, 17, 42, 99, 3]
 
