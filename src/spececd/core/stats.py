@@ -110,6 +110,8 @@ class GenerationStats:
             "proactive_hit_rate": round(self.proactive_hits / self.proactive_rounds, 4)
             if self.proactive_rounds else 0.0,
             "auto_stream_tokens": self.auto_stream_tokens,
+            "tree_siblings": self.tree_siblings,
+            "target_passes": self.target_passes,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
                 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)
