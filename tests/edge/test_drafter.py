@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from spececd.backends.registry import load_backend
+from spececd.core.policy import DraftLengthPolicy, TreeShape
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.drafter import Drafter
 
@@ -29,7 +30,7 @@ def test_a_trees_chain_is_the_width_1_draft(drafter: Drafter, mode: Mode,
                                             temperature: float) -> None:
     params = SamplingParams(temperature=temperature, seed=7)
     chain, chain_dists = drafter.draft(HISTORY, 5, mode, params, 7, 16)
-    tree = drafter.tree(HISTORY, 5, 3, 15, mode, params, 7, 16)
+    tree = drafter.tree(HISTORY, 5, TreeShape(3, 15, (1.0,) * 5, 0.0), mode, params, 7, 16)
     assert tuple(tree.tokens[i] for i in tree.chain) == chain
     assert tree.branched  # a random-init draft is unsure everywhere
     assert len(tree.tokens) <= 15
@@ -43,7 +44,8 @@ def test_a_trees_chain_is_the_width_1_draft(drafter: Drafter, mode: Mode,
 
 def test_exact_siblings_are_distinct_draws_from_what_is_left(drafter: Drafter) -> None:
     params = SamplingParams(temperature=1.0, seed=3)
-    tree = drafter.tree(HISTORY, 4, 4, 16, Mode.EXACT, params, 3, 16)
+    tree = drafter.tree(HISTORY, 4, TreeShape(4, 16, (1.0,) * 4, 0.0), Mode.EXACT, params, 3,
+                        16)
     assert tree.dists is not None
     for parent in {-1, *tree.chain}:
         children = [i for i, p in enumerate(tree.parents) if p == parent]
@@ -57,5 +59,34 @@ def test_exact_siblings_are_distinct_draws_from_what_is_left(drafter: Drafter) -
 
 def test_the_budget_keeps_room_for_the_chain(drafter: Drafter) -> None:
     params = SamplingParams(temperature=0.0, seed=1)
-    tree = drafter.tree(HISTORY, 6, 4, 8, Mode.GREEDY, params, 1, 16)
+    tree = drafter.tree(HISTORY, 6, TreeShape(4, 8, (1.0,) * 6, 0.0), Mode.GREEDY, params, 1,
+                        16)
     assert len(tree.chain) == 6 and len(tree.tokens) == 8
+
+
+@pytest.mark.parametrize("mode,temperature", [(Mode.GREEDY, 0.0), (Mode.EXACT, 1.0)])
+def test_siblings_must_be_worth_their_position(drafter: Drafter, mode: Mode,
+                                               temperature: float) -> None:
+    """A sibling at depth i is sent when reach[i] times its draft probability (exact: the
+    mass left) reaches the floor; the tiny draft's probabilities are all below 0.05."""
+    params = SamplingParams(temperature=temperature, seed=2)
+    shallow = drafter.tree(HISTORY, 4, TreeShape(3, 12, (1.0, 1.0, 0.0, 0.0), 0.001), mode,
+                           params, 2, 512)
+    assert {shallow.parents[i] for i in range(len(shallow.tokens)) if i not in shallow.chain} \
+        <= {-1, shallow.chain[0]}  # no sibling where the round is not reached
+    assert shallow.branched
+    assert not drafter.tree(HISTORY, 4, TreeShape(3, 12, (1.0,) * 4, 1.01), mode, params, 2,
+                            512).branched  # nothing is worth more than a whole token
+
+
+def test_the_floor_falls_as_the_round_trip_grows() -> None:
+    """Delay-aware shape: the same acceptance and verify costs, a longer round trip, so
+    fewer tokens per second from rounds and a lower bar for a sibling."""
+    floors = []
+    for network_s in (0.0, 0.02, 0.1):
+        policy = DraftLengthPolicy(k_max=8)
+        for _ in range(20):
+            policy.observe(4, 2, 0.004, 0.01, network_s, positions=4)
+            policy.observe(1, 1, 0.001, 0.006, network_s, positions=1)
+        floors.append(policy.tree_shape(4, 3, 12).floor)
+    assert floors[0] > floors[1] > floors[2] > 0

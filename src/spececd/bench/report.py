@@ -115,6 +115,11 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         cloud = cloud_tps.get((c.get("rtt_ms"), c.get("target")))
         if cloud:
             row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
+        if c["kind"] == "llama_speculative":  # what llama.cpp itself counted
+            drafted = sum(r.get("llama_stats", {}).get("drafted", 0) for r in results)
+            accepted = sum(r.get("llama_stats", {}).get("accepted", 0) for r in results)
+            if drafted:
+                row["acceptance_rate"] = round(accepted / drafted, 4)
         if c["kind"] in ("spececd", "cloud"):
             s = _sum_stats(c["passes"])
             generated = max(1, s.get("generated", 0))

@@ -58,7 +58,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
                 proactive: str | None = None, tree: int | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
             "spececd": "SpecECD", "llama_alone": "llama.cpp target alone",
-            "llama_lookup": "llama.cpp prompt-lookup speculative"}[kind]
+            "llama_lookup": "llama.cpp prompt-lookup speculative",
+            "llama_speculative": "llama.cpp speculative (draft model, in-process)"}[kind]
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
@@ -147,6 +148,15 @@ def is_hf(model: str) -> bool:
     return not model.lower().endswith(".gguf")
 
 
+def llama_speculative_binary() -> str | None:
+    """llama.cpp's ``llama-speculative-simple`` where
+    ``scripts/build-llama-speculative.sh`` put it ($SPECECD_LLAMA_SPECULATIVE, or
+    ~/.cache/spececd/), if it is there."""
+    path = Path(os.environ.get("SPECECD_LLAMA_SPECULATIVE")
+                or Path.home() / ".cache" / "spececd" / "llama-speculative-simple")
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every configuration and return the raw results (see report.summarise).
 
@@ -195,6 +205,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                     workers[key] = Worker({**common, "kind": kind, "target": target})
                     plan.append({"kind": kind, "worker": key, "tag": tag,
                                  "target": label(target)})
+                binary = llama_speculative_binary()
+                for d, draft in enumerate(drafts):
+                    if binary and not is_hf(draft):  # the peer with the same GGUF pair
+                        key = f"llama_speculative{d}.{t}"
+                        workers[key] = Worker({**common, "kind": "llama_speculative",
+                                               "target": target, "draft": draft,
+                                               "binary": binary})
+                        plan.append({"kind": "llama_speculative", "worker": key,
+                                     "target": label(target),
+                                     "tag": f" [{label(draft)} → {label(target)}]"})
         for d, draft in enumerate(drafts):
             workers[f"spececd{d}"] = Worker({**common, "kind": "spececd", "draft": draft,
                                              "target": targets[0]})

@@ -12,6 +12,10 @@ Kinds:
   transformers' own defaults for the draft length schedule;
 - ``llama_alone`` / ``llama_lookup``: a GGUF target alone on llama.cpp, without and with
   llama-cpp-python's own speculative decoding (prompt lookup);
+- ``llama_speculative``: llama.cpp's own draft-model speculative decoding, target and
+  draft GGUF in one process (``llama-speculative-simple``, built by
+  ``scripts/build-llama-speculative.sh``), run once per prompt; its times are the ones it
+  prints (the prompt's encoding and the decoding, not the models' loading);
 - ``spececd``: the SpecECD edge here, the verifier on the server; each pass says whether
   to draft (``spececd``) or to let the server generate and stream while the edge only
   reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
@@ -124,6 +128,44 @@ class LlamaRunner:
         return {"tokens": tokens, "wall_s": wall, "ttft_s": (first or start) - start}
 
 
+class SpeculativeBinaryRunner:
+    """llama.cpp's ``llama-speculative-simple``: greedy, one thread for each model, the
+    draft length ``k`` (4 unless the job names one)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        import re
+        import subprocess
+
+        job = self.job
+        if job["temperature"] != 0:
+            raise ValueError("the llama.cpp baselines run greedy only")
+        threads = str(job.get("threads", 1))
+        done = subprocess.run(
+            [job["binary"], "-m", job["target"], "-md", job["draft"], "-p", prompt,
+             "-n", str(job["max_tokens"]), "--temp", "0", "--top-k", "1", "--seed", str(seed),
+             "-t", threads, "-td", threads, "--spec-draft-n-max", str(job.get("k") or 4),
+             "-c", "2048", "--ignore-eos"],
+            capture_output=True, text=True, timeout=600)
+        found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", done.stderr)
+                 for kind in ("encoded", "decoded")}
+        if done.returncode or not found["encoded"] or not found["decoded"]:
+            raise RuntimeError(f"llama-speculative-simple failed ({done.returncode}): "
+                               f"{done.stderr[-500:]}")
+        encoded, decoded = found["encoded"], found["decoded"]
+        assert encoded is not None and decoded is not None
+        tokens, decode_s = int(decoded.group(1)), float(decoded.group(2))
+        encode_s = float(encoded.group(2))
+        drafted = re.search(r"n_drafted += (\d+)", done.stderr)
+        accepted = re.search(r"n_accept += (\d+)", done.stderr)
+        stats = {"drafted": int(drafted.group(1)) if drafted else 0,
+                 "accepted": int(accepted.group(1)) if accepted else 0}
+        return {"tokens": tokens, "wall_s": encode_s + decode_s,
+                "ttft_s": encode_s + decode_s / max(1, tokens), "llama_stats": stats}
+
+
 class SpecRunner:
     """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
 
@@ -178,11 +220,13 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    runner: HFRunner | LlamaRunner | SpecRunner
+    runner: HFRunner | LlamaRunner | SpeculativeBinaryRunner | SpecRunner
     if job["kind"] in ("target", "assisted"):
         runner = HFRunner(job)
     elif job["kind"] in ("llama_alone", "llama_lookup"):
         runner = LlamaRunner(job)
+    elif job["kind"] == "llama_speculative":
+        runner = SpeculativeBinaryRunner(job)
     else:
         runner = SpecRunner(job)
     print(json.dumps({"ready": True}), flush=True)

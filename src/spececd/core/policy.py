@@ -23,6 +23,15 @@ it. A position the policy has rarely drafted so inherits what was learnt just be
 (conditional acceptance changes slowly along a block) instead of a fixed guess, which
 would keep the policy from ever trying longer drafts. Pure: no clock, no I/O; the caller
 feeds measurements in seconds.
+
+The same model shapes **token trees** (:meth:`DraftLengthPolicy.tree_shape`). A sibling
+candidate ``s`` at depth ``i`` gains one token when the target's token there is ``s``:
+in expectation ``reach_i * q(s)``, with ``reach_i = a_1 ... a_{i-1}`` the chance the round
+gets that far and ``q`` the draft's own probability. It costs one more position in the
+verify pass, ``t_verify_per_token``. It pays when the gain is at least that cost times the
+tokens per second rounds give, ``t_verify_per_token * E(k) / cost(k)``: the floor. A long
+round trip lowers the tokens per second and so the floor, and trees grow; on a fast link
+where each verified position is dear, they shrink to chains. Delay-aware by construction.
 """
 
 from __future__ import annotations
@@ -43,6 +52,21 @@ class Ema:
     def update(self, x: float) -> None:
         self.value = x if not self.seen else (1 - self.weight) * self.value + self.weight * x
         self.seen = True
+
+
+FIRST_FLOOR = 0.1  # a sibling's expected gain before anything is measured
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What a drafter needs to branch a chain of ``k``: at most ``width`` candidates per
+    position and ``budget`` nodes in all; ``reach[i]``, the chance the round reaches depth
+    ``i``; and ``floor``, the least expected gain a sibling must bring."""
+
+    width: int
+    budget: int
+    reach: tuple[float, ...]
+    floor: float
 
 
 @dataclass
@@ -77,9 +101,11 @@ class DraftLengthPolicy:
         return estimates
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                network_s: float) -> None:
+                network_s: float, positions: int | None = None) -> None:
         """Feed one round: tokens drafted and accepted, the drafting time, the verifier's
-        reported time, and the rest of the round trip."""
+        reported time, and the rest of the round trip; ``positions``: what the verifier
+        computed (a tree's nodes; default ``drafted``)."""
+        positions = drafted if positions is None else positions
         self.rounds += 1
         self._accepted = [a * self.decay for a in self._accepted]
         self._tried = [t * self.decay for t in self._tried]
@@ -91,10 +117,10 @@ class DraftLengthPolicy:
             self._draft_step.update(draft_s / drafted)
         # Split the verify time into a fixed part and a per-token part with two averages:
         # the fixed part tracks rounds that drafted little, the slope the rest.
-        if drafted <= 1 or not self._verify_base.seen:
+        if positions <= 1 or not self._verify_base.seen:
             self._verify_base.update(verify_s)
         else:
-            slope = max(0.0, (verify_s - self._verify_base.value) / drafted)
+            slope = max(0.0, (verify_s - self._verify_base.value) / positions)
             self._verify_per_token.update(slope)
         self._network.update(max(0.0, network_s))
 
@@ -114,6 +140,17 @@ class DraftLengthPolicy:
         a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
         hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
         return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
+
+    def tree_shape(self, k: int, width: int, budget: int) -> TreeShape:
+        """How to branch a chain of ``k`` (see the module docstring)."""
+        reach = [1.0]
+        for a in self.acceptance()[:max(0, k - 1)]:
+            reach.append(reach[-1] * a)
+        floor = FIRST_FLOOR
+        if self._verify_base.seen and self._draft_step.seen:
+            floor = (self._verify_per_token.value * self.expected_tokens(k)
+                     / max(self.cost(k), 1e-9))
+        return TreeShape(width, budget, tuple(reach[:k]), floor)
 
     def choose(self, limit: int | None = None) -> int:
         """The draft length for the next round, at most ``limit`` (e.g. tokens left)."""

@@ -13,16 +13,17 @@ What it samples from depends on the mode:
 - ``match``: the full processed distribution; nothing is reported;
 - temperature 0 (or ``greedy``): the argmax; nothing is reported.
 
-With ``width > 1`` it drafts a **tree**: the same chain, plus, at each step where the draft
-is unsure, up to ``width - 1`` sibling leaves from the distribution that step drew from.
-A sibling costs no draft forward pass and one position of the verifier's pass; where the
-target rejects the chain's token, a sibling may still be its token. Siblings are the next
-most likely tokens (greedy, ``match``: the verifier compares ids only) or, in ``exact``
-mode, draws without replacement, each reported with the distribution it was drawn from;
-whether to draw one is decided before the draw (from the mass left: at least
-``MIN_MASS``), so that each sibling follows its reported distribution. A likely token is a
-sibling when the draft gives it at least ``SIBLING_RATIO`` of the chain token's
-probability: where the draft is sure, the chain goes alone.
+It also drafts **trees** (:meth:`Drafter.tree`): the same chain, plus, at each step, up
+to ``width - 1`` sibling leaves from the distribution that step drew from, shaped by a
+:class:`~spececd.core.policy.TreeShape`. A sibling costs no draft forward pass and one
+position of the verifier's pass; where the target rejects the chain's token, a sibling
+may still be its token. At depth ``i`` a candidate ``s`` is worth ``reach[i] * q(s)``
+tokens in expectation and is sent when that is at least the shape's ``floor``: where the
+draft is sure, or the verifier's positions are dear, the chain goes alone. Siblings are
+the most likely such tokens (greedy, ``match``: the verifier compares ids only) or, in
+``exact`` mode, draws without replacement, each reported with the distribution it was
+drawn from; whether to draw one more is decided before the draw (from the mass left,
+``reach[i] * mass >= floor``), so that each sibling follows its reported distribution.
 
 The drafter knows nothing about the network or the verifier.
 """
@@ -37,6 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from spececd.backends.base import Backend, sync
+from spececd.core.policy import TreeShape
 from spececd.core.sampling import (
     DRAFTER_STREAM,
     Mode,
@@ -50,8 +52,7 @@ from spececd.core.sampling import (
     sample_sparse,
 )
 
-SIBLING_RATIO = 0.25  # a likely sibling has at least this times the chain token's probability
-MIN_MASS = 0.1  # exact mode: draw another sibling while this much draft probability is left
+CHAIN = TreeShape(width=1, budget=0, reach=(), floor=0.0)  # the shape of a plain draft
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,13 @@ class Tree:
 class DraftSource(Protocol):
     """What the edge loop drafts with: :class:`Drafter`, or a
     :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer
-    (which drafts chains only: its ``tree`` has width 1)."""
+    (which drafts chains only: its ``tree`` is its chain)."""
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]: ...
 
-    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
              params: SamplingParams, seed: int, max_support: int) -> Tree: ...
 
 
@@ -103,17 +104,17 @@ class Drafter:
         """Draft ``k`` tokens after ``history``; return them and, in exact sampling mode,
         the distribution each was drawn from (cut to its ``max_support`` most likely
         tokens)."""
-        tree = self.tree(history, k, 1, k, mode, params, seed, max_support)
+        tree = self.tree(history, k, CHAIN, mode, params, seed, max_support)
         return tree.tokens, tree.dists
 
-    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
              params: SamplingParams, seed: int, max_support: int) -> Tree:
-        """A chain of ``k`` tokens after ``history`` with up to ``width - 1`` siblings at
-        each step, ``budget`` nodes in all (see the module docstring)."""
+        """A chain of ``k`` tokens after ``history``, branched as ``shape`` says (see the
+        module docstring)."""
         with self.lock:
-            return self._tree(history, k, width, budget, mode, params, seed, max_support)
+            return self._tree(history, k, shape, mode, params, seed, max_support)
 
-    def _tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+    def _tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
               params: SamplingParams, seed: int, max_support: int) -> Tree:
         feed = sync(self.sequence, history)
         tokens: list[int] = []
@@ -126,27 +127,30 @@ class Drafter:
             logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
             rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
             parent = chain[-1] if chain else -1
+            room = shape.budget - len(tokens) - (k - 1 - i)  # keep a place for the chain's rest
+            siblings = min(shape.width, room) - 1
+            # The least draft probability that makes a sibling here worth its position.
+            least = shape.floor / shape.reach[i] if i < len(shape.reach) and \
+                shape.reach[i] > 0 else float("inf")
             choices: list[tuple[int, SparseProbs | None]]
             if report:
                 dist = draft_distribution(logits, params, max_support, context)
                 token = sample_sparse(dist, rng)
-                siblings = _drawn_siblings(dist, token, rng, width - 1)
-                choices = [(token, dist), *siblings]
+                choices = [(token, dist), *_drawn_siblings(dist, token, rng, siblings, least)]
             else:
                 if params.greedy:
                     scores = penalize(logits[None, :], params, context, len(context))[0]
                     token = int(np.argmax(scores))
                     # Siblings by the draft's confidence: its softmax at temperature 1.
                     probs = (process_logits(scores[None, :], SamplingParams())[0]
-                             if width > 1 else scores)
+                             if siblings > 0 else scores)
                 else:
                     probs = process_logits(logits[None, :], params, context, len(context))[0]
                     token = sample(probs, rng)
                 choices = [(token, None), *((t, None) for t in _likely_siblings(
-                    probs, token, width - 1))]
-            room = budget - len(tokens) - (k - 1 - i)  # keep a place for the chain's rest
+                    probs, token, siblings, least))]
             chain.append(len(tokens))
-            for token_j, dist_j in choices[:max(1, room)]:
+            for token_j, dist_j in choices:
                 tokens.append(token_j)
                 parents.append(parent)
                 if dist_j is not None:
@@ -157,28 +161,28 @@ class Drafter:
                     tuple(chain))
 
 
-def _likely_siblings(probs: np.ndarray, token: int, n: int) -> list[int]:
-    """Up to ``n`` of the next most likely tokens after ``token`` in ``probs`` ``[vocab]``,
-    each with at least ``SIBLING_RATIO`` times the probability of ``token``."""
+def _likely_siblings(probs: np.ndarray, token: int, n: int, least: float) -> list[int]:
+    """Up to ``n`` of the most likely tokens in ``probs`` ``[vocab]`` other than
+    ``token``, each with at least probability ``least`` (and more than 0)."""
     if n <= 0:
         return []
     top = np.argpartition(-probs, n)[:n + 1] if probs.size > n + 1 else np.arange(probs.size)
     top = top[np.argsort(-probs[top], kind="stable")]
-    floor = SIBLING_RATIO * probs[token]
-    return [int(t) for t in top if t != token and probs[t] >= floor and probs[t] > 0][:n]
+    return [int(t) for t in top if t != token and probs[t] >= least and probs[t] > 0][:n]
 
 
-def _drawn_siblings(dist: SparseProbs, token: int, rng: np.random.Generator, n: int
-                    ) -> list[tuple[int, SparseProbs]]:
+def _drawn_siblings(dist: SparseProbs, token: int, rng: np.random.Generator, n: int,
+                    least: float) -> list[tuple[int, SparseProbs]]:
     """Up to ``n`` siblings of ``token`` drawn from ``dist`` without replacement, each with
-    the distribution it was drawn from. Whether to draw the next one depends only on the
-    mass left, never on what the draw gives, so each sibling follows its distribution."""
+    the distribution it was drawn from, while the mass left is at least ``least``. Whether
+    to draw the next one depends only on that mass, never on what the draw gives, so each
+    sibling follows its distribution."""
     siblings: list[tuple[int, SparseProbs]] = []
     probs = dist.normalized()
     taken = [token]
     while len(siblings) < n:
         left = ~np.isin(dist.ids, taken)
-        if probs[left].sum() < MIN_MASS or not left.any():
+        if not left.any() or probs[left].sum() < least:
             break
         rest = SparseProbs(dist.ids[left], (probs[left] / probs[left].sum()).astype(np.float32))
         sibling = sample_sparse(rest, rng)

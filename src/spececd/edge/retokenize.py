@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 
 from spececd.backends.base import Backend, Tokenizer
+from spececd.core.policy import TreeShape
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.edge.drafter import Drafter, Tree
 
@@ -60,7 +61,7 @@ class CrossDrafter:
             return (), None  # the boundary moved: drafting on would rewrite committed tokens
         return tuple(ids[len(behind):len(behind) + k]), None
 
-    def tree(self, history: Sequence[int], k: int, width: int, budget: int, mode: Mode,
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
              params: SamplingParams, seed: int, max_support: int) -> Tree:
         """A chain: a draft's token boundaries are not the target's, so its candidates for
         one target position are not comparable."""

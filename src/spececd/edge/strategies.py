@@ -64,17 +64,18 @@ class Work:
         return self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
                                   self.max_support)
 
-    def tree(self, history: Sequence[int], k: int, room: int) -> Tree:
-        """A round's draft: a chain of ``k`` tokens, branched where the draft is unsure
+    def tree(self, history: Sequence[int], k: int, room: int, policy: DraftLengthPolicy
+             ) -> Tree:
+        """A round's draft: a chain of ``k`` tokens, branched as ``policy`` finds worth it
         when the server verifies trees, in at most ``room`` nodes."""
         welcome = self.session.welcome
         width = self.tree_width if self.session.trees else 1
         if width == 1 or welcome is None:
             return Tree.of_chain(*self.draft(history, k))
         assert self.params.seed is not None
-        budget = max(k, min(k * width, welcome.max_draft, room))
-        return self.drafter.tree(history, k, width, budget, self.mode, self.params,
-                                 self.params.seed, self.max_support)
+        shape = policy.tree_shape(k, width, max(k, min(k * width, welcome.max_draft, room)))
+        return self.drafter.tree(history, k, shape, self.mode, self.params, self.params.seed,
+                                 self.max_support)
 
 
 class Rounds:
@@ -86,12 +87,12 @@ class Rounds:
     streams = False
 
     def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
-        self.work, self.k_max = work, k_max
-        self.policy = (DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
-                       if adaptive else None)
+        self.work, self.k_max, self.adaptive = work, k_max, adaptive
+        # Measures always (trees take their shape from it); chooses k when adaptive.
+        self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
 
     def choose(self, limit: int) -> int:
-        return self.policy.choose(limit) if self.policy else min(self.k_max, limit)
+        return self.policy.choose(limit) if self.adaptive else min(self.k_max, limit)
 
     def step(self, out: Emitter) -> list[Piece]:
         stats = self.work.stats
@@ -107,15 +108,14 @@ class Rounds:
         stats.tree_siblings += len(tree.tokens) - len(tree.chain)
         stats.target_passes += 1
         stats.verify_s += verdict.verify_s
-        if self.policy is not None:
-            self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s,
-                                verdict.verify_s, round_s - verdict.verify_s - hidden_s)
+        self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s, verdict.verify_s,
+                            round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
         path = range(n) if verdict.path is None else verdict.path
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n)]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
-        tree = self.work.tree(history, self.choose(limit), room)
+        tree = self.work.tree(history, self.choose(limit), room, self.policy)
         self.work.stats.draft_steps += len(tree.chain)
         return tree
 
