@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from spececd.core.policy import Arm, DraftLengthPolicy, HintGate, StrategyChooser
+from spececd.core.policy import Arm, DraftLengthPolicy, HintGate, LinearFit, StrategyChooser
 
 
 def feed(policy: DraftLengthPolicy, accept_prob: float, draft_ms: float, verify_ms: float,
@@ -22,6 +22,22 @@ def feed(policy: DraftLengthPolicy, accept_prob: float, draft_ms: float, verify_
             accepted += 1
         policy.observe(k, accepted, k * draft_ms / 1000, (verify_ms + 0.1 * k) / 1000,
                        network_ms / 1000)
+
+
+def test_the_verify_fit_finds_the_cost_per_position_and_skips_the_prefill() -> None:
+    rng = random.Random(1)
+    fit = LinearFit()
+    for _ in range(200):
+        positions = rng.randint(1, 12)
+        fit.update(positions, 0.005 + 0.001 * positions + rng.gauss(0, 0.0002))
+    assert fit.slope == pytest.approx(0.001, rel=0.1)
+    assert fit.base == pytest.approx(0.005, rel=0.1)
+    policy = DraftLengthPolicy(k_max=8)
+    policy.observe(4, 2, 0.004, 0.5, 0.0, positions=4)  # the first pass: the prompt too
+    for positions in (2, 6) * 10:
+        policy.observe(positions, 1, 0.004, 0.005 + 0.001 * positions, 0.0, positions)
+    assert policy._verify.slope == pytest.approx(0.001, rel=0.01)  # the 0.5 s pass left out
+    assert policy._verify.base == pytest.approx(0.005, rel=0.01)
 
 
 def test_starts_at_k_initial_and_respects_the_limit() -> None:

@@ -54,6 +54,39 @@ class Ema:
         self.seen = True
 
 
+@dataclass
+class LinearFit:
+    """``y ~ base + slope * x`` by least squares over exponentially weighted observations
+    (weight ``weight`` for the newest): how a verify pass's time grows with the positions
+    it computes. Without two different ``x`` seen, the slope is 0 and the base the mean."""
+
+    weight: float = 0.2
+    seen: bool = False
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def update(self, x: float, y: float) -> None:
+        w = self.weight if self.seen else 1.0
+        self._x += w * (x - self._x)
+        self._y += w * (y - self._y)
+        self._xx += w * (x * x - self._xx)
+        self._xy += w * (x * y - self._xy)
+        self.seen = True
+
+    @property
+    def slope(self) -> float:
+        variance = self._xx - self._x * self._x
+        if variance <= 1e-9 * max(1.0, self._xx):
+            return 0.0
+        return max(0.0, (self._xy - self._x * self._y) / variance)
+
+    @property
+    def base(self) -> float:
+        return max(0.0, self._y - self.slope * self._x)
+
+
 FIRST_FLOOR = 0.1  # a sibling's expected gain before anything is measured
 
 
@@ -80,8 +113,7 @@ class DraftLengthPolicy:
     _accepted: list[float] = field(default_factory=list)  # position i: times accepted
     _tried: list[float] = field(default_factory=list)  # position i: times reached
     _draft_step: Ema = field(default_factory=lambda: Ema(0.0))
-    _verify_base: Ema = field(default_factory=lambda: Ema(0.0))
-    _verify_per_token: Ema = field(default_factory=lambda: Ema(0.0))
+    _verify: LinearFit = field(default_factory=LinearFit)  # seconds by positions verified
     _network: Ema = field(default_factory=lambda: Ema(0.0))
     rounds: int = 0
 
@@ -115,13 +147,10 @@ class DraftLengthPolicy:
                 self._accepted[i] += 1
         if drafted > 0 and draft_s > 0:
             self._draft_step.update(draft_s / drafted)
-        # Split the verify time into a fixed part and a per-token part with two averages:
-        # the fixed part tracks rounds that drafted little, the slope the rest.
-        if positions <= 1 or not self._verify_base.seen:
-            self._verify_base.update(verify_s)
-        else:
-            slope = max(0.0, (verify_s - self._verify_base.value) / positions)
-            self._verify_per_token.update(slope)
+        # Verify time = a fixed part + a part per position, fitted over the rounds; the
+        # first round's pass also ran over the prompt, so it says nothing about either.
+        if self.rounds > 1:
+            self._verify.update(positions, verify_s)
         self._network.update(max(0.0, network_s))
 
     def expected_tokens(self, k: int) -> float:
@@ -132,8 +161,7 @@ class DraftLengthPolicy:
         return gain
 
     def cost(self, k: int) -> float:
-        round_trip = (self._verify_base.value + k * self._verify_per_token.value
-                      + self._network.value)
+        round_trip = self._verify.base + k * self._verify.slope + self._network.value
         drafting = k * self._draft_step.value
         if not self.proactive:
             return drafting + round_trip
@@ -147,9 +175,8 @@ class DraftLengthPolicy:
         for a in self.acceptance()[:max(0, k - 1)]:
             reach.append(reach[-1] * a)
         floor = FIRST_FLOOR
-        if self._verify_base.seen and self._draft_step.seen:
-            floor = (self._verify_per_token.value * self.expected_tokens(k)
-                     / max(self.cost(k), 1e-9))
+        if self._verify.seen and self._draft_step.seen:
+            floor = self._verify.slope * self.expected_tokens(k) / max(self.cost(k), 1e-9)
         return TreeShape(width, budget, tuple(reach[:k]), floor)
 
     def choose(self, limit: int | None = None) -> int:
@@ -157,7 +184,7 @@ class DraftLengthPolicy:
         top = min(self.k_max, limit) if limit is not None else self.k_max
         if top <= 0:
             return 0
-        if not self._draft_step.seen or not self._verify_base.seen:
+        if not self._draft_step.seen or not self._verify.seen:
             return min(self.k_initial, top)
         return max(range(1, top + 1),
                    key=lambda k: self.expected_tokens(k) / max(self.cost(k), 1e-9))
