@@ -305,3 +305,55 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
     forged = m.encode(dataclasses.replace(penalized.hello_message, protocol_version=2))
     error = m.decode(CloudSession(FP, Limits()).receive(forged))
     assert isinstance(error, m.Error) and error.code == "version_mismatch"
+
+
+# -- token trees ------------------------------------------------------------------------
+
+
+def tree_draft(seq: int, parents: tuple[int, ...], tokens: tuple[int, ...] = (4, 6, 5)
+               ) -> bytes:
+    return m.encode(m.Draft(seq, 0, (1, 2, 3), tokens, tuple(q(t) for t in tokens), parents))
+
+
+def test_a_tree_round_trips_and_the_verdict_names_its_path() -> None:
+    session = CloudSession(FP, LIMITS, trees=True)
+    welcome = m.decode(session.receive(hello()))
+    assert isinstance(welcome, m.Welcome) and welcome.trees
+    request = session.receive(tree_draft(1, (-1, -1, 1)))
+    assert isinstance(request, VerifyRequest) and request.parents == (-1, -1, 1)
+    verdict = m.decode(session.verdict(request, 2, 9, 0.01, (1, 2)))
+    assert verdict == m.Verdict(1, 2, 9, 0.01, (1, 2))
+    assert session.context == (1, 2, 3, 6, 5, 9)  # the path's tokens, then the target's
+
+
+def test_trees_are_offered_to_protocol_4_edges_only_and_refused_unoffered() -> None:
+    older = CloudSession(FP, LIMITS, trees=True)
+    welcome = m.decode(older.receive(hello(protocol_version=3)))
+    assert isinstance(welcome, m.Welcome) and not welcome.trees
+    assert error_of(older.receive(tree_draft(1, (-1, -1, 1)))).code == "unexpected_message"
+    chains_only = ready()  # a target without tree attention
+    error = error_of(chains_only.receive(tree_draft(1, (-1, -1, 1))))
+    assert error.code == "unexpected_message" and "chains only" in error.message
+    assert isinstance(chains_only.receive(draft(2, 0, (1, 2, 3), (4,))), VerifyRequest)
+
+
+@pytest.mark.parametrize("parents", [(-1, 0), (-1, 2, 0), (-2, -1, 0), (0, -1, 1)])
+def test_a_malformed_tree_is_a_malformed_frame(parents: tuple[int, ...]) -> None:
+    session = CloudSession(FP, LIMITS, trees=True)
+    session.receive(hello())
+    assert error_of(session.receive(tree_draft(1, parents))).code == "malformed_frame"
+
+
+def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
+    edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=5), trees=True)
+    assert edge.hello_message.protocol_version == 4
+    edge.receive(m.encode(m.Welcome("s", 4, 4, 32, False, True)))
+    assert edge.trees
+    for path, ok in (((1, 2), True), ((0, 2), False), ((2,), False), (None, False)):
+        edge.draft([1, 2, 3], (4, 6, 5), tuple(q(t) for t in (4, 6, 5)), (-1, -1, 1))
+        frame = m.encode(m.Verdict(edge._seq, len(path or ()), 9, 0.0, path))
+        if ok:
+            assert edge.receive(frame).path == path  # type: ignore[union-attr]
+        else:
+            with pytest.raises(UnexpectedMessage, match="path"):
+                edge.receive(frame)
