@@ -113,6 +113,13 @@ class DraftLengthPolicy:
     _accepted: list[float] = field(default_factory=list)  # position i: times accepted
     _tried: list[float] = field(default_factory=list)  # position i: times reached
     _draft_step: Ema = field(default_factory=lambda: Ema(0.0))
+    # The verify pass, two ways. For choosing k, as it has been measured to choose best: a
+    # fixed part from the first round (which also ran over the prompt) and rounds of one
+    # token, the rest spread per token. For tree shapes, a least-squares fit that leaves
+    # the first round out and matches measured pass costs; k chosen with it was about 10%
+    # slower in-process with the default pair (docs/benchmarks-2026-11-22-trees.md).
+    _verify_base: Ema = field(default_factory=lambda: Ema(0.0))
+    _verify_per_token: Ema = field(default_factory=lambda: Ema(0.0))
     _verify: LinearFit = field(default_factory=LinearFit)  # seconds by positions verified
     _network: Ema = field(default_factory=lambda: Ema(0.0))
     rounds: int = 0
@@ -147,9 +154,12 @@ class DraftLengthPolicy:
                 self._accepted[i] += 1
         if drafted > 0 and draft_s > 0:
             self._draft_step.update(draft_s / drafted)
-        # Verify time = a fixed part + a part per position, fitted over the rounds; the
-        # first round's pass also ran over the prompt, so it says nothing about either.
-        if self.rounds > 1:
+        if drafted <= 1 or not self._verify_base.seen:
+            self._verify_base.update(verify_s)
+        else:
+            slope = max(0.0, (verify_s - self._verify_base.value) / drafted)
+            self._verify_per_token.update(slope)
+        if self.rounds > 1:  # the first round's pass also ran over the prompt
             self._verify.update(positions, verify_s)
         self._network.update(max(0.0, network_s))
 
@@ -160,8 +170,11 @@ class DraftLengthPolicy:
             gain += survive
         return gain
 
-    def cost(self, k: int) -> float:
-        round_trip = self._verify.base + k * self._verify.slope + self._network.value
+    def cost(self, k: int, fitted: bool = False) -> float:
+        """Seconds a round of ``k`` costs; ``fitted``: with the least-squares verify model."""
+        verify = (self._verify.base + k * self._verify.slope if fitted
+                  else self._verify_base.value + k * self._verify_per_token.value)
+        round_trip = verify + self._network.value
         drafting = k * self._draft_step.value
         if not self.proactive:
             return drafting + round_trip
@@ -176,7 +189,8 @@ class DraftLengthPolicy:
             reach.append(reach[-1] * a)
         floor = FIRST_FLOOR
         if self._verify.seen and self._draft_step.seen:
-            floor = self._verify.slope * self.expected_tokens(k) / max(self.cost(k), 1e-9)
+            floor = (self._verify.slope * self.expected_tokens(k)
+                     / max(self.cost(k, fitted=True), 1e-9))
         return TreeShape(width, budget, tuple(reach[:k]), floor)
 
     def choose(self, limit: int | None = None) -> int:
@@ -184,7 +198,7 @@ class DraftLengthPolicy:
         top = min(self.k_max, limit) if limit is not None else self.k_max
         if top <= 0:
             return 0
-        if not self._draft_step.seen or not self._verify.seen:
+        if not self._draft_step.seen or not self._verify_base.seen:
             return min(self.k_initial, top)
         return max(range(1, top + 1),
                    key=lambda k: self.expected_tokens(k) / max(self.cost(k), 1e-9))
