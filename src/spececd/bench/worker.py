@@ -146,8 +146,8 @@ class SpeculativeBinaryRunner:
         done = subprocess.run(
             [job["binary"], "-m", job["target"], "-md", job["draft"], "-p", prompt,
              "-n", str(job["max_tokens"]), "--temp", "0", "--top-k", "1", "--seed", str(seed),
-             "-t", threads, "-td", threads, "--spec-draft-n-max", str(job.get("k") or 4),
-             "-c", "2048", "--ignore-eos"],
+             "-t", threads, "-td", threads, "--spec-type", "draft-simple",
+             "--spec-draft-n-max", str(job.get("k") or 4), "--ignore-eos"],
             capture_output=True, text=True, timeout=600)
         found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", done.stderr)
                  for kind in ("encoded", "decoded")}
