@@ -149,17 +149,18 @@ class SpeculativeBinaryRunner:
              "-t", threads, "-td", threads, "--spec-type", "draft-simple",
              "--spec-draft-n-max", str(job.get("k") or 4), "--ignore-eos"],
             capture_output=True, text=True, timeout=600)
-        found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", done.stderr)
+        log = done.stdout + done.stderr  # its log lines go to either, by build
+        found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", log)
                  for kind in ("encoded", "decoded")}
         if done.returncode or not found["encoded"] or not found["decoded"]:
             raise RuntimeError(f"llama-speculative-simple failed ({done.returncode}): "
-                               f"{done.stderr[-500:]}")
+                               f"{log[-500:]}")
         encoded, decoded = found["encoded"], found["decoded"]
         assert encoded is not None and decoded is not None
         tokens, decode_s = int(decoded.group(1)), float(decoded.group(2))
         encode_s = float(encoded.group(2))
-        drafted = re.search(r"n_drafted += (\d+)", done.stderr)
-        accepted = re.search(r"n_accept += (\d+)", done.stderr)
+        drafted = re.search(r"n_drafted += (\d+)", log)
+        accepted = re.search(r"n_accept += (\d+)", log)
         stats = {"drafted": int(drafted.group(1)) if drafted else 0,
                  "accepted": int(accepted.group(1)) if accepted else 0}
         return {"tokens": tokens, "wall_s": encode_s + decode_s,
