@@ -246,3 +246,20 @@ def test_a_gguf_chat_template_renders_like_transformers(tmp_path: Path) -> None:
         else None
     if plain is not None:  # a GGUF without a template: the plain transcript is used
         assert plain.tokenizer.apply_chat_template(messages) is None
+
+
+def test_llama_cpps_own_speculation_runs_as_a_bench_peer(gguf: dict[str, Path]) -> None:
+    """The bench's ``llama_speculative`` row: llama.cpp's llama-speculative-simple with the
+    same GGUF pair, where scripts/build-llama-speculative.sh has built it."""
+    from spececd.bench.runner import llama_speculative_binary
+    from spececd.bench.worker import SpeculativeBinaryRunner
+
+    binary = llama_speculative_binary()
+    if binary is None:
+        pytest.skip("llama-speculative-simple is not built here "
+                    "(bash scripts/build-llama-speculative.sh builds it)")
+    result = SpeculativeBinaryRunner({
+        "binary": binary, "target": str(gguf["llama"]), "draft": str(gguf["draft"]),
+        "max_tokens": 16, "temperature": 0, "threads": 1}).run(PROMPTS[0], 0)
+    assert result["tokens"] >= 16 and result["wall_s"] > 0
+    assert result["llama_stats"]["drafted"] > 0

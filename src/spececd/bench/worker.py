@@ -148,7 +148,7 @@ class SpeculativeBinaryRunner:
              "-n", str(job["max_tokens"]), "--temp", "0", "--top-k", "1", "--seed", str(seed),
              "-t", threads, "-td", threads, "--spec-type", "draft-simple",
              "--spec-draft-n-max", str(job.get("k") or 4), "--ignore-eos"],
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, errors="replace", timeout=600)
         log = done.stdout + done.stderr  # its log lines go to either, by build
         found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", log)
                  for kind in ("encoded", "decoded")}
