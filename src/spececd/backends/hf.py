@@ -224,10 +224,11 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
-        """``extend`` for several sequences in one forward pass: ``(sequence, ids, keep)``
-        each, ids non-empty. Caches of different lengths are left-padded into one batch
-        with an attention mask; new tokens are right-padded; each sequence then gets its
-        own cache back. Results equal separate ``extend`` calls up to float rounding."""
+        """``extend`` for several sequences in one forward pass, ids non-empty. Caches of
+        different lengths are left-padded into one batch with an attention mask; new
+        tokens are right-padded; each sequence then gets its own cache back. With a tree
+        among the items, the mask is a full one per row (chains as trees). Results equal
+        separate ``extend`` calls up to float rounding."""
         if len(items) == 1:
             return [items[0].sequence.extend(*items[0][1:])]
         own = [(self._own(item.sequence), item.ids, item.keep) for item in items]
@@ -239,8 +240,9 @@ class HFBackend(Backend):
         trees = any(not is_chain(item.parents) for item in items)
         input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
         mask = torch.zeros((batch, past + width), dtype=torch.long, device=device)
-        # With a tree in the batch, every row says what it sees: [batch, 1, width, past + width].
-        allowed = torch.zeros((batch, width, past + width), dtype=torch.bool, device=device)
+        # With a tree in the batch, every row says what it sees: [batch, width, past + width].
+        allowed = torch.zeros((batch, width, past + width) if trees else (0,), dtype=torch.bool,
+                              device=device)
         positions = torch.zeros((batch, width), dtype=torch.long, device=device)
         for i, (item, length, n) in enumerate(zip(items, lengths, counts, strict=True)):
             input_ids[i, :n] = torch.tensor(list(item.ids), device=device)
