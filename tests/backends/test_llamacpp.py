@@ -263,3 +263,15 @@ def test_llama_cpps_own_speculation_runs_as_a_bench_peer(gguf: dict[str, Path]) 
         "max_tokens": 16, "temperature": 0, "threads": 1}).run(PROMPTS[0], 0)
     assert result["tokens"] >= 16 and result["wall_s"] > 0
     assert result["llama_stats"]["drafted"] > 0
+
+
+def test_a_tree_edge_drafts_chains_for_a_target_without_tree_attention(
+        gguf: dict[str, Path]) -> None:
+    """llama.cpp verifies chains: its server's welcome offers no trees, so an edge asking
+    for trees drafts chains, and the output is the target's own."""
+    gen = Generator.load(str(gguf["draft"]), str(gguf["llama"]), device="cpu", k=3,
+                         tree_width=3, mode="greedy")
+    ids = gen.prompt_ids(PROMPTS[1])
+    out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
+    assert out.token_ids == llama_greedy(gguf["llama"], ids, 24)
+    assert out.stats.tree_siblings == 0 and out.stats.rounds > 0

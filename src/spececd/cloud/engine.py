@@ -36,6 +36,7 @@ from spececd.backends.base import Backend, CachedSequence, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
 from spececd.core.policy import Ema
+from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import Draining, ProtocolError, ServerBusy, VerificationFailed
 from spececd.protocol.session import CloudSession, GenerateRequest, Limits, State, VerifyRequest
@@ -287,8 +288,9 @@ class Engine:
             if isinstance(done, bytes):
                 await send(done)
             else:
-                self.metrics.record_pass(len(out.tokens), done.result.num_accepted, 1,
-                                         done.seconds, is_round=True)
+                drafted = len(out.tokens) if out.parents is None else tree_depth(out.parents)
+                self.metrics.record_pass(drafted, done.result.num_accepted, 1, done.seconds,
+                                         is_round=True)  # a tree counts its positions
                 await send(link.session.verdict(out, done.result.num_accepted,
                                                 done.result.next_token, done.seconds,
                                                 done.result.path))

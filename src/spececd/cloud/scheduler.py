@@ -47,10 +47,11 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     for sequence, request in work:
         feed = sync(sequence, request.context)
         parents = None
-        if request.parents is not None:  # the fed context is a chain; the tree hangs off it
-            root = len(feed) - 1
-            parents = [*range(-1, root), *(p + len(feed) if p >= 0 else root
-                                           for p in request.parents)]
+        if request.parents is not None:
+            if len(feed) > 1:  # a new context (a prompt, a resume): in first, as a chain, so
+                sequence.extend(feed[:-1], keep=0)  # the tree's mask spans its nodes only
+                feed = feed[-1:]
+            parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         items.append(Extend(sequence, [*feed, *request.tokens], len(request.tokens) + 1,
                             parents))
     all_logits = backend.extend_batch(items)

@@ -85,6 +85,11 @@ def tree_paths(parents: Sequence[int]) -> list[tuple[int, ...]]:
     return paths
 
 
+def tree_depth(parents: Sequence[int]) -> int:
+    """The longest path's length: the drafted positions a tree covers."""
+    return max(map(len, tree_paths(parents)), default=0)
+
+
 def verify(
     draft_tokens: Sequence[int],  # [n]
     target_probs: np.ndarray,  # [n + 1, vocab]

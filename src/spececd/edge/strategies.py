@@ -111,7 +111,7 @@ class Rounds:
         self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s, verdict.verify_s,
                             round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
-        path = range(n) if verdict.path is None else verdict.path
+        path = tree.chain[:n] if verdict.path is None else verdict.path
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n)]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
@@ -128,8 +128,12 @@ class Rounds:
         session = self.work.session
 
         def frame(greeted_now: bool) -> bytes:  # built late: a reconnect re-sends the history
-            return session.draft(history, tree.tokens, tree.dists,
-                                 tree.parents if tree.branched else None)
+            if tree.branched and session.trees:
+                return session.draft(history, tree.tokens, tree.dists, tree.parents)
+            # A chain, or a server (after a reconnect, maybe another) that takes none.
+            dists = tree.dists
+            return session.draft(history, tuple(tree.tokens[i] for i in tree.chain),
+                                 None if dists is None else tuple(dists[i] for i in tree.chain))
 
         verdict = self.work.link.exchange(session, frame, self.work.stats, while_waiting)
         assert isinstance(verdict, m.Verdict)

@@ -56,7 +56,8 @@ from spececd.protocol.errors import MalformedFrame
 PROTOCOL_VERSION = 4  # 3: the Hello's sampling extras; 4: token trees
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
-# upgrade; a server answers a version-4 hello only with a Welcome an older edge can't read.
+# upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
+# version-4 hello gets the Welcome field an older edge could not read.
 COMPATIBLE_VERSIONS = (2, 3, 4)
 
 
