@@ -44,6 +44,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from spececd.core.verify import check_tree
 from spececd.protocol.messages import Fingerprint
 
 
@@ -127,11 +128,10 @@ def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """For a tree over ``n`` new tokens: which of them each one sees (its ancestors and
     itself, ``[n, n]`` bool) and its depth (1 for a child of the last cached token, ``[n]``)."""
     n = len(parents)
+    check_tree(parents, n)
     visible = np.eye(n, dtype=bool)
     depth = np.ones(n, dtype=np.int64)
     for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"token {i}'s parent must be -1 or an earlier token, got {parent}")
         if parent >= 0:
             visible[i] |= visible[parent]
             depth[i] = depth[parent] + 1

@@ -70,6 +70,12 @@ class Tree:
     def of_chain(cls, tokens: tuple[int, ...], dists: tuple[SparseProbs, ...] | None) -> Tree:
         return cls(tokens, tuple(range(-1, len(tokens) - 1)), dists, tuple(range(len(tokens))))
 
+    def trunk(self) -> Tree:
+        """The main chain alone, as a tree (what a server without trees is sent)."""
+        dists = self.dists
+        return Tree.of_chain(tuple(self.tokens[i] for i in self.chain),
+                             None if dists is None else tuple(dists[i] for i in self.chain))
+
     @property
     def branched(self) -> bool:
         """Whether any node has a sibling (else the tree is its chain)."""

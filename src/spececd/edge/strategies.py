@@ -131,9 +131,8 @@ class Rounds:
             if tree.branched and session.trees:
                 return session.draft(history, tree.tokens, tree.dists, tree.parents)
             # A chain, or a server (after a reconnect, maybe another) that takes none.
-            dists = tree.dists
-            return session.draft(history, tuple(tree.tokens[i] for i in tree.chain),
-                                 None if dists is None else tuple(dists[i] for i in tree.chain))
+            trunk = tree.trunk()
+            return session.draft(history, trunk.tokens, trunk.dists)
 
         verdict = self.work.link.exchange(session, frame, self.work.stats, while_waiting)
         assert isinstance(verdict, m.Verdict)
@@ -194,7 +193,7 @@ class BlockAhead(Rounds):
 
     def send(self, out: Emitter, tree: Tree) -> tuple[m.Verdict, float]:
         stats = self.work.stats
-        chain = tuple(tree.tokens[i] for i in tree.chain)
+        chain = tree.trunk().tokens
         limit = min(out.remaining, out.room) - len(chain) - 2  # the next round's, on a hit
         ahead = self.ahead = (Ahead(self.work, [*out.history, *chain], self.choose(limit))
                               if limit > 0 else None)

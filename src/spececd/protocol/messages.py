@@ -51,6 +51,7 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from spececd.core.sampling import SparseProbs
+from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
 PROTOCOL_VERSION = 4  # 3: the Hello's sampling extras; 4: token trees
@@ -377,9 +378,11 @@ def decode(frame: bytes) -> Message:
     if kind == Draft.TYPE:
         tokens = _unpack_ids(body[3])
         parents = tuple(body[5]) if len(body) > 5 else None
-        if parents is not None and (len(parents) != len(tokens) or any(
-                not -1 <= parent < i for i, parent in enumerate(parents))):
-            raise MalformedFrame("parents: one per drafted token, each -1 or an earlier node")
+        if parents is not None:
+            try:
+                check_tree(parents, len(tokens))
+            except ValueError as exc:
+                raise MalformedFrame(f"parents: {exc}") from None
         return Draft(body[0], body[1], _unpack_ids(body[2]), tokens,
                      _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)), parents)
     if kind == Verdict.TYPE:
