@@ -27,9 +27,12 @@ not stop it), so tokens/s compare like with like.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class FirstTokenTimer:
@@ -132,6 +135,8 @@ class SpeculativeBinaryRunner:
     """llama.cpp's ``llama-speculative-simple``: greedy, one thread for each model, the
     draft length ``k`` (4 unless the job names one)."""
 
+    ATTEMPTS = 5
+
     def __init__(self, job: dict[str, Any]) -> None:
         self.job = job
 
@@ -143,15 +148,24 @@ class SpeculativeBinaryRunner:
         if job["temperature"] != 0:
             raise ValueError("the llama.cpp baselines run greedy only")
         threads = str(job.get("threads", 1))
-        done = subprocess.run(
-            [job["binary"], "-m", job["target"], "-md", job["draft"], "-p", prompt,
-             "-n", str(job["max_tokens"]), "--temp", "0", "--top-k", "1", "--seed", str(seed),
-             "-t", threads, "-td", threads, "--spec-type", "draft-simple",
-             "--spec-draft-n-max", str(job.get("k") or 4), "--ignore-eos"],
-            capture_output=True, text=True, errors="replace", timeout=600)
-        log = done.stdout + done.stderr  # its log lines go to either, by build
-        found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", log)
-                 for kind in ("encoded", "decoded")}
+        command = [job["binary"], "-m", job["target"], "-md", job["draft"], "-p", prompt,
+                   "-n", str(job["max_tokens"]), "--temp", "0", "--top-k", "1",
+                   "--seed", str(seed), "-t", threads, "-td", threads,
+                   "--spec-type", "draft-simple",
+                   "--spec-draft-n-max", str(job.get("k") or 4), "--ignore-eos"]
+        # llama.cpp writes its log from a worker thread and can exit before that thread has
+        # written the last lines (ggml-org/llama.cpp#22142): a run that succeeded can lose
+        # its timing lines, about one run in seven here. Such a run is run again.
+        for attempt in range(1, self.ATTEMPTS + 1):
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace",
+                                  timeout=600)
+            log = done.stdout + done.stderr  # its log lines go to either, by build
+            found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", log)
+                     for kind in ("encoded", "decoded")}
+            if done.returncode or (found["encoded"] and found["decoded"]):
+                break
+            logger.info("llama-speculative-simple lost its closing log lines "
+                        "(attempt %d of %d)", attempt, self.ATTEMPTS)
         if done.returncode or not found["encoded"] or not found["decoded"]:
             raise RuntimeError(f"llama-speculative-simple failed ({done.returncode}): "
                                f"{log[-500:]}")
