@@ -128,10 +128,11 @@ def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return vocab_pair(tmp_path_factory.mktemp("tinyvocab"))
 
 
-def vocab_pair(root: Path, arch: str = "llama", widths: tuple[int, int] = (10, 10)
-               ) -> dict[str, Path]:
+def vocab_pair(root: Path, arch: str = "llama", widths: tuple[int, int] = (10, 10),
+               head_dim: int = 8) -> dict[str, Path]:
     """A target and a draft of ``arch`` over a 10-word vocabulary; ``widths``: the
-    target's and the draft's logits widths (above 10: padded past the tokenizer)."""
+    target's and the draft's logits widths (above 10: padded past the tokenizer);
+    ``head_dim``: per attention head (vLLM's CPU attention takes 32 and more)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -144,8 +145,9 @@ def vocab_pair(root: Path, arch: str = "llama", widths: tuple[int, int] = (10, 1
         torch.manual_seed(seed)
         model = causal_lm(config(
             vocab_size=width, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None))
+            num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+            max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None))
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(scale)
         model.generation_config.eos_token_id = None

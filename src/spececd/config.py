@@ -40,6 +40,9 @@ else:  # pragma: no cover
 @dataclass(frozen=True)
 class ServerConfig:
     target_model: str = ""
+    engine: str = "builtin"  # or "vllm": the target runs in vLLM's engine
+    tensor_parallel_size: int = 1  # vLLM only
+    engine_args: str = ""  # vLLM only: a JSON object of further engine arguments
     host: str = "127.0.0.1"
     port: int = 8765  # WebSocket; -1: none
     grpc_port: int = -1  # -1: no gRPC listener; 0: any free port

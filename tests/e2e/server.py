@@ -40,14 +40,14 @@ class ServerProcess:
 
     def __init__(self, target: Path | str | None, *extra: str, port: int | None = None,
                  env: dict[str, str] | None = None, scheme: str = "ws",
-                 command: str = "serve") -> None:
+                 command: str = "serve", timeout: float = 90.0) -> None:
         self.target, self.extra, self.env = target, extra, env
         self.command = command
         self.port = port or free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[str] | None = None
         self.log: list[str] = []  # the server's stderr lines
-        self.start()
+        self.start(timeout)
 
     def start(self, timeout: float = 90.0) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(self.env or {})}

@@ -235,7 +235,7 @@ def streaming(max_tokens: int = 10, stops: tuple[int, ...] = ()) -> CloudSession
 
 def step(session: CloudSession, accepted: int, token: int) -> m.Tokens:
     request = session.stream_step()
-    frame, done = session.tokens(request, accepted, token, 0.001)
+    frame, done, *_ = session.tokens(request, accepted, token, 0.001)
     message = m.decode(frame)
     assert isinstance(message, m.Tokens) and message.done == done
     return message

@@ -24,8 +24,17 @@ DEFAULTS = ServerConfig()
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the verifier server (the cloud side)")
     add_model_options(p, draft=False)
-    g = p.add_argument_group("server")
     d = DEFAULTS
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=["builtin", "vllm"],
+                   help="what runs the target: the built-in engine (transformers or "
+                   "llama.cpp, batched here) or vLLM's engine in this process (install it "
+                   f"with scripts/install-vllm.sh) (default: {d.engine})")
+    e.add_argument("--tensor-parallel-size", type=int,
+                   help="vLLM: split the target over this many devices (default: 1)")
+    e.add_argument("--engine-args", help="vLLM: further engine arguments as a JSON object, "
+                   "e.g. '{\"gpu_memory_utilization\": 0.8}' (vLLM's AsyncEngineArgs)")
+    g = p.add_argument_group("server")
     g.add_argument("--host", help=f"address to listen on (default: {d.host})")
     g.add_argument("--port", type=int, help=f"WebSocket port, -1 for none (default: {d.port})")
     g.add_argument("--grpc-port", type=int, help="also serve gRPC on this port (0: any free "
@@ -66,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                       {k: v for k, v in vars(args).items() if v is not None})
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InputError("TLS needs both --tls-cert and --tls-key")
+    if cfg.engine not in ("builtin", "vllm"):
+        raise InputError(f"engine must be builtin or vllm, got {cfg.engine!r}")
     return serve(cfg, config.auth_token(cfg.auth_token_file))
 
 
@@ -81,14 +92,21 @@ def serve(cfg: ServerConfig, token: str) -> int:
                  if port >= 0]
     if not listeners:
         raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
-    backend = load_backend(cfg.target_model or default_model("target"), device=cfg.device,
-                           dtype=cfg.dtype, threads=cfg.threads)
-    engine = Engine(backend, Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes),
-                    EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch,
-                                 cfg.max_kv_bytes), token)
+    model = cfg.target_model or default_model("target")
+    limits = Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes)
+    policy = EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch, cfg.max_kv_bytes)
+    engine: Engine
+    if cfg.engine == "vllm":
+        from spececd.cloud import vllm
+
+        engine = vllm.start(model, limits, policy, token, cfg.dtype, cfg.tensor_parallel_size,
+                            cfg.engine_args)
+    else:
+        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+        engine = Engine(backend, limits, policy, token)
 
     def ready(urls: list[str]) -> None:
-        print(f"spececd: serving {backend.description} on {', '.join(urls)}"
+        print(f"spececd: serving {engine.backend.description} on {', '.join(urls)}"
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
     async def main() -> None:

@@ -30,12 +30,14 @@ from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from spececd.backends import bundle
-from spececd.backends.base import Backend, CachedSequence, tokenizer_fingerprint
+from spececd.backends.base import Backend, CachedSequence, Tokenizer, tokenizer_fingerprint
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
 from spececd.core.policy import Ema
+from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import Draining, ProtocolError, ServerBusy, VerificationFailed
@@ -56,6 +58,18 @@ class Ending(enum.Enum):
     DRAINED = "drained"  # the server is shutting down; the draining error was sent
 
 
+class Target(Protocol):
+    """What the engine's bookkeeping reads of the model it serves; a :class:`Backend` has
+    all of it, and so does an engine that runs the model elsewhere (vLLM)."""
+
+    description: str
+    vocab_size: int
+    max_context: int
+    kv_bytes_per_token: int  # 0: the KV cache is not the engine's to count
+    tokenizer: Tokenizer
+    tree_attention: bool
+
+
 @dataclass(frozen=True)
 class EnginePolicy:
     max_sessions: int = 64
@@ -67,7 +81,7 @@ class EnginePolicy:
 _WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
 
 
-def _draining() -> Draining:
+def draining_error() -> Draining:
     """What a draining server answers new sessions, new rounds and streams under way."""
     return Draining("the server is shutting down; reconnect (through a balancer: to "
                     "another replica) and re-send the history")
@@ -79,18 +93,29 @@ class Inbox:
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        self._arrival = asyncio.Event()
         self.ended = False
 
     def wake(self) -> None:
         """Wake a :meth:`get` that waits (the engine is draining); frames stay queued."""
         self._queue.put_nowait(_WAKE)
+        self._arrival.set()
 
     def put(self, frame: bytes) -> None:
         self._queue.put_nowait((time.perf_counter(), frame))
+        self._arrival.set()
 
     def end(self) -> None:
         self.ended = True
         self._queue.put_nowait(None)
+        self._arrival.set()
+
+    async def arrived(self) -> None:
+        """Return once something is queued (a frame, the end mark or a wake), taking
+        nothing: a wait that is cancelled loses no frame."""
+        while self._queue.empty():
+            self._arrival.clear()
+            await self._arrival.wait()
 
     async def get(self, timeout: float) -> bytes | None:
         """The next frame (None: the link ended); raises ``TimeoutError`` after ``timeout``."""
@@ -134,12 +159,14 @@ class Link:
         # ``authorized``: the transport checked the token already, so the hello needs none.
         self.session = CloudSession(engine.fingerprint, engine.limits,
                                     "" if authorized else engine.auth_token,
-                                    engine.backend.tree_attention)
+                                    engine.backend.tree_attention, engine.unsupported)
         self.inbox = Inbox()
         self.refusal = refusal  # the error frame to send instead of serving
         self.sequence: CachedSequence | None = None
         self.busy = False  # a verification of this session is queued or running
         self.last_used = time.monotonic()
+        self.drafted = 0  # drafted tokens verified for this session, and accepted
+        self.accepted = 0
         self._metrics = engine.metrics
         self._reported: Counter[str] = Counter()  # errors already counted in the metrics
 
@@ -179,8 +206,23 @@ class Link:
 
 
 class Engine:
+    """The built-in engine: the target's backend runs here, on one worker thread, with
+    sessions batched by :class:`BatchScheduler`. An engine that runs the target elsewhere
+    (:class:`spececd.cloud.vllm.VllmEngine`) keeps everything but the model work:
+    :meth:`_verify` and :meth:`_generate`."""
+
+    name = "builtin"  # as ``spececd serve --engine`` names it
+
     def __init__(self, backend: Backend, limits: Limits | None = None,
                  policy: EnginePolicy | None = None, auth_token: str = "") -> None:
+        self._setup(backend, limits, policy, auth_token)
+        self._backend = backend
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
+        self.scheduler = BatchScheduler(backend, self.executor, self.metrics,
+                                        self.policy.max_batch)
+
+    def _setup(self, backend: Target, limits: Limits | None, policy: EnginePolicy | None,
+               auth_token: str) -> None:
         limits = limits or Limits()
         self.backend = backend
         self.limits = Limits(max_draft=limits.max_draft,
@@ -193,15 +235,17 @@ class Engine:
         self.auth_token = auth_token
         self.metrics = Metrics()
         self.links: set[Link] = set()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
-        self.scheduler = BatchScheduler(backend, self.executor, self.metrics,
-                                        self.policy.max_batch)
         self.started = time.time()
         self.evicted_idle = 0
         self.kv_evictions = 0
         self.errors: Counter[str] = Counter()  # by error code, of released sessions
         self.metrics.active_sessions.set_function(lambda: len(self.links))
         self.metrics.kv_bytes.set_function(lambda: self.kv_tokens() * backend.kv_bytes_per_token)
+
+    def unsupported(self, mode: Mode, params: SamplingParams) -> str:
+        """Why this engine cannot serve a session in ``mode`` with ``params`` ("" when it
+        can); the hello is then answered with an ``unsupported`` error."""
+        return ""
 
     # -- what transports call ------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
@@ -221,7 +265,7 @@ class Engine:
         answers with a ``server_busy`` error and closes. ``authorized``: the transport
         checked the client's token itself (gRPC metadata), so its hello needs none."""
         if self.draining:
-            error: ProtocolError = _draining()
+            error: ProtocolError = draining_error()
             return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
         if len(self.links) >= self.policy.max_sessions:
             error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
@@ -267,7 +311,7 @@ class Engine:
                 if frame is None:
                     return ending
                 if self.draining:  # new work goes to another replica
-                    await send(link.error(_draining(), -1))
+                    await send(link.error(draining_error(), -1))
                     ending = Ending.DRAINED
                     return ending
                 await self._handle(link, frame, send)
@@ -289,8 +333,8 @@ class Engine:
                 await send(done)
             else:
                 drafted = len(out.tokens) if out.parents is None else tree_depth(out.parents)
-                self.metrics.record_pass(drafted, done.result.num_accepted, 1, done.seconds,
-                                         is_round=True)  # a tree counts its positions
+                self._record(link, drafted, done.result.num_accepted, 1, done.seconds,
+                             is_round=True)  # a tree counts its positions
                 await send(link.session.verdict(out, done.result.num_accepted,
                                                 done.result.next_token, done.seconds,
                                                 done.result.path))
@@ -317,7 +361,7 @@ class Engine:
                 return  # nobody is listening any more
             if self.draining:
                 session.stream = None
-                await send(link.error(_draining(), -1))
+                await send(link.error(draining_error(), -1))
                 return
             later = link.inbox.poll()
             if (not later and dry_since is not None and turnaround.seen and step_s.seen
@@ -337,25 +381,29 @@ class Engine:
                 session.stream = None
                 await send(done)
                 return
-            before = len(session.context)
-            frame, _ = session.tokens(step, done.result.num_accepted, done.result.next_token,
-                                      done.seconds)
-            emitted = len(session.context) - before
-            accepted = min(done.result.num_accepted, emitted)
-            self.metrics.record_pass(len(step.tokens), accepted, emitted - accepted,
-                                     done.seconds, is_round=False)
+            out = session.tokens(step, done.result.num_accepted, done.result.next_token,
+                                 done.seconds)
+            self._record(link, out.drafted, out.accepted, out.emitted - out.accepted,
+                         done.seconds, is_round=False)
             if not step.tokens:
                 step_s.update(done.seconds)
-            await send(frame)
+            await send(out.frame)
             if dry_since is None and not session.hint_ahead():
                 dry_since, dry_len = time.perf_counter(), len(session.context)
+
+    def _record(self, link: Link, drafted: int, accepted: int, generated: int,
+                seconds: float, is_round: bool) -> None:
+        """Count one verification pass of ``link``'s (see :meth:`Metrics.record_pass`)."""
+        self.metrics.record_pass(drafted, accepted, generated, seconds, is_round)
+        link.drafted += drafted
+        link.accepted += accepted
 
     async def _verify(self, link: Link, request: VerifyRequest) -> Pass | bytes:
         """Run ``request`` on the link's KV cache (allocated here, the one place that
         does): the pass, or the error frame to answer when it failed."""
         self._cap_kv(link, len(request.context) + len(request.tokens) + 1)
         if link.sequence is None:  # first use, or evicted: rebuilt from the context
-            link.sequence = self.backend.new_sequence()
+            link.sequence = self._backend.new_sequence()
         link.busy = True
         try:
             return await self.scheduler.verify(link.sequence, request)
@@ -412,8 +460,12 @@ class Engine:
             self._bundle = bundle.pack(self.backend.tokenizer, self.backend.vocab_size) or b""
         return self._bundle or None
 
+    def alive(self) -> bool:
+        """Whether the engine can still serve (``/healthz``); the built-in one always can."""
+        return True
+
     def ready(self) -> bool:
-        return not self.draining and len(self.links) < self.policy.max_sessions
+        return self.alive() and not self.draining and len(self.links) < self.policy.max_sessions
 
     def status(self) -> dict[str, object]:
         per_token = self.backend.kv_bytes_per_token
@@ -426,10 +478,15 @@ class Engine:
             "kv_bytes": self.kv_tokens() * per_token,
             "kv_bytes_by_session": {link.session.session_id: link.kv_tokens * per_token
                                     for link in links},
+            # accepted of drafted tokens, for each session that has sent a draft or hint
+            "acceptance_by_session": {link.session.session_id:
+                                      round(link.accepted / link.drafted, 3)
+                                      for link in links if link.drafted},
             "evicted_idle": self.evicted_idle,
             "kv_evictions": self.kv_evictions,
             "errors": dict(sum((link.session.errors for link in links), self.errors)),
             "uptime_s": round(time.time() - self.started, 1),
+            "engine": self.name,
             "model": self.backend.description,
         }
 

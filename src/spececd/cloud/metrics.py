@@ -27,6 +27,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.also: list[CollectorRegistry] = []  # served after ours (vLLM's own metrics)
         r = self.registry
         self.drafts = Counter("spececd_drafts", "Drafts verified (rounds)", registry=r)
         self.draft_tokens = Counter("spececd_draft_tokens", "Drafted tokens received",
@@ -71,4 +72,4 @@ class Metrics:
                 self.accepted_by_position.labels(str(i)).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(generate_latest(r) for r in (self.registry, *self.also))

@@ -12,6 +12,8 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── VersionMismatch       protocol versions differ                          (fatal)
     ├── IncompatibleModels    tokenizer fingerprints or vocabularies differ      (fatal)
     ├── AuthFailed            missing or wrong bearer token                      (fatal)
+    ├── Unsupported           the server's engine cannot serve the hello's mode or
+    │                         sampling settings (the message says which)         (fatal)
     ├── InvalidTokens         a token id outside the vocabulary
     ├── InvalidProbabilities  NaN, negative, non-normalised or inconsistent draft_probs
     ├── LimitExceeded         over a configured limit (draft length, context, message size)
@@ -58,6 +60,11 @@ class AuthFailed(ProtocolError):
     fatal = True
 
 
+class Unsupported(ProtocolError):
+    code = "unsupported"
+    fatal = True
+
+
 class InvalidTokens(ProtocolError):
     code = "invalid_tokens"
 
@@ -95,7 +102,7 @@ class VerificationFailed(ProtocolError):
 _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
-                IncompatibleModels, AuthFailed, InvalidTokens, InvalidProbabilities,
+                IncompatibleModels, AuthFailed, Unsupported, InvalidTokens, InvalidProbabilities,
                 LimitExceeded, OutOfOrder, UnknownSession, ServerBusy, Draining,
                 VerificationFailed)
 }

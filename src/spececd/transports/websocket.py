@@ -48,7 +48,9 @@ def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
                                                       Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/healthz":
-            return connection.respond(HTTPStatus.OK, "ok\n")
+            if engine.alive():
+                return connection.respond(HTTPStatus.OK, "ok\n")
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "engine failed\n")
         if request.path == "/readyz":
             if engine.ready():
                 return connection.respond(HTTPStatus.OK, "ready\n")

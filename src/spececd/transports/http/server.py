@@ -32,10 +32,13 @@ KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
 ops = APIRouter(tags=["operations"])
 
 
-@ops.get("/healthz", response_class=PlainTextResponse)
-async def healthz() -> str:
-    """Alive."""
-    return "ok\n"
+@ops.get("/healthz", response_class=PlainTextResponse,
+         responses={503: {"description": "the engine has failed: restart the server"}})
+async def healthz(engine: EngineDep) -> PlainTextResponse:
+    """Alive: 200 while the engine can serve."""
+    if engine.alive():
+        return PlainTextResponse("ok\n")
+    return PlainTextResponse("engine failed\n", 503)
 
 
 @ops.get("/readyz", response_class=PlainTextResponse,

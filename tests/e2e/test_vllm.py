@@ -1,0 +1,200 @@
+"""``spececd serve --engine vllm``: the edge's drafts verified inside vLLM's engine.
+
+One real server (vLLM's async engine in the `spececd serve` process, CPU build) serves the
+module: an engine takes 30-70 s to start. Greedy output equals the target alone in every
+way of drafting; sampled output keeps the target's distribution (chi-square) in rounds and
+in stream drafting; what the engine cannot serve is refused at the hello; vLLM's own
+metrics and ours are on /metrics, acceptance per session on /status."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (bash scripts/install-vllm.sh)", allow_module_level=True)
+
+from spececd.api import Generator  # noqa: E402
+from spececd.core.sampling import SamplingParams  # noqa: E402
+from spececd.edge.options import Reconnect  # noqa: E402
+from spececd.protocol.errors import Unsupported  # noqa: E402
+from tests.chisq import chi_square_p  # noqa: E402
+from tests.conftest import MODELS, requires_default_pair, vocab_pair  # noqa: E402
+from tests.e2e.server import ServerProcess  # noqa: E402
+from tests.e2e.test_inprocess import hf_greedy  # noqa: E402
+from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def vllm_server(target: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(target, "--engine", "vllm", "--dtype", "float32", "--max-draft", "8",
+                         "--http-port", "0", *extra, env=VLLM_ENV, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The 10-word pair of the distribution tests, with heads vLLM's CPU attention takes."""
+    return vocab_pair(tmp_path_factory.mktemp("vllmpair"), head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def server(pair: dict[str, Path]) -> Iterator[ServerProcess]:
+    proc = vllm_server(pair["target"], "--max-context", "64")
+    yield proc
+    proc.stop()
+
+
+def remote(draft: Path, url: str, **kw: object) -> Generator:
+    return Generator.load(str(draft), server=url, device="cpu", dtype="float32", **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("proactive,k", [("off", 4), ("on", 4), ("stream", 3), ("auto", "auto")])
+def test_greedy_is_identical_to_the_target_alone(
+        proactive: str, k: int | str, server: ServerProcess,
+        pair: dict[str, Path]) -> None:
+    with remote(pair["draft"], server.url, k=k, proactive=proactive) as gen:
+        for prompt in ([1, 2, 3], [4, 4, 9, 1], [7]):
+            out = gen.generate(prompt, max_tokens=40, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(pair["target"], prompt, 40)
+        cloud = gen.generate([5, 6], max_tokens=40, temperature=0, stop_token_ids=[],
+                             cloud_only=True)
+        assert cloud.token_ids == hf_greedy(pair["target"], [5, 6], 40)
+
+
+def test_hints_from_an_edge_ahead_of_the_engine_save_engine_steps(
+        server: ServerProcess, pair: dict[str, Path]) -> None:
+    """Stream drafting on vLLM: the engine never waits for a hint, so hints count only
+    while the edge drafts ahead of it. A draft that predicts like the target (the target
+    itself) stays ahead under greedy decoding, and its hints are kept."""
+    with remote(pair["target"], server.url, k=4, proactive="stream") as gen:
+        out = gen.generate([1, 2, 3], max_tokens=50, temperature=0, stop_token_ids=[])
+    assert out.token_ids == hf_greedy(pair["target"], [1, 2, 3], 50)
+    print(f"vLLM stream, the target as draft: {out.stats.accepted}/{out.stats.drafted} "
+          f"accepted, {out.stats.target_passes} engine steps for 50 tokens")
+    assert out.stats.accepted > 0 and out.stats.target_passes < 50
+
+
+@pytest.mark.parametrize("proactive,mode", [("off", "exact"), ("stream", "match")])
+def test_sampling_keeps_the_target_distribution(
+        proactive: str, mode: str, server: ServerProcess,
+        pair: dict[str, Path]) -> None:
+    """Sampled sessions on vLLM are verified by match, one engine step per token (vLLM's
+    own verification of proposals is not lossless there: see spececd.cloud.vllm); exact
+    mode is served as match."""
+    draws, prompt, vocab = 1500, [1, 2, 3], 10
+    with remote(pair["draft"], server.url, k=3, mode=mode,
+                proactive=proactive) as gen:
+        completions = gen.generate_n(prompt, draws, max_tokens=4, temperature=0.8, seed=99,
+                                     stop_token_ids=[])
+    pairs = [c.token_ids[:2] for c in completions]  # a drafted token can be the second
+    assert all(len(c.token_ids) == 4 for c in completions)
+    drafted = sum(c.stats.drafted for c in completions)
+    accepted = sum(c.stats.accepted for c in completions)
+    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(pair["target"], prompt,
+                                       SamplingParams(temperature=0.8)) * draws
+    p = chi_square_p(observed, expected)
+    print(f"vLLM {proactive}/{mode}: {accepted}/{drafted} drafted tokens accepted, p = {p:.3f}")
+    if proactive == "off":
+        assert accepted > 0  # the drafts were used, not only the target's own tokens
+    assert p > 0.001
+
+
+@pytest.mark.parametrize("settings,refused", [
+    ({"mode": "threshold", "threshold": 0.3}, "threshold mode"),
+    ({"presence_penalty": 0.5}, "presence and frequency penalties")])
+def test_what_the_engine_cannot_serve_is_refused_at_the_hello(
+        settings: dict[str, object], refused: str, server: ServerProcess,
+        pair: dict[str, Path]) -> None:
+    options = {k: v for k, v in settings.items() if k in ("mode", "threshold")}
+    sampling = {k: v for k, v in settings.items() if k not in options}
+    with (remote(pair["draft"], server.url, proactive="off", **options) as gen,
+          pytest.raises(Unsupported, match=refused)):
+        gen.generate([1, 2], max_tokens=4, temperature=1.0, stop_token_ids=[], **sampling)
+
+
+def test_vllm_metrics_and_ours_and_acceptance_per_session(
+        server: ServerProcess, pair: dict[str, Path]) -> None:
+    seen: list[dict[str, object]] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the session is listed while it is open
+        while not done.is_set():
+            seen.append(server.status())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    with remote(pair["draft"], server.url, k=4, proactive="off") as gen:
+        watcher.start()
+        try:
+            gen.generate([1, 2, 3], max_tokens=40, temperature=0, stop_token_ids=[])
+        finally:
+            done.set()
+            watcher.join()
+    assert all(status["engine"] == "vllm" for status in seen)
+    rates = [rate for status in seen
+             for rate in status["acceptance_by_session"].values()]  # type: ignore[attr-defined]
+    assert rates and all(0.0 <= rate <= 1.0 for rate in rates)
+    with urllib.request.urlopen(server.urls["http"] + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens",
+                 "spececd_draft_tokens_total", "spececd_accepted_tokens_total"):
+        assert name in text, name
+
+
+def test_a_failed_engine_sends_edges_elsewhere_and_fails_the_health_check(
+        server: ServerProcess, pair: dict[str, Path]) -> None:
+    """The module's last test: it kills vLLM's engine processes under the server."""
+    import psutil
+
+    health = server.urls["http"] + "/healthz"
+    assert urllib.request.urlopen(health, timeout=5).status == 200
+    assert server.proc is not None
+    engine = [child for child in psutil.Process(server.proc.pid).children(recursive=True)]
+    assert engine, "vLLM's engine runs in processes of its own"
+    for child in engine:
+        child.kill()
+    with (remote(pair["draft"], server.url, k=4, proactive="off",
+                 reconnect=Reconnect(attempts=1, timeout=5)) as gen,
+          pytest.raises(Exception, match=r"shutting down|engine")):
+        gen.generate([1, 2, 3], max_tokens=8, temperature=0, stop_token_ids=[])
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(health, timeout=5)
+    assert failed.value.code == 503
+    assert server.alive()  # it answers; the operator's supervisor restarts it
+
+
+@pytest.mark.slow
+@requires_default_pair
+def test_default_pair_on_vllm_matches_vllm_alone_and_transformers() -> None:
+    """The default target on vLLM, drafted for by the default draft over stream drafting,
+    against vLLM generating alone (an engine without speculation) and transformers."""
+    prompts = json.loads((MODELS / "heldout_prompts.json").read_text())[:8]
+    proc = vllm_server(MODELS / "target")
+    try:
+        with remote(MODELS / "draft", proc.url, proactive="stream") as gen:
+            outs = [gen.generate(gen.prompt_ids(p), max_tokens=48, temperature=0,
+                                 stop_token_ids=[]) for p in prompts]
+            ids = [gen.prompt_ids(p) for p in prompts]
+    finally:
+        proc.stop()
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+
+    alone = LLM(str(MODELS / "target"), dtype="float32", max_model_len=512)
+    runs = alone.generate([{"prompt_token_ids": i} for i in ids],
+                          VllmSampling(max_tokens=48, temperature=0, ignore_eos=True))
+    for out, run, prompt in zip(outs, runs, ids, strict=True):
+        assert out.token_ids == list(run.outputs[0].token_ids)
+        assert out.token_ids == hf_greedy(MODELS / "target", prompt, 48)
