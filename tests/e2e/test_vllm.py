@@ -85,13 +85,13 @@ def test_hints_from_an_edge_ahead_of_the_engine_save_engine_steps(
     assert out.stats.accepted > 0 and out.stats.target_passes < 50
 
 
-@pytest.mark.parametrize("proactive,mode", [("off", "exact"), ("stream", "match")])
 def test_sampling_keeps_the_target_distribution(
-        proactive: str, mode: str, server: ServerProcess,
-        pair: dict[str, Path]) -> None:
+        server: ServerProcess, pair: dict[str, Path]) -> None:
     """Sampled sessions on vLLM are verified by match, one engine step per token (vLLM's
     own verification of proposals is not lossless there: see spececd.cloud.vllm); exact
-    mode is served as match."""
+    mode is served as match. Rounds: the server's comparison of drafts with what vLLM
+    sampled (a sampled stream is vLLM sampling alone, with no proposals)."""
+    proactive, mode = "off", "exact"
     draws, prompt, vocab = 1500, [1, 2, 3], 10
     with remote(pair["draft"], server.url, k=3, mode=mode,
                 proactive=proactive) as gen:
@@ -106,8 +106,7 @@ def test_sampling_keeps_the_target_distribution(
                                        SamplingParams(temperature=0.8)) * draws
     p = chi_square_p(observed, expected)
     print(f"vLLM {proactive}/{mode}: {accepted}/{drafted} drafted tokens accepted, p = {p:.3f}")
-    if proactive == "off":
-        assert accepted > 0  # the drafts were used, not only the target's own tokens
+    assert accepted > 0  # drafted tokens were kept, not only the target's own
     assert p > 0.001
 
 

@@ -357,3 +357,32 @@ def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
         else:
             with pytest.raises(UnexpectedMessage, match="path"):
                 edge.receive(frame)
+
+
+def test_an_engine_that_drafts_from_the_hint_itself_reports_what_it_kept() -> None:
+    """vLLM's engine proposes the hint inside its own step: the server is told the step's
+    tokens, and counts the hint's tokens they begin with as accepted."""
+    session = streaming(max_tokens=10)
+    session.receive(m.encode(m.Hint(3, (5, 6, 7))))
+    out = session.engine_tokens((5, 6, 4), 0.001)  # kept 5 and 6, then its own 4
+    tokens = m.decode(out.frame)
+    assert isinstance(tokens, m.Tokens)
+    assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((5, 6, 4), 3, 2)
+    assert (out.drafted, out.accepted, out.emitted, out.done) == (3, 2, 3, False)
+    assert session.context == (1, 2, 3, 5, 6, 4) and session.stream_step().tokens == ()
+    out = session.engine_tokens((9,), 0.001)  # no hint ahead: one token of its own
+    assert (out.drafted, out.accepted, out.emitted) == (0, 0, 1)
+    session.receive(m.encode(m.Hint(7, (1, 2))))
+    out = session.engine_tokens((1,), 0.001)  # a hint the step did not use: none kept
+    assert (out.drafted, out.accepted) == (2, 0)
+
+
+def test_a_mode_or_setting_the_engine_cannot_serve_is_refused_at_the_hello() -> None:
+    def unsupported(mode: Mode, params: SamplingParams) -> str:
+        return "no threshold here" if mode is Mode.THRESHOLD else ""
+
+    session = CloudSession(FP, LIMITS, unsupported=unsupported)
+    error = error_of(session.receive(hello(mode="threshold", threshold=0.5)))
+    assert (error.code, error.fatal, error.message) == ("unsupported", True, "no threshold here")
+    assert session.state is State.CLOSED
+    ready(unsupported=unsupported)  # exact mode is served: welcomed

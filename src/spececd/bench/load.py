@@ -9,17 +9,24 @@ Client kinds, labelled in every report:
   load (a capacity run).
 - ``draft``: real drafters, a pool of processes each running the draft model.
 
-The baseline is the same server generating for the same N users by itself (cloud-only
-generation; its decode steps are batched across users by the same scheduler).
+- ``vllm-spec``: no edge at all: clients of vLLM's own OpenAI server, which runs the
+  target with vLLM's in-process speculative decoding from a draft model on the server
+  (``speculative_config`` method ``draft_model``), the setup a user who can fit both
+  models on the server would pick instead.
 
-Reported: server tokens/s, per-client tokens/s, round latency percentiles, the batch-size
-distribution and target forward passes per generated token (both from the server's
-Prometheus metrics, as differences over the run).
+The baseline is the same server generating for the same N users by itself (cloud-only
+generation; its decode steps are batched across users by its engine's scheduler).
+
+Reported: server tokens/s, per-client tokens/s, round latency and per-token latency
+percentiles, the batch-size distribution and target forward passes (engine steps) per
+generated token (from the server's Prometheus metrics, as differences over the run: the
+built-in engine's batch histogram, or vLLM's ``vllm:iteration_tokens_total``).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import random
 import statistics
 import threading
@@ -61,7 +68,14 @@ class ClientResult:
     tokens: int = 0
     latencies: list[float] = field(default_factory=list)  # seconds per round (per token
     # for cloud-only)
+    token_latencies: list[float] = field(default_factory=list)  # a round's seconds over
+    # its tokens, once for each of them
     seconds: float = 0.0  # time spent generating (model loading excluded)
+
+    def record(self, seconds: float, tokens: int) -> None:
+        self.latencies.append(seconds)
+        self.tokens += tokens
+        self.token_latencies.extend([seconds / tokens] * tokens if tokens else [])
 
 
 def metrics(*urls: str) -> dict[str, float]:
@@ -98,8 +112,7 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
             last = time.perf_counter()
             for out in client.generate(prompt, params, stats, cloud_only):
                 now = time.perf_counter()
-                result.latencies.append(now - last)
-                result.tokens += len(out.token_ids)
+                result.record(now - last, len(out.token_ids))
                 last = now
                 if now >= deadline:
                     break
@@ -107,6 +120,34 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
         client.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def drive_openai(url: str, model: str, prompt: list[int], max_tokens: int,
+                 deadline: float) -> ClientResult:
+    """One client of an OpenAI-compatible server (vLLM's) completing greedily, again and
+    again, until ``deadline``."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
+    result = ClientResult()
+    start = time.perf_counter()
+    while time.perf_counter() < deadline:
+        last = time.perf_counter()
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+        result.record(time.perf_counter() - last,
+                      done.usage.completion_tokens if done.usage else 0)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def engine_steps(counters: dict[str, float]) -> float:
+    """Target forward passes so far: the built-in engine's batches, or vLLM's iterations
+    (summed over its labels)."""
+    if "spececd_batch_size_count" in counters:
+        return counters["spececd_batch_size_count"]
+    return sum(value for key, value in counters.items()
+               if key.startswith("vllm:iteration_tokens_total_count"))
 
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
@@ -147,8 +188,9 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
              duration: float, kind: str, acceptance: float = 0.8, k: int = 4,
              max_tokens: int = 64, draft_model: str | None = None,
              traces: list[list[int]] | None = None,
-             replicas: Sequence[str] = ()) -> dict[str, Any]:
-    """Run ``clients`` sessions of ``kind`` (``replay``, ``draft`` or ``cloud-only``) for
+             replicas: Sequence[str] = (), model: str = "") -> dict[str, Any]:
+    """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``cloud-only``, or
+    ``vllm-spec``: clients of the OpenAI server at ``url`` serving ``model``) for
     ``duration`` seconds; return the measured figures. ``replicas``: where the server
     metrics are read when ``url`` is a balancer (default: ``url`` itself)."""
     if kind == "replay" and traces is None:
@@ -156,7 +198,12 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     before = metrics(*(replicas or [url]))
     start = time.perf_counter()
     deadline = start + duration
-    if kind == "draft":
+    if kind == "vllm-spec":
+        with multiprocessing.pool.ThreadPool(clients) as threads:
+            results = threads.starmap(drive_openai, [
+                (url, model, prompts[i % len(prompts)], max_tokens, deadline)
+                for i in range(clients)])
+    elif kind == "draft":
         assert draft_model is not None
         with multiprocessing.get_context("spawn").Pool(clients) as pool:
             results = pool.starmap(_draft_process, [
@@ -183,15 +230,16 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     after = metrics(*(replicas or [url]))
     tokens = sum(r.tokens for r in results)
     latencies = sorted(x for r in results for x in r.latencies)
-    passes = after.get("spececd_batch_size_count", 0) - before.get("spececd_batch_size_count", 0)
+    token_latencies = sorted(x for r in results for x in r.token_latencies)
+    passes = engine_steps(after) - engine_steps(before)
     batched = after.get("spececd_batch_size_sum", 0) - before.get("spececd_batch_size_sum", 0)
     buckets = {key.split('"')[1]: int(after[key] - before.get(key, 0)) for key in after
                if key.startswith("spececd_batch_size_bucket")}
 
-    def percentile(q: float) -> float:
-        if not latencies:
+    def percentile(q: float, values: list[float] = latencies) -> float:
+        if not values:
             return 0.0
-        return round(1000 * latencies[min(len(latencies) - 1, int(q * len(latencies)))], 2)
+        return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 2)
 
     return {
         "clients": clients, "kind": kind,
@@ -201,6 +249,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
         "client_tokens_per_s": round(statistics.median(r.tokens / wall for r in results), 2),
         "round_latency_ms": {"p50": percentile(0.5), "p95": percentile(0.95),
                              "p99": percentile(0.99)},
+        "token_latency_ms": {"p50": percentile(0.5, token_latencies),
+                             "p95": percentile(0.95, token_latencies)},
         "forward_passes": int(passes),
         "passes_per_token": round(passes / tokens, 4) if tokens else None,
         "mean_batch": round(batched / passes, 2) if passes else None,
@@ -212,33 +262,46 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
 def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
               clients: list[int], duration: float, kinds: list[str], acceptance: float,
               k: int, max_tokens: int, draft_model: str | None,
-              progress: Any = None, replicas: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them."""
+              progress: Any = None, replicas: Sequence[str] = (),
+              model: str = "") -> list[dict[str, Any]]:
+    """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them.
+    ``model``: the model name an OpenAI server (``vllm-spec``) serves."""
     traces = (target_traces(url, fingerprint, prompts, max_tokens)
               if "replay" in kinds else None)
     rows = []
     for n in clients:
         for kind in kinds:
             rows.append(run_load(url, fingerprint, prompts, n, duration, kind, acceptance, k,
-                                 max_tokens, draft_model, traces, replicas))
+                                 max_tokens, draft_model, traces, replicas, model))
             if progress is not None:
                 progress(rows[-1])
     return rows
 
 
+def _engine(row: dict[str, Any]) -> str:
+    """The engine a row's server ran (vLLM's own speculation runs on vLLM)."""
+    return "vllm" if row["kind"] == "vllm-spec" else str(row.get("engine", "builtin"))
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| clients | kind | server tokens/s | per client | × cloud-only | p50 / p95 / p99 "
-             "round ms | passes/token | mean batch |", "|---|---|---|---|---|---|---|---|"]
-    baseline = {r["clients"]: r["server_tokens_per_s"] for r in rows if r["kind"] == "cloud-only"}
+    """One line per row; each row's ratio is against cloud-only on the same engine."""
+    lines = ["| clients | engine | kind | server tokens/s | per client | × cloud-only | "
+             "p50 / p95 / p99 round ms | p50 / p95 ms per token | passes/token | mean batch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    baseline = {(_engine(r), r["clients"]): r["server_tokens_per_s"] for r in rows
+                if r["kind"] == "cloud-only"}
     for r in rows:
-        lat = r["round_latency_ms"]
-        ratio = (f"{r['server_tokens_per_s'] / baseline[r['clients']]:.2f}"
-                 if baseline.get(r["clients"]) and r["kind"] != "cloud-only" else "–")
+        lat, per_token = r["round_latency_ms"], r.get("token_latency_ms", {})
+        base = baseline.get((_engine(r), r["clients"]))
+        ratio = (f"{r['server_tokens_per_s'] / base:.2f}"
+                 if base and r["kind"] != "cloud-only" else "–")
         label = r["kind"] + (f" (acceptance {r['acceptance_target']})"
                              if r["acceptance_target"] is not None else "")
-        lines.append(f"| {r['clients']} | {label} | {r['server_tokens_per_s']} | "
-                     f"{r['client_tokens_per_s']} | {ratio} | {lat['p50']} / {lat['p95']} / "
-                     f"{lat['p99']} | {r['passes_per_token']} | {r['mean_batch']} |")
+        lines.append(f"| {r['clients']} | {r.get('engine', 'builtin')} | {label} | "
+                     f"{r['server_tokens_per_s']} | {r['client_tokens_per_s']} | {ratio} | "
+                     f"{lat['p50']} / {lat['p95']} / {lat['p99']} | "
+                     f"{per_token.get('p50', '–')} / {per_token.get('p95', '–')} | "
+                     f"{r['passes_per_token']} | {r['mean_batch']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,10 +312,12 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in dict.fromkeys(r["kind"] for r in rows):
+    engines = {str(r.get("engine", "builtin")) for r in rows}
+    for line in dict.fromkeys((str(r.get("engine", "builtin")), r["kind"]) for r in rows):
         points = sorted((r["clients"], r["server_tokens_per_s"]) for r in rows
-                        if r["kind"] == kind)
-        ax.plot(*zip(*points, strict=True), marker="o", label=kind)
+                        if (str(r.get("engine", "builtin")), r["kind"]) == line)
+        name = line[1] if len(engines) == 1 else f"{line[1]} [{line[0]}]"
+        ax.plot(*zip(*points, strict=True), marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("server tokens/s")

@@ -52,6 +52,7 @@ class BenchConfig:
     max_batch: int = 32  # the server's sessions per forward pass
     transports: list[str] = field(default_factory=lambda: ["websocket"])  # edge-cloud links
     trees: list[int] = field(default_factory=lambda: [1])  # tree widths (1: chains)
+    engine: str = "builtin"  # the server's engine: builtin or vllm
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
@@ -103,6 +104,12 @@ class Worker:
         self.proc.wait(30)
 
 
+# One core for the server, whichever its engine: the built-in one runs one torch thread,
+# vLLM's CPU build one OpenMP thread bound to core 0 (and 2 GiB of KV cache).
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+              "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
 def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
                  ) -> tuple[subprocess.Popen[str], dict[str, int]]:
     """``spececd serve`` for ``cfg.target`` with a listener for each of ``transports``; the
@@ -110,11 +117,14 @@ def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
     ports = {"websocket": "--port", "grpc": "--grpc-port", "http": "--http-port"}
     listen = [arg for name in ("websocket", "grpc", "http")
               for arg in (ports[name], str(cfg.port) if name in transports else "-1")]
+    # vLLM: 16 draft slots per step at most (vLLM reserves them per request)
+    engine = ["--engine", "vllm", "--max-draft", "16"] if cfg.engine == "vllm" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "spececd", "serve", "--target-model", cfg.target, "--host",
          cfg.host, *listen, "--device", cfg.device, "--threads", "1",
-         "--dtype", "float32", "--max-batch", str(cfg.max_batch), "--max-sessions", "256"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+         "--dtype", "float32", "--max-batch", str(cfg.max_batch), "--max-sessions", "256",
+         *engine],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **SERVER_ENV})
     assert proc.stderr is not None
     for line in proc.stderr:
         if "serving" in line:
@@ -124,6 +134,39 @@ def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
             return proc, {schemes[scheme]: int(port) for scheme, port
                           in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
     raise RuntimeError(f"the verifier server did not start: exit {proc.wait()}")
+
+
+def start_openai_server(target: str, draft: str, k: int, max_batch: int,
+                        timeout: float = 600.0) -> tuple[subprocess.Popen[str], str]:
+    """vLLM's own OpenAI server for ``target``, speculating with ``draft`` in-process (the
+    ``draft_model`` method, ``k`` tokens): the process and its URL, once it answers."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    config = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+         "--served-model-name", target, "--dtype", "float32", "--host", "127.0.0.1",
+         "--port", str(port), "--max-num-seqs", str(max_batch),
+         "--speculative-config", json.dumps(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **SERVER_ENV})
+    threading.Thread(target=lambda: [None for _ in proc.stderr or []], daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's OpenAI server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(1)
+    proc.terminate()
+    raise RuntimeError("vLLM's OpenAI server did not start in time")
 
 
 def machine() -> dict[str, Any]:

@@ -75,7 +75,12 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
     load.add_argument("--kind", default="replay,cloud-only",
                       help="replay (no model, chosen acceptance), draft (real drafter "
-                      "processes), cloud-only (the baseline); comma-separated")
+                      "processes), cloud-only (the baseline), vllm-spec (vLLM's own "
+                      "speculative decoding with the draft model on the server, through "
+                      "its OpenAI server; needs vLLM); comma-separated")
+    load.add_argument("--engine", default="builtin",
+                      help="the server engines to run side by side: builtin, vllm, or "
+                      "builtin,vllm (one server started here for each)")
     load.add_argument("--acceptance", type=float, default=0.8,
                       help="replay clients: acceptance per position (default: 0.8)")
     load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
@@ -118,41 +123,71 @@ def run_load(args: argparse.Namespace) -> int:
     from spececd.backends.base import tokenizer_fingerprint
     from spececd.backends.registry import load_backend
     from spececd.bench import load
-    from spececd.bench.runner import BenchConfig, start_server
+    from spececd.bench.runner import BenchConfig, start_openai_server, start_server
 
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-    if not set(kinds) <= {"replay", "draft", "cloud-only"} or min(clients) < 1:
-        raise InputError("--kind takes replay, draft, cloud-only; --clients numbers >= 1")
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    if not set(kinds) <= {"replay", "draft", "cloud-only", "vllm-spec"} or min(clients) < 1:
+        raise InputError("--kind takes replay, draft, cloud-only, vllm-spec; --clients "
+                         "numbers >= 1")
+    if not engines or not set(engines) <= {"builtin", "vllm"}:
+        raise InputError("--engine takes builtin, vllm or builtin,vllm")
+    if args.server and (len(engines) > 1 or "vllm-spec" in kinds):
+        raise InputError("with --server, the bench runs against that one server: give one "
+                         "--engine (what it runs, for the report) and no vllm-spec")
+    if "vllm-spec" in kinds and "vllm" not in engines:
+        raise InputError("vllm-spec is a vLLM row: add vllm to --engine")
     draft_model = args.draft_model or default_model("draft")
+    target_model = args.target_model or default_model("target")
     backend = load_backend(draft_model, device="cpu", dtype="float32")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     prompts = [backend.tokenizer.encode(p) for p in demo_prompts()[:args.num_prompts]]
-    server = None
-    url = args.server
     replicas = [r.strip() for r in (args.replicas or "").split(",") if r.strip()]
-    if replicas and not url:
+    if replicas and not args.server:
         raise InputError("--replicas goes with --server (the balancer in front of them)")
-    if not url:
-        cfg = BenchConfig(draft=draft_model, target=args.target_model or default_model("target"),
-                          prompts=[], max_batch=args.max_batch)
-        server, ports = start_server(cfg)
-        url = f"ws://127.0.0.1:{ports['websocket']}"
-    try:
-        rows = load.run_curve(url, fingerprint, prompts, clients, args.duration, kinds,
-                              args.acceptance, args.k, args.max_tokens, draft_model,
-                              progress=lambda r: print(
-                                  f"{r['clients']:>3} {r['kind']:<10} "
-                                  f"{r['server_tokens_per_s']:>8} tokens/s", file=sys.stderr),
-                              replicas=replicas)
-    finally:
-        if server is not None:
+
+    def progress(row: dict[str, Any]) -> None:
+        print(f"{row['clients']:>3} {row['kind']:<10} {row['server_tokens_per_s']:>8} "
+              f"tokens/s", file=sys.stderr)
+
+    rows: list[dict[str, Any]] = []
+    urls: list[str] = []
+    for engine in engines:
+        server = None
+        url = args.server
+        if not url:
+            cfg = BenchConfig(draft=draft_model, target=target_model, prompts=[],
+                              max_batch=args.max_batch, engine=engine)
+            server, ports = start_server(cfg)
+            url = f"ws://127.0.0.1:{ports['websocket']}"
+        urls.append(url)
+        try:
+            ours = [k for k in kinds if k != "vllm-spec"]
+            for row in load.run_curve(url, fingerprint, prompts, clients, args.duration, ours,
+                                      args.acceptance, args.k, args.max_tokens, draft_model,
+                                      progress=progress, replicas=replicas):
+                rows.append({**row, "engine": engine})
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(60)
+    if "vllm-spec" in kinds:  # vLLM speculating with the draft on the server
+        server, url = start_openai_server(target_model, draft_model, args.k, args.max_batch)
+        urls.append(url)
+        try:
+            for row in load.run_curve(url, fingerprint, prompts, clients, args.duration,
+                                      ["vllm-spec"], args.acceptance, args.k,
+                                      args.max_tokens, draft_model, progress=progress,
+                                      model=target_model):
+                rows.append({**row, "engine": "vllm"})
+        finally:
             server.terminate()
-            server.wait(10)
+            server.wait(60)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps(
-        {"meta": {"server": url, "replicas": replicas or [url], "draft": draft_model,
-                  "duration_s": args.duration,
+        {"meta": {"servers": urls, "replicas": replicas or urls, "draft": draft_model,
+                  "target": target_model, "engines": engines, "duration_s": args.duration,
                   "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance},
          "rows": rows}, indent=1))
     markdown = load.table(rows)

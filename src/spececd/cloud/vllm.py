@@ -285,8 +285,9 @@ class VllmEngine(Engine):
                     return
                 step = asyncio.ensure_future(anext(outputs))
         finally:
-            step.cancel()
-            await outputs.aclose()
+            step.cancel()  # let the cancellation land before closing the generator under it
+            await asyncio.gather(step, return_exceptions=True)
+            await outputs.aclose()  # aborts the request if it is still running
             self.hints.forget(request_id)
             link.busy = False
             link.last_used = time.monotonic()
@@ -319,11 +320,20 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
     if not isinstance(extra, dict):
         raise InputError("--engine-args must be a JSON object, e.g. "
                          "'{\"gpu_memory_utilization\": 0.8}'")
+    # The server's context limit, or the model's own where that is shorter (vLLM refuses a
+    # longer max_model_len than the model's).
+    from transformers import AutoConfig
+
+    try:
+        positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 0)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"could not load the config of {model!r}: {exc}") from None
+    max_context = min(limits.max_context, positions or limits.max_context)
     hints = HintChannel()
     os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it
     args = AsyncEngineArgs(**{
         "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
-        "max_model_len": limits.max_context, "max_num_seqs": policy.max_batch,
+        "max_model_len": max_context, "max_num_seqs": policy.max_batch,
         "enable_prefix_caching": True,
         "speculative_config": {"method": "custom_class", "model": PROPOSER,
                                "num_speculative_tokens": limits.max_draft},
