@@ -149,3 +149,18 @@ def test_module_and_console_script_run() -> None:
     result = subprocess.run([script, "generate", "--help"], capture_output=True, text=True,
                             check=False)
     assert result.returncode == 0 and "--max-tokens" in result.stdout
+
+
+@pytest.mark.parametrize("args,said", [
+    (["serve", "--engine", "vllm", "--engine-args", "[1]"], "must be a JSON object"),
+    (["bench", "load", "--engine", "tgi"], "--engine takes builtin, vllm"),
+    (["bench", "load", "--kind", "vllm-spec"], "vllm-spec is a vLLM row"),
+    (["bench", "load", "--kind", "replay-fast"], "--kind takes"),
+])
+def test_bad_engine_and_load_options_are_one_line(
+        args: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spececd: error: "), err
+    assert said in lines[0] and out == ""

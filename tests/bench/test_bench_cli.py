@@ -55,13 +55,16 @@ def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path
     result = run("bench", "load", "--draft-model", str(tiny_models["draft"]),
                  "--target-model", str(tiny_models["llama"]), "--clients", "1,3",
                  "--duration", "2", "--num-prompts", "2", "--max-tokens", "16",
-                 "--acceptance", "0.9", "--out", str(tmp_path))
+                 "--acceptance", "0.9", "--kind", "replay,replay-stream,cloud-only",
+                 "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "load.json").read_text())["rows"]
     assert [(r["clients"], r["kind"]) for r in rows] == [
-        (1, "replay"), (1, "cloud-only"), (3, "replay"), (3, "cloud-only")]
+        (1, "replay"), (1, "replay-stream"), (1, "cloud-only"),
+        (3, "replay"), (3, "replay-stream"), (3, "cloud-only")]
     for r in rows:
         assert r["tokens"] > 0 and r["round_latency_ms"]["p50"] > 0
+        assert r["engine"] == "builtin" and r["token_latency_ms"]["p50"] > 0
     replay = [r for r in rows if r["kind"] == "replay"]
     cloud = [r for r in rows if r["kind"] == "cloud-only"]
     # Cloud-only needs one pass per token (less when batched); replay at acceptance 0.9

@@ -7,6 +7,9 @@ Client kinds, labelled in every report:
   a wrong one with probability ``1 - acceptance``: greedy verification then accepts each
   position with that probability. Drafting costs nothing, so the server alone bounds the
   load (a capacity run).
+- ``replay-stream``: replay clients that stream-draft: the server generates and the client
+  sends its (corrupted) continuation ahead as hints, which the server verifies as they
+  arrive (on vLLM, the engine's proposer takes them).
 - ``draft``: real drafters, a pool of processes each running the draft model.
 
 - ``vllm-spec``: no edge at all: clients of vLLM's own OpenAI server, which runs the
@@ -93,16 +96,17 @@ def metrics(*urls: str) -> dict[str, float]:
 
 
 def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k: int,
-          max_tokens: int, cloud_only: bool, deadline: float, seed: int) -> ClientResult:
+          max_tokens: int, cloud_only: bool, deadline: float, seed: int,
+          stream: bool = False) -> ClientResult:
     """One edge session generating greedily, again and again, until ``deadline``."""
     from spececd.edge.client import EdgeClient
     from spececd.edge.options import EdgeOptions, Proactive
     from spececd.transports.registry import connector
 
-    # Plain rounds, as the load figures are defined (a verify pass per round), not the
-    # default "auto", which may stream.
-    client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30,
-                        options=EdgeOptions(mode=Mode.GREEDY, k=k, proactive=Proactive.OFF))
+    # Plain rounds, as the load figures are defined (a verify pass per round), or stream
+    # drafting; not the default "auto", which chooses between them.
+    client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30, options=EdgeOptions(
+        mode=Mode.GREEDY, k=k, proactive=Proactive.STREAM if stream else Proactive.OFF))
     result = ClientResult()
     params = SamplingParams(temperature=0.0, seed=seed, max_tokens=max_tokens)
     start = time.perf_counter()
@@ -142,12 +146,11 @@ def drive_openai(url: str, model: str, prompt: list[int], max_tokens: int,
 
 
 def engine_steps(counters: dict[str, float]) -> float:
-    """Target forward passes so far: the built-in engine's batches, or vLLM's iterations
-    (summed over its labels)."""
-    if "spececd_batch_size_count" in counters:
-        return counters["spececd_batch_size_count"]
-    return sum(value for key, value in counters.items()
-               if key.startswith("vllm:iteration_tokens_total_count"))
+    """Target forward passes so far: vLLM's iterations (summed over its labels) where the
+    server runs vLLM, else the built-in engine's batches."""
+    vllm = [value for key, value in counters.items()
+            if key.startswith("vllm:iteration_tokens_total_count")]
+    return sum(vllm) if vllm else counters.get("spececd_batch_size_count", 0.0)
 
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
@@ -193,7 +196,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     ``vllm-spec``: clients of the OpenAI server at ``url`` serving ``model``) for
     ``duration`` seconds; return the measured figures. ``replicas``: where the server
     metrics are read when ``url`` is a balancer (default: ``url`` itself)."""
-    if kind == "replay" and traces is None:
+    if kind.startswith("replay") and traces is None:
         traces = target_traces(url, fingerprint, prompts, max_tokens)
     before = metrics(*(replicas or [url]))
     start = time.perf_counter()
@@ -217,7 +220,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
             drafter = (ReplayDrafter(prompt, traces[i % len(prompts)], acceptance,
                                      fingerprint.vocab_size, seed=i) if traces else None)
             results[i] = drive(url, drafter, fingerprint, prompt, k, max_tokens,
-                               kind == "cloud-only", deadline, i)
+                               kind == "cloud-only", deadline, i, kind == "replay-stream")
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
         for thread in threads:
@@ -233,6 +236,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     token_latencies = sorted(x for r in results for x in r.token_latencies)
     passes = engine_steps(after) - engine_steps(before)
     batched = after.get("spececd_batch_size_sum", 0) - before.get("spececd_batch_size_sum", 0)
+    batches = (after.get("spececd_batch_size_count", 0)  # the built-in engine's passes
+               - before.get("spececd_batch_size_count", 0))
     buckets = {key.split('"')[1]: int(after[key] - before.get(key, 0)) for key in after
                if key.startswith("spececd_batch_size_bucket")}
 
@@ -243,7 +248,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
 
     return {
         "clients": clients, "kind": kind,
-        "acceptance_target": acceptance if kind == "replay" else None,
+        "acceptance_target": acceptance if kind.startswith("replay") else None,
         "duration_s": round(wall, 2),
         "server_tokens_per_s": round(tokens / wall, 2),
         "client_tokens_per_s": round(statistics.median(r.tokens / wall for r in results), 2),
@@ -253,7 +258,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
                              "p95": percentile(0.95, token_latencies)},
         "forward_passes": int(passes),
         "passes_per_token": round(passes / tokens, 4) if tokens else None,
-        "mean_batch": round(batched / passes, 2) if passes else None,
+        "mean_batch": round(batched / batches, 2) if batches else None,  # vLLM: none
         "batch_size_buckets": buckets,  # cumulative counts, Prometheus style
         "tokens": tokens,
     }
@@ -267,7 +272,7 @@ def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
     """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them.
     ``model``: the model name an OpenAI server (``vllm-spec``) serves."""
     traces = (target_traces(url, fingerprint, prompts, max_tokens)
-              if "replay" in kinds else None)
+              if any(kind.startswith("replay") for kind in kinds) else None)
     rows = []
     for n in clients:
         for kind in kinds:

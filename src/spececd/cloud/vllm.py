@@ -306,24 +306,24 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
     """Start vLLM's async engine on ``model`` with the edge-draft proposer and return the
     engine serving it. ``engine_args``: a JSON object of further ``AsyncEngineArgs``."""
     try:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError as exc:
-        raise InputError(f"the vLLM engine needs vLLM ({exc}): {INSTALL}") from None
-    from spececd.backends.registry import load_tokenizer
-
-    try:
         extra = json.loads(engine_args) if engine_args else {}
     except json.JSONDecodeError as exc:
         raise InputError(f"--engine-args must be a JSON object: {exc}") from None
     if not isinstance(extra, dict):
         raise InputError("--engine-args must be a JSON object, e.g. "
                          "'{\"gpu_memory_utilization\": 0.8}'")
-    # The server's context limit, or the model's own where that is shorter (vLLM refuses a
-    # longer max_model_len than the model's).
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as exc:
+        raise InputError(f"the vLLM engine needs vLLM ({exc}): {INSTALL}") from None
     from transformers import AutoConfig
 
+    from spececd.backends.registry import load_tokenizer
+
+    # The server's context limit, or the model's own where that is shorter (vLLM refuses a
+    # longer max_model_len than the model's).
     try:
         positions = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 0)
     except (OSError, ValueError) as exc:
