@@ -2,9 +2,9 @@
 
 One real server (vLLM's async engine in the `spececd serve` process, CPU build) serves the
 module: an engine takes 30-70 s to start. Greedy output equals the target alone in every
-way of drafting; sampled output keeps the target's distribution (chi-square) in rounds and
-in stream drafting; what the engine cannot serve is refused at the hello; vLLM's own
-metrics and ours are on /metrics, acceptance per session on /status."""
+way of drafting; sampled output keeps the target's distribution (chi-square, rounds); what
+the engine cannot serve is refused at the hello; vLLM's own metrics and ours are on
+/metrics, acceptance per session on /status; a failed engine is reported."""
 
 from __future__ import annotations
 
@@ -72,6 +72,23 @@ def test_greedy_is_identical_to_the_target_alone(
         assert cloud.token_ids == hf_greedy(pair["target"], [5, 6], 40)
 
 
+def test_a_stream_left_early_is_aborted_and_does_not_leak(
+        server: ServerProcess, pair: dict[str, Path]) -> None:
+    """A stop string ends a generation while vLLM still generates it: the next
+    generation's frames abort vLLM's request first, and receive none of it."""
+    with remote(pair["draft"], server.url, k=3, proactive="stream") as gen:
+        full = gen.generate([1, 2, 3], max_tokens=50, temperature=0, stop_token_ids=[])
+        words = full.text.split()
+        stop = next(w for i, w in enumerate(words[3:], 3) if w not in words[:i])
+        for _ in range(3):
+            cut = gen.generate([1, 2, 3], max_tokens=50, temperature=0, stop_token_ids=[],
+                               stop=[stop])
+            assert cut.finish_reason == "stop" and full.text.startswith(cut.text)
+        again = gen.generate([1, 2, 3], max_tokens=50, temperature=0, stop_token_ids=[])
+    assert again.token_ids == full.token_ids
+    assert server.status()["sessions"] == 0
+
+
 def test_hints_from_an_edge_ahead_of_the_engine_save_engine_steps(
         server: ServerProcess, pair: dict[str, Path]) -> None:
     """Stream drafting on vLLM: the engine never waits for a hint, so hints count only
@@ -112,7 +129,9 @@ def test_sampling_keeps_the_target_distribution(
 
 @pytest.mark.parametrize("settings,refused", [
     ({"mode": "threshold", "threshold": 0.3}, "threshold mode"),
-    ({"presence_penalty": 0.5}, "presence and frequency penalties")])
+    ({"presence_penalty": 0.5}, "presence and frequency penalties"),
+    ({"logit_bias": {3: 5.0}}, "logit_bias and min_p"),
+    ({"min_p": 0.1}, "logit_bias and min_p")])
 def test_what_the_engine_cannot_serve_is_refused_at_the_hello(
         settings: dict[str, object], refused: str, server: ServerProcess,
         pair: dict[str, Path]) -> None:
@@ -191,7 +210,9 @@ def test_default_pair_on_vllm_matches_vllm_alone_and_transformers() -> None:
     from vllm import LLM
     from vllm import SamplingParams as VllmSampling
 
-    alone = LLM(str(MODELS / "target"), dtype="float32", max_model_len=512)
+    # On CPU the "GPU" memory utilization is the share of the machine's memory reserved.
+    alone = LLM(str(MODELS / "target"), dtype="float32", max_model_len=512,
+                gpu_memory_utilization=0.3)
     runs = alone.generate([{"prompt_token_ids": i} for i in ids],
                           VllmSampling(max_tokens=48, temperature=0, ignore_eos=True))
     for out, run, prompt in zip(outs, runs, ids, strict=True):

@@ -202,8 +202,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     start = time.perf_counter()
     deadline = start + duration
     if kind == "vllm-spec":
-        with multiprocessing.pool.ThreadPool(clients) as threads:
-            results = threads.starmap(drive_openai, [
+        with multiprocessing.pool.ThreadPool(clients) as openai_clients:
+            results = openai_clients.starmap(drive_openai, [
                 (url, model, prompts[i % len(prompts)], max_tokens, deadline)
                 for i in range(clients)])
     elif kind == "draft":

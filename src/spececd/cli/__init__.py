@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from spececd.cli import api, bench, chat, convert, demo, devices, generate, serve
 from spececd.cli.output import JsonLines
 from spececd.errors import InputError, SpecECDError
-from spececd.protocol.errors import AuthFailed, IncompatibleModels, VersionMismatch
+from spececd.protocol.errors import AuthFailed, IncompatibleModels, Unsupported, VersionMismatch
 
-USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch)
+USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch, Unsupported)
 COMMANDS = (demo, generate, chat, api, serve, bench, convert, devices)
 
 

