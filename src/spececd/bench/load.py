@@ -10,7 +10,8 @@ Client kinds, labelled in every report:
 - ``replay-stream``: replay clients that stream-draft: the server generates and the client
   sends its (corrupted) continuation ahead as hints, which the server verifies as they
   arrive (on vLLM, the engine's proposer takes them).
-- ``draft``: real drafters, a pool of processes each running the draft model.
+- ``draft`` / ``draft-stream``: real drafters, a pool of processes each running the
+  draft model, in rounds or by stream drafting.
 
 - ``vllm-spec``: no edge at all: clients of vLLM's own OpenAI server, which runs the
   target with vLLM's in-process speculative decoding from a draft model on the server
@@ -154,7 +155,7 @@ def engine_steps(counters: dict[str, float]) -> float:
 
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
-                   seconds: float, seed: int) -> ClientResult:
+                   seconds: float, seed: int, stream: bool = False) -> ClientResult:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -166,7 +167,7 @@ def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_to
     backend = load_backend(draft_model, device="cpu", dtype="float32")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     return drive(url, Drafter(backend), fingerprint, prompt, k, max_tokens, False,
-                 time.perf_counter() + seconds, seed)
+                 time.perf_counter() + seconds, seed, stream)
 
 
 def target_traces(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
@@ -206,12 +207,12 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
             results = openai_clients.starmap(drive_openai, [
                 (url, model, prompts[i % len(prompts)], max_tokens, deadline)
                 for i in range(clients)])
-    elif kind == "draft":
+    elif kind.startswith("draft"):
         assert draft_model is not None
         with multiprocessing.get_context("spawn").Pool(clients) as pool:
             results = pool.starmap(_draft_process, [
-                (url, draft_model, prompts[i % len(prompts)], k, max_tokens, duration, i)
-                for i in range(clients)])
+                (url, draft_model, prompts[i % len(prompts)], k, max_tokens, duration, i,
+                 kind == "draft-stream") for i in range(clients)])
     else:
         results = [ClientResult() for _ in range(clients)]
 

@@ -75,7 +75,8 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
     load.add_argument("--kind", default="replay,cloud-only",
                       help="replay (no model, chosen acceptance, rounds), replay-stream (the "
-                      "same, stream drafting), draft (real drafter processes), cloud-only "
+                      "same, stream drafting), draft (real drafter processes; draft-stream: "
+                      "stream drafting), cloud-only "
                       "(the baseline), vllm-spec (vLLM's own "
                       "speculative decoding with the draft model on the server, through "
                       "its OpenAI server; needs vLLM); comma-separated")
@@ -129,10 +130,9 @@ def run_load(args: argparse.Namespace) -> int:
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
-    if not set(kinds) <= {"replay", "replay-stream", "draft", "cloud-only", "vllm-spec"} \
-            or min(clients) < 1:
-        raise InputError("--kind takes replay, replay-stream, draft, cloud-only, vllm-spec; "
-                         "--clients numbers >= 1")
+    known = {"replay", "replay-stream", "draft", "draft-stream", "cloud-only", "vllm-spec"}
+    if not set(kinds) <= known or min(clients) < 1:
+        raise InputError(f"--kind takes {', '.join(sorted(known))}; --clients numbers >= 1")
     if not engines or not set(engines) <= {"builtin", "vllm"}:
         raise InputError("--engine takes builtin, vllm or builtin,vllm")
     if args.server and (len(engines) > 1 or "vllm-spec" in kinds):
