@@ -285,8 +285,8 @@ def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
 
 
 def _engine(row: dict[str, Any]) -> str:
-    """The engine a row's server ran (vLLM's own speculation runs on vLLM)."""
-    return "vllm" if row["kind"] == "vllm-spec" else str(row.get("engine", "builtin"))
+    """The engine a row's server ran (rows of older runs name none: the built-in one)."""
+    return str(row.get("engine", "builtin"))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -303,7 +303,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  if base and r["kind"] != "cloud-only" else "–")
         label = r["kind"] + (f" (acceptance {r['acceptance_target']})"
                              if r["acceptance_target"] is not None else "")
-        lines.append(f"| {r['clients']} | {r.get('engine', 'builtin')} | {label} | "
+        lines.append(f"| {r['clients']} | {_engine(r)} | {label} | "
                      f"{r['server_tokens_per_s']} | {r['client_tokens_per_s']} | {ratio} | "
                      f"{lat['p50']} / {lat['p95']} / {lat['p99']} | "
                      f"{per_token.get('p50', '–')} / {per_token.get('p95', '–')} | "
@@ -318,10 +318,10 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    engines = {str(r.get("engine", "builtin")) for r in rows}
-    for line in dict.fromkeys((str(r.get("engine", "builtin")), r["kind"]) for r in rows):
+    engines = {_engine(r) for r in rows}
+    for line in dict.fromkeys((_engine(r), r["kind"]) for r in rows):
         points = sorted((r["clients"], r["server_tokens_per_s"]) for r in rows
-                        if (str(r.get("engine", "builtin")), r["kind"]) == line)
+                        if (_engine(r), r["kind"]) == line)
         name = line[1] if len(engines) == 1 else f"{line[1]} [{line[0]}]"
         ax.plot(*zip(*points, strict=True), marker="o", label=name)
     ax.set_xscale("log", base=2)

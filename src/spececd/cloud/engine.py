@@ -500,5 +500,9 @@ class Engine:
     def close(self) -> None:
         for link in list(self.links):
             self.release(link)
+        self._stop_model()
+
+    def _stop_model(self) -> None:
+        """Stop what runs the target (here: the scheduler and its worker thread)."""
         self.scheduler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -216,7 +216,6 @@ class VllmEngine(Engine):
             self.hints.publish(request_id, len(context), draft)
         sampling = self._sampling(request.params, len(context), len(draft) + 1)
         emitted: list[int] = []
-        link.busy = True
         started = time.perf_counter()
         outputs = self._outputs(request_id, context, sampling)
         try:
@@ -229,8 +228,6 @@ class VllmEngine(Engine):
         finally:
             await outputs.aclose()  # aborts the request if it is still running
             self.hints.forget(request_id)
-            link.busy = False
-            link.last_used = time.monotonic()
         accepted = min(common_prefix(emitted, draft), len(draft))
         if len(emitted) <= accepted:
             return self._failed(link, request.seq, RuntimeError(
@@ -255,7 +252,6 @@ class VllmEngine(Engine):
         step: asyncio.Future[Any] = asyncio.ensure_future(anext(outputs))
         arrival: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         last = time.perf_counter()
-        link.busy = True
 
         async def stop() -> None:  # abort vLLM's request (again: a no-op)
             step.cancel()  # let the cancellation land before closing the generator under it
@@ -314,13 +310,9 @@ class VllmEngine(Engine):
             arrival.cancel()
             await stop()
             self.hints.forget(request_id)
-            link.busy = False
-            link.last_used = time.monotonic()
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def close(self) -> None:
-        for link in list(self.links):
-            self.release(link)
+    def _stop_model(self) -> None:
         self.llm.shutdown()
         self.hints.close()
 

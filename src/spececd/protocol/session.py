@@ -325,6 +325,13 @@ class CloudSession:
             return ()
         return stream.hint[n - start:]
 
+    def _verifiable(self, ahead: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of the hint ahead that one step of the generation under way may verify:
+        within ``max_draft``, and leaving room in ``max_tokens`` for a token of its own."""
+        assert self.stream is not None, "no generation under way"
+        budget = self.stream.request.max_tokens - self.stream.generated - 1
+        return ahead[:max(0, min(budget, self.limits.max_draft))]
+
     def stream_step(self) -> VerifyRequest:
         """The next step of the generation under way: a verification of the part of the
         hint ahead of the context when the hint agrees with the context so far, else of
@@ -332,8 +339,7 @@ class CloudSession:
         stream = self.stream
         assert stream is not None, "no generation under way"
         ahead = self.hint_ahead()
-        budget = stream.request.max_tokens - stream.generated - 1
-        tail = ahead[:max(0, min(budget, self.limits.max_draft))]
+        tail = self._verifiable(ahead)
         stream.hint_start, stream.hint = len(self.context), ahead  # spent when contradicted
         mode = Mode.GREEDY if stream.request.params.greedy else Mode.MATCH
         return VerifyRequest(stream.request.seq, self.context, tail, None, mode,
@@ -355,10 +361,9 @@ class CloudSession:
         stream = self.stream
         assert stream is not None, "no generation under way"
         hint = self.hint_ahead()
-        ahead = hint if proposed else ()
-        budget = stream.request.max_tokens - stream.generated - 1
-        drafted = max(0, min(len(ahead), budget, self.limits.max_draft))
-        accepted = min(common_prefix(ahead[:drafted], tokens), len(tokens) - 1)
+        ahead = self._verifiable(hint if proposed else ())
+        drafted = len(ahead)
+        accepted = min(common_prefix(ahead, tokens), len(tokens) - 1)
         stream.hint_start, stream.hint = len(self.context), hint  # spent when contradicted
         return self._emit(tokens, compute_s, drafted, accepted)
 
