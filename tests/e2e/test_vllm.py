@@ -34,7 +34,10 @@ from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.e2e.test_inprocess import hf_greedy  # noqa: E402
 from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+# vLLM's engine on core 0 and the edges here on one torch thread: its OpenMP threads spin,
+# and an edge whose draft competes with them for both cores falls behind every step.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+            "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def vllm_server(target: Path, *extra: str) -> ServerProcess:
@@ -56,7 +59,8 @@ def server(pair: dict[str, Path]) -> Iterator[ServerProcess]:
 
 
 def remote(draft: Path, url: str, **kw: object) -> Generator:
-    return Generator.load(str(draft), server=url, device="cpu", dtype="float32", **kw)  # type: ignore[arg-type]
+    return Generator.load(str(draft), server=url, device="cpu", dtype="float32",  # type: ignore[arg-type]
+                          threads=1, **kw)
 
 
 @pytest.mark.parametrize("proactive,k", [("off", 4), ("on", 4), ("stream", 3), ("auto", "auto")])
