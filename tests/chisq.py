@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 from scipy import stats
 
@@ -19,3 +22,20 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
         exp.append(expected[~keep].sum())
     exp_arr = np.array(exp) * sum(obs) / sum(exp)
     return float(stats.chisquare(np.array(obs), exp_arr).pvalue)
+
+
+def first_token_p_value(gen: Any, target: Path, draws: int,
+                        prompt: str = "import os\n\nclass ") -> float:
+    """p-value of ``draws`` sampled first tokens (temperature 1, top-k 20) of ``gen``, a
+    :class:`~spececd.api.Generator`, against ``target``'s own distribution for them."""
+    from spececd.backends.registry import load_backend
+    from spececd.core.sampling import SamplingParams, process_logits
+
+    ids = gen.prompt_ids(prompt)
+    params = SamplingParams(temperature=1.0, top_k=20)
+    outs = gen.generate_n(ids, draws, max_tokens=2, temperature=1.0, top_k=20, seed=11,
+                          stop_token_ids=[])
+    seq = load_backend(str(target), device="cpu", dtype="float32").new_sequence()
+    probs = process_logits(seq.extend(ids, keep=1), params)[0]
+    observed = np.bincount([o.token_ids[0] for o in outs], minlength=probs.size)
+    return chi_square_p(observed, probs * draws)

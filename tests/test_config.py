@@ -63,3 +63,22 @@ def test_auth_token_from_file_or_environment(tmp_path: Path) -> None:
     assert config.auth_token("", {}) == ""
     with pytest.raises(InputError, match="cannot read"):
         config.auth_token(str(tmp_path / "missing"), {})
+
+
+def test_the_devices_table_sets_both_sides_devices(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[devices]\nedge_device = "npu"\ncloud_device = "cuda"\n'
+                    '[devices.npu]\nenabled = false\n')
+    edge, server = config.load(EdgeConfig, path, environ={}), config.load(ServerConfig, path,
+                                                                          environ={})
+    assert (edge.device, edge.npu, server.device, server.npu) == ("npu", False, "cuda", False)
+    assert config.load(EdgeConfig, path, {"device": "cpu"}, {}).device == "cpu"  # flags win
+    path.write_text('[edge]\ndevice = "cpu"\n[devices]\nedge_device = "npu"\n')
+    with pytest.raises(InputError, match="disagree"):
+        config.load(EdgeConfig, path, environ={})
+    path.write_text('[devices]\nedge = "npu"\n')
+    with pytest.raises(InputError, match=r"\[devices\] takes"):
+        config.load(EdgeConfig, path, environ={})
+    path.write_text('[devices.npu]\nenable = true\n')
+    with pytest.raises(InputError, match="enabled = true or false"):
+        config.load(ServerConfig, path, environ={})

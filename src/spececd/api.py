@@ -175,7 +175,7 @@ class Generator:
 
     @classmethod
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
-             device: str = "auto", dtype: str = "auto", threads: int = 0,
+             device: str = "auto", dtype: str = "auto", threads: int = 0, npu: bool = True,
              auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
              target_tokenizer: str | None = None, round_timeout: float = 120.0,
              options: EdgeOptions | None = None, **settings: Any) -> Generator:
@@ -199,6 +199,10 @@ class Generator:
         and HTTP; :mod:`spececd.backends.bundle`), or takes ``target_tokenizer`` (a
         transformers folder or hub id: needed over gRPC, or with a GGUF target).
 
+        ``device``: ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or ``npu`` (the NPU of the
+        model's runtime, OpenVINO or ONNX Runtime, else the cpu with a notice; ``npu=False``
+        turns the NPU off); ONNX folders also take ``dml`` and ``qnn``, OpenVINO ``gpu``.
+
         ``round_timeout``: seconds to wait for the server's reply before treating the link
         as dead and reconnecting (with the history re-sent, so the output is unchanged): how
         long a hung server or replica stalls generation. Also bounds the connection's
@@ -219,13 +223,14 @@ class Generator:
             connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
                                 auth_token=auth_token, open_timeout=min(10.0, round_timeout),
                                 recv_timeout=round_timeout)
-            draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
+            draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads,
+                                         npu=npu)
             return cls.remote(draft_backend, server, connect, target_tokenizer=target_tokenizer,
                               tls_ca=tls_ca, tls_verify=tls_verify, options=options,
                               auth_token=auth_token)
         assert target is not None
-        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads)
-        target_backend = load_backend(target, device=device, dtype=dtype, threads=threads)
+        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads, npu=npu)
+        target_backend = load_backend(target, device=device, dtype=dtype, threads=threads, npu=npu)
         from spececd.transports.memory import local_verifier
 
         verifier = local_verifier(target_backend)

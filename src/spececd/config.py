@@ -4,7 +4,9 @@ Each value comes from, in increasing order of precedence:
 
 1. the defaults below, and :class:`~spececd.edge.options.EdgeOptions`' for the edge's
    options (``mode``, ``k``, ``proactive``, ...);
-2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``);
+2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``, and
+   ``[devices]``: ``edge_device`` and ``cloud_device`` are the edge's and the server's
+   ``device``, ``[devices.npu] enabled`` is both sides' ``npu``);
 3. environment variables ``SPECECD_SERVER_<NAME>`` / ``SPECECD_EDGE_<NAME>`` (upper case,
    e.g. ``SPECECD_SERVER_PORT=9000``), and ``SPECECD_AUTH_TOKEN`` for the bearer token;
 4. command-line flags.
@@ -48,6 +50,7 @@ class ServerConfig:
     grpc_port: int = -1  # -1: no gRPC listener; 0: any free port
     http_port: int = -1  # -1: no HTTP listener; 0: any free port
     device: str = "auto"
+    npu: bool = True  # whether device "npu" may use an NPU (else: the cpu, with a notice)
     dtype: str = "auto"
     threads: int = 0
     max_sessions: int = 64
@@ -74,6 +77,7 @@ class EdgeConfig:
     draft_model: str = ""
     target_model: str = ""
     device: str = "auto"
+    npu: bool = True  # whether device "npu" may use an NPU (else: the cpu, with a notice)
     dtype: str = "auto"
     threads: int = 0
     max_tokens: int = 128
@@ -95,6 +99,8 @@ class EdgeConfig:
 
 Config = TypeVar("Config", ServerConfig, EdgeConfig)
 SECTIONS: dict[type, str] = {ServerConfig: "server", EdgeConfig: "edge"}
+# [devices] settings: (name there, the section it belongs to, the setting it is there)
+DEVICE_SETTINGS = (("edge_device", "edge", "device"), ("cloud_device", "server", "device"))
 
 
 def _convert(value: Any, kind: type) -> Any:
@@ -152,6 +158,12 @@ def load(cls: type[Config], path: str | Path | None = None,
             raise InputError(f"config file {path}: unknown [{section}] setting(s) "
                              f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         given.update({key: (value, f"{path} [{section}] {key}") for key, value in table.items()})
+        for key, value in _device_settings(data, section, str(path)).items():
+            if key in table and table[key] != value[0]:
+                raise InputError(f"config file {path}: [{section}] {key} = {table[key]!r} "
+                                 f"and {value[1].split(' ', 1)[1]} = {value[0]!r} disagree; "
+                                 "keep one")
+            given[key] = value
     env = os.environ if environ is None else environ
     for name in known:
         var = f"SPECECD_{section.upper()}_{name.upper()}"
@@ -170,6 +182,24 @@ def load(cls: type[Config], path: str | Path | None = None,
         options = {name: values.pop(name) for name in OPTION_SETTINGS if name in values}
         values["options"] = EdgeOptions().with_settings(**options)
     return dataclasses.replace(cls(), **values)
+
+
+def _device_settings(data: Mapping[str, Any], section: str, path: str
+                     ) -> dict[str, tuple[Any, str]]:
+    """The ``[devices]`` table's settings that belong to ``section``: name: (value, source)."""
+    table = data.get("devices", {})
+    known = {name for name, _, _ in DEVICE_SETTINGS} | {"npu"}
+    if not isinstance(table, dict) or set(table) - known:
+        raise InputError(f"config file {path}: [devices] takes {', '.join(sorted(known))}; "
+                         f"got {', '.join(sorted(set(table) - known)) or table!r}")
+    found = {setting: (table[name], f"{path} [devices] {name}")
+             for name, where, setting in DEVICE_SETTINGS if where == section and name in table}
+    npu = table.get("npu", {})
+    if not isinstance(npu, dict) or set(npu) - {"enabled"}:
+        raise InputError(f"config file {path}: [devices.npu] takes enabled = true or false")
+    if "enabled" in npu:
+        found["npu"] = (npu["enabled"], f"{path} [devices.npu] enabled")
+    return found
 
 
 def auth_token(token_file: str, environ: Mapping[str, str] | None = None) -> str:

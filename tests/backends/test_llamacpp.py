@@ -23,6 +23,7 @@ from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
+from tests.chisq import first_token_p_value  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 
@@ -151,20 +152,6 @@ def test_gguf_drafter_with_a_transformers_target(gguf: dict[str, Path],
     ids = gen.prompt_ids(PROMPTS[0])
     out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
     assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 24)
-
-
-def first_token_p_value(gen: Generator, target: Path, draws: int) -> float:
-    from spececd.core.sampling import SamplingParams, process_logits
-    from tests.chisq import chi_square_p
-
-    ids = gen.prompt_ids(PROMPTS[1])
-    params = SamplingParams(temperature=1.0, top_k=20)
-    outs = gen.generate_n(ids, draws, max_tokens=2, temperature=1.0, top_k=20, seed=11,
-                          stop_token_ids=[])
-    seq = load_backend(str(target)).new_sequence()
-    probs = process_logits(seq.extend(ids, keep=1), params)[0]
-    observed = np.bincount([o.token_ids[0] for o in outs], minlength=probs.size)
-    return chi_square_p(observed, probs * draws)
 
 
 def test_gguf_target_sampling_keeps_its_distribution(gguf: dict[str, Path]) -> None:

@@ -44,8 +44,9 @@ class HFTokenizer:
         return list(ids)
 
 
-def load_tokenizer(model: str) -> tuple[HFTokenizer, int]:
-    """The tokenizer of a transformers folder or hub id, and its number of token ids."""
+def load_tokenizer(model: str, eos: tuple[int, ...] = ()) -> tuple[HFTokenizer, int]:
+    """The tokenizer of a transformers folder or hub id, and its number of token ids.
+    ``eos``: the ids that end a generation, when the caller knows them (else read here)."""
     from transformers import AutoTokenizer
 
     try:
@@ -54,7 +55,7 @@ def load_tokenizer(model: str) -> tuple[HFTokenizer, int]:
         raise InputError(f"could not load the tokenizer of {model!r}: not a local folder, "
                          f"and the hub id could not be loaded ({str(exc).splitlines()[0]})"
                          ) from None
-    return HFTokenizer(tokenizer, eos_token_ids(model, tokenizer)), len(tokenizer)
+    return HFTokenizer(tokenizer, eos or eos_token_ids(model, tokenizer)), len(tokenizer)
 
 
 def eos_token_ids(model: str, tokenizer: Any, config: Any = None) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""``spececd devices``: the devices models can run on here, by backend."""
+"""``spececd devices``: the devices models can run on here, by backend, and what
+``--device npu`` would use."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("devices", help="list the devices models can run on here")
+    p = sub.add_parser("devices", help="list the devices models can run on here, by backend")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
@@ -17,9 +18,16 @@ def run(args: argparse.Namespace) -> int:
     from spececd.backends.registry import available_devices
 
     devices = available_devices()
+    npus = [d for d in devices if d["device"] in ("npu", "qnn") or d["device"].startswith("npu.")]
     if args.json:
         print(json.dumps(devices))
+        return 0
+    print(f"{'device':<10} {'backend':<10} detail")
+    for d in devices:
+        print(f"{d['device']:<10} {d['backend']:<10} {d['detail']}")
+    if npus:
+        print("--device npu uses: " + ", ".join(f"{d['backend']} {d['device']}" for d in npus))
     else:
-        for d in devices:
-            print(f"{d['device']:<10} {d['backend']:<6} {d['detail']}")
+        print("--device npu: no NPU here (neither OpenVINO's NPU nor ONNX Runtime's QNN "
+              "provider); models asked for one run on the cpu")
     return 0

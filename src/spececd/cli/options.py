@@ -57,7 +57,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                        "(default: the project's trained draft)")
     g.add_argument("--target-model", help="target model: local folder or hub id "
                    "(default: the project's trained target)")
-    g.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps or npu (the NPU of an "
+                   "OpenVINO or ONNX model's runtime, else the cpu with a notice); ONNX "
+                   "models also dml and qnn, OpenVINO gpu; `spececd devices` lists them "
+                   "(default: auto)")
     g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
                    "(default: auto = float32 on cpu, bfloat16 on GPUs)")
     g.add_argument("--threads", type=int, help="CPU threads (default: the runtime's choice)")
@@ -171,7 +174,7 @@ def load_generator(cfg: EdgeConfig) -> Generator:
     from spececd.api import Generator
 
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
-                                  options=cfg.options)
+                                  npu=cfg.npu, options=cfg.options)
     draft = cfg.draft_model or default_model("draft")
     if cfg.server:
         return Generator.load(draft, server=cfg.server,

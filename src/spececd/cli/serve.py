@@ -102,7 +102,8 @@ def serve(cfg: ServerConfig, token: str) -> int:
         engine = vllm.start(model, limits, policy, token, cfg.dtype, cfg.tensor_parallel_size,
                             cfg.engine_args)
     else:
-        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
+                               npu=cfg.npu)
         engine = Engine(backend, limits, policy, token)
 
     def ready(urls: list[str]) -> None:
