@@ -118,17 +118,23 @@ def test_chains_only(fmt: str, exported: dict[tuple[str, str], Path]) -> None:
         seq.extend([1] * backend.max_context)
 
 
+@pytest.mark.parametrize("tree_width", [1, 3])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_output_is_the_targets_with_this_drafter(
-        fmt: str, exported: dict[tuple[str, str], Path], tiny_models: dict[str, Path]) -> None:
+        fmt: str, tree_width: int, exported: dict[tuple[str, str], Path],
+        tiny_models: dict[str, Path]) -> None:
+    # token trees too: the drafter branches from its distributions along one chain
     with Generator.load(str(exported[(fmt, "qwen2")]), str(tiny_models["llama"]),
-                        device="cpu", k=3) as gen:
+                        device="cpu", k=3, tree_width=tree_width) as gen:
         assert gen.draft_backend.name == fmt
+        siblings = 0
         for prompt in PROMPTS[:3]:
             ids = gen.prompt_ids(prompt)
             out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 24)
             assert out.stats.drafted > 0
+            siblings += out.stats.tree_siblings
+    assert (siblings > 0) == (tree_width > 1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -232,3 +238,6 @@ def test_devices_lists_both_runtimes(capsys: pytest.CaptureFixture[str]) -> None
     assert any(line.split()[:2] == ["cpu", "onnx"] for line in lines), out
     assert any(line.split()[:2] == ["cpu", "openvino"] for line in lines), out
     assert "--device npu" in out
+    with pytest.raises(SystemExit) as done:
+        main(["--list-devices"])
+    assert done.value.code == 0 and capsys.readouterr().out == out

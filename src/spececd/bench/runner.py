@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from spececd.backends.registry import model_format
 from spececd.bench.netem import DelayProxy
 
 log = logging.getLogger(__name__)
@@ -187,10 +188,6 @@ def label(model: str) -> str:
     return path.name if path.suffix == ".gguf" else path.name or model
 
 
-def is_hf(model: str) -> bool:
-    return not model.lower().endswith(".gguf")
-
-
 def llama_speculative_binary() -> str | None:
     """llama.cpp's ``llama-speculative-simple`` where
     ``scripts/build-llama-speculative.sh`` put it ($SPECECD_LLAMA_SPECULATIVE, or
@@ -230,19 +227,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         plan: list[dict[str, Any]] = []
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
-            if cfg.baselines and is_hf(target):
+            if cfg.baselines and model_format(target) == "hf":
                 workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
                 plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
                              "target": label(target)})
                 for d, draft in enumerate(drafts):
-                    if is_hf(draft):
+                    if model_format(draft) == "hf":
                         key = f"assisted{d}.{t}"
                         workers[key] = Worker({**common, "kind": "assisted", "target": target,
                                                "draft": draft})
                         plan.append({"kind": "assisted", "worker": key,
                                      "tag": f" [{label(draft)} → {label(target)}]" if pairs
                                      else ""})
-            if cfg.baselines and not is_hf(target):
+            if cfg.baselines and model_format(target) == "llama.cpp":
                 for kind in ("llama_alone", "llama_lookup"):
                     key = f"{kind}{t}"
                     workers[key] = Worker({**common, "kind": kind, "target": target})
@@ -250,7 +247,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                                  "target": label(target)})
                 binary = llama_speculative_binary()
                 for d, draft in enumerate(drafts):
-                    if binary and not is_hf(draft):  # the peer with the same GGUF pair
+                    # the peer with the same GGUF pair
+                    if binary and model_format(draft) == "llama.cpp":
                         key = f"llama_speculative{d}.{t}"
                         workers[key] = Worker({**common, "kind": "llama_speculative",
                                                "target": target, "draft": draft,
@@ -295,7 +293,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         bar.close()
         return {"meta": {"draft": ", ".join(drafts), "target": ", ".join(targets),
                          "seed": cfg.seed,
-                         "backend": ", ".join(sorted({"hf" if is_hf(m) else "llama.cpp"
+                         "backend": ", ".join(sorted({model_format(m)
                                                       for m in [*drafts, *targets]})),
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,

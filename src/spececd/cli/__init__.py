@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spececd", description="Lossless speculative decoding: a small draft model "
         "proposes, a large target model verifies.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("--list-devices", action=devices.ListDevices,
+                        help="list the devices models can run on here and exit "
+                        "(= spececd devices)")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(sub)

@@ -14,6 +14,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+class ListDevices(argparse.Action):
+    """``spececd --list-devices``: ``spececd devices``, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.exit(run(argparse.Namespace(json=False)))
+
+
 def run(args: argparse.Namespace) -> int:
     from spececd.backends.registry import available_devices
 
