@@ -76,6 +76,8 @@ def test_the_devices_table_sets_both_sides_devices(tmp_path: Path) -> None:
     path.write_text('[edge]\ndevice = "cpu"\n[devices]\nedge_device = "npu"\n')
     with pytest.raises(InputError, match="disagree"):
         config.load(EdgeConfig, path, environ={})
+    path.write_text('[edge]\nnpu = "false"\n[devices.npu]\nenabled = false\n')  # the same
+    assert not config.load(EdgeConfig, path, environ={}).npu
     path.write_text('[devices]\nedge = "npu"\n')
     with pytest.raises(InputError, match=r"\[devices\] takes"):
         config.load(EdgeConfig, path, environ={})

@@ -158,12 +158,11 @@ def load(cls: type[Config], path: str | Path | None = None,
             raise InputError(f"config file {path}: unknown [{section}] setting(s) "
                              f"{', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         given.update({key: (value, f"{path} [{section}] {key}") for key, value in table.items()})
-        for key, value in _device_settings(data, section, str(path)).items():
-            if key in table and table[key] != value[0]:
+        for key, (value, source, name) in _device_settings(data, section, str(path)).items():
+            if key in table and known[key](table[key]) != known[key](value):
                 raise InputError(f"config file {path}: [{section}] {key} = {table[key]!r} "
-                                 f"and {value[1].split(' ', 1)[1]} = {value[0]!r} disagree; "
-                                 "keep one")
-            given[key] = value
+                                 f"and {name} = {value!r} disagree; keep one")
+            given[key] = (value, source)
     env = os.environ if environ is None else environ
     for name in known:
         var = f"SPECECD_{section.upper()}_{name.upper()}"
@@ -185,20 +184,22 @@ def load(cls: type[Config], path: str | Path | None = None,
 
 
 def _device_settings(data: Mapping[str, Any], section: str, path: str
-                     ) -> dict[str, tuple[Any, str]]:
-    """The ``[devices]`` table's settings that belong to ``section``: name: (value, source)."""
+                     ) -> dict[str, tuple[Any, str, str]]:
+    """The ``[devices]`` table's settings that belong to ``section``: setting: (value,
+    where it came from, its name in the table)."""
     table = data.get("devices", {})
     known = {name for name, _, _ in DEVICE_SETTINGS} | {"npu"}
     if not isinstance(table, dict) or set(table) - known:
         raise InputError(f"config file {path}: [devices] takes {', '.join(sorted(known))}; "
                          f"got {', '.join(sorted(set(table) - known)) or table!r}")
-    found = {setting: (table[name], f"{path} [devices] {name}")
+    found = {setting: (table[name], f"{path} [devices] {name}", f"[devices] {name}")
              for name, where, setting in DEVICE_SETTINGS if where == section and name in table}
     npu = table.get("npu", {})
     if not isinstance(npu, dict) or set(npu) - {"enabled"}:
         raise InputError(f"config file {path}: [devices.npu] takes enabled = true or false")
     if "enabled" in npu:
-        found["npu"] = (npu["enabled"], f"{path} [devices.npu] enabled")
+        found["npu"] = (npu["enabled"], f"{path} [devices.npu] enabled",
+                        "[devices.npu] enabled")
     return found
 
 

@@ -103,13 +103,18 @@ def llama_cpp_source() -> Path:
     return cache
 
 
+def require_model_folder(model_dir: Path) -> None:
+    """What every conversion starts from: a folder saved with ``save_pretrained``."""
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"{model_dir} is not a transformers model folder (no config.json)")
+
+
 def convert(model_dir: Path, out: Path, quant: str = "f16") -> Path:
     quant = quant.lower()
     if quant not in CONVERTER_TYPES and quant not in QUANTIZER_TYPES:
         raise InputError(f"unknown --quant {quant!r}: use one of "
                          f"{', '.join([*CONVERTER_TYPES, *QUANTIZER_TYPES])}")
-    if not (model_dir / "config.json").is_file():
-        raise InputError(f"{model_dir} is not a transformers model folder (no config.json)")
+    require_model_folder(model_dir)
     src = llama_cpp_source()
     base = out if quant in CONVERTER_TYPES else out.with_suffix(".f16.tmp.gguf")
     result = subprocess.run(

@@ -26,6 +26,7 @@ from spececd.backends import onnx, openvino  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend, model_format  # noqa: E402
 from spececd.cli import main  # noqa: E402
+from spececd.errors import InputError  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
 from tests.conftest import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
@@ -116,6 +117,8 @@ def test_chains_only(fmt: str, exported: dict[tuple[str, str], Path]) -> None:
         seq.select(1, [3])
     with pytest.raises(ValueError, match="exceed the context"):
         seq.extend([1] * backend.max_context)
+    seq.truncate(0)
+    assert seq.extend([1] * backend.max_context, keep=1).shape == (1, backend.vocab_size)
 
 
 @pytest.mark.parametrize("tree_width", [1, 3])
@@ -216,7 +219,7 @@ def test_device_npu_falls_back_to_the_cpu_with_one_notice(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spececd.backends.registry"):
         load_backend(str(folder), device="npu", dtype="float32", npu=False)
-    assert any("disabled in the config" in r.message for r in caplog.records)
+    assert any("turned off (npu = false)" in r.message for r in caplog.records)
 
 
 def test_bad_conversions_say_what_to_do(tiny_models: dict[str, Path], tmp_path: Path,
@@ -229,6 +232,30 @@ def test_bad_conversions_say_what_to_do(tiny_models: dict[str, Path], tmp_path: 
             (["--to", "onnx", str(tiny_models["draft"])], "needs a multiple of 16")]:
         assert main(["convert", *args, str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_folders_a_backend_cannot_draft_with_are_refused(
+        exported: dict[tuple[str, str], Path], tiny_models: dict[str, Path],
+        tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    pipeline = Path(shutil.copytree(exported[("onnx", "qwen2")], tmp_path / "pipeline"))
+    config = json.loads((pipeline / "genai_config.json").read_text())
+    config["model"]["type"] = "decoder-pipeline"
+    (pipeline / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="cannot rewind"):
+        load_backend(str(pipeline))
+    with pytest.raises(InputError, match="has no device 'gpu'"):
+        load_backend(str(exported[("openvino", "qwen2")]), device="gpu")
+    from transformers import AutoConfig
+
+    dynamic = Path(shutil.copytree(tiny_models["llama"], tmp_path / "dynamic"))
+    settings = AutoConfig.from_pretrained(dynamic)
+    settings.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    settings.save_pretrained(dynamic)
+    with pytest.raises(InputError, match="'dynamic' rotary embeddings"):
+        openvino.export(dynamic, tmp_path / "out")
 
 
 def test_devices_lists_both_runtimes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -172,7 +172,10 @@ def run_sessions(gen: Generator, gates: Gates | None = None
     return tokens, reconnects, waits
 
 
-@pytest.mark.parametrize("transport", ["websocket", "http", "grpc"])
+# gRPC streams are pinned by being one stream, as WebSocket connections are by being one
+# connection: its run (about 18 s) is in the slow suite, to keep the default one in budget.
+@pytest.mark.parametrize("transport", ["websocket", "http",
+                                       pytest.param("grpc", marks=pytest.mark.slow)])
 def test_replicas_behind_nginx_lose_no_session(cluster: Cluster, tiny_models: dict[str, Path],
                                                transport: str) -> None:
     a, b, c = cluster.replicas

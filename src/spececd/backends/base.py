@@ -102,6 +102,64 @@ class Backend(Protocol):
         return [item.sequence.extend(item.ids, item.keep, item.parents) for item in items]
 
 
+class ChainSequence:
+    """The part of a :class:`CachedSequence` that every runtime without tree attention
+    shares (llama.cpp, ONNX Runtime GenAI, OpenVINO). Subclasses run the model over new
+    tokens in ``_run`` and roll their cache back in ``_rollback``; this class checks the
+    arguments and the context limit, keeps ``tokens``, cuts the logits to the tokenizer's
+    ids, and makes ``select`` of a contiguous run a truncate (trees are refused)."""
+
+    runtime = ""  # the runtime's name, for messages
+
+    def __init__(self, vocab_size: int, max_context: int) -> None:
+        self._tokens: list[int] = []
+        self._vocab_size = vocab_size
+        self._max_context = max_context
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def _run(self, ids: list[int], keep: int) -> np.ndarray:
+        """Evaluate ``ids`` after the cached tokens; the logits of (at least) the last
+        ``keep`` new positions, ``[rows, width >= vocab]``."""
+        raise NotImplementedError
+
+    def _rollback(self, n: int) -> None:
+        """Keep the first ``n`` cached tokens (``n`` below the cached count)."""
+        raise NotImplementedError
+
+    def extend(self, ids: Sequence[int], keep: int | None = None,
+               parents: Sequence[int] | None = None) -> np.ndarray:
+        if not is_chain(parents):
+            raise ValueError(f"the {self.runtime} backend verifies chains only "
+                             "(no tree attention)")
+        n, keep = len(ids), resolve_keep(len(ids), keep)
+        if n == 0:
+            return np.zeros((0, self._vocab_size), dtype=np.float32)
+        if len(self._tokens) + n > self._max_context:
+            raise ValueError(f"{len(self._tokens) + n} tokens exceed the context of "
+                             f"{self._max_context}")
+        logits = self._run([int(t) for t in ids], keep)
+        if logits.ndim != 2 or logits.shape[0] < keep or logits.shape[1] < self._vocab_size:
+            raise RuntimeError(f"the {self.runtime} model returned logits of shape "
+                               f"{logits.shape} for {n} new tokens: it must return every "
+                               "new position's")
+        self._tokens.extend(int(t) for t in ids)
+        return np.array(logits[logits.shape[0] - keep:, :self._vocab_size], dtype=np.float32)
+
+    def truncate(self, n: int) -> None:
+        if n < len(self._tokens):
+            self._rollback(n)
+            del self._tokens[n:]
+
+    def select(self, n: int, positions: Sequence[int]) -> None:
+        if not contiguous(n, positions):
+            raise ValueError(f"the {self.runtime} backend keeps contiguous runs only "
+                             "(no trees)")
+        self.truncate(n + len(positions))
+
+
 def tokenizer_fingerprint(tokenizer: Tokenizer, vocab_size: int) -> Fingerprint:
     """Two models are compatible when their tokenizers map the same strings to the same ids:
     the fingerprint is the number of token ids and a hash of each id's string. How far a

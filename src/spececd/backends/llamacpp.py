@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import Backend, contiguous, is_chain, resolve_keep
+from spececd.backends.base import Backend, ChainSequence
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -117,43 +117,21 @@ def token_count(llm: Any) -> int:
 
 
 
-class LlamaCppSequence:
+class LlamaCppSequence(ChainSequence):
+    runtime = "llama.cpp"
+
     def __init__(self, backend: LlamaCppBackend, llm: Any) -> None:
-        self._backend = backend
+        super().__init__(backend.vocab_size, backend.max_context)
         self._llm = llm
-        self._tokens: list[int] = []
         llm.reset()
 
-    @property
-    def tokens(self) -> list[int]:
-        return self._tokens
+    def _run(self, ids: list[int], keep: int) -> np.ndarray:
+        self._llm.eval(ids)
+        end = len(self._tokens) + len(ids)
+        return np.asarray(self._llm.scores[end - keep:end])
 
-    def extend(self, ids: Sequence[int], keep: int | None = None,
-               parents: Sequence[int] | None = None) -> np.ndarray:
-        if not is_chain(parents):
-            raise ValueError("the llama.cpp backend verifies chains only (no tree attention)")
-        n, keep = len(ids), resolve_keep(len(ids), keep)
-        if n == 0:
-            return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
-        start = len(self._tokens)
-        if start + n > self._backend.max_context:
-            raise ValueError(f"{start + n} tokens exceed the context of "
-                             f"{self._backend.max_context}")
-        self._llm.eval(list(ids))
-        self._tokens.extend(int(t) for t in ids)
-        end = start + n
-        vocab = self._backend.vocab_size  # the padding rows are no tokens: dropped
-        return np.array(self._llm.scores[end - keep:end, :vocab], dtype=np.float32)
-
-    def truncate(self, n: int) -> None:
-        if n < len(self._tokens):
-            del self._tokens[n:]
-            self._llm.n_tokens = n
-
-    def select(self, n: int, positions: Sequence[int]) -> None:
-        if not contiguous(n, positions):
-            raise ValueError("the llama.cpp backend keeps contiguous runs only (no trees)")
-        self.truncate(n + len(positions))
+    def _rollback(self, n: int) -> None:
+        self._llm.n_tokens = n
 
 
 class LlamaCppBackend(Backend):

@@ -1,6 +1,8 @@
 """ONNX Runtime GenAI: model folders with a ``genai_config.json``, as onnxruntime-genai's
-own model builder writes them (``spececd convert --to onnx``: fp32, int8 or int4), or as
-vendors ship them for NPUs (QNN-format models for Snapdragon NPUs).
+own model builder writes them (``spececd convert --to onnx``: fp32, int8 or int4).
+Models split into a pipeline of several ONNX files (type ``decoder-pipeline``, the form of
+the QNN models vendors ship for Snapdragon NPUs) are refused: onnxruntime-genai cannot
+rewind their KV cache.
 
 Each :class:`OnnxSequence` owns one ``og.Generator`` (one KV cache); the loaded model, and
 so the weights, are shared. ``extend`` appends tokens and reads the model's ``logits``
@@ -12,9 +14,10 @@ The builder's models share one KV buffer between past and present (its
 (``max_context`` positions) when it is made, as a llama.cpp context does.
 ``kv_bytes_per_token`` is measured once at load, from the KV output of a one-token pass.
 
-The execution provider comes from the device: ``cpu`` (ONNX Runtime's default), ``cuda``,
-``dml`` (DirectML) or ``qnn`` (Qualcomm's NPU), where the installed build has them
-(:func:`devices` lists them); the registry resolves ``npu`` and ``auto``.
+The execution provider comes from the device, replacing those the folder names: ``cpu``
+(ONNX Runtime's default), ``cuda``, ``dml`` (DirectML) or ``qnn`` (Qualcomm's NPU), where
+the installed build has them (:func:`devices` lists them); the registry resolves ``npu``
+and ``auto`` (the CPU).
 
 The tokenizer is the transformers tokenizer the builder saves in the folder.
 
@@ -28,13 +31,13 @@ import logging
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import Backend, contiguous, is_chain, resolve_keep
+from spececd.backends.base import Backend, ChainSequence
+from spececd.backends.registry import is_npu
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -43,7 +46,9 @@ CONFIG = "genai_config.json"
 # device -> (ONNX Runtime's provider name, onnxruntime-genai's name for it); cpu has none
 PROVIDERS = {"cuda": ("CUDAExecutionProvider", "cuda"), "dml": ("DmlExecutionProvider", "dml"),
              "qnn": ("QNNExecutionProvider", "QNN")}
-NPU_DEVICES = ("qnn",)
+# the model type whose KV cache onnxruntime-genai cannot rewind (models split into several
+# ONNX files, as QNN NPU models are)
+PIPELINE = "decoder-pipeline"
 # what the builder writes for a CPU (the precisions it offers there)
 PRECISIONS = ("fp32", "int8", "int4")
 
@@ -62,54 +67,33 @@ def devices() -> list[dict[str, str]]:
               "detail": f"onnxruntime-genai {og.__version__}, CPUExecutionProvider"}]
     for device, (provider, _) in PROVIDERS.items():
         if provider in available:
-            kind = "NPU" if device in NPU_DEVICES else "GPU"
+            kind = "NPU" if device == "qnn" else "GPU"
             found.append({"device": device, "backend": "onnx", "detail": f"{provider} ({kind})"})
     return found
 
 
 def has_npu() -> bool:
-    return any(d["device"] in NPU_DEVICES for d in devices())
+    return any(is_npu(d) for d in devices())
 
 
-class OnnxSequence:
-    def __init__(self, backend: OnnxBackend) -> None:
+class OnnxSequence(ChainSequence):
+    runtime = "ONNX Runtime"
+
+    def __init__(self, backend: OnnxBackend, max_length: int = 0) -> None:
         import onnxruntime_genai as og
 
-        self._backend = backend
+        super().__init__(backend.vocab_size, backend.max_context)
         params = og.GeneratorParams(backend.model)
-        params.set_search_options(max_length=backend.max_context)
+        params.set_search_options(max_length=max_length or backend.max_context)
         self._generator = og.Generator(backend.model, params)
-        self._tokens: list[int] = []
 
-    @property
-    def tokens(self) -> list[int]:
-        return self._tokens
-
-    def extend(self, ids: Sequence[int], keep: int | None = None,
-               parents: Sequence[int] | None = None) -> np.ndarray:
-        if not is_chain(parents):
-            raise ValueError("the ONNX Runtime backend verifies chains only (no tree attention)")
-        n, keep = len(ids), resolve_keep(len(ids), keep)
-        vocab = self._backend.vocab_size
-        if n == 0:
-            return np.zeros((0, vocab), dtype=np.float32)
-        if len(self._tokens) + n > self._backend.max_context:
-            raise ValueError(f"{len(self._tokens) + n} tokens exceed the context of "
-                             f"{self._backend.max_context}")
+    def _run(self, ids: list[int], keep: int) -> np.ndarray:
         self._generator.append_tokens(np.asarray(ids, dtype=np.int32))
-        self._tokens.extend(int(t) for t in ids)
-        logits = np.asarray(self._generator.get_output("logits"))[0]  # [n, logits width]
-        return np.array(logits[n - keep:, :vocab], dtype=np.float32)
+        logits: np.ndarray = np.asarray(self._generator.get_output("logits"))[0]
+        return logits  # [n, logits width]
 
-    def truncate(self, n: int) -> None:
-        if n < len(self._tokens):
-            self._generator.rewind_to(n)
-            del self._tokens[n:]
-
-    def select(self, n: int, positions: Sequence[int]) -> None:
-        if not contiguous(n, positions):
-            raise ValueError("the ONNX Runtime backend keeps contiguous runs only (no trees)")
-        self.truncate(n + len(positions))
+    def _rollback(self, n: int) -> None:
+        self._generator.rewind_to(n)
 
 
 class OnnxBackend(Backend):
@@ -123,6 +107,10 @@ class OnnxBackend(Backend):
                              "pip install 'spececd[onnx]'") from None
         path = Path(folder).expanduser()
         settings = json.loads((path / CONFIG).read_text())["model"]
+        if settings.get("type") == PIPELINE:
+            raise InputError(f"{folder!r} is a {PIPELINE} model: onnxruntime-genai cannot "
+                             "rewind its KV cache, which drafting needs; use a model written "
+                             "by its builder (`spececd convert --to onnx`)")
         config = og.Config(str(path))
         config.clear_providers()
         if device != "cpu":
@@ -137,28 +125,31 @@ class OnnxBackend(Backend):
             self.model: Any = og.Model(config)
         except Exception as exc:  # onnxruntime-genai raises plain RuntimeErrors
             raise InputError(f"ONNX Runtime GenAI could not load {folder!r} on {device}: "
-                             f"{exc}") from None
+                             f"{exc}" + ("; try --device cpu" if device != "cpu" else "")
+                             ) from None
         self.max_context = int(settings["context_length"])
         from spececd.backends.hf_tokenizer import load_tokenizer
 
-        eos = settings.get("eos_token_id", [])
+        # The generation config's end tokens when the folder has one (an export copies
+        # it), as for the transformers model; else the builder's genai_config.json.
+        eos = [] if (path / "generation_config.json").is_file() else \
+            settings.get("eos_token_id", [])
         self.tokenizer, vocab = load_tokenizer(str(path), tuple(
             int(e) for e in (eos if isinstance(eos, list) else [eos])))
         self.vocab_size = min(vocab, int(settings["vocab_size"]))
-        self.kv_bytes_per_token = self._measure_kv(int(settings["decoder"]["num_hidden_layers"]))
+        self.kv_bytes_per_token = self._measure_kv(settings["decoder"])
         self.device = device
         self.description = f"{path.name} (onnxruntime-genai {og.__version__}, {device})"
 
-    def _measure_kv(self, layers: int) -> int:
-        """Bytes per token of the keys and values of every layer, from one pass."""
-        probe = OnnxSequence(self)
+    def _measure_kv(self, decoder: dict[str, Any]) -> int:
+        """Bytes per token of every layer's keys and values, from a one-token pass of a
+        two-position generator (its KV outputs are ``[1, heads, 2, dim]``)."""
+        probe = OnnxSequence(self, max_length=2)
         probe.extend([0], keep=0)
-        per_token = 0
-        for i in range(layers):
-            for kind in ("key", "value"):
-                kv = np.asarray(probe._generator.get_output(f"present.{i}.{kind}"))
-                per_token += kv.nbytes // (kv.shape[0] * kv.shape[2])  # [1, heads, ctx, dim]
-        return per_token
+        names = decoder["outputs"]
+        return sum(np.asarray(probe._generator.get_output(names[kind] % i)).nbytes // 2
+                   for i in range(int(decoder["num_hidden_layers"]))
+                   for kind in ("present_key_names", "present_value_names"))
 
     def new_sequence(self) -> OnnxSequence:
         return OnnxSequence(self)
@@ -167,6 +158,9 @@ class OnnxBackend(Backend):
 def export(model_dir: Path, out: Path, precision: str = "fp32") -> Path:
     """A transformers folder to an ONNX Runtime GenAI folder, with onnxruntime-genai's own
     model builder, for the CPU execution provider (fp32, int8 or int4 weights)."""
+    from spececd.convert import require_model_folder
+
+    require_model_folder(model_dir)
     if precision not in PRECISIONS:
         raise InputError(f"--quant for ONNX takes {', '.join(PRECISIONS)}, not {precision!r}")
     missing = [name for name in ("onnxruntime_genai", "onnx", "onnx_ir", "torch", "transformers")

@@ -14,8 +14,10 @@ Rollback therefore rewrites the states: ``truncate(n)`` sets each state to its f
 positions (a copy of the kept part, once per round on the edge). Each
 :class:`OpenVinoSequence` is one infer request of the one compiled model. Chains only.
 
-On the CPU the model runs in float32 (``INFERENCE_PRECISION_HINT``: OpenVINO would pick
-bfloat16 on CPUs that have it); on GPU and NPU at the device's default precision (f16).
+On the CPU the model runs in float32, its KV cache too (OpenVINO would pick bfloat16 on
+CPUs that have it, and a u8 KV cache where its attention kernel holds the cache); on GPU
+and NPU at the device's defaults (f16). ``--device`` takes OpenVINO's device names in
+lower case: ``cpu``, ``gpu``, ``gpu.1``, ``npu``.
 
 ``spececd convert --to openvino`` exports with OpenVINO's own converter
 (``openvino.convert_model`` over the transformers model, then the same stateful
@@ -32,20 +34,21 @@ import json
 import logging
 import shutil
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import Backend, contiguous, is_chain, resolve_keep
+from spececd.backends.base import Backend, ChainSequence
+from spececd.backends.registry import is_npu
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
 
 MODEL = "openvino_model.xml"
-DEVICES = {"cpu": "CPU", "gpu": "GPU", "npu": "NPU"}
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+# rotary embeddings that branch on the sequence length in Python (tracing fixes one branch)
+TRACE_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def is_model_folder(path: Path) -> bool:
@@ -75,62 +78,39 @@ def devices() -> list[dict[str, str]]:
 
 
 def has_npu() -> bool:
-    return any(d["device"].startswith("npu") for d in devices())
+    return any(is_npu(d) for d in devices())
 
 
-class OpenVinoSequence:
+class OpenVinoSequence(ChainSequence):
+    runtime = "OpenVINO"
+
     def __init__(self, backend: OpenVinoBackend) -> None:
+        super().__init__(backend.vocab_size, backend.max_context)
         self._backend = backend
         self._request = backend.compiled.create_infer_request()
         self._states = {state.name: state for state in self._request.query_state()}
-        self._tokens: list[int] = []
-        self._set_length(0)
+        self._rollback(0)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self._tokens
-
-    def _set_length(self, n: int) -> None:
+    def _rollback(self, n: int) -> None:
         import openvino as ov
 
         for name, state in self._states.items():
-            if n == 0:
+            if n == 0:  # empty, in the state's own precision (f16 on GPU and NPU)
                 heads, dim = self._backend.kv_shapes[name]
-                kept = np.zeros((1, heads, 0, dim), dtype=self._backend.kv_dtype)
+                dtype = state.state.get_element_type().to_dtype()
+                kept = np.zeros((1, heads, 0, dim), dtype=dtype)
             else:
                 kept = np.ascontiguousarray(state.state.data[:, :, :n])
             state.state = ov.Tensor(kept)
 
-    def extend(self, ids: Sequence[int], keep: int | None = None,
-               parents: Sequence[int] | None = None) -> np.ndarray:
-        if not is_chain(parents):
-            raise ValueError("the OpenVINO backend verifies chains only (no tree attention)")
-        n, keep = len(ids), resolve_keep(len(ids), keep)
-        vocab = self._backend.vocab_size
-        if n == 0:
-            return np.zeros((0, vocab), dtype=np.float32)
-        start = len(self._tokens)
-        if start + n > self._backend.max_context:
-            raise ValueError(f"{start + n} tokens exceed the context of "
-                             f"{self._backend.max_context}")
+    def _run(self, ids: list[int], keep: int) -> np.ndarray:
+        start, n = len(self._tokens), len(ids)
         inputs = {"input_ids": np.asarray([ids], dtype=np.int64),
                   "attention_mask": np.ones((1, start + n), dtype=np.int64),
                   "position_ids": np.arange(start, start + n, dtype=np.int64)[None]}
         if self._backend.beam_idx:
             inputs["beam_idx"] = np.zeros(1, dtype=np.int32)
-        logits = self._request.infer(inputs)["logits"][0]  # [n, logits width]
-        self._tokens.extend(int(t) for t in ids)
-        return np.array(logits[n - keep:, :vocab], dtype=np.float32)
-
-    def truncate(self, n: int) -> None:
-        if n < len(self._tokens):
-            self._set_length(n)
-            del self._tokens[n:]
-
-    def select(self, n: int, positions: Sequence[int]) -> None:
-        if not contiguous(n, positions):
-            raise ValueError("the OpenVINO backend keeps contiguous runs only (no trees)")
-        self.truncate(n + len(positions))
+        return np.asarray(self._request.infer(inputs)["logits"][0])  # [n, logits width]
 
 
 class OpenVinoBackend(Backend):
@@ -139,8 +119,11 @@ class OpenVinoBackend(Backend):
     def __init__(self, folder: str, device: str = "cpu", threads: int = 0) -> None:
         core = _core()
         path = Path(folder).expanduser()
-        if device not in DEVICES:
-            raise InputError(f"the OpenVINO backend runs on cpu, gpu or npu, not {device!r}")
+        target = device.upper()  # OpenVINO's name: CPU, GPU, GPU.1, NPU
+        if target not in core.available_devices:
+            raise InputError(f"OpenVINO has no device {device!r} here; it has "
+                             f"{', '.join(d.lower() for d in core.available_devices)} "
+                             "(`spececd devices` lists them)")
         model = core.read_model(str(path / MODEL))
         names = {name for port in model.inputs for name in port.get_names()}
         missing = {"input_ids", "attention_mask", "position_ids"} - names
@@ -159,20 +142,23 @@ class OpenVinoBackend(Backend):
             raise InputError(f"{folder!r} keeps no KV cache in states (a stateless export): "
                              "export it with `spececd convert --to openvino`")
         properties: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-        if device == "cpu":
-            properties["INFERENCE_PRECISION_HINT"] = "f32"
-        if threads and device == "cpu":
-            properties["INFERENCE_NUM_THREADS"] = threads
+        if target == "CPU":  # float32 throughout: OpenVINO would pick bf16 and a u8 KV cache
+            properties.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
+            if threads:
+                properties["INFERENCE_NUM_THREADS"] = threads
         try:
-            self.compiled: Any = core.compile_model(model, DEVICES[device], properties)
+            self.compiled: Any = core.compile_model(model, target, properties)
         except RuntimeError as exc:
-            raise InputError(f"OpenVINO could not compile {folder!r} for "
-                             f"{DEVICES[device]}: {str(exc).splitlines()[0]}") from None
-        self.kv_dtype = np.float32
-        # one state per layer's keys and another for its values; f16 off the CPU
-        itemsize = 4 if device == "cpu" else 2
-        self.kv_bytes_per_token = sum(heads * dim * itemsize
-                                      for heads, dim in self.kv_shapes.values())
+            hint = "" if target == "CPU" else (
+                "; run it on the cpu (--device cpu, or npu = false in config.toml)")
+            raise InputError(f"OpenVINO could not compile {folder!r} for {target}: "
+                             f"{str(exc).strip().splitlines()[-1]}{hint}") from None
+        # one state per layer's keys and another for its values, each in its precision
+        request = self.compiled.create_infer_request()
+        itemsize = {state.name: state.state.get_element_type().size
+                    for state in request.query_state()}
+        self.kv_bytes_per_token = sum(heads * dim * itemsize[name]
+                                      for name, (heads, dim) in self.kv_shapes.items())
         config = json.loads((path / "config.json").read_text()) \
             if (path / "config.json").is_file() else {}
         self.max_context = int(config.get("max_position_embeddings", 2048))
@@ -182,7 +168,7 @@ class OpenVinoBackend(Backend):
         width = self.compiled.outputs[0].get_partial_shape()[2]
         self.vocab_size = min(vocab, width.get_length()) if width.is_static else vocab
         self.device = device
-        self.description = f"{path.name} (OpenVINO, {DEVICES[device]})"
+        self.description = f"{path.name} (OpenVINO, {target})"
 
     def new_sequence(self) -> OpenVinoSequence:
         return OpenVinoSequence(self)
@@ -201,9 +187,16 @@ def export(model_dir: Path, out: Path, weight_format: str = "fp32") -> Path:
     except ImportError:
         raise InputError("converting to OpenVINO needs torch, transformers and openvino: "
                          "pip install torch==2.13.0 'spececd[hf,openvino]'") from None
-    if not (model_dir / "config.json").is_file():
-        raise InputError(f"{model_dir} is not a transformers model folder (no config.json)")
+    from spececd.convert import require_model_folder
+
+    require_model_folder(model_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in TRACE_DEPENDENT_ROPE:
+        raise InputError(f"{model_dir} uses {rope!r} rotary embeddings, which choose their "
+                         "frequencies by sequence length in Python: a traced export would "
+                         "keep one choice for every length. Draft with the transformers or "
+                         "ONNX backend instead")
     wrapper, example, shapes = _traceable(model.eval())
     with torch.no_grad(), warnings.catch_warnings():
         # tracing notes every Python branch it fixes; the export is checked against

@@ -9,7 +9,7 @@ Devices are the backend's (``spececd devices`` lists them). ``npu`` asks for the
 processing unit of the model's runtime: OpenVINO's ``NPU`` for an OpenVINO folder, the QNN
 execution provider for an ONNX folder. Where the runtime has none, or the model's format
 runs on no NPU (transformers, GGUF), or the config turns the NPU off
-(``[devices.npu] enabled = false``), the model runs on the CPU after a one-line notice.
+(``npu = false``), the model runs on the CPU after a one-line notice.
 """
 
 from __future__ import annotations
@@ -30,21 +30,28 @@ CONVERT_HINT = ("`spececd convert --to openvino` makes an OpenVINO folder for an
 
 def model_format(model: str) -> str:
     """The backend a model spec is for, from its file name or folder contents."""
+    from spececd.backends import onnx, openvino  # light: their runtimes load when used
+
     if model.lower().endswith(".gguf"):
         return "llama.cpp"
     path = Path(model).expanduser()
-    if (path / "genai_config.json").is_file():
+    if onnx.is_model_folder(path):
         return "onnx"
-    if (path / "openvino_model.xml").is_file():
+    if openvino.is_model_folder(path):
         return "openvino"
     return "hf"
+
+
+def is_npu(device: dict[str, str]) -> bool:
+    """Whether an entry of :func:`available_devices` is a neural processing unit."""
+    return device["device"] == "qnn" or device["device"].split(".")[0] == "npu"
 
 
 def npu_device(backend: str, npu: bool = True) -> str:
     """What ``--device npu`` becomes for ``backend``: its NPU, or cpu with a notice."""
     if not npu:
-        log.warning("device npu requested but the NPU is disabled in the config "
-                    "([devices.npu] enabled = false); running on cpu")
+        log.warning("device npu requested but the NPU is turned off (npu = false); "
+                    "running on cpu")
         return "cpu"
     if backend == "openvino":
         from spececd.backends import openvino

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spececd.errors import InputError
-
 DEFAULT_QUANT = {"gguf": "f16", "onnx": "fp32", "openvino": "fp32"}
 
 
@@ -31,8 +29,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     quant = (args.quant or DEFAULT_QUANT[args.to]).lower()
-    if not (args.model_dir / "config.json").is_file():
-        raise InputError(f"{args.model_dir} is not a transformers model folder (no config.json)")
     if args.to == "gguf":
         from spececd.convert import convert
 

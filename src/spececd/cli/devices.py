@@ -26,10 +26,10 @@ class ListDevices(argparse.Action):
 
 
 def run(args: argparse.Namespace) -> int:
-    from spececd.backends.registry import available_devices
+    from spececd.backends.registry import available_devices, is_npu
 
     devices = available_devices()
-    npus = [d for d in devices if d["device"] in ("npu", "qnn") or d["device"].startswith("npu.")]
+    npus = [d for d in devices if is_npu(d)]
     if args.json:
         print(json.dumps(devices))
         return 0
