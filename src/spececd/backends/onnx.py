@@ -27,7 +27,6 @@ This module is the only one that imports onnxruntime_genai.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -39,8 +38,6 @@ import numpy as np
 from spececd.backends.base import Backend, ChainSequence
 from spececd.backends.registry import is_npu
 from spececd.errors import InputError
-
-log = logging.getLogger(__name__)
 
 CONFIG = "genai_config.json"
 # device -> (ONNX Runtime's provider name, onnxruntime-genai's name for it); cpu has none

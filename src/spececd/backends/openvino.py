@@ -31,7 +31,6 @@ This module is the only one that imports openvino.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import warnings
 from pathlib import Path
@@ -42,8 +41,6 @@ import numpy as np
 from spececd.backends.base import Backend, ChainSequence
 from spececd.backends.registry import is_npu
 from spececd.errors import InputError
-
-log = logging.getLogger(__name__)
 
 MODEL = "openvino_model.xml"
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
@@ -165,7 +162,7 @@ class OpenVinoBackend(Backend):
         from spececd.backends.hf_tokenizer import load_tokenizer
 
         self.tokenizer, vocab = load_tokenizer(str(path))
-        width = self.compiled.outputs[0].get_partial_shape()[2]
+        width = self.compiled.output("logits").get_partial_shape()[2]
         self.vocab_size = min(vocab, width.get_length()) if width.is_static else vocab
         self.device = device
         self.description = f"{path.name} (OpenVINO, {target})"
