@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "llama.cpp", "onnx", "openvino")
 CONVERT_HINT = ("`spececd convert --to openvino` makes an OpenVINO folder for an Intel NPU; "
-                "a Snapdragon NPU runs QNN-format ONNX models")
+                "a Snapdragon NPU runs an ONNX folder through ONNX Runtime's QNN provider")
 
 
 def model_format(model: str) -> str:
