@@ -105,7 +105,7 @@ def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int
             segments.append((arm, n))
             left -= n
             following = chooser.record(arm, n, n / speed[arm])
-            if arm is Arm.ROUNDS:  # streaming goes on to the end of its generation
+            if arm is not Arm.STREAM:  # streaming goes on to the end of its generation
                 arm = following
     return segments
 
@@ -147,6 +147,17 @@ def test_a_link_that_changes_is_followed() -> None:
     # Streaming, far behind, is probed once per max_probe tokens: a 64-token generation
     # per 512 tokens of rounds.
     assert share(segments[-80:], Arm.ROUNDS) > 0.85
+
+
+def test_within_rounds_the_faster_kind_wins_and_switches_take_effect_at_once() -> None:
+    chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), margin=0.05)
+    segments = simulate(chooser, {Arm.AHEAD: 100.0, Arm.PLAIN: 107.0}, generations=40)
+    assert segments[0][0] is Arm.AHEAD and segments[1][0] is Arm.PLAIN  # mid-generation
+    assert chooser.leader() is Arm.PLAIN and share(segments[8:], Arm.PLAIN) > 0.9
+    # 7% is inside the default margin of the rounds-or-streaming pair: no takeover there.
+    wide = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
+    simulate(wide, {Arm.AHEAD: 100.0, Arm.PLAIN: 107.0}, generations=40)
+    assert wide.leader() is Arm.AHEAD
 
 
 def test_a_segment_counts_its_tokens_over_all_its_time() -> None:

@@ -377,6 +377,25 @@ def test_auto_settles_on_stream_drafting_over_a_slow_link(
     assert sum(streamed[1:]) >= 0.75 * 3 * 48
 
 
+def test_auto_in_rounds_switches_between_block_ahead_and_plain_rounds_mid_generation(
+        server: ServerProcess, tiny_models: dict[str, Path]) -> None:
+    """Within rounds, auto measures block-ahead rounds, then plain ones, in one generation
+    (the first comparison always runs both), and switches between them on the session
+    under way: the output stays the target's own."""
+    from spececd.core.policy import Arm
+
+    with remote(tiny_models["draft"], server.url, k=3) as gen:
+        chooser = gen.client.chooser  # type: ignore[union-attr]
+        chooser.record(Arm.STREAM, chooser.segment, 1e3)  # learnt: streaming is hopeless here
+        ids = gen.prompt_ids(PROMPTS[1])
+        out = gen.generate(ids, max_tokens=64, temperature=0, stop_token_ids=[])
+        assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 64)
+        rounds = gen.client.rounds_chooser  # type: ignore[union-attr]
+        assert rounds.speed(Arm.AHEAD) is not None and rounds.speed(Arm.PLAIN) is not None
+        assert 0 < out.stats.proactive_rounds < out.stats.rounds  # both kinds ran
+        assert out.stats.auto_stream_tokens == 0
+
+
 def test_cloud_only_generation_streams_the_targets_own_tokens(
         server: ServerProcess, tiny_models: dict[str, Path]) -> None:
     with remote(tiny_models["draft"], server.url) as gen:

@@ -205,10 +205,13 @@ class DraftLengthPolicy:
 
 
 class Arm(enum.Enum):
-    """The two ways to speculate against a server that :class:`StrategyChooser` picks from."""
+    """The ways to speculate against a server that :class:`StrategyChooser` picks from, in
+    pairs: rounds or streaming, and within rounds, block-ahead or plain."""
 
-    ROUNDS = "rounds"  # block-ahead rounds: draft, send, wait (the next block drafted meanwhile)
+    ROUNDS = "rounds"  # rounds: draft, send, wait
     STREAM = "stream"  # stream drafting: the server generates, drafts follow as hints
+    AHEAD = "block-ahead"  # rounds that draft the next block while the verdict is awaited
+    PLAIN = "plain"  # rounds that draft only after the verdict
 
 
 @dataclass
@@ -245,31 +248,36 @@ class _Speed:
 
 @dataclass
 class StrategyChooser:
-    """Chooses, per edge session, between speculating in rounds and stream drafting, from
-    the speed each reached here.
+    """Chooses, per edge session, between two ways to speculate (``arms``) from the speed
+    each reached here: by default speculating in rounds or stream drafting, and, nested in
+    the rounds, drafting the next block ahead or not.
 
     Rounds pay a network round trip per round; stream drafting pays none (the server
     generates without waiting, like cloud-only generation, and verifies the drafts that
-    arrive in time), so it wins as the round trip grows, and rounds win on a fast link. The
-    crossing point depends on the link, the draft's speed and acceptance, and the server's
-    step, all of which change; so the chooser measures instead of predicting. The caller
-    reports each exchange's tokens and the seconds it waited for them (its own time left
-    out); every ``segment`` tokens an arm's speed is updated, as tokens over seconds with
-    older segments fading (``decay``), since one segment's speed depends as much on how
-    predictable its text was as on the link.
+    arrive in time), so it wins as the round trip grows, and rounds win on a fast link.
+    Drafting a block ahead hides the draft behind the round trip, but costs drafts that the
+    verdict throws away and, where the draft shares its processor with the rest, can slow
+    what it overlaps; plain rounds win with a cheap draft. The crossing points depend on
+    the link, the draft's speed and acceptance, and the server's step, all of which change;
+    so the chooser measures instead of predicting. The caller reports each exchange's
+    tokens and the seconds it waited for them (its own time left out); every ``segment``
+    tokens an arm's speed is updated, as tokens over seconds with older segments fading
+    (``decay``), since one segment's speed depends as much on how predictable its text was
+    as on the link.
 
-    A session starts in rounds and measures streaming next, then keeps the faster arm
-    (the other must be faster by ``margin`` to take over) and measures the other again
-    after ``probe_after`` tokens: a spacing that doubles each time the other arm loses
-    again, up to ``max_probe``, and goes straight there when the other was far behind
+    A session starts with the first arm and measures the second next, then keeps the
+    faster arm (the other must be faster by ``margin`` to take over) and measures the other
+    again after ``probe_after`` tokens: a spacing that doubles each time the other arm
+    loses again, up to ``max_probe``, and goes straight there when the other was far behind
     (under ``close`` times the leader). A change of link is noticed late; an arm that is
     clearly worse costs little.
 
-    Pure: no clock, no I/O. Stream drafting cannot stop a generation under way, so a
-    switch to rounds takes effect at the next generation (:meth:`start`); a switch to
-    streaming at once.
+    Pure: no clock, no I/O. It says which arm to go on with; when a switch takes effect is
+    the caller's (stream drafting cannot stop a generation under way, so a switch from it
+    waits for the next generation, :meth:`start`).
     """
 
+    arms: tuple[Arm, Arm] = (Arm.ROUNDS, Arm.STREAM)
     segment: int = 16
     probe_after: int = 64
     max_probe: int = 4096
@@ -282,38 +290,44 @@ class StrategyChooser:
     _leader: Arm = Arm.ROUNDS
 
     def __post_init__(self) -> None:
-        self._speed = {arm: _Speed(self.decay) for arm in Arm}
+        self._speed = {arm: _Speed(self.decay) for arm in self.arms}
         self._spacing = self._since_probe = self.probe_after  # the first comparison decides
+        self._leader = self.arms[0]
 
     def speed(self, arm: Arm) -> float | None:
         return self._speed[arm].value
 
+    def other(self, arm: Arm) -> Arm:
+        first, second = self.arms
+        return second if arm is first else first
+
     def leader(self) -> Arm:
         """The faster arm: the one leading so far, unless the other is faster by more
         than ``margin`` (a hysteresis, so that noise does not swap them back and forth)."""
-        rounds, stream = self.speed(Arm.ROUNDS), self.speed(Arm.STREAM)
-        if rounds is None or stream is None:
-            self._leader = Arm.ROUNDS if rounds is None else Arm.STREAM
+        first, second = self.arms
+        if self.speed(first) is None or self.speed(second) is None:
+            self._leader = first if self.speed(first) is None else second
             return self._leader
-        ahead, behind = ((rounds, stream) if self._leader is Arm.ROUNDS else (stream, rounds))
+        ahead, behind = self.speed(self._leader), self.speed(self.other(self._leader))
+        assert ahead is not None and behind is not None
         if behind > ahead * (1 + self.margin):
-            self._leader = Arm.STREAM if self._leader is Arm.ROUNDS else Arm.ROUNDS
+            self._leader = self.other(self._leader)
         return self._leader
 
     def start(self) -> Arm:
         """The arm to begin a generation with."""
-        for arm in Arm:
+        for arm in self.arms:
             if self.speed(arm) is None:
-                return arm  # measure both first, rounds first
+                return arm  # measure both first, in order
         leader = self.leader()
         if self._since_probe >= self._spacing:  # the arm behind is due to be measured
-            return Arm.ROUNDS if leader is Arm.STREAM else Arm.STREAM
+            return self.other(leader)
         return leader
 
     def record(self, arm: Arm, tokens: int, seconds: float) -> Arm:
         """Feed an exchange ``arm`` ran: the tokens it brought and the seconds it took;
         return the arm to go on with."""
-        other = Arm.STREAM if arm is Arm.ROUNDS else Arm.ROUNDS
+        other = self.other(arm)
         both = self.speed(arm) is not None and self.speed(other) is not None
         before = self.leader() if both else None
         # An exchange that brought nothing (a hint sent) still took its time.
@@ -335,9 +349,8 @@ class StrategyChooser:
     def _probed(self) -> None:
         """Both arms were just measured: space the next probe of the one behind out."""
         leader = self.leader()
-        behind = self._speed[Arm.STREAM if leader is Arm.ROUNDS else Arm.ROUNDS]
-        ahead = self._speed[leader]
-        far = (behind.value or 0.0) < self.close * (ahead.value or 1.0)
+        behind, ahead = self.speed(self.other(leader)), self.speed(leader)
+        far = (behind or 0.0) < self.close * (ahead or 1.0)
         self._spacing = self.max_probe if far else min(self.max_probe, 2 * self._spacing)
         self._since_probe = 0
 

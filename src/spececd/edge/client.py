@@ -68,6 +68,9 @@ class EdgeClient:
         # What this client has learnt of its link: which way to speculate (auto), and
         # whether stream drafting's hints arrive in time.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
+        # Within rounds: block-ahead or plain. The two are often close, and switching
+        # between them costs nothing, so a smaller margin.
+        self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), margin=0.05)
 
     def close(self) -> None:
         self.link.close()
@@ -172,8 +175,8 @@ class EdgeClient:
             return CloudOnly(work)
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
-            return Adaptive(work, stream, self.chooser, self.hint_gate, arm, k_max,
-                            adaptive=options.k is None)
+            return Adaptive(work, stream, self.chooser, self.rounds_chooser, self.hint_gate,
+                            arm, k_max, adaptive=options.k is None)
         if proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max, gate=self.hint_gate)
         rounds = BlockAhead if proactive is Proactive.ON else Rounds

@@ -10,8 +10,8 @@ own statistics (drafting, rounds, timings) and never emits.
 - :class:`BlockAhead`: the same, drafting the next block while the verdict is in flight;
 - :class:`CloudOnly`: the server generates every token and streams it (the baseline);
 - :class:`StreamDrafting`: cloud-only generation with drafts streamed ahead as hints;
-- :class:`Adaptive`: block-ahead rounds or stream drafting, whichever is faster here
-  (:class:`~spececd.core.policy.StrategyChooser`);
+- :class:`Adaptive`: plain or block-ahead rounds or stream drafting, whichever is faster
+  here (:class:`~spececd.core.policy.StrategyChooser`);
 - :class:`DraftAlone`: the fallback when the verifier is unreachable, unverified.
 """
 
@@ -305,20 +305,26 @@ class StreamDrafting(CloudOnly):
 
 
 class Adaptive:
-    """``--proactive auto`` against a server: block-ahead rounds (in the session's mode) or
-    stream drafting (by match, on a session of its own on the same link, whose cache the
-    server shares), whichever the ``chooser`` finds faster on this link; both are lossless,
+    """``--proactive auto`` against a server: rounds (in the session's mode) or stream
+    drafting (by match, on a session of its own on the same link, whose cache the server
+    shares), whichever the ``chooser`` finds faster on this link, and within rounds,
+    block-ahead or plain, whichever the ``rounds_chooser`` finds faster. All are lossless,
     so the output's distribution does not depend on the choice (for a seed, the tokens may,
-    as with ``k`` auto in exact mode). A generation under way switches to streaming at
-    once; streaming goes on to the end of its generation (the server's generation cannot
-    be taken back mid-way)."""
+    as with ``k`` auto in exact mode). A generation under way switches between the kinds
+    of rounds, and to streaming, at once; streaming goes on to the end of its generation
+    (the server's generation cannot be taken back mid-way)."""
 
-    def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser, gate: HintGate,
-                 arm: Arm, k_max: int, adaptive: bool) -> None:
+    def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser,
+                 rounds_chooser: StrategyChooser, gate: HintGate, arm: Arm, k_max: int,
+                 adaptive: bool) -> None:
         self.stream_work, self.chooser, self.gate = stream, chooser, gate
+        self.rounds_chooser = rounds_chooser
         self.arm, self.k_max = arm, k_max
-        self.current: Strategy = (BlockAhead(rounds, k_max, adaptive)
-                                  if arm is Arm.ROUNDS else StreamDrafting(stream, k_max, gate))
+        self.rounds: dict[Arm, Rounds] = {Arm.AHEAD: BlockAhead(rounds, k_max, adaptive),
+                                          Arm.PLAIN: Rounds(rounds, k_max, adaptive)}
+        self.kind = rounds_chooser.start()  # the kind of rounds
+        self.current: Strategy = (self.rounds[self.kind] if arm is Arm.ROUNDS
+                                  else StreamDrafting(stream, k_max, gate))
         # The first exchange of an arm carries one-off costs (the prompt's prefill, a new
         # hello, the request of a stream) that would make whichever arm starts a
         # generation look slower: it is not measured.
@@ -339,9 +345,14 @@ class Adaptive:
             self.warm = bool(pieces)
             return pieces
         arm = self.chooser.record(self.arm, tokens, seconds)
-        if self.arm is Arm.ROUNDS and arm is Arm.STREAM:
+        if self.arm is not Arm.ROUNDS:
+            return pieces
+        kind = self.rounds_chooser.record(self.kind, tokens, seconds)
+        if arm is Arm.STREAM:
             self.arm, self.warm = arm, False
             self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
+        elif kind is not self.kind:  # the same session: no one-off cost to leave out
+            self.kind, self.current = kind, self.rounds[kind]
         return pieces
 
 
