@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--proactive", default="off,on,stream,auto",
                        help="proactive drafting settings to compare for --k auto; fixed k "
                        "values run with the first one (default: off,on,stream,auto; auto "
-                       "chooses between on and stream as it goes, the default against a "
+                       "chooses among off, on and stream as it goes, the default against a "
                        "server)")
     bench.add_argument("--tree-width", default="1",
                        help="token tree widths to compare, comma-separated, for the settings "
