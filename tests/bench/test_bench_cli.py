@@ -44,7 +44,8 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
         assert 0 <= row["acceptance_rate"] <= 1 and row["bytes_per_token"] > 0
         if row["proactive"] in ("stream", "auto"):
             assert "bound" not in row  # another loop (at times): the bound does not apply
-            assert ("auto_stream_share" in row) == (row["proactive"] == "auto")
+            assert ("auto_stream_share" in row) == ("auto_plain_share" in row) == (
+                row["proactive"] == "auto")
         else:
             assert row["bound"] > 0 and row["c"] > 0 and row["v"] > 0
     rtt10 = next(r for r in summary if r["kind"] == "cloud" and r["rtt_ms"] == 10)

@@ -341,6 +341,8 @@ class Adaptive:
         tokens = sum(len(piece.tokens) for piece in pieces)
         if self.arm is Arm.STREAM:
             self.stream_work.stats.auto_stream_tokens += tokens
+        elif self.kind is Arm.PLAIN:
+            self.stream_work.stats.auto_plain_tokens += tokens
         if not self.warm:
             self.warm = bool(pieces)
             return pieces
