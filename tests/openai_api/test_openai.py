@@ -128,8 +128,9 @@ def test_chat_streams_with_the_async_client(api: ServerProcess, tokenizer: Any) 
 def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
                                                                 tokenizer: Any) -> None:
     prompt = PROMPTS[2]
+    run_on: dict[str, Any] = dict(extra_body={"ignore_eos": True})  # 48 tokens, any pair
     full = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
-                                     temperature=0).choices[0].text
+                                     temperature=0, **run_on).choices[0].text
     ids = tokenizer.encode(prompt + full)[len(tokenizer.encode(prompt)):]
     # A stop string across a token boundary: the end of one token and the start of the next.
     boundary = len(tokenizer.decode(ids[:len(ids) // 2]))
@@ -137,7 +138,8 @@ def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
     assert len(stop) == 4 and full.find(stop) > 0
     for stream in (False, True):
         out = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
-                                        temperature=0, stop=[stop, "\x00never"], stream=stream)
+                                        temperature=0, stop=[stop, "\x00never"], stream=stream,
+                                        **run_on)
         if stream:
             chunks = [c for c in out if c.choices]
             text = "".join(c.choices[0].text for c in chunks)
@@ -146,12 +148,12 @@ def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
             text, finish = out.choices[0].text, out.choices[0].finish_reason
         assert (text, finish) == (full[:full.find(stop)], "stop")
     stopped = client.completions.create(model="spececd", prompt=prompt, max_tokens=48,
-                                        temperature=0, stop=[stop])
+                                        temperature=0, stop=[stop], **run_on)
     details = stopped.usage.completion_tokens_details
     assert stopped.usage.completion_tokens < 48  # the ids that spelled the stop, no more
     assert details.accepted_prediction_tokens <= stopped.usage.completion_tokens
     short = client.completions.create(model="spececd", prompt=prompt, max_tokens=5,
-                                      temperature=0)
+                                      temperature=0, **run_on)
     assert short.usage.completion_tokens == 5 and short.choices[0].finish_reason == "length"
     assert full.startswith(short.choices[0].text)
 
@@ -160,21 +162,24 @@ def test_penalties_and_logit_bias_reach_both_sides(client: Any, tokenizer: Any) 
     from spececd.api import Generator
 
     prompt = PROMPTS[4]
+    run_on: dict[str, Any] = dict(extra_body={"ignore_eos": True})  # 24 tokens, any pair
     plain = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
-                                      temperature=0).choices[0].text
+                                      temperature=0, **run_on).choices[0].text
     first = tokenizer.encode(prompt + plain)[len(tokenizer.encode(prompt))]
     banned = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
                                        temperature=0, logit_bias={str(first): -100},
-                                       stream=True)
+                                       stream=True, **run_on)
     ids = [t for c in banned for t in c.choices[0].model_extra["spececd"]["token_ids"]]
     assert len(ids) == 24 and first not in ids
     sampling: dict[str, Any] = dict(presence_penalty=0.8, frequency_penalty=0.4)
     extras: dict[str, Any] = dict(repetition_penalty=1.3, min_p=0.05)
     penalized = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
-                                          temperature=0, **sampling, extra_body=extras)
+                                          temperature=0, **sampling,
+                                          extra_body={**extras, "ignore_eos": True})
     with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
                         dtype="float32") as gen:
-        expected = gen.generate(prompt, max_tokens=24, temperature=0, **sampling, **extras)
+        expected = gen.generate(prompt, max_tokens=24, temperature=0, stop_token_ids=[],
+                                **sampling, **extras)
     assert penalized.choices[0].text == expected.text != plain
 
 
@@ -182,7 +187,8 @@ def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
     def draw() -> Any:
         return client.completions.create(model="spececd", prompt=PROMPTS[3], max_tokens=12,
                                          temperature=1.0, n=3, seed=11,
-                                         extra_body={"k": 4, "mode": "match"})
+                                         extra_body={"k": 4, "mode": "match",
+                                                     "ignore_eos": True})
 
     first, second = draw(), draw()
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -191,6 +197,26 @@ def test_n_draws_independent_choices_reproducible_by_seed(client: Any) -> None:
     assert len(set(texts)) > 1
     assert first.usage.completion_tokens == 36
     assert first.usage.prompt_tokens == second.usage.prompt_tokens  # the prompt counts once
+
+
+def test_ignore_eos_and_stop_token_ids_as_vllm_takes_them(client: Any, tokenizer: Any) -> None:
+    prompt = PROMPTS[5]
+    reference = hf_greedy(MODELS / "target", tokenizer.encode(prompt), 24)  # no stop at all
+
+    def ids(**extra: Any) -> tuple[list[int], str | None]:
+        chunks = [c for c in client.completions.create(
+            model="spececd", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            extra_body=extra) if c.choices]
+        return ([t for c in chunks for t in c.choices[0].model_extra["spececd"]["token_ids"]],
+                chunks[-1].choices[0].finish_reason)
+
+    assert ids(ignore_eos=True) == (reference, "length")
+    stop = reference[9]  # a token of the text: it ends the choice at its first use
+    assert ids(ignore_eos=True, stop_token_ids=[stop]) == (
+        reference[:reference.index(stop) + 1], "stop")
+    with pytest.raises(openai.BadRequestError, match="stop token ids"):
+        client.completions.create(model="spececd", prompt=prompt, max_tokens=2,
+                                  extra_body={"stop_token_ids": [10**6]})
 
 
 @pytest.mark.parametrize("fields,param,status", [

@@ -1,10 +1,10 @@
 """The OpenAI request bodies SpecECD accepts, checked field by field.
 
 Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
-``min_p``, ``repetition_penalty``) and SpecECD's own (``k``, ``mode``, ``proactive``,
-``cloud_only``) sit beside them in the body, the way vLLM takes its extras. An unknown
-field is refused (``extra="forbid"``), and so is a known one SpecECD cannot honour
-(:func:`unsupported`), each with a message that names the field.
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) and SpecECD's own
+(``k``, ``mode``, ``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM
+takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
+SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class Sampling(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM's): off
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # more that end a choice
     # SpecECD's own.
     k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     mode: Literal["exact", "match", "greedy"] | None = None

@@ -196,7 +196,10 @@ class Api:
             temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=body.logit_bias, stop=body.stops(), options=options)
+            logit_bias=body.logit_bias, stop_token_ids=[
+                *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
+                *(body.stop_token_ids or ())],
+            stop=body.stops(), options=options)
         self.gen.params(**{k: v for k, v in sampling.items()  # checked before streaming
                            if k not in ("stop", "options")})
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
