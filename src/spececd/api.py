@@ -124,9 +124,8 @@ def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
     rounds, block-ahead rounds and stream drafting is faster on the link and use it (the
     edge client's :class:`~spececd.core.policy.StrategyChooser` pair); in-process, plain
     rounds (the draft and the target share this machine's cores, and there is no link to
-    hide). Every explicit
-    setting, stream drafting included, works both ways: the in-process verifier runs on its
-    own event loop, like a server."""
+    hide). Every explicit setting, stream drafting included, works both ways: the
+    in-process verifier runs on its own event loop, like a server."""
     if options.proactive is Proactive.AUTO and in_process:
         return replace(options, proactive=Proactive.OFF)
     return options
