@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from spececd.core.policy import Arm, DraftLengthPolicy, HintGate, LinearFit, StrategyChooser
+from spececd.core.policy import (
+    Arm,
+    DraftLengthPolicy,
+    HintGate,
+    LinearFit,
+    StrategyChooser,
+    stream_lookahead,
+)
 
 
 def feed(policy: DraftLengthPolicy, accept_prob: float, draft_ms: float, verify_ms: float,
@@ -158,6 +165,14 @@ def test_within_rounds_the_faster_kind_wins_and_switches_take_effect_at_once() -
     wide = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
     simulate(wide, {Arm.AHEAD: 100.0, Arm.PLAIN: 107.0}, generations=40)
     assert wide.leader() is Arm.AHEAD
+
+
+def test_stream_drafting_drafts_past_where_the_server_will_be() -> None:
+    assert stream_lookahead(8, 0.0, 0.01, 64) == 8  # no round trip measured yet
+    assert stream_lookahead(8, 0.05, 0.0, 64) == 8  # no server step measured yet
+    assert stream_lookahead(8, 0.05, 0.01, 64) == 13  # 5 tokens generated meanwhile
+    assert stream_lookahead(8, 0.001, 0.01, 64) == 9  # a part of a step is a step
+    assert stream_lookahead(8, 1.0, 0.01, 64) == 64  # no longer than the server takes
 
 
 def test_a_segment_counts_its_tokens_over_all_its_time() -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TypeAlias
 
+from spececd.core.policy import Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.options import Reconnect
 from spececd.errors import SpecECDError
@@ -45,6 +46,9 @@ class Link:
         self.transport: Transport | None = None  # None: not connected
         self._greeted: EdgeSession | None = None  # the session this connection greeted
         self._welcome: m.Welcome | None = None
+        # The round trip, from each hello to its welcome (a generation greets at its start;
+        # the server's part of it is a dictionary look-up): stream drafting reads it.
+        self.rtt = Ema(0.0)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -79,8 +83,11 @@ class Link:
                 sent, received = transport.bytes_sent, transport.bytes_received
                 greeted_now = self._greeted is not session
                 if greeted_now:
-                    transport.send(session.hello(checked=self._greeted is not None))
+                    hello = session.hello(checked=self._greeted is not None)
+                    t0 = time.perf_counter()
+                    transport.send(hello)
                     welcome = session.receive(transport.recv())
+                    self.rtt.update(time.perf_counter() - t0)
                     assert isinstance(welcome, m.Welcome)
                     self._greeted, self._welcome = session, welcome
                 if make_frame is None:

@@ -22,7 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from spececd.core.policy import Arm, DraftLengthPolicy, Ema, HintGate, StrategyChooser
+from spececd.core.policy import (
+    Arm,
+    DraftLengthPolicy,
+    Ema,
+    HintGate,
+    StrategyChooser,
+    stream_lookahead,
+)
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource, Tree
@@ -245,11 +252,13 @@ class CloudOnly:
 
 class StreamDrafting(CloudOnly):
     """Cloud-only generation that the edge speeds up without ever waiting: while the
-    tokens stream back it keeps a draft of up to ``ahead`` tokens past what it received and
-    sends the new part in :class:`~spececd.protocol.messages.Hint` frames; before each step
-    the server verifies the part of the latest hint ahead of its position. A round trip
-    costs stale hints, not idle time, and the output is the target's own for the seed
-    (match verification, randomness per position).
+    tokens stream back it keeps a draft past what it received and sends the new part in
+    :class:`~spececd.protocol.messages.Hint` frames; before each step the server verifies
+    the part of the latest hint ahead of its position. A round trip costs stale hints, not
+    idle time, and the output is the target's own for the seed (match verification,
+    randomness per position). The draft reaches ``ahead`` tokens past where the server will
+    be when a hint arrives (:func:`~spececd.core.policy.stream_lookahead`: the measured
+    round trip over the server's step), so a longer link drafts deeper.
 
     A hint goes out after every half server step's worth of drafting (measured: the
     server's lone steps against this drafter's), so a fast drafter sends fuller hints and
@@ -282,8 +291,13 @@ class StreamDrafting(CloudOnly):
             self.server_step.update(reply.compute_s)
         return piece
 
+    def lookahead(self) -> int:
+        welcome = self.work.session.welcome
+        return stream_lookahead(self.ahead, self.work.link.rtt.value, self.server_step.value,
+                                welcome.max_draft if welcome is not None else self.ahead)
+
     def step(self, out: Emitter) -> list[Piece]:
-        want = min(self.ahead, min(out.remaining, out.room) - 1) - len(self.draft)
+        want = min(self.lookahead(), min(out.remaining, out.room) - 1) - len(self.draft)
         if not (self.requested and want > 0 and self.gate.open
                 and self.work.link.transport is not None):
             return super().step(out)  # ask for the generation, or wait for the next tokens
