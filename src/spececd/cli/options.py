@@ -101,8 +101,8 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    help="on: draft the next block while a verdict is in flight; stream: the "
                    "server generates without waiting for drafts and the edge streams drafts "
                    "ahead of it (fastest on a slow link); off: plain rounds; default: "
-                   f"{OPTIONS.proactive.value} = with --server, on or stream, whichever this "
-                   "link makes faster (measured as it goes); in-process, off")
+                   f"{OPTIONS.proactive.value} = with --server, off, on or stream, whichever "
+                   "this link makes fastest (measured as it goes); in-process, off")
     g.add_argument("--mode", choices=[mode.value for mode in Mode],
                    help="verification: exact (Leviathan et al., default), match (token ids "
                    "only), greedy (temperature 0); threshold is LOSSY, for experiments: "

@@ -25,8 +25,8 @@ from spececd.errors import InputError
 class Proactive(str, enum.Enum):
     """What the edge does while the verifier works."""
 
-    # With a server: on or stream, whichever is measured faster on the link (the edge
-    # client's StrategyChooser); in-process: off (resolved by spececd.api).
+    # With a server: off, on or stream, whichever is measured fastest on the link (the
+    # edge client's StrategyChoosers); in-process: off (resolved by spececd.api).
     AUTO = "auto"
     OFF = "off"  # plain rounds: draft, send, wait for the verdict
     ON = "on"  # draft the next block while the verdict is in flight
