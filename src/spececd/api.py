@@ -331,9 +331,8 @@ class Generator:
         """The sampling settings of a generation, checked. ``logit_bias``: token id ->
         a number added to its logit, in [-100, 100] (-100 in effect bans the token)."""
         stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
-        if any(not 0 <= token < self.vocab_size for token in stops):
-            raise InputError(f"stop token ids must be token ids of the vocabulary of "
-                             f"{self.vocab_size}, got {list(stops)}")
+        check_token_ids([t for t in stops if t not in self.tokenizer.eos_token_ids],
+                        self.vocab_size, "stop_token_ids")
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         if any(token >= self.vocab_size for token, _ in bias):
             raise InputError(f"logit-bias names token ids outside the vocabulary of "

@@ -172,7 +172,8 @@ def test_stream_drafting_drafts_past_where_the_server_will_be() -> None:
     assert stream_lookahead(8, 0.05, 0.0, 64) == 8  # no server step measured yet
     assert stream_lookahead(8, 0.05, 0.01, 64) == 13  # 5 tokens generated meanwhile
     assert stream_lookahead(8, 0.001, 0.01, 64) == 9  # a part of a step is a step
-    assert stream_lookahead(8, 1.0, 0.01, 64) == 64  # no longer than the server takes
+    assert stream_lookahead(8, 0.6, 0.01, 64) == 64  # no longer than the server takes
+    assert stream_lookahead(8, 1.0, 0.01, 64) == 0  # all of it stale on arrival: none
 
 
 def test_a_segment_counts_its_tokens_over_all_its_time() -> None:

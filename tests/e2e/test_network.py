@@ -394,6 +394,7 @@ def test_auto_in_rounds_switches_between_block_ahead_and_plain_rounds_mid_genera
         rounds = gen.client.rounds_chooser  # type: ignore[union-attr]
         assert rounds.speed(Arm.AHEAD) is not None and rounds.speed(Arm.PLAIN) is not None
         assert 0 < out.stats.proactive_rounds < out.stats.rounds  # both kinds ran
+        assert out.stats.auto_plain_tokens > 0
         assert out.stats.auto_stream_tokens == 0
 
 

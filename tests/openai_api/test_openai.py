@@ -214,7 +214,11 @@ def test_ignore_eos_and_stop_token_ids_as_vllm_takes_them(client: Any, tokenizer
     stop = reference[9]  # a token of the text: it ends the choice at its first use
     assert ids(ignore_eos=True, stop_token_ids=[stop]) == (
         reference[:reference.index(stop) + 1], "stop")
-    with pytest.raises(openai.BadRequestError, match="stop token ids"):
+    # The end-of-sequence token made certain: it ends the choice, unless ignored.
+    eos = tokenizer.eos_token_ids[0]
+    assert ids(logit_bias={str(eos): 100}) == ([eos], "stop")
+    assert ids(logit_bias={str(eos): 100}, ignore_eos=True) == ([eos] * 24, "length")
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         client.completions.create(model="spececd", prompt=prompt, max_tokens=2,
                                   extra_body={"stop_token_ids": [10**6]})
 

@@ -53,6 +53,8 @@ def summary_line(stats: GenerationStats) -> str:
             f"in {stats.wall_s:.2f} s")
     if stats.auto_stream_tokens:
         line += f" · {stats.auto_stream_tokens} by stream drafting (auto: faster on this link)"
+    if stats.auto_plain_tokens:
+        line += f" · {stats.auto_plain_tokens} by plain rounds (auto: faster than block-ahead)"
     if stats.fallback:
         line += f" · {stats.fallback_tokens} tokens from the draft alone (verifier unreachable)"
     if stats.lossy:

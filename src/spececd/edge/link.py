@@ -46,8 +46,9 @@ class Link:
         self.transport: Transport | None = None  # None: not connected
         self._greeted: EdgeSession | None = None  # the session this connection greeted
         self._welcome: m.Welcome | None = None
-        # The round trip, from each hello to its welcome (a generation greets at its start;
-        # the server's part of it is a dictionary look-up): stream drafting reads it.
+        # The round trip, from hello to welcome (a generation greets at its start; the
+        # server's part of it is a look-up), on connections already open (opening an HTTP
+        # link is another round trip): stream drafting reads it.
         self.rtt = Ema(0.0)
 
     def close(self) -> None:
@@ -77,6 +78,7 @@ class Link:
         while True:
             transport = self.transport
             sent = received = 0
+            opened = transport is None
             try:
                 if transport is None:
                     transport = self.transport = self.connect()
@@ -87,7 +89,8 @@ class Link:
                     t0 = time.perf_counter()
                     transport.send(hello)
                     welcome = session.receive(transport.recv())
-                    self.rtt.update(time.perf_counter() - t0)
+                    if not opened:
+                        self.rtt.update(time.perf_counter() - t0)
                     assert isinstance(welcome, m.Welcome)
                     self._greeted, self._welcome = session, welcome
                 if make_frame is None:

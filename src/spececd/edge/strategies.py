@@ -341,8 +341,10 @@ class Adaptive:
                                   else StreamDrafting(stream, k_max, gate))
         # The first exchange of an arm carries one-off costs (the prompt's prefill, a new
         # hello, the request of a stream) that would make whichever arm starts a
-        # generation look slower: it is not measured.
-        self.warm = False
+        # generation look slower: it is not measured. Nor is the first round of a kind of
+        # rounds switched to (block-ahead has no block drafted ahead yet, and with k auto
+        # the kind's own draft-length policy starts cold).
+        self.warm = self.kind_warm = False
 
     @property
     def streams(self) -> bool:
@@ -358,17 +360,20 @@ class Adaptive:
         elif self.kind is Arm.PLAIN:
             self.stream_work.stats.auto_plain_tokens += tokens
         if not self.warm:
-            self.warm = bool(pieces)
+            self.warm = self.kind_warm = bool(pieces)
             return pieces
         arm = self.chooser.record(self.arm, tokens, seconds)
         if self.arm is not Arm.ROUNDS:
             return pieces
-        kind = self.rounds_chooser.record(self.kind, tokens, seconds)
+        kind = self.kind
+        if self.kind_warm:
+            kind = self.rounds_chooser.record(self.kind, tokens, seconds)
+        self.kind_warm = True
         if arm is Arm.STREAM:
             self.arm, self.warm = arm, False
             self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
-        elif kind is not self.kind:  # the same session: no one-off cost to leave out
-            self.kind, self.current = kind, self.rounds[kind]
+        elif kind is not self.kind:  # the same session: no hello, no prefill
+            self.kind, self.current, self.kind_warm = kind, self.rounds[kind], False
         return pieces
 
 
