@@ -271,11 +271,10 @@ class StrategyChooser:
     what it overlaps; plain rounds win with a cheap draft. The crossing points depend on
     the link, the draft's speed and acceptance, and the server's step, all of which change;
     so the chooser measures instead of predicting. The caller reports each exchange's
-    tokens and the seconds it took, drafting included (what drafting costs is part of
-    what the arms differ in); every ``segment``
-    tokens an arm's speed is updated, as tokens over seconds with older segments fading
-    (``decay``), since one segment's speed depends as much on how predictable its text was
-    as on the link.
+    tokens and the seconds it took, drafting included (what drafting costs is part of what
+    the arms differ in); every ``segment`` tokens an arm's speed is updated, as tokens over
+    seconds with older segments fading (``decay``), since one segment's speed depends as
+    much on how predictable its text was as on the link.
 
     A session starts with the first arm and measures the second next, then keeps the
     faster arm (the other must be faster by ``margin`` to take over) and measures the other
