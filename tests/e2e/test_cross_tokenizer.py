@@ -188,7 +188,10 @@ def test_the_cli_drafts_across_tokenizers(tiny_models: dict[str, Path],
 def test_the_default_draft_behind_a_permuted_vocabulary_keeps_its_acceptance(
         tmp_path: Path) -> None:
     """The same trained draft under other token ids: drafting across the two tokenizers
-    costs no acceptance where re-tokenizing is exact (greedy, same drafts)."""
+    costs no acceptance (greedy, same drafts). The cross path sends the target
+    tokenizer's encoding of the drafted text, so where the draft wrote a text in more
+    tokens than the tokenizer would (this pair does once on this prompt: four tokens
+    re-encoded as three), it drafts fewer tokens for the same accepted ones."""
     from spececd.bench.permute import permute
 
     permuted = permute(MODELS / "draft", tmp_path / "draft-permuted")
@@ -200,4 +203,4 @@ def test_the_default_draft_behind_a_permuted_vocabulary_keeps_its_acceptance(
             results.append((gen.cross, out.token_ids, out.stats.accepted, out.stats.drafted))
     (same, ids, accepted, drafted), (cross, cross_ids, cross_accepted, cross_drafted) = results
     assert not same and cross and ids == cross_ids
-    assert (cross_accepted, cross_drafted) == (accepted, drafted) and accepted > 0
+    assert cross_accepted >= accepted > 0 and cross_drafted <= drafted
