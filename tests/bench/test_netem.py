@@ -67,3 +67,15 @@ def test_jitter_keeps_the_byte_stream_in_order(echo_port: int) -> None:
         while len(received) < len(sent):
             received += sock.recv(65536)
     assert received == sent
+
+
+def test_stopping_with_a_connection_open_logs_no_error(
+        echo_port: int, caplog: pytest.LogCaptureFixture) -> None:
+    """The bench stops its proxy while edges are still connected: that is no error."""
+    proxy = DelayProxy("127.0.0.1", echo_port, 1).start()
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(b"x")
+        assert sock.recv(1) == b"x"
+        with caplog.at_level("ERROR", logger="asyncio"):
+            proxy.stop()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

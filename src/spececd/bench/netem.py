@@ -93,8 +93,11 @@ class DelayProxy:
             sock = w.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(self._pump(client_reader, upstream_writer),
-                             self._pump(upstream_reader, client_writer))
+        with contextlib.suppress(asyncio.CancelledError):
+            # Cancelled when the proxy stops. Ending quietly keeps CPython 3.11's
+            # start_server from logging the cancelled handler as an error.
+            await asyncio.gather(self._pump(client_reader, upstream_writer),
+                                 self._pump(upstream_reader, client_writer))
 
     async def run(self, started: threading.Event | None = None) -> None:
         self._stop = asyncio.Event()
