@@ -101,17 +101,20 @@ def test_proactive_hits_hide_the_drafting_cost() -> None:
 
 
 def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int,
-             tokens: int = 64) -> list[tuple[Arm, int]]:
+             tokens: int = 64, easier: float = 0.0) -> list[tuple[Arm, int]]:
     """Generations of ``tokens`` each, every segment generated at ``speed[arm]`` tokens per
-    second (a function of the link, as the chooser sees it); (arm, tokens) per segment."""
+    second (a function of the link, as the chooser sees it), times ``1 + easier`` for each
+    segment already generated (text that grows more predictable along a generation);
+    (arm, tokens) per segment."""
     segments = []
     for _ in range(generations):
-        arm, left = chooser.start(), tokens
-        while left > 0:
-            n = min(chooser.segment, left)
+        arm, done = chooser.start(), 0
+        while done < tokens:
+            n = min(chooser.segment, tokens - done)
             segments.append((arm, n))
-            left -= n
-            following = chooser.record(arm, n, n / speed[arm])
+            pace = speed[arm] * (1 + easier * (done // chooser.segment))
+            following = chooser.record(arm, n, n / pace, position=done)
+            done += n
             if arm is not Arm.STREAM:  # streaming goes on to the end of its generation
                 arm = following
     return segments
@@ -138,6 +141,29 @@ def test_a_fast_link_settles_on_rounds_and_probes_a_close_stream_ever_less_often
     probes = [i for i, (arm, _) in enumerate(segments) if arm is Arm.STREAM]
     gaps = [b - a for a, b in itertools.pairwise(probes) if b - a > 1]
     assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]  # spaced out, doubling
+
+
+def test_arms_are_compared_over_the_same_stages_of_generations() -> None:
+    # Rounds are faster at every stage, but text gets easier along a generation, and
+    # streaming, once started, runs to the end: compared on speeds alone, streaming (timed
+    # late in generations) would look faster than rounds (timed at their starts).
+    chooser, speed = StrategyChooser(), {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}
+    segments = simulate(chooser, speed, generations=2, easier=0.5)
+    assert [arm for arm, _ in segments] == [Arm.ROUNDS] + [Arm.STREAM] * 7
+    assert (chooser.speed(Arm.STREAM) or 0) > 1.3 * (chooser.speed(Arm.ROUNDS) or 0)
+    assert chooser.ratio(Arm.ROUNDS) == (pytest.approx(1.2), True)  # stage 0 against stage 0
+    assert chooser.leader() is Arm.ROUNDS
+    segments = simulate(chooser, speed, generations=40, easier=0.5)
+    assert share(segments, Arm.ROUNDS) > 0.9
+
+
+def test_one_cold_comparison_does_not_stop_the_probes_for_long() -> None:
+    chooser = StrategyChooser()
+    chooser.record(Arm.ROUNDS, 16, 16 / 30.0)  # a session's first exchanges, cold
+    simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=1)
+    assert chooser.leader() is Arm.STREAM  # rounds far behind, by the first measurement
+    segments = simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=12)
+    assert chooser.leader() is Arm.ROUNDS and segments[-1][0] is Arm.ROUNDS
 
 
 def test_a_link_that_changes_is_followed() -> None:

@@ -36,6 +36,7 @@ where each verified position is dear, they shrink to chains. Delay-aware by cons
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from dataclasses import dataclass, field
@@ -225,36 +226,74 @@ class Arm(enum.Enum):
     PLAIN = "plain"  # rounds that draft only after the verdict
 
 
+STAGES = (16, 32, 64, 128, 256)  # where a generation's stages end, in tokens generated
+
+
+def stage(position: int) -> int:
+    """The stage of a generation that an exchange starting ``position`` tokens in falls in."""
+    return bisect.bisect_right(STAGES, position)
+
+
 @dataclass
 class _Speed:
-    """An arm's speed: tokens over seconds, both sums decaying by ``decay`` per segment
-    either arm completes, so that a long segment weighs more than a short one and old
-    segments fade (a probe after a long spell of the other arm speaks mostly for now)."""
+    """An arm's speed at each stage of a generation: tokens over seconds per stage, all
+    sums decaying by ``decay`` per segment either arm completes, so that a long segment
+    weighs more than a short one and old segments fade (a probe after a long spell of the
+    other arm speaks mostly for now)."""
 
     decay: float
-    tokens: float = 0.0
-    seconds: float = 0.0
+    tokens: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
+    seconds: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
     segments: int = 0
-    partial: tuple[int, float] = (0, 0.0)  # the segment under way
+    partial: dict[int, tuple[int, float]] = field(default_factory=dict)  # stage: the segment
+    # under way
 
-    def add(self, tokens: int, seconds: float, segment: int) -> int:
-        """Add a measured exchange; the tokens of the segment it completed, or 0."""
-        n, t = self.partial[0] + tokens, self.partial[1] + seconds
-        if n < segment:
-            self.partial = (n, t)
+    def add(self, position: int, tokens: int, seconds: float, segment: int) -> int:
+        """Add an exchange that began ``position`` tokens into its generation; the tokens of
+        the segment it completed, or 0."""
+        n, t = self.partial.get(stage(position), (0, 0.0))
+        self.partial[stage(position)] = (n + tokens, t + seconds)
+        total = sum(n for n, _ in self.partial.values())
+        if total < segment:
             return 0
         self.fade()
-        self.tokens, self.seconds = self.tokens + n, self.seconds + t
+        for i, (n, t) in self.partial.items():
+            self.tokens[i] += n
+            self.seconds[i] += t
         self.segments += 1
-        self.partial = (0, 0.0)
-        return n
+        self.partial = {}
+        return total
 
     def fade(self) -> None:
-        self.tokens, self.seconds = self.decay * self.tokens, self.decay * self.seconds
+        self.tokens = [self.decay * n for n in self.tokens]
+        self.seconds = [self.decay * t for t in self.seconds]
 
     @property
     def value(self) -> float | None:
-        return self.tokens / self.seconds if self.segments and self.seconds > 0 else None
+        seconds = sum(self.seconds)
+        return sum(self.tokens) / seconds if self.segments and seconds > 0 else None
+
+
+def relative_speed(a: _Speed, b: _Speed) -> tuple[float, bool]:
+    """How much faster ``a`` is than ``b`` (a ratio of speeds), and whether it was
+    measured over the same stages of generations.
+
+    Text grows more predictable along a generation (at its start the continuation of the
+    prompt is least certain), so an arm measured only at the start of generations looks
+    slower than one measured over their rest. Each is timed on the token mix the two saw
+    together, stage by stage: the seconds per token of ``b`` over those of ``a``, each
+    stage weighted by the tokens both measured there. With no stage in common, the
+    arms' overall speeds."""
+    weights = [na + nb if na > 0 and nb > 0 else 0.0
+               for na, nb in zip(a.tokens, b.tokens, strict=True)]
+    if any(weights):
+        def per_token(s: _Speed) -> float:
+            return sum(w * t / n for w, t, n in zip(weights, s.seconds, s.tokens, strict=True)
+                       if w)
+        return per_token(b) / max(per_token(a), 1e-12), True
+    va, vb = a.value, b.value
+    assert va is not None and vb is not None
+    return va / vb, False
 
 
 @dataclass
@@ -271,17 +310,21 @@ class StrategyChooser:
     what it overlaps; plain rounds win with a cheap draft. The crossing points depend on
     the link, the draft's speed and acceptance, and the server's step, all of which change;
     so the chooser measures instead of predicting. The caller reports each exchange's
-    tokens and the seconds it took, drafting included (what drafting costs is part of what
-    the arms differ in); every ``segment`` tokens an arm's speed is updated, as tokens over
-    seconds with older segments fading (``decay``), since one segment's speed depends as
-    much on how predictable its text was as on the link.
+    tokens, the seconds it took, drafting included (what drafting costs is part of what
+    the arms differ in), and how far into its generation it began; every ``segment``
+    tokens an arm's speed is updated, as tokens over seconds with older segments fading
+    (``decay``), since one segment's speed depends as much on how predictable its text was
+    as on the link. For the same reason the arms are compared over the same stages of
+    generations (:func:`relative_speed`): streaming runs a generation to its end, so the
+    rounds it is compared with are measured at the start of generations, where text is
+    least predictable.
 
     A session starts with the first arm and measures the second next, then keeps the
     faster arm (the other must be faster by ``margin`` to take over) and measures the other
     again after ``probe_after`` tokens: a spacing that doubles each time the other arm
     loses again, up to ``max_probe``, and goes straight there when the other was far behind
-    (under ``close`` times the leader). A change of link is noticed late; an arm that is
-    clearly worse costs little.
+    (under ``close`` times the leader, over the same stages, from the second comparison
+    on). A change of link is noticed late; an arm that is clearly worse costs little.
 
     Pure: no clock, no I/O. It says which arm to go on with; when a switch takes effect is
     the caller's (stream drafting cannot stop a generation under way, so a switch from it
@@ -298,6 +341,7 @@ class StrategyChooser:
     _speed: dict[Arm, _Speed] = field(default_factory=dict)
     _spacing: int = 0
     _since_probe: int = 0  # tokens generated by the leader since the arm behind was measured
+    _probes: int = 0  # comparisons made
     _leader: Arm = Arm.ROUNDS
 
     def __post_init__(self) -> None:
@@ -319,11 +363,14 @@ class StrategyChooser:
         if self.speed(first) is None or self.speed(second) is None:
             self._leader = first if self.speed(first) is None else second
             return self._leader
-        ahead, behind = self.speed(self._leader), self.speed(self.other(self._leader))
-        assert ahead is not None and behind is not None
-        if behind > ahead * (1 + self.margin):
+        if self.ratio(self.other(self._leader))[0] > 1 + self.margin:
             self._leader = self.other(self._leader)
         return self._leader
+
+    def ratio(self, arm: Arm) -> tuple[float, bool]:
+        """How much faster ``arm`` is than the other (both measured), and whether over the
+        same stages of generations."""
+        return relative_speed(self._speed[arm], self._speed[self.other(arm)])
 
     def start(self) -> Arm:
         """The arm to begin a generation with."""
@@ -335,14 +382,15 @@ class StrategyChooser:
             return self.other(leader)
         return leader
 
-    def record(self, arm: Arm, tokens: int, seconds: float) -> Arm:
-        """Feed an exchange ``arm`` ran: the tokens it brought and the seconds it took;
-        return the arm to go on with."""
+    def record(self, arm: Arm, tokens: int, seconds: float, position: int = 0) -> Arm:
+        """Feed an exchange ``arm`` ran: the tokens it brought, the seconds it took and the
+        tokens its generation had before it; return the arm to go on with."""
         other = self.other(arm)
         both = self.speed(arm) is not None and self.speed(other) is not None
         before = self.leader() if both else None
         # An exchange that brought nothing (a hint sent) still took its time.
-        completed = self._speed[arm].add(max(0, tokens), max(0.0, seconds), self.segment)
+        completed = self._speed[arm].add(position, max(0, tokens), max(0.0, seconds),
+                                         self.segment)
         if not completed:
             return arm
         self._speed[other].fade()
@@ -359,9 +407,11 @@ class StrategyChooser:
 
     def _probed(self) -> None:
         """Both arms were just measured: space the next probe of the one behind out."""
-        leader = self.leader()
-        behind, ahead = self.speed(self.other(leader)), self.speed(leader)
-        far = (behind or 0.0) < self.close * (ahead or 1.0)
+        ratio, matched = self.ratio(self.other(self.leader()))
+        # Neither the first comparison (a session's first exchanges run cold) nor one over
+        # different stages of generations is sure enough to stop measuring for long.
+        far = matched and ratio < self.close and self._probes > 0
+        self._probes += 1
         self._spacing = self.max_probe if far else min(self.max_probe, 2 * self._spacing)
         self._since_probe = 0
 

@@ -351,6 +351,7 @@ class Adaptive:
         return self.arm is Arm.STREAM
 
     def step(self, out: Emitter) -> list[Piece]:
+        position = out.generated  # the arms are compared stage by stage of a generation
         t0 = time.perf_counter()
         pieces = self.current.step(out)
         seconds = time.perf_counter() - t0
@@ -362,12 +363,12 @@ class Adaptive:
         if not self.warm:
             self.warm = self.kind_warm = bool(pieces)
             return pieces
-        arm = self.chooser.record(self.arm, tokens, seconds)
+        arm = self.chooser.record(self.arm, tokens, seconds, position)
         if self.arm is not Arm.ROUNDS:
             return pieces
         kind = self.kind
         if self.kind_warm:
-            kind = self.rounds_chooser.record(self.kind, tokens, seconds)
+            kind = self.rounds_chooser.record(self.kind, tokens, seconds, position)
         self.kind_warm = True
         if arm is Arm.STREAM:
             self.arm, self.warm = arm, False
