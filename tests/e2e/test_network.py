@@ -281,12 +281,13 @@ def test_proactive_drafting_hits_when_the_draft_is_the_target(
 def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None:
     # The default pair: the draft steps several times faster than the target, so hints
     # arrive ahead of the server and are verified (with tiny models of equal speed they
-    # are stale, which is correct but shows nothing).
+    # are stale, which is correct but shows nothing). Token trees: the hints carry other
+    # candidates where the draft is unsure.
     prompts = json.loads((MODELS / "heldout_prompts.json").read_text())[:4]
     proc = ServerProcess(MODELS / "target")
     try:
         with remote(MODELS / "draft", proc.url, k="auto", proactive="stream",
-                    threads=1) as gen:
+                    tree_width=3, threads=1) as gen:
             gen.generate(prompts[0], max_tokens=8)  # warm-up: first passes are slow
             total = GenerationStats()
             for prompt in prompts:
@@ -294,6 +295,7 @@ def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None
                 out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
                 assert out.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
                 total.merge(out.stats)
+            assert total.tree_siblings > 0
             # How many hints arrive in time is the benchmark's business (timing); that a
             # hint arriving in time is verified and used is tests/cloud/test_engine.py's.
             # Sampled (match verification, randomness per position): for a seed, exactly
@@ -306,6 +308,7 @@ def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None
                 alone = gen.generate(ids, cloud_only=True, max_tokens=40, temperature=1.0,
                                      top_p=0.9, seed=seed, stop_token_ids=[])
                 assert streamed.token_ids == alone.token_ids
+                assert streamed.stats.tree_siblings > 0
     finally:
         proc.stop()
 

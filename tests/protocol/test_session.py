@@ -359,6 +359,48 @@ def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
                 edge.receive(frame)
 
 
+def test_a_hint_may_carry_a_small_tree_that_a_step_verifies_depth_by_depth() -> None:
+    session = CloudSession(FP, LIMITS, trees=True)  # max_draft 4
+    session.receive(hello(temperature=0.0))
+    session.receive(m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
+    # Other candidates for the 1st and 3rd tokens (a duplicate of the hinted token and a
+    # repeat are no nodes), then, continuing the hint, one for the 4th.
+    session.receive(m.encode(m.Hint(3, (5, 6, 7), ((0, 8), (0, 5), (2, 9), (2, 9)))))
+    session.receive(m.encode(m.Hint(6, (4,), ((0, 11),))))
+    request = session.stream_step()
+    # Depth by depth, the hinted token then its alternatives, within max_draft nodes.
+    assert (request.tokens, request.parents) == ((5, 8, 6, 7), (-1, -1, 0, 2))
+    # The target's token at the 1st position is 8, an alternative: it is kept, and what the
+    # hint drafted after 5 is spent.
+    frame, *_ = session.tokens(request, 1, 12, 0.001, (1,))
+    tokens = m.decode(frame)
+    assert isinstance(tokens, m.Tokens)
+    assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((8, 12), 3, 1)
+    assert session.context == (1, 2, 3, 8, 12) and session.stream_step().tokens == ()
+    # A new hint from there: alternatives of the contradicted one are gone.
+    session.receive(m.encode(m.Hint(5, (4, 4))))
+    assert session.stream_step().parents is None
+
+
+def test_hint_alternatives_are_refused_where_trees_are_not_and_checked_on_the_wire() -> None:
+    session = streaming()  # a target without tree attention
+    error = error_of(session.receive(m.encode(m.Hint(3, (5,), ((0, 8),)))))
+    assert error.code == "unexpected_message" and "chains only" in error.message
+    trees = CloudSession(FP, LIMITS, trees=True)
+    trees.receive(hello(temperature=0.0))
+    trees.receive(m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
+    error = error_of(trees.receive(m.encode(m.Hint(3, (5,), ((0, FP.vocab_size),)))))
+    assert error.code == "invalid_tokens"
+    for flat in ([0], [1, 8], [-1, 8]):  # not pairs; offsets outside the hint
+        frame = msgpack.packb([m.Hint.TYPE, 3, [5], flat])
+        assert error_of(trees.receive(frame)).code == "malformed_frame"
+    # An edge sends alternatives to a protocol-5 server that takes trees only.
+    for version, trees_on, sent in ((5, True, ((0, 8),)), (4, True, ()), (5, False, ())):
+        edge = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=5), trees=True)
+        edge.receive(m.encode(m.Welcome("s", version, 4, 32, False, trees_on)))
+        assert m.decode(edge.hint(3, (5,), ((0, 8),))) == m.Hint(3, (5,), sent)
+
+
 def test_an_engine_that_drafts_from_the_hint_itself_reports_what_it_kept() -> None:
     """vLLM's engine proposes the hint inside its own step: the server is told the step's
     tokens, and counts the hint's tokens they begin with as accepted."""

@@ -378,7 +378,7 @@ class Engine:
                 await send(done)
                 return
             out = session.tokens(step, done.result.num_accepted, done.result.next_token,
-                                 done.seconds)
+                                 done.seconds, done.result.path)
             self._record(link, out.drafted, out.accepted, out.emitted - out.accepted,
                          done.seconds, is_round=False)
             if not step.tokens:

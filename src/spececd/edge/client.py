@@ -155,12 +155,13 @@ class EdgeClient:
         mode = Mode.MATCH if streams else options.mode
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
                               options.threshold if mode is Mode.THRESHOLD else 0.0,
-                              trees=options.tree_width > 1 and not streams)
+                              trees=options.tree_width > 1 and not cloud_only)
         # Auto: rounds in the asked mode, or streaming by match (the same session when the
         # mode is match), whichever the chooser starts this generation with.
         arm = self.chooser.start() if proactive is Proactive.AUTO and not cloud_only else None
         stream_session = session if mode is Mode.MATCH else EdgeSession(
-            self.fingerprint, Mode.MATCH, params, self.auth_token)
+            self.fingerprint, Mode.MATCH, params, self.auth_token,
+            trees=options.tree_width > 1)
         welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
         self.link.reconnect = reconnect
         if probe:

@@ -27,7 +27,9 @@ from spececd.core.policy import (
     DraftLengthPolicy,
     Ema,
     HintGate,
+    LinearFit,
     StrategyChooser,
+    hint_shape,
     stream_lookahead,
 )
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
@@ -264,7 +266,13 @@ class StreamDrafting(CloudOnly):
     server's lone steps against this drafter's), so a fast drafter sends fuller hints and
     a slow one sends them early. When hints keep arriving after the server has generated
     past them (a round trip longer than the lookahead), the ``gate`` stops drafting for a
-    while: the edge then costs what cloud-only generation costs."""
+    while: the edge then costs what cloud-only generation costs.
+
+    With token trees (``tree_width`` > 1, a server that takes them in hints) a hint also
+    carries other candidates where the draft is unsure (:func:`~spececd.core.policy.
+    hint_shape`, from the share of hinted tokens the server keeps and what a verified
+    position costs it): where the target's token is not the hinted one, it may be one of
+    those, and the step keeps it."""
 
     def __init__(self, work: Work, ahead: int, gate: HintGate | None = None) -> None:
         super().__init__(work)
@@ -273,6 +281,8 @@ class StreamDrafting(CloudOnly):
         self.draft: list[int] = []  # drafted tokens after the history
         self.sent = 0  # how many of them the server has been sent
         self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
+        self.kept = Ema(0.7)  # the share of the hinted tokens a step verified that it kept
+        self.step_fit = LinearFit()  # a step's seconds against the hinted positions it verified
 
     def restarted(self) -> None:
         self.sent = 0  # a new connection's generation has no hints yet
@@ -289,6 +299,10 @@ class StreamDrafting(CloudOnly):
             self.draft, self.sent = [], 0
         if not reply.drafted and reply.compute_s > 0:
             self.server_step.update(reply.compute_s)
+        if reply.drafted:
+            self.kept.update(reply.accepted / reply.drafted)
+        if reply.compute_s > 0:
+            self.step_fit.update(reply.drafted, reply.compute_s)
         return piece
 
     def lookahead(self) -> int:
@@ -306,16 +320,38 @@ class StreamDrafting(CloudOnly):
                  if draft_step and server_step else 2)
         work = self.work
         t0 = time.perf_counter()
-        tokens, _ = work.draft([*out.history, *self.draft], max(1, min(chunk, want)))
+        tokens, alternatives = self.drafted([*out.history, *self.draft], max(1, min(chunk, want)))
         seconds = time.perf_counter() - t0
         self.draft_step.update(seconds / max(1, len(tokens)))
         work.stats.draft_s += seconds
         work.stats.draft_steps += len(tokens)
+        work.stats.tree_siblings += len(alternatives)
+        offset = len(self.draft) - self.sent  # where this draft begins in the hint
         self.draft.extend(tokens)
-        hint = work.session.hint(len(out.history) + self.sent, self.draft[self.sent:])
+        hint = work.session.hint(len(out.history) + self.sent, self.draft[self.sent:],
+                                 tuple((offset + i, t) for i, t in alternatives))
         self.sent = len(self.draft)
         return [self.received(reply)
                 for reply in work.link.send_and_poll(work.session, hint, work.stats)]
+
+
+    def drafted(self, history: list[int], n: int
+                ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """``n`` drafted tokens after ``history``, and other candidates ``(i, token)`` for
+        the ``i``-th of them where the server takes trees in hints."""
+        work = self.work
+        if work.tree_width == 1 or not work.session.hint_trees:
+            return work.draft(history, n)[0], ()
+        assert work.params.seed is not None
+        shape = hint_shape(work.tree_width, n, len(self.draft), self.kept.value,
+                           self.step_fit.slope, self.server_step.value)
+        tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
+                                 work.max_support)
+        depth = {tree.parents[node]: i for i, node in enumerate(tree.chain)}
+        chain = set(tree.chain)
+        return (tuple(tree.tokens[i] for i in tree.chain),
+                tuple((depth[tree.parents[j]], tree.tokens[j])
+                      for j in range(len(tree.tokens)) if j not in chain))
 
 
 class Adaptive:

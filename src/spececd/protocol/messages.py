@@ -23,9 +23,10 @@ Exchange (ARCHITECTURE §5)::
 
 or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
 answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted, accepted)``.
-While such a stream runs the edge may send ``Hint(position, tokens)`` frames (stream
-drafting): drafted tokens for the positions from ``position`` on, continuing the previous
-hint or replacing it. A hint gets no answer of its own: before each step the server
+While such a stream runs the edge may send ``Hint(position, tokens, alternatives)`` frames
+(stream drafting): drafted tokens for the positions from ``position`` on, continuing the
+previous hint or replacing it, and (protocol 5, trees) other candidates for some of those
+positions. A hint gets no answer of its own: before each step the server
 verifies whatever part of the latest hint lies ahead of its position and agrees with what
 it has generated, and the ``Tokens`` of that step say how many draft tokens it verified
 (``drafted``) and kept (``accepted``). A hint that arrives too late is ignored.
@@ -54,12 +55,13 @@ from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 4  # 3: the Hello's sampling extras; 4: token trees
+PROTOCOL_VERSION = 5  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
-# version-4 hello gets the Welcome field an older edge could not read.
-COMPATIBLE_VERSIONS = (2, 3, 4)
+# version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
+# with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
+COMPATIBLE_VERSIONS = (2, 3, 4, 5)
 
 
 @dataclass(frozen=True)
@@ -161,11 +163,16 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Hint:
-    """Drafted tokens for a cloud-only generation under way, from ``position`` on."""
+    """Drafted tokens for a cloud-only generation under way, from ``position`` on, and
+    (protocol 5, to a server whose ``Welcome`` says ``trees``) ``alternatives``: pairs
+    ``(offset, token)``, each a candidate for position ``position + offset`` in place of
+    ``tokens[offset]``, which nothing of the hint follows (a small tree: leaf siblings of
+    the hint's chain)."""
 
     TYPE: ClassVar[int] = 9
     position: int
     tokens: tuple[int, ...]
+    alternatives: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,8 @@ def encode(message: Message) -> bytes:
             body += [message.drafted, message.accepted]
     elif isinstance(message, Hint):
         body = [message.position, _pack_ids(message.tokens)]
+        if message.alternatives:
+            body.append([v for pair in message.alternatives for v in pair])
     elif isinstance(message, Close):
         body = [message.reason]
     else:
@@ -280,13 +289,14 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
     Verdict.TYPE: (_INT, _INT, _INT, _INT, _NODES),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
     Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT),
-    Hint.TYPE: (_INT, _IDS),
+    Hint.TYPE: (_INT, _IDS, _NODES),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2}
+_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
+             Hint.TYPE: 1}
 
 
 def _number(value: float) -> float | int:
@@ -393,7 +403,13 @@ def decode(frame: bytes) -> Message:
     if kind == Tokens.TYPE:
         return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6])
     if kind == Hint.TYPE:
-        return Hint(body[0], _unpack_ids(body[1]))
+        tokens = _unpack_ids(body[1])
+        flat = body[2] if len(body) > 2 else []
+        pairs = tuple(zip(flat[::2], flat[1::2], strict=True)) if len(flat) % 2 == 0 else None
+        if pairs is None or any(not 0 <= offset < len(tokens) for offset, _ in pairs):
+            raise MalformedFrame("hint alternatives must be (offset, token) pairs, each offset "
+                                 "one of the hint's tokens")
+        return Hint(body[0], tokens, pairs)
     if kind == Close.TYPE:
         return Close(*body)
     return Error(*body)

@@ -24,12 +24,13 @@ import hmac
 import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (
     AuthFailed,
@@ -87,13 +88,16 @@ class Stream:
     """A cloud-only generation under way, and the edge's latest hint for it: drafted
     tokens for the positions from ``hint_start`` on. ``reach``: the position after the
     last token of the latest hint frame taken, whether or not it agrees with the context
-    (how far ahead the edge has drafted, for the server's measure of its turnaround)."""
+    (how far ahead the edge has drafted, for the server's measure of its turnaround).
+    ``alternatives``: other candidates for positions of the hint (leaf siblings of its
+    tokens there), by position."""
 
     request: GenerateRequest
     generated: int = 0
     hint_start: int = 0
     hint: tuple[int, ...] = ()
     reach: int = 0
+    alternatives: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 class StepOut(NamedTuple):
@@ -300,15 +304,24 @@ class CloudSession:
         stream = self.stream
         if stream is None:
             return  # arrived after its generation ended
+        if hint.alternatives and not self.trees:
+            raise UnexpectedMessage("this server verifies chains only (its target's backend "
+                                    "has no tree attention, or the hello was older than "
+                                    "protocol 4): hint without alternatives")
         vocab = self.fingerprint.vocab_size
-        if any(not 0 <= t < vocab for t in hint.tokens):
+        if any(not 0 <= t < vocab for t in (*hint.tokens, *(t for _, t in hint.alternatives))):
             raise InvalidTokens(f"token ids must be in [0, {vocab})")
         if hint.position == stream.hint_start + len(stream.hint):
             tokens = stream.hint + hint.tokens
         elif 0 <= hint.position <= len(self.context):
             stream.hint_start, tokens = hint.position, hint.tokens
+            stream.alternatives = {}
         else:
             return
+        for offset, token in hint.alternatives:
+            here = stream.alternatives.get(hint.position + offset, ())
+            if token != hint.tokens[offset] and token not in here:
+                stream.alternatives[hint.position + offset] = (*here, token)
         # Hold no more than the server could verify in one step.
         ahead = len(self.context) - stream.hint_start + self.limits.max_draft
         stream.hint = tokens[:max(0, ahead)]
@@ -335,22 +348,45 @@ class CloudSession:
     def stream_step(self) -> VerifyRequest:
         """The next step of the generation under way: a verification of the part of the
         hint ahead of the context when the hint agrees with the context so far, else of
-        an empty draft (one token of the target's own)."""
+        an empty draft (one token of the target's own). With alternatives, a tree: each
+        position's hinted token, then its alternatives, as leaves of the same parent, depth
+        by depth for as long as ``max_draft`` allows."""
         stream = self.stream
         assert stream is not None, "no generation under way"
         ahead = self.hint_ahead()
         tail = self._verifiable(ahead)
-        stream.hint_start, stream.hint = len(self.context), ahead  # spent when contradicted
+        start = len(self.context)
+        stream.hint_start, stream.hint = start, ahead  # spent when contradicted
+        stream.alternatives = {p: alts for p, alts in stream.alternatives.items()
+                               if start <= p < start + len(ahead)}  # of the hint that agrees
         mode = Mode.GREEDY if stream.request.params.greedy else Mode.MATCH
-        return VerifyRequest(stream.request.seq, self.context, tail, None, mode,
-                             stream.request.params)
+        tokens, parents, parent = list(tail), None, -1
+        if any(start + depth in stream.alternatives for depth in range(len(tail))):
+            tokens, parents = [], []
+            for depth, token in enumerate(tail):
+                here = (token, *stream.alternatives.get(start + depth, ()))
+                here = here[:self.limits.max_draft - len(tokens)]
+                if not here:
+                    break
+                tokens += here
+                parents += [parent] * len(here)
+                parent = len(tokens) - len(here)  # the hinted token goes on
+        return VerifyRequest(stream.request.seq, self.context, tuple(tokens), None, mode,
+                             stream.request.params,
+                             parents=tuple(parents) if parents is not None else None)
 
     # -- output -----------------------------------------------------------------------
     def tokens(self, request: VerifyRequest, num_accepted: int, next_token: int,
-               compute_s: float) -> StepOut:
-        """Record the outcome of :meth:`stream_step`'s request."""
-        return self._emit((*request.tokens[:num_accepted], next_token), compute_s,
-                          len(request.tokens), num_accepted)
+               compute_s: float, path: tuple[int, ...] | None = None) -> StepOut:
+        """Record the outcome of :meth:`stream_step`'s request (``path``: a tree's
+        accepted nodes)."""
+        if request.parents is None:
+            accepted, drafted = request.tokens[:num_accepted], len(request.tokens)
+        else:
+            assert path is not None and len(path) == num_accepted, "a tree's verdict has a path"
+            accepted = tuple(request.tokens[i] for i in path)
+            drafted = tree_depth(request.parents)
+        return self._emit((*accepted, next_token), compute_s, drafted, num_accepted)
 
     def engine_tokens(self, tokens: tuple[int, ...], compute_s: float,
                       proposed: bool = True) -> StepOut:
@@ -491,10 +527,18 @@ class EdgeSession:
         self.server_len = len(history)
         return m.encode(self._pending)
 
-    def hint(self, position: int, tokens: tuple[int, ...] | list[int]) -> bytes:
+    def hint(self, position: int, tokens: tuple[int, ...] | list[int],
+             alternatives: tuple[tuple[int, int], ...] = ()) -> bytes:
         """The frame offering drafted ``tokens`` for positions from ``position`` on to the
-        cloud-only generation under way (see :class:`~spececd.protocol.messages.Hint`)."""
-        return m.encode(m.Hint(position, tuple(tokens)))
+        cloud-only generation under way, and other candidates for some of them where the
+        server takes them (see :class:`~spececd.protocol.messages.Hint`)."""
+        return m.encode(m.Hint(position, tuple(tokens),
+                               alternatives if self.hint_trees else ()))
+
+    @property
+    def hint_trees(self) -> bool:
+        """Whether the server takes alternatives in hints (trees, protocol 5)."""
+        return self.trees and self.welcome is not None and self.welcome.protocol_version >= 5
 
     def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
         message = m.decode(frame)
