@@ -36,6 +36,13 @@ def test_a_trees_chain_is_the_width_1_draft(drafter: Drafter, mode: Mode,
     assert len(tree.tokens) <= 15
     for depth, node in enumerate(tree.chain):  # each level hangs off the chain before it
         assert tree.parents[node] == (tree.chain[depth - 1] if depth else -1)
+    # Off the chain, leaves: a stream-drafting hint's alternatives, by chain position.
+    siblings = tree.siblings()
+    assert len(siblings) == len(tree.tokens) - len(tree.chain)
+    for i, token in siblings:
+        assert any(tree.tokens[j] == token and tree.parents[j] == tree.parents[tree.chain[i]]
+                   for j in range(len(tree.tokens)) if j not in tree.chain)
+    assert {tree.parents[j] for j in range(len(tree.tokens))} <= {-1, *tree.chain}
     if chain_dists is not None:
         assert tree.dists is not None
         assert all(np.array_equal(tree.dists[i].ids, d.ids)

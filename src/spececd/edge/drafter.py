@@ -81,6 +81,15 @@ class Tree:
         """Whether any node has a sibling (else the tree is its chain)."""
         return len(self.chain) < len(self.tokens)
 
+    def siblings(self) -> tuple[tuple[int, int], ...]:
+        """The nodes off the chain (leaves, as drafted here) as ``(i, token)``: a
+        candidate in place of the chain's ``i``-th token (what a stream-drafting hint
+        carries as its alternatives)."""
+        depth = {self.parents[node]: i for i, node in enumerate(self.chain)}
+        chain = set(self.chain)
+        return tuple((depth[self.parents[j]], token) for j, token in enumerate(self.tokens)
+                     if j not in chain)
+
 
 class DraftSource(Protocol):
     """What the edge loop drafts with: :class:`Drafter`, or a

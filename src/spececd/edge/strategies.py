@@ -282,7 +282,7 @@ class StreamDrafting(CloudOnly):
         self.sent = 0  # how many of them the server has been sent
         self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
         self.kept = Ema(0.7)  # the share of the hinted tokens a step verified that it kept
-        self.step_fit = LinearFit()  # a step's seconds against the hinted positions it verified
+        self.step_fit = LinearFit()  # a step's seconds against the hinted depth it verified
 
     def restarted(self) -> None:
         self.sent = 0  # a new connection's generation has no hints yet
@@ -334,7 +334,6 @@ class StreamDrafting(CloudOnly):
         return [self.received(reply)
                 for reply in work.link.send_and_poll(work.session, hint, work.stats)]
 
-
     def drafted(self, history: list[int], n: int
                 ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
         """``n`` drafted tokens after ``history``, and other candidates ``(i, token)`` for
@@ -347,11 +346,7 @@ class StreamDrafting(CloudOnly):
                            self.step_fit.slope, self.server_step.value)
         tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
                                  work.max_support)
-        depth = {tree.parents[node]: i for i, node in enumerate(tree.chain)}
-        chain = set(tree.chain)
-        return (tuple(tree.tokens[i] for i in tree.chain),
-                tuple((depth[tree.parents[j]], tree.tokens[j])
-                      for j in range(len(tree.tokens)) if j not in chain))
+        return tree.trunk().tokens, tree.siblings()
 
 
 class Adaptive:
