@@ -157,6 +157,18 @@ def test_arms_are_compared_over_the_same_stages_of_generations() -> None:
     assert share(segments, Arm.ROUNDS) > 0.9
 
 
+def test_a_stage_counts_only_when_both_arms_measured_half_a_segment_there() -> None:
+    chooser = StrategyChooser()
+    chooser.record(Arm.ROUNDS, 16, 0.2, position=0)  # stage 0
+    chooser.record(Arm.STREAM, 4, 0.01, position=12)  # 4 tokens in stage 0, too few
+    chooser.record(Arm.STREAM, 12, 0.1, position=16)
+    assert chooser.ratio(Arm.STREAM) == (pytest.approx((16 / 0.11) / (16 / 0.2)), False)
+    chooser.record(Arm.STREAM, 6, 0.06, position=4)  # now 10 there (the older 4 faded)
+    chooser.record(Arm.STREAM, 10, 0.1, position=40)
+    stream_s = (0.85 * 0.01 + 0.06) / (0.85 * 4 + 6)  # per token in stage 0
+    assert chooser.ratio(Arm.STREAM) == (pytest.approx((0.2 / 16) / stream_s), True)
+
+
 def test_one_cold_comparison_does_not_stop_the_probes_for_long() -> None:
     chooser = StrategyChooser()
     chooser.record(Arm.ROUNDS, 16, 16 / 30.0)  # a session's first exchanges, cold

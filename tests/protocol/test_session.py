@@ -382,6 +382,16 @@ def test_a_hint_may_carry_a_small_tree_that_a_step_verifies_depth_by_depth() -> 
     assert session.stream_step().parents is None
 
 
+def test_a_hint_after_a_contradicted_one_starts_afresh() -> None:
+    session = streaming()
+    session.receive(m.encode(m.Hint(3, (5, 6))))
+    step(session, 1, 4)  # kept 5, then the target said 4 where the hint said 6
+    # The edge's new hint starts where the old one ended: it is a hint of its own, not a
+    # continuation of the contradicted one.
+    session.receive(m.encode(m.Hint(5, (7, 8))))
+    assert session.stream_step().tokens == (7, 8)
+
+
 def test_hint_alternatives_are_refused_where_trees_are_not_and_checked_on_the_wire() -> None:
     session = streaming()  # a target without tree attention
     error = error_of(session.receive(m.encode(m.Hint(3, (5,), ((0, 8),)))))
@@ -391,6 +401,8 @@ def test_hint_alternatives_are_refused_where_trees_are_not_and_checked_on_the_wi
     trees.receive(m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
     error = error_of(trees.receive(m.encode(m.Hint(3, (5,), ((0, FP.vocab_size),)))))
     assert error.code == "invalid_tokens"
+    many = tuple((0, t) for t in range(10, 10 + LIMITS.max_draft + 1))
+    assert error_of(trees.receive(m.encode(m.Hint(3, (5,), many)))).code == "limit_exceeded"
     for flat in ([0], [1, 8], [-1, 8]):  # not pairs; offsets outside the hint
         frame = msgpack.packb([m.Hint.TYPE, 3, [5], flat])
         assert error_of(trees.receive(frame)).code == "malformed_frame"

@@ -257,6 +257,7 @@ class _Speed:
     decay: float
     tokens: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
     seconds: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
+    measured: list[int] = field(default_factory=lambda: [0] * (len(STAGES) + 1))  # unfaded
     segments: int = 0
     partial: dict[int, tuple[int, float]] = field(default_factory=dict)  # stage: the segment
     # under way
@@ -273,6 +274,7 @@ class _Speed:
         for i, (n, t) in self.partial.items():
             self.tokens[i] += n
             self.seconds[i] += t
+            self.measured[i] += n
         self.segments += 1
         self.partial = {}
         return total
@@ -287,18 +289,18 @@ class _Speed:
         return sum(self.tokens) / seconds if self.segments and seconds > 0 else None
 
 
-def relative_speed(a: _Speed, b: _Speed) -> tuple[float, bool]:
+def relative_speed(a: _Speed, b: _Speed, least: float) -> tuple[float, bool]:
     """How much faster ``a`` is than ``b`` (a ratio of speeds), and whether it was
     measured over the same stages of generations.
 
     Text grows more predictable along a generation (at its start the continuation of the
     prompt is least certain), so an arm measured only at the start of generations looks
     slower than one measured over their rest. Each is timed on the token mix the two saw
-    together, stage by stage: the seconds per token of ``b`` over those of ``a``, each
-    stage weighted by the tokens both measured there. With no stage in common, the
-    arms' overall speeds."""
-    weights = [na + nb if na > 0 and nb > 0 else 0.0
-               for na, nb in zip(a.tokens, b.tokens, strict=True)]
+    together, stage by stage: the seconds per token of ``b`` over those of ``a``, over the
+    stages where both have measured at least ``least`` tokens, each weighted by the fewer
+    of the two (faded). With no such stage, the arms' overall speeds."""
+    weights = [min(na, nb) if min(ca, cb) >= least else 0.0 for na, nb, ca, cb in zip(
+        a.tokens, b.tokens, a.measured, b.measured, strict=True)]
     if any(weights):
         def per_token(s: _Speed) -> float:
             return sum(w * t / n for w, t, n in zip(weights, s.seconds, s.tokens, strict=True)
@@ -328,9 +330,9 @@ class StrategyChooser:
     tokens an arm's speed is updated, as tokens over seconds with older segments fading
     (``decay``), since one segment's speed depends as much on how predictable its text was
     as on the link. For the same reason the arms are compared over the same stages of
-    generations (:func:`relative_speed`): streaming runs a generation to its end, so the
-    rounds it is compared with are measured at the start of generations, where text is
-    least predictable.
+    generations where both measured half a segment or more (:func:`relative_speed`):
+    streaming runs a generation to its end, so the rounds it is compared with are measured
+    at the start of generations, where text is least predictable.
 
     A session starts with the first arm and measures the second next, then keeps the
     faster arm (the other must be faster by ``margin`` to take over) and measures the other
@@ -383,7 +385,8 @@ class StrategyChooser:
     def ratio(self, arm: Arm) -> tuple[float, bool]:
         """How much faster ``arm`` is than the other (both measured), and whether over the
         same stages of generations."""
-        return relative_speed(self._speed[arm], self._speed[self.other(arm)])
+        return relative_speed(self._speed[arm], self._speed[self.other(arm)],
+                              least=self.segment / 2)
 
     def start(self) -> Arm:
         """The arm to begin a generation with."""

@@ -283,6 +283,7 @@ class StreamDrafting(CloudOnly):
         self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
         self.kept = Ema(0.7)  # the share of the hinted tokens a step verified that it kept
         self.step_fit = LinearFit()  # a step's seconds against the hinted depth it verified
+        self.breadth = Ema(1.0)  # candidates per hinted position (1: chains)
 
     def restarted(self) -> None:
         self.sent = 0  # a new connection's generation has no hints yet
@@ -342,10 +343,13 @@ class StreamDrafting(CloudOnly):
         if work.tree_width == 1 or not work.session.hint_trees:
             return work.draft(history, n)[0], ()
         assert work.params.seed is not None
+        # What one more verified position costs: per depth of the hints, over the
+        # candidates per depth they carried.
         shape = hint_shape(work.tree_width, n, len(self.draft), self.kept.value,
-                           self.step_fit.slope, self.server_step.value)
+                           self.step_fit.slope / self.breadth.value, self.server_step.value)
         tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
                                  work.max_support)
+        self.breadth.update(len(tree.tokens) / max(1, len(tree.chain)))
         return tree.trunk().tokens, tree.siblings()
 
 

@@ -299,8 +299,10 @@ class CloudSession:
 
     def _hint(self, hint: m.Hint) -> None:
         """Keep the drafted tokens of a hint for the generation under way: appended to the
-        previous hint when they continue it, else as a new hint when they start within
-        what the server holds; a hint for no generation, or past a gap, is ignored."""
+        previous hint when they continue it and it agrees with what was generated, else as
+        a new hint when they start within what the server holds; a hint for no generation,
+        or past a gap, is ignored. Its alternatives are kept for the positions held, at
+        most ``max_draft`` per hint and per position."""
         stream = self.stream
         if stream is None:
             return  # arrived after its generation ended
@@ -308,24 +310,32 @@ class CloudSession:
             raise UnexpectedMessage("this server verifies chains only (its target's backend "
                                     "has no tree attention, or the hello was older than "
                                     "protocol 4): hint without alternatives")
+        if len(hint.alternatives) > self.limits.max_draft:
+            raise LimitExceeded(f"hint of {len(hint.alternatives)} alternatives is over the "
+                                f"limit of {self.limits.max_draft}")
         vocab = self.fingerprint.vocab_size
         if any(not 0 <= t < vocab for t in (*hint.tokens, *(t for _, t in hint.alternatives))):
             raise InvalidTokens(f"token ids must be in [0, {vocab})")
-        if hint.position == stream.hint_start + len(stream.hint):
+        n, start = len(self.context), stream.hint_start
+        agrees = start <= n and stream.hint[:n - start] == self.context[start:n]
+        if hint.position == start + len(stream.hint) and agrees:
             tokens = stream.hint + hint.tokens
-        elif 0 <= hint.position <= len(self.context):
+        elif 0 <= hint.position <= n:
             stream.hint_start, tokens = hint.position, hint.tokens
             stream.alternatives = {}
         else:
             return
-        for offset, token in hint.alternatives:
-            here = stream.alternatives.get(hint.position + offset, ())
-            if token != hint.tokens[offset] and token not in here:
-                stream.alternatives[hint.position + offset] = (*here, token)
         # Hold no more than the server could verify in one step.
-        ahead = len(self.context) - stream.hint_start + self.limits.max_draft
+        ahead = n - stream.hint_start + self.limits.max_draft
         stream.hint = tokens[:max(0, ahead)]
         stream.reach = hint.position + len(hint.tokens)
+        end = stream.hint_start + len(stream.hint)
+        for offset, token in hint.alternatives:
+            position = hint.position + offset
+            here = stream.alternatives.get(position, ())
+            if (position < end and token != hint.tokens[offset] and token not in here
+                    and len(here) < self.limits.max_draft):
+                stream.alternatives[position] = (*here, token)
 
     def hint_ahead(self) -> tuple[int, ...]:
         """The hinted tokens ahead of the context, if the hint agrees with the context up
