@@ -268,7 +268,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             for d, draft in enumerate(drafts):
                 # Every proactive setting for k=auto; fixed k values with the first one
                 # only (the comparison that matters there is against the policy). Trees
-                # for every setting that drafts rounds (stream drafting sends chains).
+                # for every setting (stream drafting's hints carry them too).
                 plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
                           "proactive": proactive, "worker": f"spececd{d}",
                           "target": label(target), "transport": transport,
@@ -277,7 +277,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                           + over}
                          for k in cfg.ks for proactive in
                          (cfg.proactive if k == "auto" else cfg.proactive[:1])
-                         for width in cfg.trees if width == 1 or proactive != "stream"]
+                         for width in cfg.trees]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()

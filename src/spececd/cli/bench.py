@@ -44,8 +44,8 @@ def add_parser(sub: Any) -> None:
                        "chooses among off, on and stream as it goes, the default against a "
                        "server)")
     bench.add_argument("--tree-width", default="1",
-                       help="token tree widths to compare, comma-separated, for the settings "
-                       "that draft rounds (1: chains; e.g. 1,3; default: 1)")
+                       help="token tree widths to compare, comma-separated, for every "
+                       "proactive setting (1: chains; e.g. 1,3; default: 1)")
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")

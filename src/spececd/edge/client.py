@@ -68,9 +68,8 @@ class EdgeClient:
         # What this client has learnt of its link: which way to speculate (auto), and
         # whether stream drafting's hints arrive in time.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
-        # Within rounds: block-ahead or plain. The two are often close, and a switch
-        # between them is cheap (the same session, no hello), so a smaller margin.
-        self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), margin=0.05)
+        # Within rounds: block-ahead or plain.
+        self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
 
     def close(self) -> None:
         self.link.close()
