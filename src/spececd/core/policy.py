@@ -350,7 +350,7 @@ class StrategyChooser:
     segment: int = 16
     probe_after: int = 64
     max_probe: int = 4096
-    close: float = 0.5
+    close: float = 0.75
     margin: float = 0.05  # a wider one keeps a leader up to that much slower than the other
     decay: float = 0.85
     _speed: dict[Arm, _Speed] = field(default_factory=dict)
