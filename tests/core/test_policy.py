@@ -178,6 +178,18 @@ def test_one_cold_comparison_does_not_stop_the_probes_for_long() -> None:
     assert chooser.leader() is Arm.ROUNDS and segments[-1][0] is Arm.ROUNDS
 
 
+def test_rounds_that_cannot_reach_streaming_are_not_probed_again_for_long() -> None:
+    # 100 ms round trips, 8 tokens at most a round: 80 tokens/s at best, under streaming's
+    # 95. The first comparison (over different stages) is then sure enough.
+    speed = {Arm.ROUNDS: 33.0, Arm.STREAM: 95.0}
+    capped = StrategyChooser()
+    capped.cap(Arm.ROUNDS, 80.0)
+    segments = simulate(capped, speed, generations=40)
+    assert [arm for arm, _ in segments].count(Arm.ROUNDS) == 1
+    uncapped = simulate(StrategyChooser(), speed, generations=40)
+    assert [arm for arm, _ in uncapped].count(Arm.ROUNDS) == 2  # a second probe
+
+
 def test_a_link_that_changes_is_followed() -> None:
     chooser = StrategyChooser(max_probe=512)
     simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=20)

@@ -17,6 +17,7 @@ own statistics (drafting, rounds, timings) and never emits.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -398,6 +399,8 @@ class Adaptive:
         if not self.warm:
             self.warm = self.kind_warm = bool(pieces)
             return pieces
+        rtt = self.stream_work.link.rtt.value  # a round brings k_max + 1 tokens at most
+        self.chooser.cap(Arm.ROUNDS, (self.k_max + 1) / rtt if rtt > 0 else math.inf)
         arm = self.chooser.record(self.arm, tokens, seconds, position)
         if self.arm is not Arm.ROUNDS:
             return pieces
