@@ -265,8 +265,9 @@ class _Speed:
     def add(self, position: int, tokens: int, seconds: float, segment: int) -> int:
         """Add an exchange that began ``position`` tokens into its generation; the tokens of
         the segment it completed, or 0."""
-        n, t = self.partial.get(stage(position), (0, 0.0))
-        self.partial[stage(position)] = (n + tokens, t + seconds)
+        at = stage(position)
+        n, t = self.partial.get(at, (0, 0.0))
+        self.partial[at] = (n + tokens, t + seconds)
         total = sum(n for n, _ in self.partial.values())
         if total < segment:
             return 0

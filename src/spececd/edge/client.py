@@ -152,15 +152,14 @@ class EdgeClient:
             proactive = Proactive.ON
         streams = cloud_only or proactive is Proactive.STREAM
         mode = Mode.MATCH if streams else options.mode
+        trees = options.tree_width > 1 and not cloud_only  # in rounds, and in hints
         session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
-                              options.threshold if mode is Mode.THRESHOLD else 0.0,
-                              trees=options.tree_width > 1 and not cloud_only)
+                              options.threshold if mode is Mode.THRESHOLD else 0.0, trees=trees)
         # Auto: rounds in the asked mode, or streaming by match (the same session when the
         # mode is match), whichever the chooser starts this generation with.
         arm = self.chooser.start() if proactive is Proactive.AUTO and not cloud_only else None
         stream_session = session if mode is Mode.MATCH else EdgeSession(
-            self.fingerprint, Mode.MATCH, params, self.auth_token,
-            trees=options.tree_width > 1)
+            self.fingerprint, Mode.MATCH, params, self.auth_token, trees=trees)
         welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
         self.link.reconnect = reconnect
         if probe:

@@ -381,6 +381,9 @@ class Adaptive:
         # rounds switched to (block-ahead has no block drafted ahead yet, and with k auto
         # the kind's own draft-length policy starts cold).
         self.warm = self.kind_warm = False
+        # A round brings k_max + 1 tokens at most per round trip (measured at the hello).
+        rtt = rounds.link.rtt.value
+        chooser.cap(Arm.ROUNDS, (k_max + 1) / rtt if rtt > 0 else math.inf)
 
     @property
     def streams(self) -> bool:
@@ -399,8 +402,6 @@ class Adaptive:
         if not self.warm:
             self.warm = self.kind_warm = bool(pieces)
             return pieces
-        rtt = self.stream_work.link.rtt.value  # a round brings k_max + 1 tokens at most
-        self.chooser.cap(Arm.ROUNDS, (self.k_max + 1) / rtt if rtt > 0 else math.inf)
         arm = self.chooser.record(self.arm, tokens, seconds, position)
         if self.arm is not Arm.ROUNDS:
             return pieces

@@ -317,8 +317,7 @@ class CloudSession:
         if any(not 0 <= t < vocab for t in (*hint.tokens, *(t for _, t in hint.alternatives))):
             raise InvalidTokens(f"token ids must be in [0, {vocab})")
         n, start = len(self.context), stream.hint_start
-        agrees = start <= n and stream.hint[:n - start] == self.context[start:n]
-        if hint.position == start + len(stream.hint) and agrees:
+        if hint.position == start + len(stream.hint) and self._agrees(stream):
             tokens = stream.hint + hint.tokens
         elif 0 <= hint.position <= n:
             stream.hint_start, tokens = hint.position, hint.tokens
@@ -341,12 +340,14 @@ class CloudSession:
         """The hinted tokens ahead of the context, if the hint agrees with the context up
         to there; else nothing."""
         stream = self.stream
-        if stream is None:
+        if stream is None or not self._agrees(stream):
             return ()
+        return stream.hint[len(self.context) - stream.hint_start:]
+
+    def _agrees(self, stream: Stream) -> bool:
+        """Whether ``stream``'s hint agrees with the context as far as both go."""
         n, start = len(self.context), stream.hint_start
-        if start > n or stream.hint[:n - start] != self.context[start:n]:
-            return ()
-        return stream.hint[n - start:]
+        return start <= n and stream.hint[:n - start] == self.context[start:n]
 
     def _verifiable(self, ahead: tuple[int, ...]) -> tuple[int, ...]:
         """The part of the hint ahead that one step of the generation under way may verify:
