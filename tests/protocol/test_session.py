@@ -10,13 +10,14 @@ import pytest
 
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.protocol import messages as m
+from spececd.protocol.cloud_session import CloudSession, Limits, State, VerifyRequest
+from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import (
     AuthFailed,
     IncompatibleModels,
     OutOfOrder,
     UnexpectedMessage,
 )
-from spececd.protocol.session import CloudSession, EdgeSession, Limits, State, VerifyRequest
 
 FP = m.Fingerprint(100, "f" * 64)
 LIMITS = Limits(max_draft=4, max_context=32, max_message_bytes=4096)
@@ -29,9 +30,25 @@ def hello(**kw: object) -> bytes:
     return m.encode(m.Hello(**fields))  # type: ignore[arg-type]
 
 
+def receive(session: CloudSession, frame: bytes) -> object:
+    """Feed one frame; what came of it: the request to run, the frame to send, or None
+    (a hint or a close). A frame never gives more than one of them."""
+    session.receive_data(frame)
+    out = [*session.events_received(), *session.data_to_send()]
+    assert len(out) <= 1, out
+    return out[0] if out else None
+
+
+def sent(session: CloudSession) -> bytes:
+    """The one frame the session queued to send since the last look."""
+    frames = session.data_to_send()
+    assert len(frames) == 1, frames
+    return frames[0]
+
+
 def ready(**kw: object) -> CloudSession:
     session = CloudSession(FP, LIMITS, **kw)  # type: ignore[arg-type]
-    reply = session.receive(hello(auth_token=kw.get("auth_token", "")))
+    reply = receive(session, hello(auth_token=kw.get("auth_token", "")))
     assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
     return session
 
@@ -55,11 +72,12 @@ def draft(seq: int, context_len: int, prefix: tuple[int, ...], tokens: tuple[int
 
 def test_hello_then_draft_gives_a_verify_request_and_a_verdict() -> None:
     session = ready()
-    request = session.receive(draft(1, 0, (1, 2, 3), (4, 5)))
+    request = receive(session, draft(1, 0, (1, 2, 3), (4, 5)))
     assert isinstance(request, VerifyRequest)
     assert request.context == (1, 2, 3) and request.tokens == (4, 5)
     assert request.mode is Mode.EXACT and request.params.seed == 5
-    verdict = m.decode(session.verdict(request, 1, 9, 0.01))
+    session.verdict(request, 1, 9, 0.01)
+    verdict = m.decode(sent(session))
     assert verdict == m.Verdict(1, 1, 9, 0.01)
     assert session.context == (1, 2, 3, 4, 9)
 
@@ -76,7 +94,7 @@ def test_hello_then_draft_gives_a_verify_request_and_a_verdict() -> None:
 ])
 def test_bad_handshakes_get_typed_errors(frame: bytes, code: str, fatal: bool) -> None:
     session = CloudSession(FP, LIMITS)
-    error = error_of(session.receive(frame))
+    error = error_of(receive(session, frame))
     assert (error.code, error.fatal) == (code, fatal)
     assert (session.state is State.CLOSED) == fatal
 
@@ -87,10 +105,10 @@ def test_bad_handshakes_get_typed_errors(frame: bytes, code: str, fatal: bool) -
 def test_the_welcome_says_whether_the_mode_is_lossy(mode: str, threshold: float,
                                                     temperature: float, lossy: bool) -> None:
     session = CloudSession(FP, LIMITS)
-    welcome = m.decode(session.receive(hello(mode=mode, threshold=threshold,  # type: ignore[arg-type]
+    welcome = m.decode(receive(session, hello(mode=mode, threshold=threshold,  # type: ignore[arg-type]
                                              temperature=temperature)))
     assert isinstance(welcome, m.Welcome) and welcome.lossy is lossy and session.lossy is lossy
-    request = session.receive(draft(1, 0, (1,), (2,)))
+    request = receive(session, draft(1, 0, (1,), (2,)))
     assert isinstance(request, VerifyRequest) and request.threshold == threshold
     # At temperature 0 the target is one-hot: threshold verification is greedy's.
     assert request.mode is (Mode(mode) if temperature else Mode.GREEDY)
@@ -101,7 +119,7 @@ def test_the_welcome_says_whether_the_mode_is_lossy(mode: str, threshold: float,
     ("match", 0.5)])
 def test_a_bad_threshold_is_refused_and_changes_nothing(mode: str, threshold: float) -> None:
     session = ready()
-    error = error_of(session.receive(hello(mode=mode, threshold=threshold)))
+    error = error_of(receive(session, hello(mode=mode, threshold=threshold)))
     assert error.code == "unexpected_message" and "threshold" in error.message
     assert (session.mode, session.threshold, session.lossy) == (Mode.EXACT, 0.0, False)
 
@@ -109,15 +127,15 @@ def test_a_bad_threshold_is_refused_and_changes_nothing(mode: str, threshold: fl
 def test_the_edge_greets_with_its_threshold() -> None:
     edge = EdgeSession(FP, Mode.THRESHOLD, SamplingParams(seed=1), threshold=0.2)
     session = CloudSession(FP, LIMITS)
-    welcome = edge.receive(session.receive(edge.hello()))  # type: ignore[arg-type]
+    welcome = edge.receive(receive(session, edge.hello()))  # type: ignore[arg-type]
     assert isinstance(welcome, m.Welcome) and welcome.lossy and session.threshold == 0.2
 
 
 def test_auth_token_is_required_and_checked() -> None:
     session = CloudSession(FP, LIMITS, auth_token="s3cret")
-    assert error_of(session.receive(hello())).code == "auth_failed"
+    assert error_of(receive(session, hello())).code == "auth_failed"
     session = CloudSession(FP, LIMITS, auth_token="s3cret")
-    assert error_of(session.receive(hello(auth_token="wrong"))).code == "auth_failed"
+    assert error_of(receive(session, hello(auth_token="wrong"))).code == "auth_failed"
     assert isinstance(ready(auth_token="s3cret"), CloudSession)
 
 
@@ -145,57 +163,61 @@ def test_auth_token_is_required_and_checked() -> None:
 ])
 def test_bad_drafts_are_rejected_and_the_session_survives(frame: bytes, code: str) -> None:
     session = ready()
-    error = error_of(session.receive(frame))
+    error = error_of(receive(session, frame))
     assert error.code == code and not error.fatal
-    assert isinstance(session.receive(draft(7, 0, (1, 2), (3,))), VerifyRequest)
+    assert isinstance(receive(session, draft(7, 0, (1, 2), (3,))), VerifyRequest)
 
 
 def test_retransmitted_draft_gets_the_same_verdict_without_reverifying() -> None:
     session = ready()
     frame = draft(1, 0, (1, 2), (3, 4))
-    request = session.receive(frame)
+    request = receive(session, frame)
     assert isinstance(request, VerifyRequest)
-    verdict = session.verdict(request, 2, 6, 0.0)
-    assert session.receive(frame) == verdict
+    session.verdict(request, 2, 6, 0.0)
+    verdict = sent(session)
+    assert receive(session, frame) == verdict
     assert session.context == (1, 2, 3, 4, 6)
 
 
 def test_sequence_numbers_must_increase() -> None:
     session = ready()
-    request = session.receive(draft(5, 0, (1,), (2,)))
+    request = receive(session, draft(5, 0, (1,), (2,)))
     assert isinstance(request, VerifyRequest)
     session.verdict(request, 0, 3, 0.0)
-    assert error_of(session.receive(draft(4, 2, (), (3,)))).code == "out_of_order"
+    assert isinstance(m.decode(sent(session)), m.Verdict)
+    assert error_of(receive(session, draft(4, 2, (), (3,)))).code == "out_of_order"
 
 
 def test_a_new_hello_starts_a_new_generation_on_the_connection() -> None:
     session = ready()
-    request = session.receive(draft(1, 0, (1, 2), (3,)))
+    request = receive(session, draft(1, 0, (1, 2), (3,)))
     assert isinstance(request, VerifyRequest)
     session.verdict(request, 1, 4, 0.0)
-    reply = session.receive(hello(seed=9, mode="match"))
+    assert isinstance(m.decode(sent(session)), m.Verdict)
+    reply = receive(session, hello(seed=9, mode="match"))
     assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
     assert session.context == () and session.params.seed == 9 and session.mode is Mode.MATCH
-    request = session.receive(draft(1, 0, (1, 2, 3, 4), (5,), None))  # seq starts again
+    request = receive(session, draft(1, 0, (1, 2, 3, 4), (5,), None))  # seq starts again
     assert isinstance(request, VerifyRequest) and request.context == (1, 2, 3, 4)
 
 
 def test_close_ends_the_session() -> None:
     session = ready()
-    assert session.receive(m.encode(m.Close())) is None
+    assert receive(session, m.encode(m.Close())) is None
     assert session.state is State.CLOSED
-    assert error_of(session.receive(draft(1, 0, (1,), (2,)))).code == "unexpected_message"
+    assert error_of(receive(session, draft(1, 0, (1,), (2,)))).code == "unexpected_message"
 
 
 def test_edge_and_cloud_sessions_talk_and_resume() -> None:
     params = SamplingParams(temperature=1.0, seed=3)
     edge = EdgeSession(FP, Mode.MATCH, params)
     cloud = CloudSession(FP, LIMITS)
-    edge.receive(cloud.receive(edge.hello()))  # type: ignore[arg-type]
+    edge.receive(receive(cloud, edge.hello()))  # type: ignore[arg-type]
     history = [1, 2, 3]
-    request = cloud.receive(edge.draft(history, (4, 5), None))
+    request = receive(cloud, edge.draft(history, (4, 5), None))
     assert isinstance(request, VerifyRequest) and request.context == (1, 2, 3)
-    verdict = edge.receive(cloud.verdict(request, 1, 8, 0.0))
+    cloud.verdict(request, 1, 8, 0.0)
+    verdict = edge.receive(sent(cloud))
     assert isinstance(verdict, m.Verdict)
     history += [4, 8]
     assert edge.server_len == 5
@@ -205,8 +227,8 @@ def test_edge_and_cloud_sessions_talk_and_resume() -> None:
     assert isinstance(decoded, m.Draft) and decoded.prefix == () and decoded.context_len == 5
     # A new server (restart): after hello the whole history travels again.
     cloud = CloudSession(FP, LIMITS)
-    edge.receive(cloud.receive(edge.hello()))  # type: ignore[arg-type]
-    request = cloud.receive(edge.draft(history, (9,), None))
+    edge.receive(receive(cloud, edge.hello()))  # type: ignore[arg-type]
+    request = receive(cloud, edge.draft(history, (9,), None))
     assert isinstance(request, VerifyRequest) and request.context == tuple(history)
 
 
@@ -227,15 +249,16 @@ def test_edge_raises_the_typed_error_it_receives() -> None:
 
 def streaming(max_tokens: int = 10, stops: tuple[int, ...] = ()) -> CloudSession:
     session = CloudSession(FP, LIMITS)
-    session.receive(hello(temperature=0.0))
-    request = session.receive(m.encode(m.Generate(1, 0, (1, 2, 3), max_tokens, stops)))
+    receive(session, hello(temperature=0.0))
+    request = receive(session, m.encode(m.Generate(1, 0, (1, 2, 3), max_tokens, stops)))
     assert request is not None and not isinstance(request, bytes)
     return session
 
 
 def step(session: CloudSession, accepted: int, token: int) -> m.Tokens:
     request = session.stream_step()
-    frame, done, *_ = session.tokens(request, accepted, token, 0.001)
+    done, *_ = session.tokens(request, accepted, token, 0.001)
+    frame = sent(session)
     message = m.decode(frame)
     assert isinstance(message, m.Tokens) and message.done == done
     return message
@@ -247,45 +270,45 @@ def test_a_hint_is_verified_from_the_position_the_server_has_reached() -> None:
     assert step(session, 0, 7).token_ids == (7,)
     # A hint drafted before the edge saw token 7: its first token is checked against what
     # was generated, the rest is verified.
-    assert session.receive(m.encode(m.Hint(3, (7, 8, 9)))) == b""
+    assert receive(session, m.encode(m.Hint(3, (7, 8, 9)))) is None
     assert session.stream_step().tokens == (8, 9)
     tokens = step(session, 2, 10)
     assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((8, 9, 10), 2, 2)
-    session.receive(m.encode(m.Hint(7, (11, 12))))
-    session.receive(m.encode(m.Hint(9, (13,))))  # continues the previous hint
+    receive(session, m.encode(m.Hint(7, (11, 12))))
+    receive(session, m.encode(m.Hint(9, (13,))))  # continues the previous hint
     assert session.stream_step().tokens == (11, 12, 13)
 
 
 def test_a_hint_the_target_contradicted_or_that_comes_too_late_is_dropped() -> None:
     session = streaming()
-    session.receive(m.encode(m.Hint(3, (5, 6))))
+    receive(session, m.encode(m.Hint(3, (5, 6))))
     step(session, 0, 4)  # verified 5, 6 and rejected 5: the target said 4
     assert session.stream_step().tokens == ()
-    session.receive(m.encode(m.Hint(9, (1,))))  # past a gap: ignored
+    receive(session, m.encode(m.Hint(9, (1,))))  # past a gap: ignored
     assert session.stream_step().tokens == ()
-    session.receive(m.encode(m.Hint(4, (6,) * 20)))  # more than one step can verify
+    receive(session, m.encode(m.Hint(4, (6,) * 20)))  # more than one step can verify
     assert session.stream_step().tokens == (6,) * LIMITS.max_draft
-    errors = session.receive(m.encode(m.Hint(4, (FP.vocab_size,))))
+    errors = receive(session, m.encode(m.Hint(4, (FP.vocab_size,))))
     assert error_of(errors).code == "invalid_tokens"
 
 
 def test_stream_steps_respect_the_budget_and_stop_tokens() -> None:
     session = streaming(max_tokens=4, stops=(9,))
-    session.receive(m.encode(m.Hint(3, (5, 6, 7, 8, 9))))
+    receive(session, m.encode(m.Hint(3, (5, 6, 7, 8, 9))))
     assert session.stream_step().tokens == (5, 6, 7)  # 3 drafts + 1 of its own = the budget
     session = streaming(max_tokens=10, stops=(6,))
-    session.receive(m.encode(m.Hint(3, (5, 6, 7))))
+    receive(session, m.encode(m.Hint(3, (5, 6, 7))))
     tokens = step(session, 3, 8)
     assert tokens.token_ids == (5, 6) and tokens.done and session.stream is None
-    assert session.receive(m.encode(m.Hint(5, (1,)))) == b""  # after the end: ignored
+    assert receive(session, m.encode(m.Hint(5, (1,)))) is None  # after the end: ignored
 
 
 def test_a_later_hello_on_the_connection_may_leave_the_fingerprint_out() -> None:
     session = CloudSession(FP, LIMITS)
-    first = session.receive(hello(fingerprint=m.SAME_FINGERPRINT))
+    first = receive(session, hello(fingerprint=m.SAME_FINGERPRINT))
     assert error_of(first).code == "incompatible_models"  # the first must carry it
     session = ready()
-    reply = session.receive(hello(fingerprint=m.SAME_FINGERPRINT, seed=9))
+    reply = receive(session, hello(fingerprint=m.SAME_FINGERPRINT, seed=9))
     assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
     edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=1))
     assert len(edge.hello(checked=True)) < len(edge.hello()) - 30
@@ -301,9 +324,9 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
     assert penalized.hello_message.extras.prompt_len == 5
     for edge in (plain, penalized):  # this server takes both
         session = CloudSession(FP, Limits())
-        assert isinstance(m.decode(session.receive(edge.hello())), m.Welcome)
+        assert isinstance(m.decode(receive(session, edge.hello())), m.Welcome)
     forged = m.encode(dataclasses.replace(penalized.hello_message, protocol_version=2))
-    error = m.decode(CloudSession(FP, Limits()).receive(forged))
+    error = m.decode(receive(CloudSession(FP, Limits()), forged))
     assert isinstance(error, m.Error) and error.code == "version_mismatch"
 
 
@@ -317,31 +340,32 @@ def tree_draft(seq: int, parents: tuple[int, ...], tokens: tuple[int, ...] = (4,
 
 def test_a_tree_round_trips_and_the_verdict_names_its_path() -> None:
     session = CloudSession(FP, LIMITS, trees=True)
-    welcome = m.decode(session.receive(hello()))
+    welcome = m.decode(receive(session, hello()))
     assert isinstance(welcome, m.Welcome) and welcome.trees
-    request = session.receive(tree_draft(1, (-1, -1, 1)))
+    request = receive(session, tree_draft(1, (-1, -1, 1)))
     assert isinstance(request, VerifyRequest) and request.parents == (-1, -1, 1)
-    verdict = m.decode(session.verdict(request, 2, 9, 0.01, (1, 2)))
+    session.verdict(request, 2, 9, 0.01, (1, 2))
+    verdict = m.decode(sent(session))
     assert verdict == m.Verdict(1, 2, 9, 0.01, (1, 2))
     assert session.context == (1, 2, 3, 6, 5, 9)  # the path's tokens, then the target's
 
 
 def test_trees_are_offered_to_protocol_4_edges_only_and_refused_unoffered() -> None:
     older = CloudSession(FP, LIMITS, trees=True)
-    welcome = m.decode(older.receive(hello(protocol_version=3)))
+    welcome = m.decode(receive(older, hello(protocol_version=3)))
     assert isinstance(welcome, m.Welcome) and not welcome.trees
-    assert error_of(older.receive(tree_draft(1, (-1, -1, 1)))).code == "unexpected_message"
+    assert error_of(receive(older, tree_draft(1, (-1, -1, 1)))).code == "unexpected_message"
     chains_only = ready()  # a target without tree attention
-    error = error_of(chains_only.receive(tree_draft(1, (-1, -1, 1))))
+    error = error_of(receive(chains_only, tree_draft(1, (-1, -1, 1))))
     assert error.code == "unexpected_message" and "chains only" in error.message
-    assert isinstance(chains_only.receive(draft(2, 0, (1, 2, 3), (4,))), VerifyRequest)
+    assert isinstance(receive(chains_only, draft(2, 0, (1, 2, 3), (4,))), VerifyRequest)
 
 
 @pytest.mark.parametrize("parents", [(-1, 0), (-1, 2, 0), (-2, -1, 0), (0, -1, 1)])
 def test_a_malformed_tree_is_a_malformed_frame(parents: tuple[int, ...]) -> None:
     session = CloudSession(FP, LIMITS, trees=True)
-    session.receive(hello())
-    assert error_of(session.receive(tree_draft(1, parents))).code == "malformed_frame"
+    receive(session, hello())
+    assert error_of(receive(session, tree_draft(1, parents))).code == "malformed_frame"
 
 
 def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
@@ -361,51 +385,52 @@ def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
 
 def test_a_hint_may_carry_a_small_tree_that_a_step_verifies_depth_by_depth() -> None:
     session = CloudSession(FP, LIMITS, trees=True)  # max_draft 4
-    session.receive(hello(temperature=0.0))
-    session.receive(m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
+    receive(session, hello(temperature=0.0))
+    receive(session, m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
     # Other candidates for the 1st and 3rd tokens (a duplicate of the hinted token and a
     # repeat are no nodes), then, continuing the hint, one for the 4th.
-    session.receive(m.encode(m.Hint(3, (5, 6, 7), ((0, 8), (0, 5), (2, 9), (2, 9)))))
-    session.receive(m.encode(m.Hint(6, (4,), ((0, 11),))))
+    receive(session, m.encode(m.Hint(3, (5, 6, 7), ((0, 8), (0, 5), (2, 9), (2, 9)))))
+    receive(session, m.encode(m.Hint(6, (4,), ((0, 11),))))
     request = session.stream_step()
     # Depth by depth, the hinted token then its alternatives, within max_draft nodes.
     assert (request.tokens, request.parents) == ((5, 8, 6, 7), (-1, -1, 0, 2))
     # The target's token at the 1st position is 8, an alternative: it is kept, and what the
     # hint drafted after 5 is spent.
-    frame, *_ = session.tokens(request, 1, 12, 0.001, (1,))
+    session.tokens(request, 1, 12, 0.001, (1,))
+    frame = sent(session)
     tokens = m.decode(frame)
     assert isinstance(tokens, m.Tokens)
     assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((8, 12), 3, 1)
     assert session.context == (1, 2, 3, 8, 12) and session.stream_step().tokens == ()
     # A new hint from there: alternatives of the contradicted one are gone.
-    session.receive(m.encode(m.Hint(5, (4, 4))))
+    receive(session, m.encode(m.Hint(5, (4, 4))))
     assert session.stream_step().parents is None
 
 
 def test_a_hint_after_a_contradicted_one_starts_afresh() -> None:
     session = streaming()
-    session.receive(m.encode(m.Hint(3, (5, 6))))
+    receive(session, m.encode(m.Hint(3, (5, 6))))
     step(session, 1, 4)  # kept 5, then the target said 4 where the hint said 6
     # The edge's new hint starts where the old one ended: it is a hint of its own, not a
     # continuation of the contradicted one.
-    session.receive(m.encode(m.Hint(5, (7, 8))))
+    receive(session, m.encode(m.Hint(5, (7, 8))))
     assert session.stream_step().tokens == (7, 8)
 
 
 def test_hint_alternatives_are_refused_where_trees_are_not_and_checked_on_the_wire() -> None:
     session = streaming()  # a target without tree attention
-    error = error_of(session.receive(m.encode(m.Hint(3, (5,), ((0, 8),)))))
+    error = error_of(receive(session, m.encode(m.Hint(3, (5,), ((0, 8),)))))
     assert error.code == "unexpected_message" and "chains only" in error.message
     trees = CloudSession(FP, LIMITS, trees=True)
-    trees.receive(hello(temperature=0.0))
-    trees.receive(m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
-    error = error_of(trees.receive(m.encode(m.Hint(3, (5,), ((0, FP.vocab_size),)))))
+    receive(trees, hello(temperature=0.0))
+    receive(trees, m.encode(m.Generate(1, 0, (1, 2, 3), 10, ())))
+    error = error_of(receive(trees, m.encode(m.Hint(3, (5,), ((0, FP.vocab_size),)))))
     assert error.code == "invalid_tokens"
     many = tuple((0, t) for t in range(10, 10 + LIMITS.max_draft + 1))
-    assert error_of(trees.receive(m.encode(m.Hint(3, (5,), many)))).code == "limit_exceeded"
+    assert error_of(receive(trees, m.encode(m.Hint(3, (5,), many)))).code == "limit_exceeded"
     for flat in ([0], [1, 8], [-1, 8]):  # not pairs; offsets outside the hint
         frame = msgpack.packb([m.Hint.TYPE, 3, [5], flat])
-        assert error_of(trees.receive(frame)).code == "malformed_frame"
+        assert error_of(receive(trees, frame)).code == "malformed_frame"
     # An edge sends alternatives to a protocol-5 server that takes trees only.
     for version, trees_on, sent in ((5, True, ((0, 8),)), (4, True, ()), (5, False, ())):
         edge = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=5), trees=True)
@@ -417,19 +442,19 @@ def test_an_engine_that_drafts_from_the_hint_itself_reports_what_it_kept() -> No
     """vLLM's engine proposes the hint inside its own step: the server is told the step's
     tokens, and counts the hint's tokens they begin with as accepted."""
     session = streaming(max_tokens=10)
-    session.receive(m.encode(m.Hint(3, (5, 6, 7))))
+    receive(session, m.encode(m.Hint(3, (5, 6, 7))))
     out = session.engine_tokens((5, 6, 4), 0.001)  # kept 5 and 6, then its own 4
-    tokens = m.decode(out.frame)
+    tokens = m.decode(sent(session))
     assert isinstance(tokens, m.Tokens)
     assert (tokens.token_ids, tokens.drafted, tokens.accepted) == ((5, 6, 4), 3, 2)
     assert (out.drafted, out.accepted, out.emitted, out.done) == (3, 2, 3, False)
     assert session.context == (1, 2, 3, 5, 6, 4) and session.stream_step().tokens == ()
     out = session.engine_tokens((9,), 0.001)  # no hint ahead: one token of its own
     assert (out.drafted, out.accepted, out.emitted) == (0, 0, 1)
-    session.receive(m.encode(m.Hint(7, (1, 2))))
+    receive(session, m.encode(m.Hint(7, (1, 2))))
     out = session.engine_tokens((1,), 0.001)  # a hint the step did not use: none kept
     assert (out.drafted, out.accepted) == (2, 0)
-    session.receive(m.encode(m.Hint(8, (3, 4))))
+    receive(session, m.encode(m.Hint(8, (3, 4))))
     out = session.engine_tokens((3, 4), 0.001, proposed=False)  # the engine had no hint
     assert (out.drafted, out.accepted, out.emitted) == (0, 0, 2)
 
@@ -439,7 +464,7 @@ def test_a_mode_or_setting_the_engine_cannot_serve_is_refused_at_the_hello() -> 
         return "no threshold here" if mode is Mode.THRESHOLD else ""
 
     session = CloudSession(FP, LIMITS, unsupported=unsupported)
-    error = error_of(session.receive(hello(mode="threshold", threshold=0.5)))
+    error = error_of(receive(session, hello(mode="threshold", threshold=0.5)))
     assert (error.code, error.fatal, error.message) == ("unsupported", True, "no threshold here")
     assert session.state is State.CLOSED
     ready(unsupported=unsupported)  # exact mode is served: welcomed

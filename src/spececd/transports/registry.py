@@ -6,7 +6,7 @@ opens. Each transport's module is imported only when used.
     grpc:// grpcs://  grpc        transports/grpc.py
     http:// https://  http        transports/http.py
 
-Every listener feeds the same :class:`~spececd.cloud.engine.Engine` on one event loop, so a
+Every listener feeds the same :class:`~spececd.cloud.engine.CloudService` on one event loop, so a
 server that opens several shares its sessions, batches, limits and metrics across them.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spececd.cloud.engine import Engine
+from spececd.cloud.engine import CloudService
 from spececd.errors import InputError
 from spececd.transports.base import Transport
 
@@ -66,7 +66,7 @@ class Listener:
         return f"{scheme}{'s' if tls else ''}://{self.host}:{port}"
 
 
-async def serve(engine: Engine, listeners: list[Listener], tls: tuple[str, str] | None = None,
+async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str, str] | None = None,
                 ready: Callable[[list[str]], None] | None = None) -> None:
     """Open every listener on this event loop and serve until cancelled; ``ready`` gets
     their URLs (with the ports they bound) once all are listening. ``tls``: the PEM

@@ -1,12 +1,11 @@
 """WebSocket transport: binary frames over the ``websockets`` library, both sides.
 
-Server: :func:`serve` puts an :class:`~spececd.cloud.engine.Engine` behind
+Server: :func:`serve` puts an :class:`~spececd.cloud.engine.CloudService` behind
 ``websockets.asyncio.server``. One connection is one engine link: each binary frame read
 goes into it, and every reply goes back as a binary frame. How the link ends decides the
 close code: 1000 when the session closed, 1001 after the idle timeout, 1013 when the
-server was full. Plain HTTP on the same port: ``GET /healthz`` (alive),
-``GET /readyz`` (200 while a session can be opened, else 503), ``GET /status`` (a JSON
-summary) and ``GET /metrics`` (Prometheus).
+server was full. Plain HTTP on the same port: the operators' endpoints of
+:mod:`spececd.transports.ops` (health, readiness, status, metrics, the tokenizer).
 
 Client: :class:`WebSocketTransport` is a blocking transport for the edge loop. Every way
 the link can fail (refused, reset, closed, timed out) surfaces as ``ConnectionError``, which
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
@@ -32,8 +30,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
-from spececd.backends import bundle
-from spececd.cloud.engine import Ending, Engine
+from spececd.cloud.engine import CloudService, Ending
+from spececd.transports import ops
 from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.tls import client_ssl_context, server_ssl_context
 
@@ -44,35 +42,16 @@ __all__ = ["WebSocketTransport", "client_ssl_context", "serve", "server_ssl_cont
 WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the socket refuses
 
 
-def _http_handler(engine: Engine) -> Callable[[ServerConnection, Request],
-                                                      Response | None]:
+def _http_handler(engine: CloudService) -> Callable[[ServerConnection, Request],
+                                                    Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
-        if request.path == "/healthz":
-            if engine.alive():
-                return connection.respond(HTTPStatus.OK, "ok\n")
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "engine failed\n")
-        if request.path == "/readyz":
-            if engine.ready():
-                return connection.respond(HTTPStatus.OK, "ready\n")
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "full\n")
-        if request.path == "/metrics":
-            body = engine.metrics.exposition()
-            return Response(HTTPStatus.OK, "OK", Headers([
-                ("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
-                ("Content-Length", str(len(body)))]), body)
-        if request.path in (bundle.PATH, bundle.PATH + "/fingerprint"):
-            data = (engine.tokenizer_bundle() if request.path == bundle.PATH
-                    else bundle.fingerprint_json(engine.fingerprint))
-            if data is None:
-                return connection.respond(HTTPStatus.NOT_FOUND, bundle.NOT_EXPORTABLE)
-            return Response(HTTPStatus.OK, "OK", Headers([
-                ("Content-Type", "application/json" if request.path != bundle.PATH
-                 else "application/vnd.msgpack"), ("Content-Length", str(len(data)))]), data)
-        if request.path == "/status":
-            response = connection.respond(HTTPStatus.OK, json.dumps(engine.status()) + "\n")
-            response.headers["Content-Type"] = "application/json"
-            return response
-        return None  # a WebSocket upgrade
+        endpoint = ops.BY_PATH.get(request.path)
+        if endpoint is None:
+            return None  # a WebSocket upgrade
+        reply = endpoint.answer(engine)
+        return Response(reply.status, HTTPStatus(reply.status).phrase, Headers([
+            ("Content-Type", reply.content_type), ("Content-Length", str(len(reply.body)))]),
+            reply.body)
 
     return process_request
 
@@ -82,7 +61,7 @@ CLOSE_CODES = {Ending.CLOSED: (1000, "session closed"), Ending.IDLE: (1001, "idl
                Ending.DRAINED: (1012, "server shutting down")}
 
 
-def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
+def _handler(engine: CloudService) -> Callable[[ServerConnection], Awaitable[None]]:
     async def handle(ws: ServerConnection) -> None:
         async def frames() -> AsyncIterator[bytes]:
             with contextlib.suppress(ConnectionClosed):  # the client left: the stream ends
@@ -99,7 +78,7 @@ def _handler(engine: Engine) -> Callable[[ServerConnection], Awaitable[None]]:
     return handle
 
 
-async def serve(engine: Engine, host: str, port: int, tls: tuple[str, str] | None = None,
+async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
                 ready: Callable[[int], None] | None = None) -> None:
     """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
     the port bound (``port`` 0: any free one)."""

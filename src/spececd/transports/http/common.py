@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spececd.cloud.engine import Engine
+from spececd.cloud.engine import CloudService
 from spececd.protocol.errors import (
     AuthFailed,
     LimitExceeded,
@@ -75,7 +75,7 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status, headers)
 
 
-def answer_errors(app: FastAPI, engine: Engine) -> None:
+def answer_errors(app: FastAPI, engine: CloudService) -> None:
     """Answer every error ``app`` raises in the typed shape."""
 
     async def typed(request: Request, exc: Exception) -> Response:
@@ -108,7 +108,7 @@ class BodyLimit:
     ``limit_exceeded`` error, unread when it declares its length, else as soon as it has
     grown past the limit."""
 
-    def __init__(self, app: ASGIApp, limit: int, engine: Engine) -> None:
+    def __init__(self, app: ASGIApp, limit: int, engine: CloudService) -> None:
         self.app, self.limit, self.engine = app, limit, engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -138,15 +138,15 @@ class BodyLimit:
                 f"limit of {self.limit}")
 
 
-async def _engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
+async def _engine(request: Request) -> CloudService:
+    engine: CloudService = request.app.state.engine
     return engine
 
 
 _bearer = HTTPBearer(auto_error=False, description="the server's auth token, when it has one")
 
 
-async def _token(engine: Annotated[Engine, Depends(_engine)],
+async def _token(engine: Annotated[CloudService, Depends(_engine)],
                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
                  ) -> str:
     """The bearer token, checked against the engine's (none needed when it has none)."""
@@ -160,5 +160,5 @@ async def _token(engine: Annotated[Engine, Depends(_engine)],
 
 # Every route and dependency is a coroutine: FastAPI runs plain functions on a thread
 # pool, and the engine is used from its event loop only.
-EngineDep = Annotated[Engine, Depends(_engine)]
+EngineDep = Annotated[CloudService, Depends(_engine)]
 TokenDep = Annotated[str, Depends(_token)]  # an authorized request's token

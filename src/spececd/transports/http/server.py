@@ -2,9 +2,9 @@
 
 :func:`create_app` builds the FastAPI app for an engine (its OpenAPI schema describes every
 endpoint); :func:`serve` runs it with uvicorn on the caller's event loop until cancelled.
-Plain HTTP next to the API, as on the WebSocket server: ``GET /healthz`` (alive),
-``GET /readyz`` (200 while a session can be opened, else 503), ``GET /status`` (a JSON
-summary) and ``GET /metrics`` (Prometheus); these need no token.
+Plain HTTP next to the API, as on the WebSocket server: the operators' endpoints of
+:mod:`spececd.transports.ops` (health, readiness, status, metrics, the tokenizer); these
+need no token.
 """
 
 from __future__ import annotations
@@ -13,78 +13,49 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Response
-from fastapi.responses import PlainTextResponse
 
-from spececd.backends import bundle
-from spececd.cloud.engine import Engine
+from spececd.cloud.engine import CloudService
 from spececd.protocol import messages as m
+from spececd.transports import ops
 from spececd.transports.http import links, sessions
 from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors
 from spececd.transports.tls import server_ssl_context
 
 KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
 
-ops = APIRouter(tags=["operations"])
+def _route(endpoint: ops.Endpoint) -> Callable[[CloudService], Awaitable[Response]]:
+    async def route(engine: EngineDep) -> Response:
+        reply = endpoint.answer(engine)
+        return Response(reply.body, reply.status, media_type=reply.content_type)
+
+    return route
 
 
-@ops.get("/healthz", response_class=PlainTextResponse,
-         responses={503: {"description": "the engine has failed: restart the server"}})
-async def healthz(engine: EngineDep) -> PlainTextResponse:
-    """Alive: 200 while the engine can serve."""
-    if engine.alive():
-        return PlainTextResponse("ok\n")
-    return PlainTextResponse("engine failed\n", 503)
+def _ops_router() -> APIRouter:
+    """The operators' endpoints (:mod:`spececd.transports.ops`) as routes."""
+    router = APIRouter(tags=["operations"])
+    for endpoint in ops.ENDPOINTS:
+        failure: dict[int | str, dict[str, Any]] | None = (
+            {endpoint.failure_status: {"description": endpoint.failure}}
+            if endpoint.failure else None)
+        router.add_api_route(endpoint.path, _route(endpoint), methods=["GET"],
+                             summary=endpoint.summary, response_class=Response,
+                             responses=failure)
+    return router
 
 
-@ops.get("/readyz", response_class=PlainTextResponse,
-         responses={503: {"description": "full: no session can be opened now"}})
-async def readyz(engine: EngineDep) -> PlainTextResponse:
-    """200 while a session can be opened."""
-    if engine.ready():
-        return PlainTextResponse("ready\n")
-    return PlainTextResponse("full\n", 503)
-
-
-@ops.get("/status")
-async def status(engine: EngineDep) -> dict[str, Any]:
-    """Sessions, KV cache, evictions, errors by code, uptime and model."""
-    return engine.status()
-
-
-@ops.get(bundle.PATH + "/fingerprint")
-async def tokenizer_fingerprint(engine: EngineDep) -> Response:
-    """The target tokenizer's fingerprint (what the handshake compares)."""
-    return Response(bundle.fingerprint_json(engine.fingerprint), media_type="application/json")
-
-
-@ops.get(bundle.PATH, responses={404: {"description": "the tokenizer cannot be exported"}})
-async def tokenizer(engine: EngineDep) -> Response:
-    """The target's tokenizer (a msgpack bundle), for edges whose draft has another."""
-    data = engine.tokenizer_bundle()
-    if data is None:
-        return PlainTextResponse(bundle.NOT_EXPORTABLE, 404)
-    return Response(data, media_type="application/vnd.msgpack")
-
-
-@ops.get("/metrics", response_class=PlainTextResponse)
-async def metrics(engine: EngineDep) -> Response:
-    """Prometheus metrics."""
-    return Response(engine.metrics.exposition(),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: CloudService) -> FastAPI:
     app = FastAPI(title="SpecECD verifier", version=str(m.PROTOCOL_VERSION),
                   summary="Lossless speculative decoding: the cloud's verifier", redoc_url=None)
     app.state.engine = engine
     app.state.links = links.Links(engine)
     app.state.sessions = sessions.Sessions(engine)
-    for router in (links.router, sessions.router, ops):
+    for router in (links.router, sessions.router, _ops_router()):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=engine.limits.max_message_bytes, engine=engine)
     answer_errors(app, engine)
@@ -129,7 +100,7 @@ class _Server(uvicorn.Server):
         yield  # the caller's event loop owns the signals: cancel serve() to stop
 
 
-async def serve(engine: Engine, host: str, port: int,
+async def serve(engine: CloudService, host: str, port: int,
                 tls: tuple[str, str] | ssl.SSLContext | None = None,
                 ready: Callable[[int], None] | None = None) -> None:
     """Serve until cancelled. ``tls``: PEM certificate and key, or a server SSL context

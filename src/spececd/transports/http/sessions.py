@@ -9,7 +9,7 @@
     DELETE /v1/sessions/{id}           -> 204
 
 The server keeps each session's history (what was prefilled, then every verdict's tokens)
-and passes it whole to :class:`~spececd.cloud.unary.UnarySessions`, which feeds the target
+and passes it whole to :class:`~spececd.transports.unary.UnarySessions`, which feeds the target
 only what its KV cache lacks; so the limits, typed errors, batching and metrics are the
 engine's. A session idle for the engine's idle timeout is forgotten (404: create another
 and prefill its history). In exact mode a draft needs ``draft_probs``, the sparse
@@ -30,11 +30,11 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from spececd.cloud.engine import Engine
-from spececd.cloud.unary import UnaryParams, UnarySessions
+from spececd.cloud.engine import CloudService
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import InvalidProbabilities, OutOfOrder, ServerBusy, UnknownSession
 from spececd.transports.http.common import ERRORS, HttpError, TokenDep
+from spececd.transports.unary import UnaryParams, UnarySessions
 
 # Token ids are bounded here only so that they encode; the engine checks the vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=2**32, description="a token id of the target's "
@@ -122,7 +122,7 @@ class JsonSession:
 class Sessions:
     """The JSON sessions of one engine, by their unguessable ids."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: CloudService) -> None:
         self.engine = engine
         self.unary = UnarySessions(engine)
         self.sessions: dict[str, JsonSession] = {}

@@ -1,0 +1,131 @@
+"""The drafter's side of a session, sans-I/O: it numbers drafts, tracks what context the
+server holds, and turns received frames into messages (or raises the
+:class:`~spececd.protocol.errors.ProtocolError` an ``Error`` frame names).
+
+The edge holds the authoritative token history; the server's context is only a cache of
+it. A draft says how much of it it builds on (``context_len``) and what to append first
+(``prefix``), so after a lost verdict, a reconnect or a server restart the edge re-sends
+and the result is the same. It never awaits and never touches a model or a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.protocol import messages as m
+from spececd.protocol.errors import UnexpectedMessage, error_for_code
+
+
+def _is_path(path: tuple[int, ...], parents: tuple[int, ...], length: int) -> bool:
+    """Whether ``path`` is ``length`` nodes of the tree ``parents``, each the child of the
+    one before, the first a child of the root."""
+    return len(path) == length and all(
+        0 <= node < len(parents) and parents[node] == (path[j - 1] if j else -1)
+        for j, node in enumerate(path))
+
+
+class EdgeSession:
+    """The drafter's side of one session: numbers drafts and tracks what the server holds.
+
+    The caller keeps the authoritative token history and passes it to :meth:`draft`; the
+    session sends only what the server lacks. After :meth:`hello` (a new connection, or a
+    server that lost its state) the server holds nothing, so the next draft carries the
+    whole history.
+    """
+
+    def __init__(self, fingerprint: m.Fingerprint, mode: Mode, params: SamplingParams,
+                 auth_token: str = "", threshold: float = 0.0, trees: bool = False) -> None:
+        """``trees``: ask for token trees (a protocol-4 hello; the welcome says whether
+        the server verifies them)."""
+        if params.seed is None:
+            raise ValueError("the edge session needs a concrete seed")
+        counts_output = bool(params.presence_penalty or params.frequency_penalty)
+        extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
+                                  params.frequency_penalty, params.min_p,
+                                  params.prompt_len if counts_output else 0, params.logit_bias)
+        # The lowest version that carries what is asked, so that older servers still serve.
+        version = 4 if trees else 3 if extras != m.SamplingExtras() else 2
+        self.hello_message = m.Hello(version, fingerprint, mode.value,
+                                     params.temperature, params.top_k, params.top_p,
+                                     params.seed, auth_token, threshold, extras)
+        self.welcome: m.Welcome | None = None
+        self.server_len = 0  # tokens of the edge's history the server holds
+        self._seq = 0
+        self._pending: m.Draft | m.Generate | None = None
+
+    def hello(self, checked: bool = False) -> bytes:
+        """The greeting; ``checked``: this connection already carried a hello whose
+        fingerprint the server accepted, so this one leaves it out."""
+        self.welcome, self.server_len, self._pending = None, 0, None
+        if checked:
+            return m.encode(dataclasses.replace(self.hello_message,
+                                                fingerprint=m.SAME_FINGERPRINT))
+        return m.encode(self.hello_message)
+
+    @property
+    def trees(self) -> bool:
+        """Whether the server took this session's offer of token trees."""
+        return self.welcome is not None and self.welcome.trees
+
+    def draft(self, history: tuple[int, ...] | list[int], tokens: tuple[int, ...],
+              draft_probs: tuple[SparseProbs, ...] | None,
+              parents: tuple[int, ...] | None = None) -> bytes:
+        """The frame for a draft of ``tokens`` (a tree with ``parents``; see
+        :class:`~spececd.protocol.messages.Draft`) continuing ``history``."""
+        self._seq += 1
+        self._pending = m.Draft(self._seq, self.server_len, tuple(history[self.server_len:]),
+                                tokens, draft_probs, parents)
+        return m.encode(self._pending)
+
+    def generate(self, history: tuple[int, ...] | list[int], max_tokens: int,
+                 stop_token_ids: tuple[int, ...]) -> bytes:
+        """The frame asking the server to generate up to ``max_tokens`` itself."""
+        self._seq += 1
+        self._pending = m.Generate(self._seq, self.server_len,
+                                   tuple(history[self.server_len:]), max_tokens, stop_token_ids)
+        self.server_len = len(history)
+        return m.encode(self._pending)
+
+    def hint(self, position: int, tokens: tuple[int, ...] | list[int],
+             alternatives: tuple[tuple[int, int], ...] = ()) -> bytes:
+        """The frame offering drafted ``tokens`` for positions from ``position`` on to the
+        cloud-only generation under way, and other candidates for some of them where the
+        server takes them (see :class:`~spececd.protocol.messages.Hint`)."""
+        return m.encode(m.Hint(position, tuple(tokens),
+                               alternatives if self.hint_trees else ()))
+
+    @property
+    def hint_trees(self) -> bool:
+        """Whether the server takes alternatives in hints (trees, protocol 5)."""
+        return self.trees and self.welcome is not None and self.welcome.protocol_version >= 5
+
+    def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
+        message = m.decode(frame)
+        if isinstance(message, m.Error):
+            raise error_for_code(message.code, message.message)
+        if isinstance(message, m.Welcome) and self.welcome is None:
+            self.welcome = message
+            return message
+        pending = self._pending
+        if isinstance(message, m.Verdict) and isinstance(pending, m.Draft) \
+                and message.seq == pending.seq:
+            if not 0 <= message.num_accepted <= len(pending.tokens):
+                raise UnexpectedMessage(f"verdict accepts {message.num_accepted} of "
+                                        f"{len(pending.tokens)} drafted tokens")
+            if (message.path is None) != (pending.parents is None) or (
+                    message.path is not None and not _is_path(
+                        message.path, pending.parents or (), message.num_accepted)):
+                raise UnexpectedMessage(f"verdict's path {message.path} is not a path of "
+                                        f"{message.num_accepted} nodes from the draft's root")
+            self.server_len = (pending.context_len + len(pending.prefix)
+                               + message.num_accepted + 1)
+            self._pending = None
+            return message
+        if isinstance(message, m.Tokens) and isinstance(pending, m.Generate) \
+                and message.seq == pending.seq:
+            self.server_len += len(message.token_ids)
+            if message.done:
+                self._pending = None
+            return message
+        raise UnexpectedMessage(f"unexpected {type(message).__name__} from the server")
