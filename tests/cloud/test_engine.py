@@ -16,17 +16,11 @@ import pytest
 pytest.importorskip("torch")
 
 from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
-from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Ending, Engine, EnginePolicy
 from spececd.protocol import messages as m
-from tests.e2e.test_inprocess import hf_greedy
+from tests.reference import hf_greedy
 
 PROMPT = (5, 17, 42, 99, 3)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
 
 
 def hello(backend: Backend, mode: str = "match", temperature: float = 0.0) -> bytes:

@@ -34,7 +34,6 @@ from spececd.backends.base import (  # noqa: E402
     Extend,
     tokenizer_fingerprint,
 )
-from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
@@ -47,8 +46,8 @@ from spececd.transports.http import HttpTransport, serve  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 from tests.fuzz import mutate  # noqa: E402
+from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 
 class ThreadServer:
@@ -105,16 +104,6 @@ class ThreadServer:
 def error_code(body: bytes) -> str:
     code: str = json.loads(body)["error"]["code"]
     return code
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
