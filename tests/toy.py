@@ -21,6 +21,7 @@ This module imports no torch: ``tests/test_toy.py`` checks that.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -122,6 +123,8 @@ class ToySequence:
         rows = [backend.model.row(ids[p] if p >= 0 else last, ids[j], start + int(depth[j]) - 1)
                 for j, p in enumerate(parents)]
         backend.calls.append(n)
+        if backend.pass_s:
+            time.sleep(backend.pass_s)
         self._tokens.extend(ids)
         logits = np.stack(rows) if rows else np.zeros((0, VOCAB), dtype=np.float32)
         return logits[n - keep:]
@@ -135,13 +138,15 @@ class ToySequence:
 
 class ToyBackend(Backend):
     """A :class:`~spececd.backends.base.Backend` over a :class:`ToyModel`. ``calls``: the
-    number of tokens each ``extend`` fed, in order (to check what a cache re-feeds)."""
+    number of tokens each ``extend`` fed, in order (to check what a cache re-feeds).
+    ``pass_s``: seconds each ``extend`` sleeps, for a target as slow as a real one next to
+    the edge (stream drafting's hints then reach the server before its next step)."""
 
     name = "toy"
     tree_attention = True
 
-    def __init__(self, model: ToyModel, max_context: int = 4096) -> None:
-        self.model = model
+    def __init__(self, model: ToyModel, max_context: int = 4096, pass_s: float = 0.0) -> None:
+        self.model, self.pass_s = model, pass_s
         self.description = f"toy model (seed {model.seed}, numpy)"
         self.vocab_size = VOCAB
         self.max_context = max_context
