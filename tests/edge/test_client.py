@@ -15,7 +15,7 @@ from spececd.core.sampling import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
-from spececd.edge.options import EdgeOptions, Proactive
+from spececd.edge.options import EdgeOptions
 from spececd.transports.memory import LocalServer, local_verifier
 from tests.toy import ToyBackend, greedy, toy_pair
 
