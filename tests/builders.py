@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (transformers and tokenizers ship without complete type hints)
 """Builders of the tiny models tests use, offline: random-init models of real
 architectures with a byte-level BPE tokenizer trained on a few standard-library files, and
 a pair over a 10-word vocabulary; and where the default pair lives. The fixtures that build

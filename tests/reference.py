@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (transformers and tokenizers ship without complete type hints)
 """What tests compare SpecECD's output against, shared by the test modules that need it:
 transformers' own greedy generation, the exact distribution of a pair of sampled tokens,
 the prompts the end-to-end tests use, and the logits tolerance of the backend suites.

@@ -83,7 +83,8 @@ class ToyModel:
         if other is not None and \
                 _mix(previous, token, position, 0xA9) % 10_000 < self.agreement * 10_000:
             return other.row(previous, token, position)
-        return self.table[_mix(self.seed, previous, token, position) % ROWS]
+        row: np.ndarray = self.table[_mix(self.seed, previous, token, position) % ROWS]
+        return row
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:  # [len(tokens), vocab]
         """A fresh pass over ``tokens``: the conformance suite's reference."""

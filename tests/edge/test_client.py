@@ -123,9 +123,8 @@ def test_sampled_speculation_by_match_is_the_targets_own_sample(
     draft, _ = toy
     edge = client(draft, verifier, mode="match", k=4, proactive=proactive)
     for seed in (3, 4):
-        sampled = dict(temperature=1.0, seed=seed)
-        alone = generate(edge, PROMPTS[0], cloud_only=True, **sampled)
-        assert generate(edge, PROMPTS[0], **sampled) == alone
+        alone = generate(edge, PROMPTS[0], cloud_only=True, temperature=1.0, seed=seed)
+        assert generate(edge, PROMPTS[0], temperature=1.0, seed=seed) == alone
     assert generate(edge, PROMPTS[0], temperature=1.0, seed=3) != \
         generate(edge, PROMPTS[0], temperature=1.0, seed=4)  # the seed has an effect
     edge.close()

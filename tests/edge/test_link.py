@@ -18,6 +18,7 @@ from spececd.edge.drafter import Drafter
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import EdgeOptions, Reconnect
 from spececd.protocol import messages as m
+from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer, MemoryTransport, local_verifier
 from tests.toy import ToyBackend, greedy
 
@@ -26,39 +27,22 @@ N = 30
 NO_WAIT = Reconnect(attempts=3, delay=0.0, max_delay=0.0, timeout=30.0)
 
 
-class Scripted:
-    """A transport to ``server`` that records every frame it sends (decoded) and raises
+class Scripted(MemoryTransport):
+    """A link to ``server`` that records every frame it sends (decoded) and raises
     ``ConnectionError`` on its ``fail_at``-th send (0: never), as a dropped connection
-    does; the frame is then lost."""
+    does; that frame is lost."""
 
     def __init__(self, server: LocalServer, fail_at: int = 0) -> None:
-        self._inner = MemoryTransport(server)
+        super().__init__(server)
         self.fail_at = fail_at
         self.sent: list[m.Message] = []
 
-    @property
-    def bytes_sent(self) -> int:
-        return self._inner.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self._inner.bytes_received
-
     def send(self, frame: bytes) -> None:
         if len(self.sent) + 1 == self.fail_at:
-            self._inner.close()
+            self.close()
             raise ConnectionError("scripted: the connection dropped")
         self.sent.append(m.decode(frame))
-        self._inner.send(frame)
-
-    def recv(self) -> bytes:
-        return self._inner.recv()
-
-    def poll(self) -> bytes | None:
-        return self._inner.poll()
-
-    def close(self) -> None:
-        self._inner.close()
+        super().send(frame)
 
 
 @pytest.fixture()
@@ -71,7 +55,7 @@ def servers(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[list[LocalServer]]:
         server.close()
 
 
-def edge(draft: ToyBackend, connect: Callable[[], Scripted | MemoryTransport],
+def edge(draft: ToyBackend, connect: Callable[[], Transport],
          **options: object) -> EdgeClient:
     fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
     return EdgeClient(Drafter(draft), connect, fingerprint, draft.max_context,
