@@ -248,7 +248,8 @@ def test_llama_cpps_own_speculation_runs_as_a_bench_peer(gguf: dict[str, Path]) 
     result = SpeculativeBinaryRunner({
         "binary": binary, "target": str(gguf["llama"]), "draft": str(gguf["draft"]),
         "max_tokens": 16, "temperature": 0, "threads": 1}).run(PROMPTS[0], 0)
-    assert result["tokens"] >= 16 and result["wall_s"] > 0
+    # How wall_s is read from the binary's log: tests/bench/test_speculative_binary.py.
+    assert result["tokens"] >= 16
     assert result["llama_stats"]["drafted"] > 0
 
 
