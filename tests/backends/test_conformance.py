@@ -153,6 +153,7 @@ def test_sync_keeps_the_shared_prefix() -> None:
 
 
 def test_unknown_model_path_is_an_input_error(tmp_path: Path) -> None:
+    pytest.importorskip("torch")  # without it, the error says to install it
     from spececd.backends.registry import load_backend
 
     with pytest.raises(InputError, match="not found"):
