@@ -24,8 +24,16 @@ def toy() -> tuple[ToyBackend, ToyBackend]:
     return toy_pair(agreement=0.7)
 
 
+def needs_hf() -> None:
+    """Skip a test whose models are built with torch and transformers where they are not
+    installed (the toy pair needs neither)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
+    needs_hf()
     return train_tokenizer(512)
 
 
@@ -44,7 +52,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dic
 @pytest.fixture(scope="module")
 def target(tiny_models: dict[str, Path]) -> Any:
     """The tiny Llama, loaded by the transformers backend (CPU, float32)."""
-    pytest.importorskip("torch")
     from spececd.backends.registry import load_backend
 
     return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
@@ -53,7 +60,6 @@ def target(tiny_models: dict[str, Path]) -> Any:
 @pytest.fixture(scope="module")
 def draft(tiny_models: dict[str, Path]) -> Any:
     """The tiny Llama draft, loaded by the transformers backend (CPU, float32)."""
-    pytest.importorskip("torch")
     from spececd.backends.registry import load_backend
 
     return load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
@@ -63,6 +69,7 @@ def draft(tiny_models: dict[str, Path]) -> Any:
 def other_tokenizer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama whose tokenizer differs from the others: another size, and merges
     learnt from other files."""
+    needs_hf()
     root = tmp_path_factory.mktemp("other")
     other = train_tokenizer(400, files=("heapq.py", "fnmatch.py", "csv.py"))
     return build_model("llama", root / "llama", other, seed=4)
@@ -71,4 +78,5 @@ def other_tokenizer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A draft and a target over a 10-word vocabulary, for exact distribution tests."""
+    needs_hf()
     return vocab_pair(tmp_path_factory.mktemp("tinyvocab"))
