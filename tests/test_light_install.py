@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODELS, REPO, requires_default_pair
+from tests.builders import MODELS, REPO, requires_default_pair
 
 pytest.importorskip("torch")  # the server side needs the full environment
 

@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 
 from spececd.backends.base import Backend, Extend  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
-from tests.backends.test_conformance import TOLERANCE  # noqa: E402
-from tests.conftest import MODELS  # noqa: E402
+from tests.builders import MODELS  # noqa: E402
+from tests.reference import LOGIT_TOLERANCE as TOLERANCE  # noqa: E402
 
 DRAFT = MODELS / "draft"
 KV_ELEMENT_BYTES = {"hf": 4, "llama.cpp": 2}  # float32 weights and cache; llama.cpp's f16

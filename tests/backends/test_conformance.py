@@ -1,38 +1,64 @@
 """Backend conformance: after any sequence of extend/truncate calls, ``extend`` returns the
 logits a fresh forward pass over the same tokens gives.
 
+Runs over the torch-free toy backend (:mod:`tests.toy`, whose fresh pass is its slow
+reference ``ToyModel.forward``) and, where torch is installed, the transformers backend on
+tiny Llama, Qwen2 and GPT-2 models.
+
 Tolerance: float32 on CPU, max |difference| <= 1e-4 in logits (measured ~3e-7 on the
-tiny models; incremental and full passes differ only by floating-point summation order).
+tiny models; incremental and full passes differ only by floating-point summation order;
+the toy's are equal).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from spececd.backends.base import Backend, Extend, sync
+from spececd.core.verify import tree_paths
+from spececd.errors import InputError
+from tests.reference import LOGIT_TOLERANCE as TOLERANCE
+from tests.toy import ToyBackend, ToyModel
 
-from spececd.backends.base import Extend, sync  # noqa: E402
-from spececd.backends.registry import load_backend  # noqa: E402
-from spececd.core.verify import tree_paths  # noqa: E402
-from spececd.errors import InputError  # noqa: E402
-
-TOLERANCE = 1e-4
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
-def fresh_logits(backend: object, tokens: list[int]) -> np.ndarray:
+@dataclass(frozen=True)
+class Subject:
+    """A backend under test and its reference: a fresh forward pass over some tokens,
+    ``[len(tokens), vocab]``."""
+
+    backend: Backend
+    fresh: Callable[[list[int]], np.ndarray]
+
+
+@pytest.fixture(params=["toy", *ARCHS])
+def subject(request: pytest.FixtureRequest) -> Subject:
+    if request.param == "toy":
+        toy = ToyBackend(ToyModel(seed=5))
+        return Subject(toy, toy.model.forward)
+    torch = pytest.importorskip("torch")
+    from spececd.backends.registry import load_backend
+
+    tiny_models: dict[str, Path] = request.getfixturevalue("tiny_models")
+    backend = load_backend(str(tiny_models[request.param]), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float().numpy()  # type: ignore[no-any-return]
+
+    def fresh(tokens: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([tokens])).logits[0].float().numpy()  # type: ignore[no-any-return]
+
+    return Subject(backend, fresh)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_extend_truncate_match_a_fresh_forward(arch: str, tiny_models: dict[str, Path]) -> None:
-    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
-    rng = np.random.default_rng(hash(arch) % 2**32)
+def test_extend_truncate_match_a_fresh_forward(subject: Subject) -> None:
+    backend = subject.backend
+    rng = np.random.default_rng(len(backend.description))
     tokens = [int(t) for t in rng.integers(0, backend.vocab_size, size=120)]
     seq = backend.new_sequence()
     worst = 0.0
@@ -47,12 +73,12 @@ def test_extend_truncate_match_a_fresh_forward(arch: str, tiny_models: dict[str,
         keep = int(rng.integers(0, add + 1)) if rng.random() < 0.5 else None
         logits = seq.extend(new, keep=keep)
         assert seq.tokens == tokens[:n + add]
-        expected = fresh_logits(backend, tokens[:n + add])[n:]
+        expected = subject.fresh(tokens[:n + add])[n:]
         expected = expected if keep is None else expected[add - keep:]
         assert logits.shape == expected.shape
         if logits.size:
             worst = max(worst, float(np.abs(logits - expected).max()))
-    print(f"{arch}: max |logit difference| {worst:.2e}")
+    print(f"{backend.description}: max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
 
 
@@ -62,12 +88,10 @@ def random_tree(rng: np.random.Generator, n: int, first: int = -1) -> list[int]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_tree_extend_gives_each_node_its_paths_logits(arch: str,
-                                                        tiny_models: dict[str, Path]) -> None:
+def test_a_tree_extend_gives_each_node_its_paths_logits(subject: Subject) -> None:
     """Each node of a tree sees the cache and its ancestors only; keeping one path
     (a gather) leaves the cache a fresh forward over that path would build."""
-    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+    backend = subject.backend
     assert backend.tree_attention
     rng = np.random.default_rng(11)
     worst = 0.0
@@ -81,7 +105,7 @@ def test_a_tree_extend_gives_each_node_its_paths_logits(arch: str,
         logits = seq.extend(ids, parents=parents)
         paths = tree_paths(parents)
         for node, path in enumerate(paths):
-            expected = fresh_logits(backend, [*prefix, *(ids[i] for i in path)])[-1]
+            expected = subject.fresh([*prefix, *(ids[i] for i in path)])[-1]
             worst = max(worst, float(np.abs(logits[node] - expected).max()))
         kept = paths[int(rng.integers(0, n))]
         seq.select(len(prefix), [len(prefix) + i for i in kept])
@@ -89,17 +113,16 @@ def test_a_tree_extend_gives_each_node_its_paths_logits(arch: str,
         assert seq.tokens == prefix
         after = [int(t) for t in rng.integers(0, backend.vocab_size, size=2)]
         logits = seq.extend(after)
-        expected = fresh_logits(backend, [*prefix, *after])[-2:]
+        expected = subject.fresh([*prefix, *after])[-2:]
         worst = max(worst, float(np.abs(logits - expected).max()))
         prefix = [*prefix, *after]
-    print(f"{arch}: tree max |logit difference| {worst:.2e}")
+    print(f"{backend.description}: tree max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_batched_trees_match_separate_extends(arch: str, tiny_models: dict[str, Path]) -> None:
+def test_batched_trees_match_separate_extends(subject: Subject) -> None:
     """A batch mixing trees and chains over caches of different lengths."""
-    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+    backend = subject.backend
     rng = np.random.default_rng(3)
     items, references = [], []
     for cached, n, tree in ((0, 5, True), (7, 3, False), (12, 8, True)):
@@ -115,14 +138,13 @@ def test_batched_trees_match_separate_extends(arch: str, tiny_models: dict[str, 
         references.append(pair[1].extend(stream[cached:], None, parents))
     results = backend.extend_batch(items)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(results, references, strict=True))
-    print(f"{arch}: batched tree max |logit difference| {worst:.2e}")
+    print(f"{backend.description}: batched tree max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
     assert [len(item.sequence.tokens) for item in items] == [5, 10, 20]
 
 
-def test_sync_keeps_the_shared_prefix(tiny_models: dict[str, Path]) -> None:
-    backend = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
-    seq = backend.new_sequence()
+def test_sync_keeps_the_shared_prefix() -> None:
+    seq = ToyBackend(ToyModel()).new_sequence()
     seq.extend([5, 6, 7, 8, 9])
     assert sync(seq, [5, 6, 7, 10, 11]) == [10, 11]
     assert seq.tokens == [5, 6, 7]
@@ -131,6 +153,9 @@ def test_sync_keeps_the_shared_prefix(tiny_models: dict[str, Path]) -> None:
 
 
 def test_unknown_model_path_is_an_input_error(tmp_path: Path) -> None:
+    pytest.importorskip("torch")  # without it, the error says to install it
+    from spececd.backends.registry import load_backend
+
     with pytest.raises(InputError, match="not found"):
         load_backend(str(tmp_path / "missing"))
     with pytest.raises(InputError, match=r"config\.json"):
@@ -139,6 +164,9 @@ def test_unknown_model_path_is_an_input_error(tmp_path: Path) -> None:
 
 def test_missing_cuda_falls_back_to_cpu_with_a_notice(tiny_models: dict[str, Path],
                                                       caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    from spececd.backends.registry import load_backend
+
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here; there is no fallback to observe")
     backend = load_backend(str(tiny_models["llama"]), device="cuda", dtype="float32")
@@ -146,10 +174,8 @@ def test_missing_cuda_falls_back_to_cpu_with_a_notice(tiny_models: dict[str, Pat
     assert any("falling back to cpu" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_batched_extend_matches_separate_extends(arch: str,
-                                                 tiny_models: dict[str, Path]) -> None:
-    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
+def test_batched_extend_matches_separate_extends(subject: Subject) -> None:
+    backend = subject.backend
     rng = np.random.default_rng(7)
     streams = [[int(t) for t in rng.integers(0, backend.vocab_size, size=60)] for _ in range(4)]
     sequences = [backend.new_sequence() for _ in streams]
@@ -164,7 +190,7 @@ def test_batched_extend_matches_separate_extends(arch: str,
                  for seq, stream, add in zip(sequences, streams, adds, strict=True)]
         results = backend.extend_batch(items)
         for seq, stream, logits in zip(sequences, streams, results, strict=True):
-            expected = fresh_logits(backend, stream[:len(seq.tokens)])[-logits.shape[0]:]
+            expected = subject.fresh(stream[:len(seq.tokens)])[-logits.shape[0]:]
             worst = max(worst, float(np.abs(logits - expected).max()))
-    print(f"{arch}: batched max |logit difference| {worst:.2e}")
+    print(f"{backend.description}: batched max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE

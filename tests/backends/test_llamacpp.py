@@ -23,9 +23,9 @@ from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
-from tests.conftest import MODELS, requires_default_pair  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 HF_TOLERANCE = 2e-3
 SELF_TOLERANCE = 1e-4
@@ -207,7 +207,7 @@ HEADERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 def test_a_gguf_chat_template_renders_like_transformers(tmp_path: Path) -> None:
     """A Llama-3-style template in the GGUF's metadata (written by the converter from the
     tokenizer's): system prompt and several turns give the transformers tokenizer's ids."""
-    from tests.conftest import build_model, train_tokenizer
+    from tests.builders import build_model, train_tokenizer
 
     tokenizer = train_tokenizer(512)
     tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>",
@@ -248,7 +248,8 @@ def test_llama_cpps_own_speculation_runs_as_a_bench_peer(gguf: dict[str, Path]) 
     result = SpeculativeBinaryRunner({
         "binary": binary, "target": str(gguf["llama"]), "draft": str(gguf["draft"]),
         "max_tokens": 16, "temperature": 0, "threads": 1}).run(PROMPTS[0], 0)
-    assert result["tokens"] >= 16 and result["wall_s"] > 0
+    # How wall_s is read from the binary's log: tests/bench/test_speculative_binary.py.
+    assert result["tokens"] >= 16
     assert result["llama_stats"]["drafted"] > 0
 
 

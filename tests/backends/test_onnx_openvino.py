@@ -27,9 +27,9 @@ from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend, model_format  # noqa: E402
 from spececd.cli import main  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
-from tests.conftest import MODELS, requires_default_pair  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
+from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 FORMATS = ["onnx", "openvino"]
 TOLERANCE = 1e-4

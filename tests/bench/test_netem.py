@@ -1,14 +1,22 @@
-"""The delay proxy adds the one-way delay in each direction, over real sockets."""
+"""The delay proxy adds the one-way delay in each direction, over real sockets.
+
+How much it adds is checked on a virtual clock that moves only when the proxy sleeps, so
+that the figure is exact whatever the machine's load; on the real clock, only that it
+holds the bytes at least that long (a bound no slow machine can break).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import statistics
 import threading
 import time
+from types import ModuleType
 
 import pytest
 
+from spececd.bench import netem
 from spececd.bench.netem import DelayProxy
 
 
@@ -50,11 +58,55 @@ def median_rtt_ms(port: int, rounds: int = 15) -> float:
 
 
 @pytest.mark.parametrize("delay_ms", [0, 10, 25])
-def test_round_trip_is_twice_the_delay(echo_port: int, delay_ms: float) -> None:
+def test_round_trip_is_at_least_twice_the_delay(echo_port: int, delay_ms: float) -> None:
     with DelayProxy("127.0.0.1", echo_port, delay_ms) as proxy:
         rtt = median_rtt_ms(proxy.port)
     print(f"one-way {delay_ms} ms: round trip {rtt:.2f} ms")
-    assert 2 * delay_ms <= rtt <= 2 * delay_ms + 10
+    assert 2 * delay_ms <= rtt  # each direction holds the bytes for the delay
+
+
+class VirtualClock:
+    """The proxy's ``time.monotonic`` and ``asyncio.sleep``: time moves only when the
+    proxy sleeps, by what it sleeps. With one message in flight, a round trip through the
+    proxy then lasts exactly the delays it added."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+        await asyncio.sleep(0)
+
+    def asyncio(self) -> ModuleType:
+        """The asyncio module as the proxy sees it: the same, but for ``sleep``."""
+        module = ModuleType("asyncio")
+        module.__dict__.update(vars(asyncio))
+        module.sleep = self.sleep  # type: ignore[attr-defined]
+        return module
+
+
+@pytest.mark.parametrize("delay_ms", [0, 10, 25])
+def test_each_direction_adds_the_delay_exactly_once(echo_port: int, delay_ms: float,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a delay applied twice, in one direction only, or counted from the
+    previous delivery instead of the chunk's arrival (it would grow round after round)."""
+    clock = VirtualClock()
+    monkeypatch.setattr(netem, "time", clock)
+    monkeypatch.setattr(netem, "asyncio", clock.asyncio())
+    with DelayProxy("127.0.0.1", echo_port, delay_ms) as proxy, \
+            socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(5):
+            start = clock.now
+            sock.sendall(bytes([i]) * 100)
+            received = b""
+            while len(received) < 100:
+                received += sock.recv(4096)
+            assert received == bytes([i]) * 100
+            assert clock.now - start == pytest.approx(2 * delay_ms / 1000)
 
 
 def test_jitter_keeps_the_byte_stream_in_order(echo_port: int) -> None:

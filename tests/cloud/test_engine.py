@@ -1,4 +1,5 @@
-"""The engine loop without sockets: frames in through a link, frames out through ``send``.
+"""The engine loop without sockets: frames in through a link, frames out through ``send``,
+on the torch-free toy target (:mod:`tests.toy`).
 
 Deterministic by construction: each test puts every frame into the link before the loop
 reads any, so what the engine does between steps does not depend on timing.
@@ -8,25 +9,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-
 from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
-from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Ending, Engine, EnginePolicy
 from spececd.protocol import messages as m
-from tests.e2e.test_inprocess import hf_greedy
+from tests.toy import ToyBackend, ToyModel, greedy
 
 PROMPT = (5, 17, 42, 99, 3)
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+@pytest.fixture()
+def target() -> ToyBackend:
+    return ToyBackend(ToyModel(seed=0))
 
 
 def hello(backend: Backend, mode: str = "match", temperature: float = 0.0) -> bytes:
@@ -61,8 +58,8 @@ def run(engine: Engine, frames: Sequence[bytes],
 
 
 def test_a_hint_that_arrives_before_a_step_is_verified_and_used(
-        target: Backend, tiny_models: dict[str, Path]) -> None:
-    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 12)
+        target: ToyBackend) -> None:
+    expected = greedy(target, PROMPT, 12)
     engine = Engine(target)
     # The hint holds the target's own next 6 tokens, and is there before the first step.
     replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 12)),
@@ -76,8 +73,8 @@ def test_a_hint_that_arrives_before_a_step_is_verified_and_used(
 
 
 def test_a_wrong_hint_is_verified_and_costs_nothing(
-        target: Backend, tiny_models: dict[str, Path]) -> None:
-    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 8)
+        target: ToyBackend) -> None:
+    expected = greedy(target, PROMPT, 8)
     wrong = tuple((t + 1) % target.vocab_size for t in expected[:4])
     replies, _ = run(Engine(target), [hello(target), m.encode(m.Generate(1, 0, PROMPT, 8)),
                                       m.encode(m.Hint(len(PROMPT), wrong))])
@@ -92,8 +89,8 @@ def sample(engine: Engine, name: str, labels: dict[str, str] | None = None) -> f
 
 
 def test_every_token_sent_is_counted_once_generated_or_accepted(
-        target: Backend, tiny_models: dict[str, Path]) -> None:
-    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 10)
+        target: ToyBackend) -> None:
+    expected = greedy(target, PROMPT, 10)
     engine = Engine(target)
     replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 10)),
                               m.encode(m.Hint(len(PROMPT), tuple(expected[:3])))])
@@ -111,7 +108,7 @@ def test_every_token_sent_is_counted_once_generated_or_accepted(
 
 
 class FailingBackend:
-    """The tiny target, except that a pass over a chosen token raises: a backend
+    """The target, except that a pass over a chosen token raises: a backend
     failure the engine must turn into a typed error for that session alone."""
 
     def __init__(self, backend: Backend, poison: int) -> None:
@@ -131,11 +128,11 @@ class FailingBackend:
 
 
 def test_a_failed_verification_is_a_typed_error_and_the_session_goes_on(
-        target: Backend, tiny_models: dict[str, Path]) -> None:
-    expected = hf_greedy(tiny_models["llama"], list(PROMPT), 3)
+        target: ToyBackend) -> None:
+    expected = greedy(target, PROMPT, 3)
     poison = next(t for t in range(target.vocab_size) if t not in (*expected, *PROMPT))
     backend = FailingBackend(target, poison)
-    replies, ending = run(Engine(backend), [  # type: ignore[arg-type]
+    replies, ending = run(Engine(backend), [
         hello(target), m.encode(m.Draft(1, 0, PROMPT, (poison, poison))),
         m.encode(m.Draft(2, 0, PROMPT, tuple(expected[:2])))],
         until=lambda replies: len(replies) == 3)

@@ -31,7 +31,7 @@ from spececd.core.stats import GenerationStats
 from spececd.deploy import Ports, loopback, nginx_conf
 from spececd.edge.options import Reconnect
 from tests.e2e.server import NginxProcess, ServerProcess, free_ports
-from tests.e2e.test_inprocess import PROMPTS
+from tests.reference import PROMPTS
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
                                 reason="nginx is not installed (apt-get install nginx-light)")

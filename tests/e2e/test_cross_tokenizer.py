@@ -21,11 +21,14 @@ from spececd.core.sampling import Mode, SamplingParams  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
 from spececd.protocol.messages import Fingerprint  # noqa: E402
+from tests.builders import MODELS, requires_default_pair, word_tokenizer  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
-from tests.conftest import MODELS, requires_default_pair, word_tokenizer  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
-from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+from tests.reference import (  # noqa: E402
+    PROMPTS,
+    exact_pair_distribution,
+    hf_greedy,
+)
 
 WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
 

@@ -4,43 +4,16 @@ the networked path (the in-memory transport)."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from spececd.api import Generator  # noqa: E402
-from tests.conftest import MODELS, requires_default_pair  # noqa: E402
-
-PROMPTS = ["def parse(line):\n    ", "import os\n\nclass ", "    for key, value in ",
-           "\"\"\"Utilities for ", "x = [i * i for i in "]
-
-
-def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The reference: transformers' own greedy generation, no stop token. Computed once
-    per model folder (as last written), prompt and length."""
-    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
-    return list(_greedy(Path(model_dir), written, tuple(ids), max_new_tokens))
-
-
-@functools.lru_cache(maxsize=4)
-def _reference_model(model_dir: Path, written: int) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@functools.lru_cache(maxsize=1024)  # modules check the same prompts of the default pair
-def _greedy(model_dir: Path, written: int, ids: tuple[int, ...], max_new_tokens: int
-            ) -> tuple[int, ...]:
-    out = _reference_model(model_dir, written).generate(
-        torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=None, pad_token_id=0)
-    return tuple(out[0, len(ids):].tolist())
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
+from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.core.sampling import SamplingParams  # noqa: E402
+from tests.builders import build_model, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
-from tests.conftest import build_model, vocab_pair  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
-from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+from tests.reference import exact_pair_distribution  # noqa: E402
 
 TOKENS = 512  # the session tokenizer's length
 # (target width, draft width): the draft narrower, like Qwen2.5-0.5B against -7B, and wider.

@@ -19,8 +19,7 @@ from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import SamplingParams  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS  # noqa: E402
-from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+from tests.reference import PROMPTS, exact_pair_distribution  # noqa: E402
 
 # Strong values, so that each visibly changes the distribution of two tokens.
 SETTINGS: dict[str, dict[str, Any]] = {

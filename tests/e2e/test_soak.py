@@ -15,7 +15,7 @@ from spececd.backends.base import tokenizer_fingerprint
 from spececd.backends.registry import load_backend
 from spececd.bench import load
 from tests.e2e.server import ServerProcess
-from tests.e2e.test_inprocess import PROMPTS
+from tests.reference import PROMPTS
 
 MINUTES = float(os.environ.get("SPECECD_SOAK_MINUTES", "10"))
 

@@ -39,12 +39,11 @@ from spececd.protocol.session import Limits
 from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer
 from spececd.transports.registry import connector
+from tests.builders import MODELS, requires_default_pair
 from tests.chisq import chi_square_p
-from tests.conftest import MODELS, requires_default_pair
 from tests.e2e.server import ServerProcess, free_port
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy
-from tests.e2e.test_network import FIXED_K, exact_pair_distribution
 from tests.fuzz import bad_frames, mutate, structured_junk
+from tests.reference import FIXED_K, PROMPTS, exact_pair_distribution, hf_greedy
 
 TRANSPORTS = ["memory", "websocket", "grpc", "http"]
 SCHEMES = {"websocket": "ws", "grpc": "grpc", "http": "http"}

@@ -28,11 +28,10 @@ from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import SamplingParams  # noqa: E402
 from spececd.edge.options import Reconnect  # noqa: E402
 from spececd.protocol.errors import Unsupported  # noqa: E402
+from tests.builders import MODELS, requires_default_pair, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
-from tests.conftest import MODELS, requires_default_pair, vocab_pair  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
-from tests.e2e.test_inprocess import hf_greedy  # noqa: E402
-from tests.e2e.test_network import exact_pair_distribution  # noqa: E402
+from tests.reference import exact_pair_distribution, hf_greedy  # noqa: E402
 
 # vLLM's engine on core 0 and the edges here on one torch thread: its OpenMP threads spin,
 # and an edge whose draft competes with them for both cores falls behind every step.

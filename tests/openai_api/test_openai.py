@@ -17,9 +17,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
-from tests.e2e.test_inprocess import hf_greedy  # noqa: E402
+from tests.reference import hf_greedy  # noqa: E402
 
 pytestmark = requires_default_pair
 

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from tests.conftest import MODELS, requires_default_pair  # noqa: E402
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")

@@ -120,21 +120,6 @@ class Server:
             self.thread.join(30)
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models: dict[str, Path]) -> Any:
-    pytest.importorskip("torch")
-    from spececd.backends.registry import load_backend
-
-    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_models: dict[str, Path]) -> Any:
-    from spececd.backends.registry import load_backend
-
-    return load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
-
-
 def engine(backend: Any, auth_token: str = "", limits: Any = None, **policy: Any) -> Any:
     from spececd.cloud.engine import Engine, EnginePolicy
 
@@ -150,7 +135,7 @@ def server(target: Any) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def greedy(tiny_models: dict[str, Path]) -> Callable[[Sequence[int], int], list[int]]:
-    from tests.e2e.test_inprocess import hf_greedy
+    from tests.reference import hf_greedy
 
     return lambda ids, n: hf_greedy(tiny_models["llama"], list(ids), n)  # computed once
 
@@ -205,7 +190,7 @@ def test_session_round_trip(server: Server, target: Any,
 def test_greedy_over_grpc_is_identical_to_the_target_alone(
         k: int | str, proactive: str, server: Server, draft: Any,
         greedy: Callable[[Sequence[int], int], list[int]]) -> None:
-    from tests.e2e.test_inprocess import PROMPTS
+    from tests.reference import PROMPTS
 
     with generator(draft, server.url, k=k, proactive=proactive) as gen:
         for prompt in PROMPTS[:3]:

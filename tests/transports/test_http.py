@@ -34,7 +34,6 @@ from spececd.backends.base import (  # noqa: E402
     Extend,
     tokenizer_fingerprint,
 )
-from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
@@ -47,8 +46,8 @@ from spececd.transports.http import HttpTransport, serve  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
-from tests.e2e.test_inprocess import PROMPTS, hf_greedy  # noqa: E402
 from tests.fuzz import mutate  # noqa: E402
+from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 
 class ThreadServer:
@@ -105,16 +104,6 @@ class ThreadServer:
 def error_code(body: bytes) -> str:
     code: str = json.loads(body)["error"]["code"]
     return code
-
-
-@pytest.fixture(scope="module")
-def target(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_models: dict[str, Path]) -> Backend:
-    return load_backend(str(tiny_models["draft"]), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +332,14 @@ class FedTokens:
         return self._backend.extend_batch(items)  # type: ignore[attr-defined, no-any-return]
 
 
+def verify_latency(engine: Engine) -> tuple[float, float]:
+    """The verification passes the engine has timed: how many, and their seconds."""
+    registry = engine.metrics.registry
+    count = registry.get_sample_value("spececd_verify_latency_seconds_count")
+    total = registry.get_sample_value("spececd_verify_latency_seconds_sum")
+    return count or 0.0, total or 0.0
+
+
 def test_json_sessions_verify_like_the_target_and_reuse_its_kv_cache(
         target: Backend, tiny_models: dict[str, Path]) -> None:
     backend = FedTokens(target)
@@ -359,13 +356,21 @@ def test_json_sessions_verify_like_the_target_and_reuse_its_kv_cache(
         assert (status, json.loads(body)) == (200, {"total_tokens": len(prompt)})
         assert backend.fed == [len(prompt)]  # the prompt went through the target once
         # Four right tokens: all kept, and the target's bonus is the fifth.
+        passes_before, seconds_before = verify_latency(proc.engine)
         status, _, body = proc.request("POST", f"{session}/verify",
                                        {"draft_tokens": expected[:4]})
         verdict = json.loads(body)
         assert status == 200, verdict
         assert verdict["accepted_prefix_len"] == 4 and verdict["preds"] == expected[:5]
         assert verdict["next_token"] == expected[4]
-        assert verdict["total_tokens"] == len(prompt) + 5 and verdict["verify_ms"] >= 0
+        assert verdict["total_tokens"] == len(prompt) + 5
+        # verify_ms is the one target pass this verify ran, as the engine timed it (not
+        # the request's wall time, not seconds, not a zero the adapter left unfilled), to
+        # the wire's resolution (a verdict carries its time in ticks).
+        passes, seconds = verify_latency(proc.engine)
+        assert passes == passes_before + 1
+        assert verdict["verify_ms"] == pytest.approx((seconds - seconds_before) * 1000,
+                                                     abs=m.TICK * 1000 / 2 + 1e-6)
         # A wrong second token: the first kept, the target's own correction after it.
         wrong = (expected[6] + 1) % target.vocab_size
         status, _, body = proc.request("POST", f"{session}/verify",

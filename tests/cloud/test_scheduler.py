@@ -1,0 +1,149 @@
+"""The batch scheduler (:class:`~spececd.cloud.scheduler.BatchScheduler`) on the toy
+target, without an engine: jobs queued together run as one batched pass, a failing pass
+fails only the job that broke it, and a cancelled job is skipped.
+
+Deterministic by construction: every job is queued before the scheduler's worker first
+runs (asyncio runs ready tasks in the order they became ready)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from spececd.backends.base import CachedSequence, Extend
+from spececd.cloud.metrics import Metrics
+from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
+from spececd.core.sampling import Mode, SamplingParams
+from spececd.protocol.session import VerifyRequest
+from tests.toy import ToyBackend, ToyModel, greedy
+
+POISON = 255  # a drafted token the failing backend refuses
+
+
+class Recording(ToyBackend):
+    """The toy target, recording the sequences of each batched pass; a pass that holds
+    :data:`POISON` among its new tokens raises, as a backend that failed would."""
+
+    def __init__(self) -> None:
+        super().__init__(ToyModel(seed=0))
+        self.batches: list[list[CachedSequence]] = []
+
+    def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        self.batches.append([item.sequence for item in items])
+        if any(POISON in item.ids for item in items):
+            raise RuntimeError("scripted: the pass failed")
+        return super().extend_batch(items)
+
+
+@pytest.fixture()
+def executor() -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.shutdown()
+
+
+def request(prompt: list[int], tokens: list[int]) -> VerifyRequest:
+    return VerifyRequest(seq=1, context=tuple(prompt), tokens=tuple(tokens), draft_probs=None,
+                         mode=Mode.GREEDY, params=SamplingParams(temperature=0.0, seed=0))
+
+
+PROMPTS = [list(b"alpha"), list(b"beta gamma"), list(b"delta"), list(b"x"), list(b"yz")]
+
+
+def jobs(backend: ToyBackend) -> list[tuple[CachedSequence, VerifyRequest, list[int]]]:
+    """One job per prompt: the target's own next 3 tokens as the draft (all accepted),
+    and what a lone verification gives: those 3 and the bonus."""
+    out = []
+    for prompt in PROMPTS:
+        expected = greedy(backend, prompt, 4)
+        out.append((backend.new_sequence(), request(prompt, expected[:3]), expected))
+    return out
+
+
+def run(scheduler: BatchScheduler, work: Sequence[tuple[CachedSequence, VerifyRequest]]
+        ) -> list[Pass | BaseException]:
+    async def main() -> list[Pass | BaseException]:
+        try:
+            return await asyncio.gather(*(scheduler.verify(sequence, req)
+                                          for sequence, req in work), return_exceptions=True)
+        finally:
+            scheduler.close()
+
+    return asyncio.run(main())
+
+
+def batch_sizes(metrics: Metrics) -> tuple[float | None, float | None]:
+    """How many passes the batch-size histogram saw, and the sessions they held."""
+    registry = metrics.registry
+    return (registry.get_sample_value("spececd_batch_size_count"),
+            registry.get_sample_value("spececd_batch_size_sum"))
+
+
+def test_sessions_queued_together_share_one_pass(executor: ThreadPoolExecutor) -> None:
+    backend, metrics = Recording(), Metrics()
+    work = jobs(backend)
+    results = run(BatchScheduler(backend, executor, metrics, max_batch=32),
+                  [(sequence, req) for sequence, req, _ in work])
+    assert len(backend.batches) == 1 and len(backend.batches[0]) == len(PROMPTS)
+    assert batch_sizes(metrics) == (1.0, float(len(PROMPTS)))
+    for (sequence, req, expected), result in zip(work, results, strict=True):
+        assert isinstance(result, Pass) and result.batch == len(PROMPTS)
+        # Each session's verdict is its own, as if verified alone (a batch that mixed up
+        # rows or caches would give another session's tokens).
+        assert result.result.num_accepted == 3 and result.result.next_token == expected[3]
+        assert sequence.tokens[:len(req.context) + 3] == [*req.context, *expected[:3]]
+
+
+def test_max_batch_splits_the_queue(executor: ThreadPoolExecutor) -> None:
+    backend, metrics = Recording(), Metrics()
+    results = run(BatchScheduler(backend, executor, metrics, max_batch=2),
+                  [(sequence, req) for sequence, req, _ in jobs(backend)])
+    assert [len(batch) for batch in backend.batches] == [2, 2, 1]
+    assert [r.batch for r in results if isinstance(r, Pass)] == [2, 2, 2, 2, 1]
+    assert batch_sizes(metrics) == (3.0, 5.0)
+
+
+def test_a_failing_pass_fails_only_the_job_that_broke_it(
+        executor: ThreadPoolExecutor) -> None:
+    backend, metrics = Recording(), Metrics()
+    work = jobs(backend)
+    sequence, req, _ = work[2]
+    work[2] = (sequence, request(list(req.context), [POISON]), [])
+    results = run(BatchScheduler(backend, executor, metrics),
+                  [(sequence, req) for sequence, req, _ in work])
+    assert isinstance(results[2], VerificationError)
+    assert "scripted: the pass failed" in str(results[2])
+    for i, ((_, _, expected), result) in enumerate(zip(work, results, strict=True)):
+        if i != 2:
+            assert isinstance(result, Pass), result
+            assert (result.result.num_accepted, result.result.next_token) == (3, expected[3])
+    # The batch failed, then each job ran alone; only the good ones count as passes.
+    assert [len(batch) for batch in backend.batches] == [5, 1, 1, 1, 1, 1]
+    assert batch_sizes(metrics) == (4.0, 4.0)
+
+
+def test_a_cancelled_job_is_skipped(executor: ThreadPoolExecutor) -> None:
+    backend = Recording()
+    work = jobs(backend)[:3]
+    scheduler = BatchScheduler(backend, executor, Metrics())
+
+    async def main() -> list[Pass | BaseException]:
+        tasks = [asyncio.ensure_future(scheduler.verify(sequence, req))
+                 for sequence, req, _ in work]
+        await asyncio.sleep(0)  # each task queues its job; the worker has not run yet
+        tasks[1].cancel()
+        try:
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            scheduler.close()
+
+    results = asyncio.run(main())
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert isinstance(results[0], Pass) and isinstance(results[2], Pass)
+    # The pass held the other two only: the cancelled session's cache was never touched.
+    assert backend.batches == [[work[0][0], work[2][0]]]
+    assert work[1][0].tokens == []

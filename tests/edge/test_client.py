@@ -1,0 +1,177 @@
+"""The edge's one generation loop (:class:`~spececd.edge.client.EdgeClient`) and its
+strategies, against a verifier in this process (the in-memory transport), on the
+torch-free toy pair: plain rounds, block-ahead rounds, stream drafting, auto, and
+cloud-only generation. Greedy output must be the toy target's own greedy decode, and
+sampled output a function of the seed alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from spececd.backends.base import tokenizer_fingerprint
+from spececd.core.sampling import SamplingParams
+from spececd.core.stats import GenerationStats
+from spececd.edge.client import EdgeClient
+from spececd.edge.drafter import Drafter
+from spececd.edge.options import EdgeOptions
+from spececd.transports.memory import LocalServer, local_verifier
+from tests.toy import ToyBackend, greedy, toy_pair
+
+PROMPTS = [list(b"def f(x):"), list(b"import os"), list(b"x = [")]
+N = 40  # tokens generated per prompt
+
+
+@pytest.fixture()
+def verifier(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[LocalServer]:
+    server = local_verifier(toy[1])
+    yield server
+    server.close()
+
+
+def client(draft: ToyBackend, verifier: LocalServer, **options: object) -> EdgeClient:
+    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    return EdgeClient(Drafter(draft), verifier, fingerprint, draft.max_context,
+                      options=EdgeOptions().with_settings(**options))
+
+
+def generate(edge: EdgeClient, prompt: list[int], stats: GenerationStats | None = None,
+             cloud_only: bool = False, **params: object) -> list[int]:
+    settings: dict[str, object] = {"temperature": 0.0, "seed": 1, "max_tokens": N, **params}
+    rounds = edge.generate(prompt, SamplingParams(**settings),  # type: ignore[arg-type]
+                           stats or GenerationStats(), cloud_only)
+    return [t for out in rounds for t in out.token_ids]
+
+
+@pytest.mark.parametrize("proactive,k", [("off", 4), ("off", "auto"), ("on", 4), ("on", "auto"),
+                                         ("stream", 4), ("auto", 4)])
+@pytest.mark.parametrize("mode", ["exact", "match", "greedy"])
+def test_greedy_output_is_the_targets_own(toy: tuple[ToyBackend, ToyBackend],
+                                          verifier: LocalServer, proactive: str, k: object,
+                                          mode: str) -> None:
+    draft, target = toy
+    edge = client(draft, verifier, mode=mode, k=k, proactive=proactive)
+    for prompt in PROMPTS:
+        stats = GenerationStats()
+        assert generate(edge, prompt, stats) == greedy(target, prompt, N)
+        assert stats.generated == N
+        if proactive != "stream":  # hints race an instant target: see the test below
+            # The draft agrees at 70% of contexts: a loop that never used its drafts (or
+            # a verifier that rejected them all) would still be right, but accept nothing.
+            assert stats.accepted > 0
+    edge.close()
+
+
+@pytest.mark.parametrize("proactive", ["off", "on", "stream"])
+def test_token_trees_keep_the_output_the_targets_own(toy: tuple[ToyBackend, ToyBackend],
+                                                     verifier: LocalServer,
+                                                     proactive: str) -> None:
+    """Drafts branched into trees (the toy target has tree attention): siblings are sent
+    where the draft is unsure, and the output is still the target's own."""
+    draft, target = toy
+    edge = client(draft, verifier, mode="greedy", k=4, proactive=proactive, tree_width=3)
+    siblings = 0
+    for prompt in PROMPTS:
+        stats = GenerationStats()
+        assert generate(edge, prompt, stats) == greedy(target, prompt, N)
+        siblings += stats.tree_siblings
+    if proactive != "stream":  # (a hint's tree depends on how its steps were timed)
+        # Trees were drafted and sent, not only chains: over 90 siblings in every run
+        # here, their number depending on the measured costs that shape the trees.
+        assert siblings > 0
+    edge.close()
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted() -> None:
+    draft, target = toy_pair(agreement=1.0)
+    server = local_verifier(target)
+    try:
+        edge = client(draft, server, k=4, proactive="off")
+        stats = GenerationStats()
+        assert generate(edge, PROMPTS[0], stats, max_tokens=21) == greedy(target, PROMPTS[0], 21)
+        # Four rounds of 4 accepted + 1 bonus, then a round drafting nothing for the last
+        # token (a first position counted as always accepted, or a bonus counted as a
+        # draft, changes these counts).
+        assert (stats.rounds, stats.drafted, stats.accepted) == (5, 16, 16)
+        assert stats.target_passes == 5
+    finally:
+        server.close()
+
+
+def test_block_ahead_rounds_hit_when_the_draft_is_the_target() -> None:
+    """Drafting the next block while the verdict is in flight: with every token accepted
+    and the bonus guessed right, every round after the first sends the block drafted
+    ahead (a block drafted ahead for the wrong history, or never used, fails this)."""
+    draft, target = toy_pair(agreement=1.0)
+    server = local_verifier(target)
+    try:
+        edge = client(draft, server, k=4, proactive="on")
+        stats = GenerationStats()
+        assert generate(edge, PROMPTS[1], stats, max_tokens=25) == greedy(target, PROMPTS[1], 25)
+        assert stats.rounds == 5 and stats.proactive_rounds == 5
+        assert stats.proactive_hits == 4  # the first round had nothing drafted ahead
+    finally:
+        server.close()
+
+
+def test_stream_drafting_hints_are_verified_by_the_server() -> None:
+    """Stream drafting with the target itself as the draft: every hinted token the server
+    verified was kept (hints placed at the wrong position would be rejected), and the
+    server took tokens from them (a server that ignored hints would take none). The
+    target sleeps 5 ms a pass, as a real one takes, so that hints arrive before its steps
+    (with an instant target they race it: 8 to 28 of 40 tokens came from hints here)."""
+    draft, target = toy_pair(agreement=1.0)
+    target.pass_s = 0.005
+    server = local_verifier(target)
+    try:
+        edge = client(draft, server, k=4, proactive="stream")
+        stats = GenerationStats()
+        assert generate(edge, PROMPTS[2], stats) == greedy(target, PROMPTS[2], N)
+        assert stats.accepted > 0 and stats.accepted == stats.drafted
+        assert stats.target_passes < N  # hinted tokens came several to a step
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("proactive", ["stream", "off"])
+def test_sampled_speculation_by_match_is_the_targets_own_sample(
+        toy: tuple[ToyBackend, ToyBackend], verifier: LocalServer, proactive: str) -> None:
+    """Match verification draws each position's token from the target with randomness
+    that depends on (seed, position) only: speculating must give exactly the tokens the
+    server generates alone for that seed (a verifier that kept a draft the target did not
+    sample, or drew from a stream shifted by the round boundaries, fails this)."""
+    draft, _ = toy
+    edge = client(draft, verifier, mode="match", k=4, proactive=proactive)
+    for seed in (3, 4):
+        alone = generate(edge, PROMPTS[0], cloud_only=True, temperature=1.0, seed=seed)
+        assert generate(edge, PROMPTS[0], temperature=1.0, seed=seed) == alone
+    assert generate(edge, PROMPTS[0], temperature=1.0, seed=3) != \
+        generate(edge, PROMPTS[0], temperature=1.0, seed=4)  # the seed has an effect
+    edge.close()
+
+
+def test_exact_sampling_repeats_for_a_seed(toy: tuple[ToyBackend, ToyBackend],
+                                           verifier: LocalServer) -> None:
+    draft, _ = toy
+    edge = client(draft, verifier, mode="exact", k=4, proactive="off")
+    runs = [generate(edge, PROMPTS[1], temperature=0.9, top_k=20, seed=seed)
+            for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    edge.close()
+
+
+@pytest.mark.parametrize("proactive", ["off", "on", "stream"])
+def test_max_tokens_and_stop_tokens_end_the_generation_exactly(
+        toy: tuple[ToyBackend, ToyBackend], verifier: LocalServer, proactive: str) -> None:
+    draft, target = toy
+    edge = client(draft, verifier, k=4, proactive=proactive)
+    reference = greedy(target, PROMPTS[0], N)
+    for max_tokens in (1, 2, 5, 9):
+        assert generate(edge, PROMPTS[0], max_tokens=max_tokens) == reference[:max_tokens]
+    for position in (0, 3, 10):
+        stop = reference[position]
+        first = reference.index(stop)
+        out = generate(edge, PROMPTS[0], stop_token_ids=(stop,))
+        assert out == reference[:first + 1]
+    edge.close()

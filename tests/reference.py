@@ -1,0 +1,78 @@
+# mypy: disable-error-code="no-untyped-call"
+# (transformers and tokenizers ship without complete type hints)
+"""What tests compare SpecECD's output against, shared by the test modules that need it:
+transformers' own greedy generation, the exact distribution of a pair of sampled tokens,
+the prompts the end-to-end tests use, and the logits tolerance of the backend suites.
+
+torch and transformers are imported only when a reference is computed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spececd.core.sampling import SamplingParams, process_logits
+
+PROMPTS = ["def parse(line):\n    ", "import os\n\nclass ", "    for key, value in ",
+           "\"\"\"Utilities for ", "x = [i * i for i in "]
+
+# Float32 on CPU: incremental, batched and full passes differ only by summation order
+# (measured ~3e-7 on the tiny models).
+LOGIT_TOLERANCE = 1e-4
+
+# Sampled runs that must repeat exactly for a seed use a fixed k and a fixed strategy: in
+# exact mode a token's value depends on whether its position was drafted or was the bonus,
+# and k=auto places those boundaries from live timings; proactive "auto" (the default
+# against a server) switches to stream drafting, verified by match, by live timings too.
+FIXED_K = 4
+
+
+def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: transformers' own greedy generation, no stop token. Computed once
+    per model folder (as last written), prompt and length."""
+    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
+    return list(_greedy(Path(model_dir), written, tuple(ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_model(model_dir: Path, written: int) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=1024)  # modules check the same prompts of the default pair
+def _greedy(model_dir: Path, written: int, ids: tuple[int, ...], max_new_tokens: int
+            ) -> tuple[int, ...]:
+    import torch
+
+    out = _reference_model(model_dir, written).generate(
+        torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0)
+    return tuple(out[0, len(ids):].tolist())
+
+
+def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams
+                            ) -> np.ndarray:  # [V * V]: P(first = a, second = b)
+    import torch
+
+    from spececd.backends.registry import load_backend
+
+    backend = load_backend(str(target), device="cpu", dtype="float32")
+    model = backend.model  # type: ignore[attr-defined]
+    vocab = backend.vocab_size
+    params = replace(params, prompt_len=len(prompt))  # penalties count what follows it
+    with torch.no_grad():  # the tokenizer's ids only: a padded model's extra rows are none
+        first = process_logits(model(torch.tensor([prompt])).logits[0, -1:, :vocab].numpy(),
+                               params, prompt, len(prompt))[0]
+        batch = torch.tensor([[*prompt, a] for a in range(vocab)])
+        rows = model(batch).logits[:, -1, :vocab].numpy()
+        second = np.stack([process_logits(rows[a:a + 1], params, [*prompt, a],
+                                          len(prompt) + 1)[0] for a in range(vocab)])
+    return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
