@@ -18,7 +18,7 @@ from spececd.backends.base import CachedSequence, Extend
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
 from spececd.core.sampling import Mode, SamplingParams
-from spececd.protocol.session import VerifyRequest
+from spececd.protocol.cloud_session import VerifyRequest
 from tests.toy import ToyBackend, ToyModel, greedy
 
 POISON = 255  # a drafted token the failing backend refuses

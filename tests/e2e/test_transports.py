@@ -34,8 +34,8 @@ from spececd.cloud.engine import Engine
 from spececd.core.sampling import SamplingParams
 from spececd.edge.client import CloudUnreachable, Reconnect
 from spececd.protocol import messages as m
+from spececd.protocol.cloud_session import Limits
 from spececd.protocol.errors import AuthFailed, ProtocolError
-from spececd.protocol.session import Limits
 from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer
 from spececd.transports.registry import connector

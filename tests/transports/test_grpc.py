@@ -524,7 +524,7 @@ def test_tls(target: Any, draft: Any, tmp_path: Path) -> None:
 def test_oversize_frames_get_a_typed_error_and_oversize_messages_end_the_call(
         target: Any) -> None:
     from spececd.protocol import messages as m
-    from spececd.protocol.session import Limits
+    from spececd.protocol.cloud_session import Limits
     from spececd.transports.grpc import GRPC_OVERHEAD
 
     running = Server(engine(target, limits=Limits(max_message_bytes=2000)))

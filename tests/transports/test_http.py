@@ -40,8 +40,8 @@ from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
 from spececd.edge.options import EdgeOptions  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
+from spececd.protocol.cloud_session import Limits  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
-from spececd.protocol.session import Limits  # noqa: E402
 from spececd.transports.http import HttpTransport, serve  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from spececd.backends import bundle
 from spececd.backends.base import Backend, tokenizer_fingerprint
 from spececd.cloud.builtin import BuiltinRunner
+from spececd.cloud.inbox import Inbox
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, ModelRunner, RunnerError, Target
 from spececd.core.policy import Ema
@@ -77,77 +78,10 @@ class EnginePolicy:
     max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
 
 
-_WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
-
-
 def draining_error() -> Draining:
     """What a draining server answers new sessions, new rounds and streams under way."""
     return Draining("the server is shutting down; reconnect (through a balancer: to "
                     "another replica) and re-send the history")
-
-
-class Inbox:
-    """Frames received on one link, in order, each with its arrival time; ``None`` marks
-    the end of the link. Used on the service's event loop only."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
-        self._arrival = asyncio.Event()
-        self.ended = False
-
-    def wake(self) -> None:
-        """Wake a :meth:`get` that waits (the service is draining); frames stay queued."""
-        self._queue.put_nowait(_WAKE)
-        self._arrival.set()
-
-    def put(self, frame: bytes) -> None:
-        self._queue.put_nowait((time.perf_counter(), frame))
-        self._arrival.set()
-
-    def end(self) -> None:
-        self.ended = True
-        self._queue.put_nowait(None)
-        self._arrival.set()
-
-    async def arrived(self) -> None:
-        """Return once something is queued (a frame, the end mark or a wake), taking
-        nothing: a wait that is cancelled loses no frame."""
-        while self._queue.empty():
-            self._arrival.clear()
-            await self._arrival.wait()
-
-    async def get(self, timeout: float) -> bytes | None:
-        """The next frame (None: the link ended); raises ``TimeoutError`` after ``timeout``."""
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-            raise TimeoutError from None
-        return None if item is None else item[1]  # _WAKE: b"", and the service is draining
-
-    def poll(self) -> list[tuple[float, bytes]]:
-        """The frames that have arrived, without waiting; the end mark stays for ``get``."""
-        frames = []
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if item is None:
-                self._queue.put_nowait(None)
-                break
-            if item is not _WAKE:
-                frames.append(item)
-        return frames
-
-    async def wait(self, timeout: float) -> list[tuple[float, bytes]]:
-        """Like :meth:`poll`, but first wait up to ``timeout`` seconds for a frame."""
-        if self._queue.empty() and timeout > 0:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
-            except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-                return []
-            if item is None:
-                self._queue.put_nowait(None)
-                return []
-            return [*([] if item is _WAKE else [item]), *self.poll()]
-        return self.poll()
 
 
 class Link:

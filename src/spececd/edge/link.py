@@ -26,8 +26,8 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.options import Reconnect
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
+from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import Draining
-from spececd.protocol.session import EdgeSession
 from spececd.transports.base import Transport
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from spececd.edge.emit import Emitter, Piece
 from spececd.edge.link import Link, Reply
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
-from spececd.protocol.session import EdgeSession
+from spececd.protocol.edge_session import EdgeSession
 
 STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
 

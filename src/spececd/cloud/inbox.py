@@ -1,0 +1,75 @@
+"""A link's incoming frames: what a transport's reader puts in, and what the service's loop
+takes out, each frame with its arrival time (the stream loop measures the edge's
+turnaround by it). Used on the service's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+_WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
+
+
+class Inbox:
+    """Frames received on one link, in order, each with its arrival time; ``None`` marks
+    the end of the link. Used on the service's event loop only."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        self._arrival = asyncio.Event()
+        self.ended = False
+
+    def wake(self) -> None:
+        """Wake a :meth:`get` that waits (the service is draining); frames stay queued."""
+        self._queue.put_nowait(_WAKE)
+        self._arrival.set()
+
+    def put(self, frame: bytes) -> None:
+        self._queue.put_nowait((time.perf_counter(), frame))
+        self._arrival.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._queue.put_nowait(None)
+        self._arrival.set()
+
+    async def arrived(self) -> None:
+        """Return once something is queued (a frame, the end mark or a wake), taking
+        nothing: a wait that is cancelled loses no frame."""
+        while self._queue.empty():
+            self._arrival.clear()
+            await self._arrival.wait()
+
+    async def get(self, timeout: float) -> bytes | None:
+        """The next frame (None: the link ended); raises ``TimeoutError`` after ``timeout``."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+            raise TimeoutError from None
+        return None if item is None else item[1]  # _WAKE: b"", and the service is draining
+
+    def poll(self) -> list[tuple[float, bytes]]:
+        """The frames that have arrived, without waiting; the end mark stays for ``get``."""
+        frames = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is None:
+                self._queue.put_nowait(None)
+                break
+            if item is not _WAKE:
+                frames.append(item)
+        return frames
+
+    async def wait(self, timeout: float) -> list[tuple[float, bytes]]:
+        """Like :meth:`poll`, but first wait up to ``timeout`` seconds for a frame."""
+        if self._queue.empty() and timeout > 0:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+                return []
+            if item is None:
+                self._queue.put_nowait(None)
+                return []
+            return [*([] if item is _WAKE else [item]), *self.poll()]
+        return self.poll()
