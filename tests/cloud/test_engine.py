@@ -199,3 +199,17 @@ def test_draining_refuses_new_work_and_lets_sessions_go(target: Backend) -> None
     assert late_ending is Ending.DRAINED and not ready
     assert not engine.links
     engine.close()
+
+
+def test_frames_behind_one_that_ends_a_generation_are_still_handled(
+        target: ToyBackend) -> None:
+    # A draft ends the generation under way and a close follows it in the same read: the
+    # draft gets its verdict and the close ends the session (a loop that dropped the rest
+    # of what it had read would leave the session open, waiting for frames).
+    frames = [hello(target), m.encode(m.Generate(1, 0, PROMPT, 50)),
+              m.encode(m.Draft(2, 0, PROMPT, (1, 2), None)), m.encode(m.Close())]
+    replies, ending = run(Engine(target, policy=EnginePolicy(idle_timeout=2.0)), frames,
+                          until=None)
+    assert ending is Ending.CLOSED  # not IDLE
+    assert [type(r) for r in replies] == [m.Welcome, m.Verdict]
+    assert replies[1].seq == 2  # type: ignore[attr-defined]

@@ -299,10 +299,12 @@ class CloudService:
         dry_since: float | None = time.perf_counter()
         dry_len = len(session.context)  # the context when the hint ran dry
 
-        def take(frames: list[tuple[float, bytes]]) -> bool:
-            """Run arrived frames through the session; whether the generation goes on."""
+        def take() -> bool:
+            """Run the frames that have arrived through the session, in order, until one
+            ends the generation (the rest stay queued); whether it goes on."""
             nonlocal dry_since
-            for arrived, data in frames:
+            while (item := link.inbox.poll()) is not None:
+                arrived, data = item
                 link.receive(data)
                 if session.stream is not stream:
                     return False  # closed, or replaced by a new hello, generate or draft
@@ -320,13 +322,12 @@ class CloudService:
                     session.stream = None
                     link.error(draining_error())
                     return
-                later = link.inbox.poll()
-                if (not generation.continuous and not later and dry_since is not None
+                if (not generation.continuous and dry_since is not None
                         and turnaround.seen and step_s.seen
                         and turnaround.value < step_s.value):
                     wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
-                    later = await link.inbox.wait(wait - time.perf_counter())
-                if not take(later):
+                    await link.inbox.wait(wait - time.perf_counter())
+                if not take():
                     return
                 out = await self._step(link, generation, take)
                 if out is None:
@@ -340,7 +341,7 @@ class CloudService:
             await generation.close()
 
     async def _step(self, link: Link, generation: Generation,
-                    take: Callable[[list[tuple[float, bytes]]], bool]) -> StepOut | None:
+                    take: Callable[[], bool]) -> StepOut | None:
         """One step of the generation, recorded; None when it failed (the error is
         queued) or when a frame taken meanwhile ended the generation."""
         session = link.session
@@ -350,7 +351,7 @@ class CloudService:
                 arrival = asyncio.ensure_future(link.inbox.arrived())
                 await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
                 arrival.cancel()
-                if not take(link.inbox.poll()):
+                if not take():
                     return None
             out = await step
         except RunnerError as exc:

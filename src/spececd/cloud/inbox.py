@@ -6,6 +6,7 @@ turnaround by it). Used on the service's event loop only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 _WAKE = (0.0, b"")  # put by Inbox.wake; told apart by identity
@@ -49,27 +50,20 @@ class Inbox:
             raise TimeoutError from None
         return None if item is None else item[1]  # _WAKE: b"", and the service is draining
 
-    def poll(self) -> list[tuple[float, bytes]]:
-        """The frames that have arrived, without waiting; the end mark stays for ``get``."""
-        frames = []
+    def poll(self) -> tuple[float, bytes] | None:
+        """The next frame that has arrived and its arrival time, without waiting (None:
+        none); the end mark stays for :meth:`get`."""
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if item is None:
                 self._queue.put_nowait(None)
-                break
+                return None
             if item is not _WAKE:
-                frames.append(item)
-        return frames
+                return item
+        return None
 
-    async def wait(self, timeout: float) -> list[tuple[float, bytes]]:
-        """Like :meth:`poll`, but first wait up to ``timeout`` seconds for a frame."""
+    async def wait(self, timeout: float) -> None:
+        """Return once something is queued, or after ``timeout`` seconds."""
         if self._queue.empty() and timeout > 0:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
-            except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
-                return []
-            if item is None:
-                self._queue.put_nowait(None)
-                return []
-            return [*([] if item is _WAKE else [item]), *self.poll()]
-        return self.poll()
+            with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError before 3.11
+                await asyncio.wait_for(self.arrived(), timeout)
