@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
-from spececd.core.policy import Arm, HintGate, StrategyChooser
+from spececd.core.chooser import Arm, HintGate, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
