@@ -17,21 +17,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend, load_tokenizer
-from spececd.core.sampling import Mode, SamplingParams, check_token_ids
+from spececd.core.sampling import SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter, DraftSource
-from spececd.edge.options import EdgeOptions, Proactive
+from spececd.edge.options import (
+    ROUND_TIMEOUT,
+    EdgeOptions,
+    Resolved,
+    Site,
+    resolve,
+    sampling_params,
+)
 from spececd.edge.retokenize import CrossDrafter
 from spececd.errors import InputError
 from spececd.text import IncrementalDecoder, StopStrings
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     from spececd.transports.memory import LocalServer
 
 __all__ = ["AsyncGenerator", "Completion", "Generator", "IncrementalDecoder", "StopStrings",
-           "StreamChunk", "resolve_proactive"]
+           "StreamChunk"]
 
 
 @dataclass(frozen=True)
@@ -64,24 +70,14 @@ class Completion:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def resolve_proactive(options: EdgeOptions, in_process: bool) -> EdgeOptions:
-    """What ``proactive="auto"`` means here: against a server, measure which of plain
-    rounds, block-ahead rounds and stream drafting is faster on the link and use it (the
-    edge client's :class:`~spececd.core.policy.StrategyChooser` pair); in-process, plain
-    rounds (the draft and the target share this machine's cores, and there is no link to
-    hide). Every explicit setting, stream drafting included, works both ways: the
-    in-process verifier runs on its own event loop, like a server."""
-    if options.proactive is Proactive.AUTO and in_process:
-        return replace(options, proactive=Proactive.OFF)
-    return options
-
-
 class Generator:
     """Speculative generation with a local drafter and a verifier reached by a transport:
     in this process (``target=``) or on a server (``server="ws://host:port"``).
 
     ``options`` (:class:`~spececd.edge.options.EdgeOptions`) say how to draft and verify;
-    assign new ones to change them between generations.
+    assign new ones to change them between generations. They read as they run here
+    (:meth:`~spececd.edge.options.EdgeOptions.resolved`: ``proactive="auto"`` is plain
+    rounds in-process; across two tokenizers exact verification is match).
 
     Safe to use from several threads at once: each generation under way has its own
     session (its own link to the verifier and its own draft KV cache, kept in a pool for
@@ -104,6 +100,9 @@ class Generator:
         self.cross = fingerprint != own  # drafting across two tokenizers
         self.tokenizer = target_tokenizer if self.cross and target_tokenizer else draft.tokenizer
         self.vocab_size = fingerprint.vocab_size
+        self.site = Site(in_process=target is not None, cross=self.cross,
+                         vocab_size=self.vocab_size,
+                         eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         draft_lock = threading.Lock()  # the draft model: one forward pass at a time
 
         def new_client() -> EdgeClient:
@@ -122,7 +121,7 @@ class Generator:
     def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
              device: str = "auto", dtype: str = "auto", threads: int = 0, npu: bool = True,
              auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
-             target_tokenizer: str | None = None, round_timeout: float = 120.0,
+             target_tokenizer: str | None = None, round_timeout: float = ROUND_TIMEOUT,
              options: EdgeOptions | None = None, **settings: Any) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
         to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
@@ -156,9 +155,9 @@ class Generator:
         in_process = server is None
         if (target is None) == in_process:
             raise InputError("give either a target model (in-process) or a server URL")
-        # Every option is checked before any model loads.
-        options = resolve_proactive((options or EdgeOptions()).with_settings(**settings),
-                                    in_process)
+        # Every option is checked before any model loads (and resolved where it runs: the
+        # options setter).
+        options = (options or EdgeOptions()).with_settings(**settings)
         if server is not None:
             from spececd.transports.registry import connector
 
@@ -211,27 +210,17 @@ class Generator:
 
     @options.setter
     def options(self, options: EdgeOptions) -> None:
-        self._options = self._resolve(options)
-
-    def _resolve(self, options: EdgeOptions) -> EdgeOptions:
-        """``options`` as they run here: ``proactive="auto"`` resolved, and, across two
-        tokenizers, exact verification (which needs the draft's distribution over the
-        target's ids) replaced by match, which needs ids only."""
-        options = resolve_proactive(options, in_process=self.target_backend is not None)
-        if self.cross and options.mode is Mode.EXACT:
-            options = replace(options, mode=Mode.MATCH)
-        return options
+        self._options = options.resolved(self.site)
 
     @contextlib.contextmanager
-    def _session(self, options: EdgeOptions) -> Iterator[EdgeClient]:
-        """An idle client (a new one when all are busy) set to ``options``."""
+    def _session(self) -> Iterator[EdgeClient]:
+        """An idle client (a new one when all are busy)."""
         with self._pool_lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
             client = self._new_client()  # outside the lock: a GGUF draft opens a context
             with self._pool_lock:
                 self._clients.append(client)
-        client.options = options
         try:
             yield client
         finally:
@@ -267,28 +256,24 @@ class Generator:
                              f"{limit}, leaving no room to generate: shorten the prompt")
         return ids
 
-    def params(self, *, max_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None,
-               stop_token_ids: Sequence[int] | None = None, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               min_p: float = 0.0, logit_bias: Mapping[int, float] | None = None
-               ) -> SamplingParams:
-        """The sampling settings of a generation, checked. ``logit_bias``: token id ->
-        a number added to its logit, in [-100, 100] (-100 in effect bans the token)."""
-        stops = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
-        check_token_ids([t for t in stops if t not in self.tokenizer.eos_token_ids],
-                        self.vocab_size, "stop_token_ids")
-        bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
-        if any(token >= self.vocab_size for token, _ in bias):
-            raise InputError(f"logit-bias names token ids outside the vocabulary of "
-                             f"{self.vocab_size}")
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=secrets.randbits(62) if seed is None else seed,
-                              max_tokens=max_tokens, stop_token_ids=tuple(stops),
-                              repetition_penalty=repetition_penalty,
-                              presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, min_p=min_p,
-                              logit_bias=bias)
+    def params(self, **sampling: Any) -> SamplingParams:
+        """The sampling settings of a generation, checked: keywords by
+        :class:`~spececd.core.sampling.SamplingParams`' field names (``max_tokens``,
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop_token_ids``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias``), each left out taking its default there; a fresh random ``seed``
+        and the tokenizer's end-of-sequence tokens as stop tokens when none are given.
+        ``logit_bias``: token id -> a number added to its logit, in [-100, 100] (-100 in
+        effect bans the token)."""
+        return sampling_params(sampling, self.site)
+
+    def resolve(self, prompt_len: int, options: EdgeOptions | None = None,
+                **sampling: Any) -> Resolved:
+        """What a generation after a prompt of ``prompt_len`` tokens runs with: ``options``
+        (default: :attr:`options`) as they run here and the sampling parameters
+        ``sampling`` asks for (:meth:`params`); see :func:`spececd.edge.options.resolve`."""
+        return resolve(self._options if options is None else options, sampling, self.site,
+                       prompt_len)
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """A conversation (``role`` and ``content`` per message) as prompt ids: the
@@ -304,20 +289,16 @@ class Generator:
             ids = self.tokenizer.encode(text + "Assistant:")
         return self.prompt_ids(list(ids))
 
-    def _stream(self, ids: list[int], params: SamplingParams, stats: GenerationStats,
-                cloud_only: bool = False, stop: Sequence[str] = (),
-                options: EdgeOptions | None = None) -> Iterator[StreamChunk]:
-        options = self._options if options is None else self._resolve(options)
-        if options.mode is Mode.GREEDY:
-            params = replace(params, temperature=0.0)
-        params = replace(params, prompt_len=len(ids))  # penalties count what follows it
+    def _stream(self, ids: list[int], run: Resolved, stats: GenerationStats,
+                cloud_only: bool = False, stop: Sequence[str] = ()) -> Iterator[StreamChunk]:
+        params = run.params
         decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
         emitted: list[int] = []
         source = "target"
         # Closing the client's generation when this one ends, however it ends, lets the
         # client end a stream it leaves early before the next generation takes it.
-        with self._session(options) as client, \
-                contextlib.closing(client.generate(ids, params, stats, cloud_only)) as rounds:
+        with self._session() as client, \
+                contextlib.closing(client.generate(ids, run, stats, cloud_only)) as rounds:
             for out in rounds:
                 verified = "fallback" if out.fallback else "target"
                 for source, part in (("draft", out.token_ids[:out.from_draft]),
@@ -359,8 +340,8 @@ class Generator:
         text across token boundaries and left out of it. ``options``: this generation's
         edge options, instead of :attr:`options`."""
         ids = self.prompt_ids(prompt)
-        yield from self._stream(ids, self.params(**sampling), stats or GenerationStats(),
-                                cloud_only, stop, options)
+        yield from self._stream(ids, self.resolve(len(ids), options, **sampling),
+                                stats or GenerationStats(), cloud_only, stop)
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
                  stop: Sequence[str] = (), options: EdgeOptions | None = None,
@@ -376,15 +357,15 @@ class Generator:
         string; its token ids keep the stop token, and the ids that spelled a stop
         string."""
         ids = self.prompt_ids(prompt)
-        base = self.params(**sampling)
-        assert base.seed is not None
+        base = self.resolve(len(ids), options, **sampling)
+        seed = base.params.seed
+        assert seed is not None
         completions = []
         for i in range(n):
-            params = replace(base, seed=base.seed + i)
             stats = GenerationStats()
             token_ids: list[int] = []
             texts: list[str] = []
-            for chunk in self._stream(ids, params, stats, cloud_only, stop, options):
+            for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 finish = chunk.finish_reason

@@ -3,15 +3,23 @@ a bad value is an InputError that names it, before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from spececd import config
-from spececd.api import Generator, resolve_proactive
+from spececd.api import Generator
 from spececd.config import EdgeConfig
 from spececd.core.sampling import Mode
-from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
+from spececd.edge.options import (
+    FALLBACK_AFTER,
+    EdgeOptions,
+    Fallback,
+    Proactive,
+    Reconnect,
+    Site,
+)
 from spececd.errors import InputError
 
 
@@ -95,9 +103,38 @@ def test_generator_checks_options_before_loading_models(tmp_path: Path) -> None:
 
 
 def test_auto_chooses_against_a_server_and_is_off_in_process() -> None:
+    remote, local = Site(in_process=False), Site(in_process=True)
     auto = EdgeOptions()
-    assert resolve_proactive(auto, in_process=False).proactive is Proactive.AUTO
-    assert resolve_proactive(auto, in_process=True).proactive is Proactive.OFF
+    assert auto.resolved(remote).proactive is Proactive.AUTO
+    assert auto.resolved(local).proactive is Proactive.OFF
     stream = EdgeOptions(proactive=Proactive.STREAM)
-    assert resolve_proactive(stream, in_process=False) == stream
-    assert resolve_proactive(stream, in_process=True) == stream  # the engine runs in-process
+    assert stream.resolved(remote) == stream
+    assert stream.resolved(local) == stream  # the engine runs in-process
+
+
+def test_resolving_decides_what_the_site_decides_and_only_once() -> None:
+    threshold = EdgeOptions().with_settings(mode="threshold", threshold=0.3)
+    assert threshold.resolved(Site(in_process=False)).proactive is Proactive.ON  # no stream
+    assert threshold.resolved(Site(in_process=True)).proactive is Proactive.OFF
+    cross = Site(in_process=False, cross=True)
+    assert EdgeOptions().resolved(cross).mode is Mode.MATCH  # exact needs one vocabulary
+    assert EdgeOptions(mode=Mode.GREEDY).resolved(cross).mode is Mode.GREEDY
+    for options in (EdgeOptions(), threshold, EdgeOptions(proactive=Proactive.ON)):
+        for site in (Site(False), Site(True), cross):
+            once = options.resolved(site)
+            assert once.resolved(site) == once
+
+
+def test_what_a_session_runs_with_is_read_from_the_options() -> None:
+    threshold = EdgeOptions(mode=Mode.THRESHOLD, threshold=0.3, proactive=Proactive.ON)
+    assert threshold.session_mode(streams=False) == (Mode.THRESHOLD, 0.3)
+    assert threshold.session_mode(streams=True) == (Mode.MATCH, 0.0)  # cloud-only
+    assert EdgeOptions().session_mode(streams=True) == (Mode.MATCH, 0.0)
+    assert EdgeOptions(k=3).draft_limit(max_draft=64) == 3
+    assert EdgeOptions(k=12).draft_limit(max_draft=6) == 6  # the welcome's bound
+    assert EdgeOptions(k_max=5).draft_limit(max_draft=64) == 5  # k auto: up to k_max
+    plain = EdgeOptions(reconnect=Reconnect(attempts=3, timeout=30.0))
+    assert plain.link_reconnect() == plain.reconnect
+    assert plain.link_reconnect(probe=True) == Reconnect(attempts=0, timeout=30.0)
+    fallback = dataclasses.replace(plain, fallback=Fallback.DRAFT)
+    assert fallback.link_reconnect() == Reconnect(attempts=3, timeout=FALLBACK_AFTER)

@@ -233,8 +233,6 @@ def stream_lookahead(depth: int, rtt_s: float, step_s: float, cap: int) -> int:
     return 0 if lag >= cap else min(cap, depth + lag)
 
 
-__all__ = [
-    "STAGES", "Arm", "DraftLengthPolicy", "Ema", "FIRST_FLOOR", "HintGate",
-    "LinearFit", "StrategyChooser", "TreeShape", "hint_shape", "relative_speed", "stage",
-    "stream_lookahead",
-]
+__all__ = ["FIRST_FLOOR", "STAGES", "Arm", "DraftLengthPolicy", "Ema", "HintGate", "LinearFit",
+           "StrategyChooser", "TreeShape", "hint_shape", "relative_speed", "stage",
+           "stream_lookahead"]
