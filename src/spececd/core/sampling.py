@@ -37,8 +37,8 @@ from spececd.errors import InputError
 
 # The widest bias ``logit_bias`` may add to a logit (-100 in effect bans a token), and the
 # widest presence or frequency penalty (OpenAI's ranges): the request schemas publish these.
-LOGIT_BIAS_LIMIT = 100.0
-PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT = 100  # ints: the OpenAPI document shows them as written
+PENALTY_LIMIT = 2
 
 # Streams of `round_rng`: the verifier's and the drafter's randomness must be independent.
 VERIFIER_STREAM = 0
