@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spececd.cli.options import default_model, demo_prompts
-from spececd.edge.options import parse_k
+from spececd.cli.options import OPTIONS, default_model, demo_prompts
+from spececd.core.sampling import Mode
+from spececd.edge.options import Proactive, parse_k
 from spececd.errors import InputError
+
+MODES = [mode.value for mode in Mode if not mode.lossy]  # the bench compares lossless runs
+PROACTIVE = [choice.value for choice in Proactive]
 
 
 def add_parser(sub: Any) -> None:
@@ -49,7 +53,7 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")
-    bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
+    bench.add_argument("--mode", choices=MODES, default=OPTIONS.mode.value)
     bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
                            for v in args.k.split(",") if v.strip()]
     proactive = [v.strip() for v in args.proactive.split(",") if v.strip()]
-    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream", "auto"}:
+    if not ks or not proactive or not set(proactive) <= set(PROACTIVE):
         raise InputError("--k needs values such as 2,4,auto and --proactive values among "
                          "off,on,stream,auto")
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
