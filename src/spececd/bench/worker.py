@@ -193,8 +193,8 @@ class SpecRunner:
         self.generators: dict[str, Any] = {}
 
     def configure(self, request: dict[str, Any]) -> None:
-        from spececd.api import Generator
         from spececd.edge.options import EdgeOptions
+        from spececd.generator import Generator
         from spececd.transports.registry import connector
 
         url = request["server"]

@@ -23,7 +23,7 @@ from spececd.edge.options import EdgeOptions, Fallback, Proactive
 from spececd.errors import InputError
 
 if TYPE_CHECKING:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
 OPTIONS = EdgeOptions()  # for the help texts' defaults
 CONFIG = EdgeConfig()
@@ -180,7 +180,7 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
 
 
 def load_generator(cfg: EdgeConfig) -> Generator:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                   npu=cfg.npu, options=cfg.options)

@@ -43,7 +43,7 @@ class Proactive(str, enum.Enum):
     """What the edge does while the verifier works."""
 
     # With a server: off, on or stream, whichever is measured fastest on the link (the
-    # edge client's StrategyChoosers); in-process: off (resolved by spececd.api).
+    # edge client's StrategyChoosers); in-process: off (EdgeOptions.resolved).
     AUTO = "auto"
     OFF = "off"  # plain rounds: draft, send, wait for the verdict
     ON = "on"  # draft the next block while the verdict is in flight

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API on the edge: ``spececd api``.
 
-:func:`create_app` puts a :class:`~spececd.api.Generator` (draft model here, verifier
+:func:`create_app` puts a :class:`~spececd.generator.Generator` (draft model here, verifier
 in this process or on a server) behind FastAPI:
 
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
@@ -15,7 +15,7 @@ in this process or on a server) behind FastAPI:
 
 Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
-model runs one forward pass at a time (:class:`~spececd.api.Generator`).
+model runs one forward pass at a time (:class:`~spececd.generator.Generator`).
 
 Failures: a bad request is a 400 naming the field, a wrong key 401, an unknown model
 404; a verifier that cannot be reached is a 503 (unless the generator falls back to the
@@ -41,11 +41,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from spececd.api import AsyncGenerator, Generator, StreamChunk
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
+from spececd.generator import AsyncGenerator, Generator, StreamChunk
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
 from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
 
