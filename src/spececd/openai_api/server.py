@@ -189,9 +189,6 @@ class Api:
               kind: str) -> Run:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
-        base = secrets.randbits(62) if body.seed is None else body.seed
-        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
-                   for p, ids in enumerate(prompts) for i in range(body.n)]
         longest = max(len(ids) for ids in prompts)
         room = self.gen.max_context - longest
         # The body's sampling fields by their SamplingParams names, and what OpenAI's
@@ -203,7 +200,11 @@ class Api:
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
-        self.gen.params(**sampling)  # checked before streaming
+        # Checked before streaming; the first choice's seed (drawn when none was given).
+        base = self.gen.params(seed=body.seed, **sampling).seed
+        assert base is not None
+        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
+                   for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
                    options, cloud_only, f"{kind}-{secrets.token_hex(12)}")
