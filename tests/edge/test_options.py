@@ -11,14 +11,17 @@ import pytest
 from spececd import config
 from spececd.api import Generator
 from spececd.config import EdgeConfig
-from spececd.core.sampling import Mode
+from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.options import (
     FALLBACK_AFTER,
     EdgeOptions,
     Fallback,
     Proactive,
     Reconnect,
+    Resolved,
     Site,
+    resolve,
+    sampling_params,
 )
 from spececd.errors import InputError
 
@@ -138,3 +141,33 @@ def test_what_a_session_runs_with_is_read_from_the_options() -> None:
     assert plain.link_reconnect(probe=True) == Reconnect(attempts=0, timeout=30.0)
     fallback = dataclasses.replace(plain, fallback=Fallback.DRAFT)
     assert fallback.link_reconnect() == Reconnect(attempts=3, timeout=FALLBACK_AFTER)
+
+
+def test_a_resolved_value_holds_what_resolving_guarantees() -> None:
+    threshold = EdgeOptions(mode=Mode.THRESHOLD, threshold=0.3)
+    with pytest.raises(ValueError, match="resolve the options"):
+        Resolved(threshold, SamplingParams(seed=1))  # auto: rounds or stream, undecided
+    with pytest.raises(ValueError, match="concrete seed"):
+        Resolved(EdgeOptions(), SamplingParams())
+    run = resolve(threshold, {"seed": 1}, Site(in_process=False), prompt_len=3)
+    assert run == Resolved(threshold.resolved(Site(False)),
+                           SamplingParams(seed=1, prompt_len=3))
+    assert run.with_seed(2).params.seed == 2
+
+
+def test_sampling_settings_take_sampling_params_defaults_and_the_sites_vocabulary() -> None:
+    site = Site(in_process=True, vocab_size=50, eos_token_ids=(2,))
+    params = sampling_params({"seed": 7, "temperature": None}, site)  # None: not given
+    assert params == SamplingParams(seed=7, stop_token_ids=(2,))
+    assert sampling_params({}, site).seed is not None  # drawn
+    given = sampling_params({"seed": 7, "stop_token_ids": [9], "logit_bias": {4: 1, 3: -2}},
+                            site)
+    assert (given.stop_token_ids, given.logit_bias) == ((9,), ((3, -2.0), (4, 1.0)))
+    with pytest.raises(InputError, match=r"stop_token_ids has token ids outside .*\[50\]"):
+        sampling_params({"stop_token_ids": [50]}, site)
+    with pytest.raises(InputError, match="logit-bias names token ids outside the vocabulary"):
+        sampling_params({"logit_bias": {50: 1.0}}, site)
+    with pytest.raises(InputError, match=r"biases in \[-100, 100\]"):
+        sampling_params({"logit_bias": {5: 101}}, site)
+    with pytest.raises(TypeError, match=r"unknown sampling setting.*tempreature"):
+        sampling_params({"tempreature": 0.5}, site)

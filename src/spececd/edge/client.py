@@ -78,7 +78,6 @@ class EdgeClient:
         what each exchange emits. ``cloud_only``: the verifier generates every token (a
         baseline)."""
         params = run.params
-        assert params.seed is not None
         out = Emitter(prompt_ids, params, stats, self.max_context)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting

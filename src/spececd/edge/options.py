@@ -269,6 +269,14 @@ class Resolved:
     options: EdgeOptions
     params: SamplingParams
 
+    def __post_init__(self) -> None:  # what resolving guarantees, for values built directly
+        if self.params.seed is None:
+            raise ValueError("a generation runs with a concrete seed: resolve its sampling "
+                             "parameters (sampling_params) or set one")
+        if self.options.proactive is Proactive.AUTO and self.options.mode is Mode.THRESHOLD:
+            raise ValueError("threshold mode does not stream, so auto has nothing to choose "
+                             "from: resolve the options (EdgeOptions.resolved) first")
+
     def with_seed(self, seed: int) -> Resolved:
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed))
 
