@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from spececd import config
+from spececd.cloud.engine import EnginePolicy
 from spececd.config import EdgeConfig, ServerConfig
+from spececd.core.sampling import SamplingParams
 from spececd.errors import InputError
+from spececd.protocol.cloud_session import Limits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,3 +88,26 @@ def test_the_devices_table_sets_both_sides_devices(tmp_path: Path) -> None:
     path.write_text('[devices.npu]\nenable = true\n')
     with pytest.raises(InputError, match="enabled = true or false"):
         config.load(ServerConfig, path, environ={})
+
+
+
+def test_the_server_section_builds_limits_and_policy_by_name() -> None:
+    assert ServerConfig().limits() == Limits() and ServerConfig().policy() == EnginePolicy()
+    for cls, build in ((Limits, ServerConfig.limits), (EnginePolicy, ServerConfig.policy)):
+        names = [f.name for f in dataclasses.fields(cls)]
+        assert set(names) <= set(config.settings(ServerConfig)), cls  # each one configurable
+        # Distinct values, so that a setting passed to another field is seen.
+        changed = {name: getattr(cls(), name) + i + 1 for i, name in enumerate(names)}
+        built = build(dataclasses.replace(ServerConfig(), **changed))
+        assert dataclasses.asdict(built) == changed
+
+
+def test_the_edge_sections_sampling_defaults_are_sampling_params_own() -> None:
+    sampling = EdgeConfig().sampling()
+    assert SamplingParams(**{**sampling, "logit_bias": ()}) == SamplingParams()
+    assert set(sampling) == {f.name for f in dataclasses.fields(SamplingParams)} - {
+        "seed", "stop_token_ids", "prompt_len"}
+    assert config.load(EdgeConfig, None, {"logit_bias": "5:-100, 7:2.5"}, {}).sampling()[
+        "logit_bias"] == {5: -100.0, 7: 2.5}
+    with pytest.raises(InputError, match="ID:BIAS pairs"):
+        EdgeConfig(logit_bias="5=-100").sampling()

@@ -21,13 +21,13 @@ __all__ = ["AsyncGenerator", "Completion", "Generator", "InputError", "SamplingP
            "SpecECDError", "StreamChunk"]
 
 if TYPE_CHECKING:
-    from spececd.api import AsyncGenerator, Completion, Generator, StreamChunk
+    from spececd.generator import AsyncGenerator, Completion, Generator, StreamChunk
 
 
 def __getattr__(name: str) -> Any:
     # The API pulls in the backends; import it lazily so `import spececd` stays light.
     if name in ("AsyncGenerator", "Generator", "Completion", "StreamChunk"):
-        from spececd import api
+        from spececd import generator
 
-        return getattr(api, name)
+        return getattr(generator, name)
     raise AttributeError(name)

@@ -2,8 +2,11 @@
 
 Each value comes from, in increasing order of precedence:
 
-1. the defaults below, and :class:`~spececd.edge.options.EdgeOptions`' for the edge's
-   options (``mode``, ``k``, ``proactive``, ...);
+1. the defaults below, each kept where it belongs: the server's limits in
+   :class:`~spececd.protocol.session.Limits` and :class:`~spececd.cloud.engine.EnginePolicy`
+   (which :meth:`ServerConfig.limits` and :meth:`ServerConfig.policy` build), the edge's
+   sampling settings in :class:`~spececd.core.sampling.SamplingParams`, its options
+   (``mode``, ``k``, ``proactive``, ...) in :class:`~spececd.edge.options.EdgeOptions`;
 2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``, and
    ``[devices]``: ``edge_device`` and ``cloud_device`` are the edge's and the server's
    ``device``, ``[devices.npu] enabled`` is both sides' ``npu``);
@@ -15,7 +18,8 @@ Each value comes from, in increasing order of precedence:
 
 Values are converted and checked as they are read, and an error names where the bad value
 came from. The edge's options are parsed here, once, into the :class:`EdgeOptions` that
-everything inside the edge takes.
+everything inside the edge takes; its sampling settings reach a generation by their
+:class:`SamplingParams` names (:meth:`EdgeConfig.sampling`).
 """
 
 from __future__ import annotations
@@ -29,14 +33,21 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from spececd.cloud.engine import EnginePolicy
+from spececd.core.sampling import SamplingParams
+from spececd.edge.options import ROUND_TIMEOUT, SAMPLING_SETTINGS, EdgeOptions
 from spececd.edge.options import SETTINGS as OPTION_SETTINGS
-from spececd.edge.options import EdgeOptions
 from spececd.errors import InputError
+from spececd.protocol.cloud_session import Limits
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+
+# Where the defaults of the settings below live (the sections only name them).
+_LIMITS, _POLICY, _SAMPLING = Limits(), EnginePolicy(), SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -53,17 +64,31 @@ class ServerConfig:
     npu: bool = True  # whether device "npu" may use an NPU (else: the cpu, with a notice)
     dtype: str = "auto"
     threads: int = 0
-    max_sessions: int = 64
-    max_context: int = 4096
-    max_draft: int = 64
-    max_batch: int = 32
-    max_kv_bytes: int = 0
-    max_message_bytes: int = 1 << 20
-    idle_timeout: float = 300.0
+    max_sessions: int = _POLICY.max_sessions
+    max_context: int = _LIMITS.max_context
+    max_draft: int = _LIMITS.max_draft
+    max_batch: int = _POLICY.max_batch
+    max_kv_bytes: int = _POLICY.max_kv_bytes
+    max_message_bytes: int = _LIMITS.max_message_bytes
+    idle_timeout: float = _POLICY.idle_timeout
     drain_timeout: float = 30.0  # SIGTERM: seconds to let sessions move on before exiting
     auth_token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+
+    def limits(self) -> Limits:
+        """The limits every session is held to: this section's settings of those names."""
+        return Limits(**_named(self, Limits))
+
+    def policy(self) -> EnginePolicy:
+        """The engine's sessions, batching and KV policy: this section's settings of those
+        names."""
+        return EnginePolicy(**_named(self, EnginePolicy))
+
+
+def _named(section: object, cls: type) -> dict[str, Any]:
+    """The settings of ``section`` named as ``cls``' fields (by name, never by position)."""
+    return {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
 
 
 @dataclass(frozen=True)
@@ -80,21 +105,40 @@ class EdgeConfig:
     npu: bool = True  # whether device "npu" may use an NPU (else: the cpu, with a notice)
     dtype: str = "auto"
     threads: int = 0
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: int = _SAMPLING.max_tokens
+    temperature: float = _SAMPLING.temperature
+    top_k: int = _SAMPLING.top_k
+    top_p: float = _SAMPLING.top_p
+    min_p: float = _SAMPLING.min_p
+    repetition_penalty: float = _SAMPLING.repetition_penalty
+    presence_penalty: float = _SAMPLING.presence_penalty
+    frequency_penalty: float = _SAMPLING.frequency_penalty
     logit_bias: str = ""  # "ID:BIAS,ID:BIAS"
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True
     target_tokenizer: str = ""  # with a server: the target's, when the draft's differs
-    round_timeout: float = 120.0  # seconds without a reply before the link is deemed dead
+    round_timeout: float = ROUND_TIMEOUT  # seconds without a reply: the link is deemed dead
     options: EdgeOptions = field(default_factory=EdgeOptions)
+
+    def sampling(self) -> dict[str, Any]:
+        """This section's sampling settings, by :class:`SamplingParams`' names (what
+        ``Generator.stream`` takes); ``logit_bias`` parsed from its text."""
+        named = {name: getattr(self, name) for name in SAMPLING_SETTINGS if hasattr(self, name)}
+        return {**named, "logit_bias": parse_logit_bias(self.logit_bias)}
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """``"ID:BIAS,ID:BIAS"`` as a dict; InputError naming the bad pair."""
+    bias: dict[int, float] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        token, _, value = pair.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise InputError(f"logit-bias takes ID:BIAS pairs separated by commas, e.g. "
+                             f"'50256:-100,13:2.5'; got {pair!r}") from None
+    return bias
 
 
 Config = TypeVar("Config", ServerConfig, EdgeConfig)

@@ -7,15 +7,15 @@ sampled output a function of the seed alone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
-from spececd.core.sampling import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
-from spececd.edge.options import EdgeOptions
+from spececd.edge.options import EdgeOptions, Site, resolve
 from spececd.transports.memory import LocalServer, local_verifier
 from tests.toy import ToyBackend, greedy, toy_pair
 
@@ -30,17 +30,30 @@ def verifier(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[LocalServer]:
     server.close()
 
 
-def client(draft: ToyBackend, verifier: LocalServer, **options: object) -> EdgeClient:
+@dataclass
+class Edge:
+    """An edge client and the options its generations are resolved from."""
+
+    client: EdgeClient
+    options: EdgeOptions
+    site: Site  # as against a server (the verifier is one in all but its address): auto chooses
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def client(draft: ToyBackend, verifier: LocalServer, **options: object) -> Edge:
     fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-    return EdgeClient(Drafter(draft), verifier, fingerprint, draft.max_context,
-                      options=EdgeOptions().with_settings(**options))
+    return Edge(EdgeClient(Drafter(draft), verifier, fingerprint, draft.max_context),
+                EdgeOptions().with_settings(**options),
+                Site(in_process=False, vocab_size=draft.vocab_size))
 
 
-def generate(edge: EdgeClient, prompt: list[int], stats: GenerationStats | None = None,
+def generate(edge: Edge, prompt: list[int], stats: GenerationStats | None = None,
              cloud_only: bool = False, **params: object) -> list[int]:
     settings: dict[str, object] = {"temperature": 0.0, "seed": 1, "max_tokens": N, **params}
-    rounds = edge.generate(prompt, SamplingParams(**settings),  # type: ignore[arg-type]
-                           stats or GenerationStats(), cloud_only)
+    run = resolve(edge.options, settings, edge.site, len(prompt))
+    rounds = edge.client.generate(prompt, run, stats or GenerationStats(), cloud_only)
     return [t for out in rounds for t in out.token_ids]
 
 

@@ -16,7 +16,7 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
 from spececd.edge.link import CloudUnreachable
-from spececd.edge.options import EdgeOptions, Reconnect
+from spececd.edge.options import EdgeOptions, Reconnect, Resolved, Site
 from spececd.protocol import messages as m
 from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer, MemoryTransport, local_verifier
@@ -56,15 +56,16 @@ def servers(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[list[LocalServer]]:
 
 
 def edge(draft: ToyBackend, connect: Callable[[], Transport],
-         **options: object) -> EdgeClient:
+         **options: object) -> tuple[EdgeClient, EdgeOptions]:
     fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-    return EdgeClient(Drafter(draft), connect, fingerprint, draft.max_context,
-                      options=EdgeOptions(reconnect=NO_WAIT).with_settings(**options))
+    return (EdgeClient(Drafter(draft), connect, fingerprint, draft.max_context),
+            EdgeOptions(reconnect=NO_WAIT).with_settings(**options))
 
 
-def generate(client: EdgeClient, stats: GenerationStats) -> list[int]:
-    params = SamplingParams(temperature=0.0, seed=1, max_tokens=N)
-    return [t for out in client.generate(PROMPT, params, stats) for t in out.token_ids]
+def generate(client: tuple[EdgeClient, EdgeOptions], stats: GenerationStats) -> list[int]:
+    run = Resolved(client[1].resolved(Site(in_process=False)),
+                   SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+    return [t for out in client[0].generate(PROMPT, run, stats) for t in out.token_ids]
 
 
 @pytest.mark.parametrize("proactive", ["off", "on", "stream"])

@@ -3,15 +3,26 @@ a bad value is an InputError that names it, before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from spececd import config
-from spececd.api import Generator, resolve_proactive
+from spececd.api import Generator
 from spececd.config import EdgeConfig
-from spececd.core.sampling import Mode
-from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
+from spececd.core.sampling import Mode, SamplingParams
+from spececd.edge.options import (
+    FALLBACK_AFTER,
+    EdgeOptions,
+    Fallback,
+    Proactive,
+    Reconnect,
+    Resolved,
+    Site,
+    resolve,
+    sampling_params,
+)
 from spececd.errors import InputError
 
 
@@ -95,9 +106,68 @@ def test_generator_checks_options_before_loading_models(tmp_path: Path) -> None:
 
 
 def test_auto_chooses_against_a_server_and_is_off_in_process() -> None:
+    remote, local = Site(in_process=False), Site(in_process=True)
     auto = EdgeOptions()
-    assert resolve_proactive(auto, in_process=False).proactive is Proactive.AUTO
-    assert resolve_proactive(auto, in_process=True).proactive is Proactive.OFF
+    assert auto.resolved(remote).proactive is Proactive.AUTO
+    assert auto.resolved(local).proactive is Proactive.OFF
     stream = EdgeOptions(proactive=Proactive.STREAM)
-    assert resolve_proactive(stream, in_process=False) == stream
-    assert resolve_proactive(stream, in_process=True) == stream  # the engine runs in-process
+    assert stream.resolved(remote) == stream
+    assert stream.resolved(local) == stream  # the engine runs in-process
+
+
+def test_resolving_decides_what_the_site_decides_and_only_once() -> None:
+    threshold = EdgeOptions().with_settings(mode="threshold", threshold=0.3)
+    assert threshold.resolved(Site(in_process=False)).proactive is Proactive.ON  # no stream
+    assert threshold.resolved(Site(in_process=True)).proactive is Proactive.OFF
+    cross = Site(in_process=False, cross=True)
+    assert EdgeOptions().resolved(cross).mode is Mode.MATCH  # exact needs one vocabulary
+    assert EdgeOptions(mode=Mode.GREEDY).resolved(cross).mode is Mode.GREEDY
+    for options in (EdgeOptions(), threshold, EdgeOptions(proactive=Proactive.ON)):
+        for site in (Site(False), Site(True), cross):
+            once = options.resolved(site)
+            assert once.resolved(site) == once
+
+
+def test_what_a_session_runs_with_is_read_from_the_options() -> None:
+    threshold = EdgeOptions(mode=Mode.THRESHOLD, threshold=0.3, proactive=Proactive.ON)
+    assert threshold.session_mode(streams=False) == (Mode.THRESHOLD, 0.3)
+    assert threshold.session_mode(streams=True) == (Mode.MATCH, 0.0)  # cloud-only
+    assert EdgeOptions().session_mode(streams=True) == (Mode.MATCH, 0.0)
+    assert EdgeOptions(k=3).draft_limit(max_draft=64) == 3
+    assert EdgeOptions(k=12).draft_limit(max_draft=6) == 6  # the welcome's bound
+    assert EdgeOptions(k_max=5).draft_limit(max_draft=64) == 5  # k auto: up to k_max
+    plain = EdgeOptions(reconnect=Reconnect(attempts=3, timeout=30.0))
+    assert plain.link_reconnect() == plain.reconnect
+    assert plain.link_reconnect(probe=True) == Reconnect(attempts=0, timeout=30.0)
+    fallback = dataclasses.replace(plain, fallback=Fallback.DRAFT)
+    assert fallback.link_reconnect() == Reconnect(attempts=3, timeout=FALLBACK_AFTER)
+
+
+def test_a_resolved_value_holds_what_resolving_guarantees() -> None:
+    threshold = EdgeOptions(mode=Mode.THRESHOLD, threshold=0.3)
+    with pytest.raises(ValueError, match="resolve the options"):
+        Resolved(threshold, SamplingParams(seed=1))  # auto: rounds or stream, undecided
+    with pytest.raises(ValueError, match="concrete seed"):
+        Resolved(EdgeOptions(), SamplingParams())
+    run = resolve(threshold, {"seed": 1}, Site(in_process=False), prompt_len=3)
+    assert run == Resolved(threshold.resolved(Site(False)),
+                           SamplingParams(seed=1, prompt_len=3))
+    assert run.with_seed(2).params.seed == 2
+
+
+def test_sampling_settings_take_sampling_params_defaults_and_the_sites_vocabulary() -> None:
+    site = Site(in_process=True, vocab_size=50, eos_token_ids=(2,))
+    params = sampling_params({"seed": 7, "temperature": None}, site)  # None: not given
+    assert params == SamplingParams(seed=7, stop_token_ids=(2,))
+    assert sampling_params({}, site).seed is not None  # drawn
+    given = sampling_params({"seed": 7, "stop_token_ids": [9], "logit_bias": {4: 1, 3: -2}},
+                            site)
+    assert (given.stop_token_ids, given.logit_bias) == ((9,), ((3, -2.0), (4, 1.0)))
+    with pytest.raises(InputError, match=r"stop_token_ids has token ids outside .*\[50\]"):
+        sampling_params({"stop_token_ids": [50]}, site)
+    with pytest.raises(InputError, match="logit-bias names token ids outside the vocabulary"):
+        sampling_params({"logit_bias": {50: 1.0}}, site)
+    with pytest.raises(InputError, match=r"biases in \[-100, 100\]"):
+        sampling_params({"logit_bias": {5: 101}}, site)
+    with pytest.raises(TypeError, match=r"unknown sampling setting.*tempreature"):
+        sampling_params({"tempreature": 0.5}, site)

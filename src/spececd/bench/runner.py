@@ -26,6 +26,7 @@ from typing import Any
 
 from spececd.backends.registry import model_format
 from spececd.bench.netem import DelayProxy
+from spececd.edge.options import EdgeOptions
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ class BenchConfig:
     proactive: list[str] = field(default_factory=lambda: ["off", "on", "stream", "auto"])
     iterations: int = 3
     max_tokens: int = 64
-    temperature: float = 0.0
-    mode: str = "exact"
+    temperature: float = 0.0  # greedy: the output is the target's own, checkable
+    mode: str = EdgeOptions().mode.value
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 0

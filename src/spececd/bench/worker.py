@@ -193,17 +193,18 @@ class SpecRunner:
         self.generators: dict[str, Any] = {}
 
     def configure(self, request: dict[str, Any]) -> None:
-        from spececd.api import Generator
         from spececd.edge.options import EdgeOptions
+        from spececd.generator import Generator
         from spececd.transports.registry import connector
 
         url = request["server"]
         if url not in self.generators:  # (a draft with another tokenizer gets the target's)
             self.generators[url] = Generator.remote(self.draft, url, connector(url))
         self.generator = self.generators[url]
+        # A cloud-only pass names no k, proactive setting or tree width: none applies.
         self.generator.options = EdgeOptions().with_settings(
-            mode=self.job["mode"], k=request.get("k") or 4,
-            proactive=request.get("proactive") or "off", tree_width=request.get("tree") or 1)
+            mode=self.job["mode"], k=request.get("k"), proactive=request.get("proactive"),
+            tree_width=request.get("tree"))
         self.kind = request["kind"]
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:

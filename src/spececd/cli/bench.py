@@ -11,9 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spececd.bench.runner import BenchConfig
 from spececd.cli.options import default_model, demo_prompts
-from spececd.edge.options import parse_k
+from spececd.core.sampling import Mode
+from spececd.edge.options import Proactive, parse_k
 from spececd.errors import InputError
+
+MODES = [mode.value for mode in Mode if not mode.lossy]  # the bench compares lossless runs
+PROACTIVE = [choice.value for choice in Proactive]
+PLAN = BenchConfig(draft="", target="", prompts=[])  # the flags' defaults: the plan's own
 
 
 def add_parser(sub: Any) -> None:
@@ -29,16 +35,18 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--prompts-file", type=Path,
                        help="prompts instead of the built-in ones: a JSON list of strings, or "
                        "text with prompts separated by lines holding only ---")
-    bench.add_argument("--iterations", type=int, default=3,
-                       help="measured passes per configuration, after one warm-up (default: 3)")
-    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
+    bench.add_argument("--iterations", type=int, default=PLAN.iterations,
+                       help="measured passes per configuration, after one warm-up (default: "
+                       f"{PLAN.iterations})")
+    bench.add_argument("--max-tokens", type=int, default=PLAN.max_tokens,
+                       help=f"tokens per prompt (default: {PLAN.max_tokens})")
     bench.add_argument("--rtt-ms", default="0,20,50",
                        help="round-trip times to emulate, comma-separated (default: 0,20,50)")
     bench.add_argument("--jitter-ms", type=float, default=0.0,
                        help="round-trip jitter, uniform (default: 0)")
     bench.add_argument("--k", default="auto", help="draft lengths to compare, e.g. 2,4,8,auto "
                        "(default: auto, the adaptive policy)")
-    bench.add_argument("--proactive", default="off,on,stream,auto",
+    bench.add_argument("--proactive", default=",".join(PLAN.proactive),
                        help="proactive drafting settings to compare for --k auto; fixed k "
                        "values run with the first one (default: off,on,stream,auto; auto "
                        "chooses among off, on and stream as it goes, the default against a "
@@ -49,9 +57,10 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")
-    bench.add_argument("--mode", choices=["exact", "match", "greedy"], default="exact")
-    bench.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--mode", choices=MODES, default=PLAN.mode)
+    bench.add_argument("--temperature", type=float, default=PLAN.temperature,
+                       help=f"default: {PLAN.temperature:g} (greedy)")
+    bench.add_argument("--seed", type=int, default=PLAN.seed)
     bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
     bench.add_argument("--port", type=int, default=0, help="port for the server (0: any free)")
     bench.add_argument("--device", default="cpu", help="device for every model (default: cpu)")
@@ -125,7 +134,7 @@ def run_load(args: argparse.Namespace) -> int:
     from spececd.backends.base import tokenizer_fingerprint
     from spececd.backends.registry import load_backend
     from spececd.bench import load
-    from spececd.bench.runner import BenchConfig, start_openai_server, start_server
+    from spececd.bench.runner import start_openai_server, start_server
 
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
@@ -202,12 +211,12 @@ def run_load(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "load":
         return run_load(args)
-    from spececd.bench.runner import BenchConfig, run_bench, save
+    from spececd.bench.runner import run_bench, save
 
     ks: list[int | str] = [v.strip() if v.strip() == "auto" else int(parse_k(v.strip()) or 0)
                            for v in args.k.split(",") if v.strip()]
     proactive = [v.strip() for v in args.proactive.split(",") if v.strip()]
-    if not ks or not proactive or not set(proactive) <= {"on", "off", "stream", "auto"}:
+    if not ks or not proactive or not set(proactive) <= set(PROACTIVE):
         raise InputError("--k needs values such as 2,4,auto and --proactive values among "
                          "off,on,stream,auto")
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]

@@ -2,8 +2,9 @@
 over the environment over ``config.toml``), then a loaded Generator.
 
 Flags default to None ("not given") so that the file and the environment show through;
-the defaults the help texts name live in :mod:`spececd.config` and
-:class:`~spececd.edge.options.EdgeOptions`. Nothing here imports a model runtime: the
+the defaults the help texts name live in :class:`~spececd.core.sampling.SamplingParams`
+(sampling), :class:`~spececd.edge.options.EdgeOptions` (speculation) and
+:mod:`spececd.config` (the rest), and are read from there. Nothing here imports a model runtime: the
 backend the chosen model needs is imported when it loads.
 """
 
@@ -16,16 +17,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spececd import config
-from spececd.config import EdgeConfig
-from spececd.core.sampling import Mode
+from spececd.config import EdgeConfig, parse_logit_bias
+from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.options import EdgeOptions, Fallback, Proactive
 from spececd.errors import InputError
 
 if TYPE_CHECKING:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
 OPTIONS = EdgeOptions()  # for the help texts' defaults
 CONFIG = EdgeConfig()
+SAMPLING = SamplingParams()
+
+__all__ = ["add_edge_options", "edge_config", "load_generator", "parse_logit_bias",
+           "sampling_kwargs"]
 
 
 def models_dir() -> Path:
@@ -74,18 +79,22 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
     g.add_argument("--max-tokens", type=int,
                    help=f"tokens to generate at most (default: {max_tokens})")
     g.add_argument("--temperature", type=float, help=f"0 = greedy (default: {temperature})")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: 0 = off)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1 = off)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: "
+                   f"{SAMPLING.top_k} = off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default: "
+                   f"{SAMPLING.top_p:g} = off)")
     g.add_argument("--seed", type=int, default=None, help="seed for a reproducible run")
     g.add_argument("--min-p", type=float, help="drop tokens below this share of the most "
-                   "likely one's probability (default: 0 = off)")
+                   f"likely one's probability (default: {SAMPLING.min_p:g} = off)")
     g.add_argument("--repetition-penalty", type=float, help="> 1 makes tokens of the prompt "
                    "and output so far less likely, as in transformers (default: "
                    f"{repetition_penalty:g}; 1 = off)")
     g.add_argument("--presence-penalty", type=float, help="OpenAI's: subtracted from the "
-                   "logit of every token the output has used, -2 to 2 (default: 0)")
+                   "logit of every token the output has used, -2 to 2 (default: "
+                   f"{SAMPLING.presence_penalty:g})")
     g.add_argument("--frequency-penalty", type=float, help="OpenAI's: subtracted once per "
-                   "use of a token in the output, -2 to 2 (default: 0)")
+                   "use of a token in the output, -2 to 2 (default: "
+                   f"{SAMPLING.frequency_penalty:g})")
     g.add_argument("--logit-bias", help="added to token logits: ID:BIAS,ID:BIAS "
                    "(bias -100 to 100; -100 bans the token)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -171,7 +180,7 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
 
 
 def load_generator(cfg: EdgeConfig) -> Generator:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                   npu=cfg.npu, options=cfg.options)
@@ -187,21 +196,5 @@ def load_generator(cfg: EdgeConfig) -> Generator:
 
 def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None
                     ) -> dict[str, Any]:
-    return dict(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, seed=seed, min_p=cfg.min_p,
-                repetition_penalty=cfg.repetition_penalty,
-                presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
-                logit_bias=parse_logit_bias(cfg.logit_bias), stop=stop or [])
-
-
-def parse_logit_bias(text: str) -> dict[int, float]:
-    """``"ID:BIAS,ID:BIAS"`` as a dict; InputError naming the bad pair."""
-    bias: dict[int, float] = {}
-    for pair in filter(None, (p.strip() for p in text.split(","))):
-        token, _, value = pair.partition(":")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise InputError(f"logit-bias takes ID:BIAS pairs separated by commas, e.g. "
-                             f"'50256:-100,13:2.5'; got {pair!r}") from None
-    return bias
+    """What ``Generator.stream`` takes for a generation with ``cfg``'s sampling settings."""
+    return {**cfg.sampling(), "seed": seed, "stop": stop or []}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from spececd.core.stats import GenerationStats
 
 if TYPE_CHECKING:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
 COLOURS = {"draft": "\033[32m", "target": "\033[1;33m", "fallback": "\033[2;31m"}
 RESET = "\033[0m"

@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def serve(cfg: ServerConfig, token: str) -> int:
     """Load the target and serve it on every listener asked for until interrupted."""
     from spececd.backends.registry import load_backend
-    from spececd.cloud.engine import CloudService, EnginePolicy
-    from spececd.protocol.session import Limits
+    from spececd.cloud.engine import CloudService
     from spececd.transports import registry
 
     listeners = [registry.Listener(name, cfg.host, port) for name, port in
@@ -93,8 +92,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
     if not listeners:
         raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
     model = cfg.target_model or default_model("target")
-    limits = Limits(cfg.max_draft, cfg.max_context, cfg.max_message_bytes)
-    policy = EnginePolicy(cfg.max_sessions, cfg.idle_timeout, cfg.max_batch, cfg.max_kv_bytes)
+    limits, policy = cfg.limits(), cfg.policy()
     engine: CloudService
     if cfg.engine == "vllm":
         from spececd.cloud import vllm

@@ -24,6 +24,9 @@ it. A position the policy has rarely drafted so inherits what was learnt just be
 would keep the policy from ever trying longer drafts. Pure: no clock, no I/O; the caller
 feeds measurements in seconds.
 
+Which *way* to speculate (rounds or stream drafting, block-ahead or plain) is chosen
+by :mod:`spececd.core.chooser`, whose names this module re-exports.
+
 The same model shapes **token trees** (:meth:`DraftLengthPolicy.tree_shape`). A sibling
 candidate ``s`` at depth ``i`` gains one token when the target's token there is ``s``:
 in expectation ``reach_i * q(s)``, with ``reach_i = a_1 ... a_{i-1}`` the chance the round
@@ -36,10 +39,11 @@ where each verified position is dear, they shrink to chains. Delay-aware by cons
 
 from __future__ import annotations
 
-import bisect
-import enum
 import math
 from dataclasses import dataclass, field
+
+# The strategy chooser lived here; its names stay importable from this module.
+from spececd.core.chooser import STAGES, Arm, HintGate, StrategyChooser, relative_speed, stage
 
 
 @dataclass
@@ -229,259 +233,6 @@ def stream_lookahead(depth: int, rtt_s: float, step_s: float, cap: int) -> int:
     return 0 if lag >= cap else min(cap, depth + lag)
 
 
-class Arm(enum.Enum):
-    """The ways to speculate against a server that :class:`StrategyChooser` picks from, in
-    pairs: rounds or streaming, and within rounds, block-ahead or plain."""
-
-    ROUNDS = "rounds"  # rounds: draft, send, wait
-    STREAM = "stream"  # stream drafting: the server generates, drafts follow as hints
-    AHEAD = "block-ahead"  # rounds that draft the next block while the verdict is awaited
-    PLAIN = "plain"  # rounds that draft only after the verdict
-
-
-STAGES = (16, 32, 64, 128, 256)  # where a generation's stages end, in tokens generated
-
-
-def stage(position: int) -> int:
-    """The stage of a generation that an exchange starting ``position`` tokens in falls in."""
-    return bisect.bisect_right(STAGES, position)
-
-
-@dataclass
-class _Speed:
-    """An arm's speed at each stage of a generation: tokens over seconds per stage, all
-    sums decaying by ``decay`` per segment either arm completes, so that a long segment
-    weighs more than a short one and old segments fade (a probe after a long spell of the
-    other arm speaks mostly for now)."""
-
-    decay: float
-    tokens: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
-    seconds: list[float] = field(default_factory=lambda: [0.0] * (len(STAGES) + 1))
-    measured: list[int] = field(default_factory=lambda: [0] * (len(STAGES) + 1))  # unfaded
-    segments: int = 0
-    partial: dict[int, tuple[int, float]] = field(default_factory=dict)  # stage: the segment
-    # under way
-
-    def add(self, position: int, tokens: int, seconds: float, segment: int) -> int:
-        """Add an exchange that began ``position`` tokens into its generation; the tokens of
-        the segment it completed, or 0."""
-        at = stage(position)
-        n, t = self.partial.get(at, (0, 0.0))
-        self.partial[at] = (n + tokens, t + seconds)
-        total = sum(n for n, _ in self.partial.values())
-        if total < segment:
-            return 0
-        self.fade()
-        for i, (n, t) in self.partial.items():
-            self.tokens[i] += n
-            self.seconds[i] += t
-            self.measured[i] += n
-        self.segments += 1
-        self.partial = {}
-        return total
-
-    def fade(self) -> None:
-        self.tokens = [self.decay * n for n in self.tokens]
-        self.seconds = [self.decay * t for t in self.seconds]
-
-    @property
-    def value(self) -> float | None:
-        seconds = sum(self.seconds)
-        return sum(self.tokens) / seconds if self.segments and seconds > 0 else None
-
-
-def relative_speed(a: _Speed, b: _Speed, least: float) -> tuple[float, bool]:
-    """How much faster ``a`` is than ``b`` (a ratio of speeds), and whether it was
-    measured over the same stages of generations.
-
-    Text grows more predictable along a generation (at its start the continuation of the
-    prompt is least certain), so an arm measured only at the start of generations looks
-    slower than one measured over their rest. Each is timed on the token mix the two saw
-    together, stage by stage: the seconds per token of ``b`` over those of ``a``, over the
-    stages where both have measured at least ``least`` tokens, each weighted by the fewer
-    of the two (faded). With no such stage, the arms' overall speeds."""
-    weights = [min(na, nb) if min(ca, cb) >= least else 0.0 for na, nb, ca, cb in zip(
-        a.tokens, b.tokens, a.measured, b.measured, strict=True)]
-    if any(weights):
-        def per_token(s: _Speed) -> float:
-            return sum(w * t / n for w, t, n in zip(weights, s.seconds, s.tokens, strict=True)
-                       if w)
-        return per_token(b) / max(per_token(a), 1e-12), True
-    va, vb = a.value, b.value
-    assert va is not None and vb is not None
-    return va / vb, False
-
-
-@dataclass
-class StrategyChooser:
-    """Chooses, per edge session, between two ways to speculate (``arms``) from the speed
-    each reached here: by default speculating in rounds or stream drafting, and, nested in
-    the rounds, drafting the next block ahead or not.
-
-    Rounds pay a network round trip per round; stream drafting pays none (the server
-    generates without waiting, like cloud-only generation, and verifies the drafts that
-    arrive in time), so it wins as the round trip grows, and rounds win on a fast link.
-    Drafting a block ahead hides the draft behind the round trip, but costs drafts that the
-    verdict throws away and, where the draft shares its processor with the rest, can slow
-    what it overlaps; plain rounds win with a cheap draft. The crossing points depend on
-    the link, the draft's speed and acceptance, and the server's step, all of which change;
-    so the chooser measures instead of predicting. The caller reports each exchange's
-    tokens, the seconds it took, drafting included (what drafting costs is part of what
-    the arms differ in), and how far into its generation it began; every ``segment``
-    tokens an arm's speed is updated, as tokens over seconds with older segments fading
-    (``decay``), since one segment's speed depends as much on how predictable its text was
-    as on the link. For the same reason the arms are compared over the same stages of
-    generations where both measured half a segment or more (:func:`relative_speed`):
-    streaming runs a generation to its end, so the rounds it is compared with are measured
-    at the start of generations, where text is least predictable.
-
-    A session starts with the first arm and measures the second next, then keeps the
-    faster arm (the other must be faster by ``margin`` to take over) and measures the other
-    again after ``probe_after`` tokens: a spacing that doubles each time the other arm
-    loses again, up to ``max_probe``, and goes straight there when the other was far behind
-    (under ``close`` times the leader, over the same stages, from the second comparison
-    on; or, at once, when its ceiling, :meth:`cap`, is under the leader's speed). A change
-    of link is noticed late; an arm that is clearly worse costs little.
-
-    Pure: no clock, no I/O. It says which arm to go on with; when a switch takes effect is
-    the caller's (stream drafting cannot stop a generation under way, so a switch from it
-    waits for the next generation, :meth:`start`).
-    """
-
-    arms: tuple[Arm, Arm] = (Arm.ROUNDS, Arm.STREAM)
-    segment: int = 16
-    probe_after: int = 64
-    max_probe: int = 4096
-    close: float = 0.75
-    margin: float = 0.05  # a wider one keeps a leader up to that much slower than the other
-    decay: float = 0.85
-    _speed: dict[Arm, _Speed] = field(default_factory=dict)
-    _spacing: int = 0
-    _since_probe: int = 0  # tokens generated by the leader since the arm behind was measured
-    _probes: int = 0  # comparisons made
-    _ceiling: dict[Arm, float] = field(default_factory=dict)  # the most an arm can reach
-    _leader: Arm = Arm.ROUNDS
-
-    def __post_init__(self) -> None:
-        self._speed = {arm: _Speed(self.decay) for arm in self.arms}
-        self._spacing = self._since_probe = self.probe_after  # the first comparison decides
-        self._leader = self.arms[0]
-
-    def speed(self, arm: Arm) -> float | None:
-        return self._speed[arm].value
-
-    def other(self, arm: Arm) -> Arm:
-        first, second = self.arms
-        return second if arm is first else first
-
-    def leader(self) -> Arm:
-        """The faster arm: the one leading so far, unless the other is faster by more
-        than ``margin`` (a hysteresis, so that noise does not swap them back and forth)."""
-        first, second = self.arms
-        if self.speed(first) is None or self.speed(second) is None:
-            self._leader = first if self.speed(first) is None else second
-            return self._leader
-        if self.ratio(self.other(self._leader))[0] > 1 + self.margin:
-            self._leader = self.other(self._leader)
-        return self._leader
-
-    def cap(self, arm: Arm, tokens_per_s: float) -> None:
-        """The most tokens per second ``arm`` could reach here (rounds: a round's most
-        tokens over the round trip): an arm whose ceiling is under the leader's speed is
-        as far behind as can be."""
-        self._ceiling[arm] = tokens_per_s
-
-    def ratio(self, arm: Arm) -> tuple[float, bool]:
-        """How much faster ``arm`` is than the other (both measured), and whether over the
-        same stages of generations."""
-        return relative_speed(self._speed[arm], self._speed[self.other(arm)],
-                              least=self.segment / 2)
-
-    def start(self) -> Arm:
-        """The arm to begin a generation with."""
-        for arm in self.arms:
-            if self.speed(arm) is None:
-                return arm  # measure both first, in order
-        leader = self.leader()
-        if self._since_probe >= self._spacing:  # the arm behind is due to be measured
-            return self.other(leader)
-        return leader
-
-    def record(self, arm: Arm, tokens: int, seconds: float, position: int = 0) -> Arm:
-        """Feed an exchange ``arm`` ran: the tokens it brought, the seconds it took and the
-        tokens its generation had before it; return the arm to go on with."""
-        other = self.other(arm)
-        both = self.speed(arm) is not None and self.speed(other) is not None
-        before = self.leader() if both else None
-        # An exchange that brought nothing (a hint sent) still took its time.
-        completed = self._speed[arm].add(position, max(0, tokens), max(0.0, seconds),
-                                         self.segment)
-        if not completed:
-            return arm
-        self._speed[other].fade()
-        if self.speed(other) is None:
-            return other  # measure the other arm as well, before choosing
-        if before is not arm:  # the arm behind ran: it is measured again
-            if self._since_probe >= self._spacing:  # once per probe (a stream runs on)
-                self._probed()
-            return self.leader()
-        if self.leader() is not arm:  # the leader fell behind
-            return other
-        self._since_probe += completed
-        return other if self._since_probe >= self._spacing else arm
-
-    def _probed(self) -> None:
-        """Both arms were just measured: space the next probe of the one behind out."""
-        leader = self.leader()
-        behind = self.other(leader)
-        ratio, matched = self.ratio(behind)
-        # Neither the first comparison (a session's first exchanges run cold) nor one over
-        # different stages of generations is sure enough to stop measuring for long; an
-        # arm that cannot reach the leader's speed is.
-        far = (matched and ratio < self.close and self._probes > 0) or (
-            self._ceiling.get(behind, math.inf) < (self.speed(leader) or 0.0))
-        self._probes += 1
-        self._spacing = self.max_probe if far else min(self.max_probe, 2 * self._spacing)
-        self._since_probe = 0
-
-
-@dataclass
-class HintGate:
-    """Stream drafting: whether hints are worth sending on this link.
-
-    A hint helps only if it reaches the server before the server has generated past it.
-    When the round trip is longer than the server takes to generate as many tokens as
-    the edge drafts ahead, every hint arrives late: drafting then costs the edge's time
-    and the link's bytes for nothing. After ``patience`` steps in a row in which the
-    server verified no hint, the gate closes for ``pause`` tokens (the edge only reads,
-    as in cloud-only generation), then opens to try again; each fruitless try doubles the
-    pause (up to ``max_pause``), and a verified hint resets it. Pure: the caller counts.
-    """
-
-    patience: int = 16
-    first_pause: int = 32
-    max_pause: int = 1024
-    _fruitless: int = 0  # steps in a row that verified no hint, while hints were sent
-    _pause: int = 0  # the current pause's length in tokens
-    _closed_for: int = 0  # tokens still to receive before the gate opens
-
-    def __post_init__(self) -> None:
-        self._pause = self.first_pause
-
-    @property
-    def open(self) -> bool:
-        return self._closed_for <= 0
-
-    def step(self, tokens: int, verified: bool, hinted: bool) -> None:
-        """Feed one server step: the ``tokens`` it brought, whether it verified hints, and
-        whether hints were out when it ran."""
-        if not self.open:
-            self._closed_for -= tokens
-            return
-        if verified:
-            self._fruitless, self._pause = 0, self.first_pause
-        elif hinted:
-            self._fruitless += 1
-            if self._fruitless >= self.patience:
-                self._closed_for, self._fruitless = self._pause, 0
-                self._pause = min(self.max_pause, 2 * self._pause)
+__all__ = ["FIRST_FLOOR", "STAGES", "Arm", "DraftLengthPolicy", "Ema", "HintGate", "LinearFit",
+           "StrategyChooser", "TreeShape", "hint_shape", "relative_speed", "stage",
+           "stream_lookahead"]

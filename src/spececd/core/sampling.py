@@ -35,6 +35,11 @@ import numpy as np
 
 from spececd.errors import InputError
 
+# The widest bias ``logit_bias`` may add to a logit (-100 in effect bans a token), and the
+# widest presence or frequency penalty (OpenAI's ranges): the request schemas publish these.
+LOGIT_BIAS_LIMIT = 100  # ints: the OpenAPI document shows them as written
+PENALTY_LIMIT = 2
+
 # Streams of `round_rng`: the verifier's and the drafter's randomness must be independent.
 VERIFIER_STREAM = 0
 DRAFTER_STREAM = 1
@@ -93,13 +98,15 @@ class SamplingParams:
                              f"{self.repetition_penalty}")
         for name, value in (("presence-penalty", self.presence_penalty),
                             ("frequency-penalty", self.frequency_penalty)):
-            if not -2.0 <= value <= 2.0:
-                raise InputError(f"{name} must be in [-2, 2] (0 disables it), got {value}")
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise InputError(f"{name} must be in [{-PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 "
+                                 f"disables it), got {value}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InputError(f"min-p must be in [0, 1] (0 disables it), got {self.min_p}")
         for token, bias in self.logit_bias:
-            if token < 0 or not -100.0 <= bias <= 100.0:
-                raise InputError(f"logit-bias takes token ids >= 0 and biases in [-100, 100], "
+            if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InputError(f"logit-bias takes token ids >= 0 and biases in "
+                                 f"[{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
                                  f"got {token}: {bias}")
         if self.prompt_len < 0:
             raise InputError(f"prompt_len must be >= 0, got {self.prompt_len}")

@@ -19,13 +19,13 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
-from spececd.core.policy import Arm, HintGate, StrategyChooser
+from spececd.core.chooser import Arm, HintGate, StrategyChooser
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
-from spececd.edge.options import EdgeOptions, Fallback, Proactive, Reconnect
+from spececd.edge.options import Fallback, Proactive, Reconnect, Resolved
 from spececd.edge.strategies import (
     Adaptive,
     BlockAhead,
@@ -37,34 +37,32 @@ from spececd.edge.strategies import (
     Work,
 )
 from spececd.protocol.messages import Fingerprint
-from spececd.protocol.session import EdgeSession
+from spececd.protocol.edge_session import EdgeSession
 from spececd.transports.base import Transport
 
 __all__ = ["CloudUnreachable", "EdgeClient", "Reconnect", "RoundOutput"]
 
 log = logging.getLogger(__name__)
 
-# With --fallback draft: seconds of failed reconnection before the draft goes on alone, and
-# then between tries of the verifier, which takes the generation back once it answers.
-FALLBACK_AFTER = 2.0
+# With --fallback draft: seconds between tries of the verifier while the draft goes on alone
+# (it takes the generation back once it answers).
 PROBE_EVERY = 1.0
 
 
 class EdgeClient:
-    """Generates with ``drafter`` against the verifier ``connect`` reaches. ``options``
-    choose the strategy; with ``Proactive.AUTO`` the client measures which of block-ahead
-    rounds and stream drafting is faster on its link (:class:`Adaptive`), learning across
-    its generations."""
+    """Generates with ``drafter`` against the verifier ``connect`` reaches. Each
+    generation's resolved options (:class:`~spececd.edge.options.Resolved`) choose the
+    strategy; with ``Proactive.AUTO`` the client measures which of block-ahead rounds and
+    stream drafting is faster on its link (:class:`Adaptive`), learning across its
+    generations."""
 
     def __init__(self, drafter: DraftSource, connect: Callable[[], Transport],
-                 fingerprint: Fingerprint, max_context: int, auth_token: str = "",
-                 options: EdgeOptions | None = None) -> None:
+                 fingerprint: Fingerprint, max_context: int, auth_token: str = "") -> None:
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.max_context = max_context
         self.auth_token = auth_token
-        self.options = options or EdgeOptions()
-        self.link = Link(connect, self.options.reconnect)
+        self.link = Link(connect, Reconnect())  # each generation sets its own (_strategy)
         # What this client has learnt of its link: which way to speculate (auto), and
         # whether stream drafting's hints arrive in time.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
@@ -74,12 +72,12 @@ class EdgeClient:
     def close(self) -> None:
         self.link.close()
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 stats: GenerationStats, cloud_only: bool = False
-                 ) -> Generator[RoundOutput, None, None]:
-        """Generate after ``prompt_ids`` (``params.seed`` must be set), yielding what each
-        exchange emits. ``cloud_only``: the verifier generates every token (a baseline)."""
-        assert params.seed is not None
+    def generate(self, prompt_ids: Sequence[int], run: Resolved, stats: GenerationStats,
+                 cloud_only: bool = False) -> Generator[RoundOutput, None, None]:
+        """Generate after ``prompt_ids`` with what ``run`` resolved (its seed set), yielding
+        what each exchange emits. ``cloud_only``: the verifier generates every token (a
+        baseline)."""
+        params = run.params
         out = Emitter(prompt_ids, params, stats, self.max_context)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting
@@ -88,12 +86,12 @@ class EdgeClient:
         try:
             while True:
                 try:
-                    strategy = self._strategy(out, params, stats, cloud_only, probe)
+                    strategy = self._strategy(out, run, stats, cloud_only, probe)
                     yield from self._run(strategy, out)
                     finished = True
                     return
                 except CloudUnreachable:
-                    if self.options.fallback is not Fallback.DRAFT:
+                    if run.options.fallback is not Fallback.DRAFT:
                         raise
                 if not probe:
                     log.warning("the verifier is unreachable: generating with the draft model "
@@ -133,50 +131,49 @@ class EdgeClient:
                 if emitted.finished:
                     return
 
-    def _strategy(self, out: Emitter, params: SamplingParams, stats: GenerationStats,
+    def _strategy(self, out: Emitter, run: Resolved, stats: GenerationStats,
                   cloud_only: bool, probe: bool = False) -> Strategy:
-        """Greet the verifier and set up the strategy the options choose. ``probe``: the
-        verifier was unreachable, and the draft generates alone: try it once, and
+        """Greet the verifier and set up the strategy ``run``'s options choose. ``probe``:
+        the verifier was unreachable, and the draft generates alone: try it once, and
         continue verified if it answers."""
-        options = self.options
-        proactive = options.proactive
-        reconnect = options.reconnect  # options may change between generations
-        if options.fallback is Fallback.DRAFT:  # the draft goes on alone during an outage
-            reconnect = dataclasses.replace(
-                reconnect, timeout=min(reconnect.timeout, FALLBACK_AFTER))
-        self.link.reconnect = dataclasses.replace(reconnect, attempts=0) if probe \
-            else reconnect
-        # Stream drafting and cloud-only generation are verified by match: drafts travel
-        # without distributions. Threshold mode does not stream, so auto means rounds there.
-        if proactive is Proactive.AUTO and options.mode is Mode.THRESHOLD:
-            proactive = Proactive.ON
-        streams = cloud_only or proactive is Proactive.STREAM
-        mode = Mode.MATCH if streams else options.mode
+        options, params = run.options, run.params
+        self.link.reconnect = options.link_reconnect(probe)
+        streams = cloud_only or options.proactive is Proactive.STREAM
+        mode, _ = options.session_mode(streams)
         trees = options.tree_width > 1 and not cloud_only  # in rounds, and in hints
-        session = EdgeSession(self.fingerprint, mode, params, self.auth_token,
-                              options.threshold if mode is Mode.THRESHOLD else 0.0, trees=trees)
+        session = edge_session(run, self.fingerprint, self.auth_token, streams, trees)
         # Auto: rounds in the asked mode, or streaming by match (the same session when the
         # mode is match), whichever the chooser starts this generation with.
-        arm = self.chooser.start() if proactive is Proactive.AUTO and not cloud_only else None
-        stream_session = session if mode is Mode.MATCH else EdgeSession(
-            self.fingerprint, Mode.MATCH, params, self.auth_token, trees=trees)
+        arm = self.chooser.start() if options.proactive is Proactive.AUTO and not cloud_only \
+            else None
+        stream_session = session if mode is Mode.MATCH else edge_session(
+            run, self.fingerprint, self.auth_token, True, trees)
         welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
-        self.link.reconnect = reconnect
+        self.link.reconnect = options.link_reconnect()
         if probe:
             log.warning("the verifier answers again: generation is verified from here on")
             out.verified_again()
         stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)
-        work = Work(self.drafter, self.link, session, mode, params, stats, options.max_support,
-                    options.tree_width)
-        k_max = min(options.k or options.k_max, welcome.max_draft)
+        work = Work(self.drafter, self.link, session, mode, params, stats,
+                    options.max_support, options.tree_width)
+        k_max = options.draft_limit(welcome.max_draft)
         if cloud_only:
             return CloudOnly(work)
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
             return Adaptive(work, stream, self.chooser, self.rounds_chooser, self.hint_gate,
                             arm, k_max, adaptive=options.k is None)
-        if proactive is Proactive.STREAM:
+        if options.proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max, gate=self.hint_gate)
-        rounds = BlockAhead if proactive is Proactive.ON else Rounds
+        rounds = BlockAhead if options.proactive is Proactive.ON else Rounds
         return rounds(work, k_max, adaptive=options.k is None)
+
+
+def edge_session(run: Resolved, fingerprint: Fingerprint, auth_token: str, streams: bool,
+                 trees: bool) -> EdgeSession:
+    """The session a generation greets the verifier with: ``run``'s sampling parameters, in
+    the mode its options verify in (by match where the server generates: ``streams``);
+    ``trees``: offering token trees."""
+    mode, threshold = run.options.session_mode(streams)
+    return EdgeSession(fingerprint, mode, run.params, auth_token, threshold, trees=trees)

@@ -1,12 +1,21 @@
-"""The edge's options, parsed once: how it drafts, how it verifies, how it copes with a
-failing link.
+"""The edge's options, parsed once, and what a generation runs with, resolved once.
 
 Every way of setting them ends here: command-line flags, ``config.toml`` and the
-``SPECECD_EDGE_*`` environment (through :mod:`spececd.config`), and the Python API
-(``Generator.load(k=..., proactive=...)``). :meth:`EdgeOptions.with_settings` turns what a
-user wrote (a string, a number, a bool or the enum itself) into typed values, or raises
-:class:`~spececd.errors.InputError` saying what was wrong and what to write instead.
-Each default lives here, once; code inside the edge takes an :class:`EdgeOptions` and
+``SPECECD_EDGE_*`` environment (through :mod:`spececd.config`), the Python API
+(``Generator.load(k=..., proactive=...)``, ``Generator.stream(temperature=...)``) and the
+OpenAI request body (:mod:`spececd.openai_api`). :meth:`EdgeOptions.with_settings` turns
+what a user wrote (a string, a number, a bool or the enum itself) into typed values, or
+raises :class:`~spececd.errors.InputError` saying what was wrong and what to write instead.
+
+Then :func:`resolve` decides, once per generation, what it runs with: the options as they
+run where this process is (:meth:`EdgeOptions.resolved`, :class:`Site`: the verifier in
+this process or on a server, the draft's tokenizer the target's or another) and the
+sampling parameters (:func:`sampling_params`; their defaults are
+:class:`~spececd.core.sampling.SamplingParams`' own), in one frozen :class:`Resolved`.
+What the server's welcome bounds is read from it with :meth:`EdgeOptions.draft_limit`, and
+the mode each session verifies in with :meth:`EdgeOptions.session_mode`.
+
+Each default and each rule lives here, once; code inside the edge takes these values and
 never re-parses or re-defaults.
 """
 
@@ -15,18 +24,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
-from spececd.core.sampling import Mode
+from spececd.core.sampling import Mode, SamplingParams, check_token_ids
 from spececd.errors import InputError
+
+# Seconds without a reply from the verifier before the link is deemed dead (and reconnected,
+# the history re-sent): how long a hung server or replica stalls generation.
+ROUND_TIMEOUT = 120.0
+# With a fallback to the draft alone: seconds of failed reconnection before it goes on alone.
+FALLBACK_AFTER = 2.0
 
 
 class Proactive(str, enum.Enum):
     """What the edge does while the verifier works."""
 
     # With a server: off, on or stream, whichever is measured fastest on the link (the
-    # edge client's StrategyChoosers); in-process: off (resolved by spececd.api).
+    # edge client's StrategyChoosers); in-process: off (EdgeOptions.resolved).
     AUTO = "auto"
     OFF = "off"  # plain rounds: draft, send, wait for the verdict
     ON = "on"  # draft the next block while the verdict is in flight
@@ -78,6 +95,50 @@ class EdgeOptions:
         if self.mode is Mode.THRESHOLD and self.proactive is Proactive.STREAM:
             raise InputError("stream drafting verifies by match; threshold mode verifies "
                              "drafted blocks: use --proactive off or on with it")
+
+    def resolved(self, site: Site) -> EdgeOptions:
+        """These options as they run at ``site``; resolving twice changes nothing.
+
+        - ``proactive="auto"``: against a server, which of plain rounds, block-ahead rounds
+          and stream drafting is faster on the link is measured as generation goes (the
+          edge client's :class:`~spececd.core.chooser.StrategyChooser` pair), except in
+          threshold mode, which does not stream: block-ahead rounds; in-process, plain
+          rounds (the draft and the target share this machine's cores, and there is no
+          link to hide). Every explicit setting, stream drafting included, works both
+          ways: the in-process verifier runs on its own event loop, like a server.
+        - across two tokenizers, exact verification (which needs the draft's distribution
+          over the target's ids) is replaced by match, which needs ids only.
+        """
+        proactive, mode = self.proactive, self.mode
+        if proactive is Proactive.AUTO and site.in_process:
+            proactive = Proactive.OFF
+        elif proactive is Proactive.AUTO and mode is Mode.THRESHOLD:
+            proactive = Proactive.ON
+        if site.cross and mode is Mode.EXACT:
+            mode = Mode.MATCH
+        return dataclasses.replace(self, proactive=proactive, mode=mode)
+
+    def session_mode(self, streams: bool) -> tuple[Mode, float]:
+        """The mode a session verifies in, and its threshold (0 but in threshold mode):
+        these options' own, but by match where the server generates (stream drafting,
+        cloud-only generation), since drafts then travel without distributions."""
+        mode = Mode.MATCH if streams else self.mode
+        return mode, self.threshold if mode is Mode.THRESHOLD else 0.0
+
+    def draft_limit(self, max_draft: int) -> int:
+        """The most tokens a round drafts (stream drafting: its lookahead), under the
+        ``max_draft`` the server's welcome allows: ``k``, or ``k_max`` with ``k="auto"``."""
+        return min(self.k or self.k_max, max_draft)
+
+    def link_reconnect(self, probe: bool = False) -> Reconnect:
+        """How the link reconnects for a generation: as :attr:`reconnect` says, but with
+        ``fallback="draft"`` for at most :data:`FALLBACK_AFTER` seconds (the draft goes on
+        alone during an outage), and, while it does (``probe``), trying the verifier once."""
+        reconnect = self.reconnect
+        if self.fallback is Fallback.DRAFT:
+            reconnect = dataclasses.replace(reconnect,
+                                            timeout=min(reconnect.timeout, FALLBACK_AFTER))
+        return dataclasses.replace(reconnect, attempts=0) if probe else reconnect
 
     def with_settings(self, **settings: object) -> EdgeOptions:
         """These options with ``settings`` (by the names in :data:`SETTINGS`, as a user
@@ -187,3 +248,80 @@ def parse_setting(name: str, value: object) -> object:
     if name not in SETTINGS:
         raise TypeError(f"unknown edge option {name!r}; known: {', '.join(SETTINGS)}")
     return SETTINGS[name](value)
+
+
+@dataclass(frozen=True)
+class Site:
+    """What this process knows that decides how options run (:meth:`EdgeOptions.resolved`)
+    and what sampling settings may name (:func:`sampling_params`)."""
+
+    in_process: bool  # the verifier runs in this process (else: on a server)
+    cross: bool = False  # the draft's tokenizer is not the target's
+    vocab_size: int = 0  # the target's vocabulary: token ids a setting may name
+    eos_token_ids: tuple[int, ...] = ()  # the stop tokens when none are given
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What one generation runs with: the edge's options and the sampling parameters, as
+    :func:`resolve` decided them. Everything downstream reads it; nothing re-defaults."""
+
+    options: EdgeOptions
+    params: SamplingParams
+
+    def __post_init__(self) -> None:  # what resolving guarantees, for values built directly
+        if self.params.seed is None:
+            raise ValueError("a generation runs with a concrete seed: resolve its sampling "
+                             "parameters (sampling_params) or set one")
+        if self.options.proactive is Proactive.AUTO and self.options.mode is Mode.THRESHOLD:
+            raise ValueError("threshold mode does not stream, so auto has nothing to choose "
+                             "from: resolve the options (EdgeOptions.resolved) first")
+
+    def with_seed(self, seed: int) -> Resolved:
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed))
+
+
+SAMPLING_SETTINGS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                          if f.name != "prompt_len")  # the prompt's length is the edge's
+
+
+def sampling_params(settings: Mapping[str, object], site: Site) -> SamplingParams:
+    """The sampling parameters ``settings`` (by :class:`SamplingParams`' field names; a
+    setting that is None or left out takes its default) ask for, checked: a fresh random
+    ``seed`` when none is given, the tokenizer's end-of-sequence tokens when no
+    ``stop_token_ids`` are, and ``logit_bias`` (token id -> bias, a mapping or pairs)
+    naming only ids of the vocabulary."""
+    unknown = set(settings) - set(SAMPLING_SETTINGS)
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {', '.join(sorted(unknown))}; known: "
+                        f"{', '.join(SAMPLING_SETTINGS)}")
+    values = {name: value for name, value in settings.items() if value is not None}
+    stops = values.pop("stop_token_ids", site.eos_token_ids)
+    given = values.pop("logit_bias", {})
+    assert isinstance(stops, Iterable) and isinstance(given, Mapping | Iterable)
+    stops = tuple(stops)
+    check_token_ids([t for t in stops if t not in site.eos_token_ids], site.vocab_size,
+                    "stop_token_ids")
+    pairs = given.items() if isinstance(given, Mapping) else given
+    bias = tuple(sorted((int(t), float(b)) for t, b in pairs))
+    if any(token >= site.vocab_size for token, _ in bias):
+        raise InputError(f"logit-bias names token ids outside the vocabulary of "
+                         f"{site.vocab_size}")
+    seed = cast("int | None", values.pop("seed", None))
+    return SamplingParams(**values,  # type: ignore[arg-type]
+                          seed=secrets.randbits(62) if seed is None else seed,
+                          stop_token_ids=stops, logit_bias=bias)
+
+
+def resolve(options: EdgeOptions, sampling: Mapping[str, object], site: Site,
+            prompt_len: int) -> Resolved:
+    """What a generation after a prompt of ``prompt_len`` tokens runs with, whichever way
+    it was asked for: ``options`` as they run at ``site`` (:meth:`EdgeOptions.resolved`),
+    and the sampling parameters ``sampling`` asks for (:func:`sampling_params`), at
+    temperature 0 in greedy mode and with the prompt's length (the penalties count what
+    follows it)."""
+    options = options.resolved(site)
+    params = sampling_params(sampling, site)
+    temperature = 0.0 if options.mode is Mode.GREEDY else params.temperature
+    return Resolved(options, dataclasses.replace(params, temperature=temperature,
+                                                 prompt_len=prompt_len))

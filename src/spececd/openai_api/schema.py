@@ -5,15 +5,33 @@ Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
 (``k``, ``mode``, ``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
+
+Nothing here is decided twice: the sampling defaults and ranges are
+:class:`~spececd.core.sampling.SamplingParams`' (OpenAI's own ``temperature`` ceiling of
+2 and its ``max_tokens`` of 16 for completions aside), and the names ``mode`` and
+``proactive`` take are the values of :class:`~spececd.core.sampling.Mode` (its lossless
+ones) and :class:`~spececd.edge.options.Proactive`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spececd.core.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
+from spececd.edge.options import Proactive
+
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
+DEFAULT = SamplingParams()
+Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)]
+
+if TYPE_CHECKING:
+    ModeName: TypeAlias = str
+    ProactiveName: TypeAlias = str
+else:  # the enums' values, as literals: the OpenAPI document lists them
+    ModeName = Literal[tuple(mode.value for mode in Mode if not mode.lossy)]
+    ProactiveName = Literal[tuple(choice.value for choice in Proactive)]
 
 
 class StreamOptions(BaseModel):
@@ -28,27 +46,28 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2)] = DEFAULT.temperature
+    top_p: Annotated[float, Field(gt=0, le=1)] = DEFAULT.top_p
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: Penalty = DEFAULT.presence_penalty
+    frequency_penalty: Penalty = DEFAULT.frequency_penalty
+    logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
+                                                 le=LOGIT_BIAS_LIMIT)]] | None = None
     # Beyond OpenAI's, as vLLM accepts them.
-    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM's): off
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = DEFAULT.top_k  # 0 or -1 (vLLM's): off
+    min_p: Annotated[float, Field(ge=0, le=1)] = DEFAULT.min_p
+    repetition_penalty: Annotated[float, Field(gt=0)] = DEFAULT.repetition_penalty
     ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # more that end a choice
     # SpecECD's own.
     k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
-    mode: Literal["exact", "match", "greedy"] | None = None
-    proactive: Literal["auto", "off", "on", "stream"] | None = None
+    mode: ModeName | None = None
+    proactive: ProactiveName | None = None
     cloud_only: bool | None = None  # the server generates alone (default: the server's)
 
     def stops(self) -> list[str]:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API on the edge: ``spececd api``.
 
-:func:`create_app` puts a :class:`~spececd.api.Generator` (draft model here, verifier
+:func:`create_app` puts a :class:`~spececd.generator.Generator` (draft model here, verifier
 in this process or on a server) behind FastAPI:
 
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
@@ -15,7 +15,7 @@ in this process or on a server) behind FastAPI:
 
 Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
-model runs one forward pass at a time (:class:`~spececd.api.Generator`).
+model runs one forward pass at a time (:class:`~spececd.generator.Generator`).
 
 Failures: a bad request is a 400 naming the field, a wrong key 401, an unknown model
 404; a verifier that cannot be reached is a 503 (unless the generator falls back to the
@@ -41,10 +41,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from spececd.api import AsyncGenerator, Generator, StreamChunk
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
+from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
+from spececd.generator import AsyncGenerator, Generator, StreamChunk
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
 from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
 
@@ -124,7 +125,9 @@ class Run:
     request: Sampling
     choices: list[Choice]
     prompt_tokens: int
-    sampling: dict[str, Any]
+    sampling: dict[str, Any]  # by SamplingParams' names, the seed aside (each choice's own)
+    stop: list[str]
+    options: EdgeOptions
     cloud_only: bool
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
@@ -186,25 +189,25 @@ class Api:
               kind: str) -> Run:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
-        base = secrets.randbits(62) if body.seed is None else body.seed
-        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
-                   for p, ids in enumerate(prompts) for i in range(body.n)]
         longest = max(len(ids) for ids in prompts)
         room = self.gen.max_context - longest
-        sampling: dict[str, Any] = dict(
+        # The body's sampling fields by their SamplingParams names, and what OpenAI's
+        # meaning of some makes of them here.
+        sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
+                                    if name in Sampling.model_fields and name != "seed"}
+        sampling.update(
             max_tokens=min(max_tokens, room) if max_tokens else room,
-            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=body.logit_bias, stop_token_ids=[
+            top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
-                *(body.stop_token_ids or ())],
-            stop=body.stops(), options=options)
-        self.gen.params(**{k: v for k, v in sampling.items()  # checked before streaming
-                           if k not in ("stop", "options")})
+                *(body.stop_token_ids or ())])
+        # Checked before streaming; the first choice's seed (drawn when none was given).
+        base = self.gen.params(seed=body.seed, **sampling).seed
+        assert base is not None
+        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
+                   for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
-        return Run(body, choices, sum(len(ids) for ids in prompts), sampling, cloud_only,
-                   f"{kind}-{secrets.token_hex(12)}")
+        return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
+                   options, cloud_only, f"{kind}-{secrets.token_hex(12)}")
 
     async def chunks(self, run: Run) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every choice's chunks as they come, the choices generated concurrently."""
@@ -215,7 +218,8 @@ class Api:
             try:
                 async for chunk in self.agen.stream(
                         choice.prompt_ids, choice.stats, seed=choice.seed,
-                        cloud_only=run.cloud_only, **run.sampling):
+                        cloud_only=run.cloud_only, stop=run.stop, options=run.options,
+                        **run.sampling):
                     await queue.put((choice, chunk))
             except Exception as exc:
                 await queue.put((choice, exc))

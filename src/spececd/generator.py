@@ -1,0 +1,435 @@
+"""The Python API: load a draft/target pair, stream or collect completions.
+
+    from spececd import Generator
+
+    gen = Generator.load(draft="models/draft", target="models/target", device="cpu")
+    for chunk in gen.stream("def parse(line):", max_tokens=64, temperature=0.7, seed=1):
+        print(chunk.text, end="", flush=True)       # chunk.source: "draft" or "target"
+    completion = gen.generate("import os\n", max_tokens=32, temperature=0)
+    print(completion.token_ids, completion.stats.acceptance_rate)
+
+In-process generation runs the verifier behind an in-memory transport: the same frames,
+session state machines and verification as the networked edge/cloud split.
+
+What a generation runs with is decided once, by :meth:`Generator.resolve`
+(:func:`spececd.edge.options.resolve`): the edge's options as they run here and the
+sampling keywords, with :class:`~spececd.core.sampling.SamplingParams`' defaults. The text
+a stream shows comes from :mod:`spececd.text`. (This module was ``spececd.api``, which
+still re-exports it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Generator as PyGenerator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
+from spececd.backends.registry import load_backend, load_tokenizer
+from spececd.core.sampling import SamplingParams, check_token_ids
+from spececd.core.stats import GenerationStats
+from spececd.edge.client import EdgeClient
+from spececd.edge.drafter import Drafter, DraftSource
+from spececd.edge.options import (
+    ROUND_TIMEOUT,
+    EdgeOptions,
+    Resolved,
+    Site,
+    resolve,
+    sampling_params,
+)
+from spececd.edge.retokenize import CrossDrafter
+from spececd.errors import InputError
+from spececd.text import IncrementalDecoder, StopStrings
+from spececd.transports.base import Transport
+
+if TYPE_CHECKING:
+    from spececd.transports.memory import LocalServer
+
+__all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk"]
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    token_ids: tuple[int, ...]
+    text: str
+    # "draft": drafted and accepted; "target": supplied by the verifier; "fallback": the
+    # draft model's, unverified (the verifier was unreachable and fallback="draft")
+    source: str
+    # On the last chunk only: "stop" (a stop token or stop string) or "length" (max_tokens
+    # or the context). That chunk may carry no tokens: text held back, or nothing.
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_tokens or context)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Generator:
+    """Speculative generation with a local drafter and a verifier reached by a transport:
+    in this process (``target=``) or on a server (``server="ws://host:port"``).
+
+    ``options`` (:class:`~spececd.edge.options.EdgeOptions`) say how to draft and verify;
+    assign new ones to change them between generations. They read as they run here
+    (:meth:`~spececd.edge.options.EdgeOptions.resolved`: ``proactive="auto"`` is plain
+    rounds in-process; across two tokenizers exact verification is match).
+
+    Safe to use from several threads at once: each generation under way has its own
+    session (its own link to the verifier and its own draft KV cache, kept in a pool for
+    the next one), and the draft model runs one forward pass at a time.
+
+    ``target_tokenizer`` (and its ``target_vocab`` size): the target's tokenizer, when the
+    draft's is another. The generator then speaks target ids and drafts across the two
+    tokenizers (:mod:`spececd.edge.retokenize`), verified by match: still lossless."""
+
+    def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
+                 options: EdgeOptions | None = None, auth_token: str = "",
+                 target: Backend | None = None, local: LocalServer | None = None,
+                 target_tokenizer: Tokenizer | None = None, target_vocab: int = 0) -> None:
+        self.draft_backend, self.target_backend = draft, target
+        self._local = local  # the in-process verifier, closed with this generator
+        self.max_context = max_context
+        own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        fingerprint = own if target_tokenizer is None else tokenizer_fingerprint(
+            target_tokenizer, target_vocab)
+        self.cross = fingerprint != own  # drafting across two tokenizers
+        self.tokenizer = target_tokenizer if self.cross and target_tokenizer else draft.tokenizer
+        self.vocab_size = fingerprint.vocab_size
+        self.site = Site(in_process=target is not None, cross=self.cross,
+                         vocab_size=self.vocab_size,
+                         eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        draft_lock = threading.Lock()  # the draft model: one forward pass at a time
+
+        def new_client() -> EdgeClient:
+            drafter: DraftSource = (CrossDrafter(draft, self.tokenizer, draft_lock)
+                                    if self.cross else Drafter(draft, draft_lock))
+            return EdgeClient(drafter, connect, fingerprint, max_context, auth_token)
+
+        self._new_client = new_client
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        self.client = self._new_client()  # the first session; more when used concurrently
+        self._clients, self._idle = [self.client], [self.client]
+        self.options = options or EdgeOptions()
+
+    @classmethod
+    def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
+             device: str = "auto", dtype: str = "auto", threads: int = 0, npu: bool = True,
+             auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
+             target_tokenizer: str | None = None, round_timeout: float = ROUND_TIMEOUT,
+             options: EdgeOptions | None = None, **settings: Any) -> Generator:
+        """Load the draft model and reach the target: load it here (``target``) or connect
+        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
+
+        ``settings`` are the edge's options by name, over ``options`` (default:
+        :class:`~spececd.edge.options.EdgeOptions`' defaults): ``mode`` (exact, match,
+        greedy), ``k`` (drafted tokens per round, or ``"auto"`` to choose each round from
+        measured acceptance and costs), ``proactive`` (``"on"`` or True: draft the next
+        block while a verdict is in flight; ``"stream"``: the server generates without
+        waiting and the edge sends it drafts as hints; ``"off"``; ``"auto"``: on with a
+        server, off in-process), ``max_support``, ``tree_width`` (candidates per drafted
+        position: token trees where the draft is unsure), ``fallback`` (``"draft"``: finish with
+        the draft model alone when the server is unreachable), ``reconnect``
+        (a :class:`~spececd.edge.options.Reconnect`).
+
+        A draft whose tokenizer is not the target's drafts across the two (verified by
+        match, lossless): in-process that is found from the two models; against a server,
+        the edge asks the server for its target's tokenizer when it loads (over WebSocket
+        and HTTP; :mod:`spececd.backends.bundle`), or takes ``target_tokenizer`` (a
+        transformers folder or hub id: needed over gRPC, or with a GGUF target).
+
+        ``device``: ``auto``, ``cpu``, ``cuda[:N]``, ``mps``, or ``npu`` (the NPU of the
+        model's runtime, OpenVINO or ONNX Runtime, else the cpu with a notice; ``npu=False``
+        turns the NPU off); ONNX folders also take ``dml`` and ``qnn``, OpenVINO ``gpu``.
+
+        ``round_timeout``: seconds to wait for the server's reply before treating the link
+        as dead and reconnecting (with the history re-sent, so the output is unchanged): how
+        long a hung server or replica stalls generation. Also bounds the connection's
+        opening, at most 10 s.
+        """
+        in_process = server is None
+        if (target is None) == in_process:
+            raise InputError("give either a target model (in-process) or a server URL")
+        # Every option is checked before any model loads (and resolved where it runs: the
+        # options setter).
+        options = (options or EdgeOptions()).with_settings(**settings)
+        if server is not None:
+            from spececd.transports.registry import connector
+
+            if not round_timeout > 0:
+                raise InputError(f"round_timeout must be a number of seconds > 0, got "
+                                 f"{round_timeout!r}")
+            connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
+                                auth_token=auth_token, open_timeout=min(10.0, round_timeout),
+                                recv_timeout=round_timeout)
+            draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads,
+                                         npu=npu)
+            return cls.remote(draft_backend, server, connect, target_tokenizer=target_tokenizer,
+                              tls_ca=tls_ca, tls_verify=tls_verify, options=options,
+                              auth_token=auth_token)
+        assert target is not None
+        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads, npu=npu)
+        target_backend = load_backend(target, device=device, dtype=dtype, threads=threads, npu=npu)
+        from spececd.transports.memory import local_verifier
+
+        verifier = local_verifier(target_backend)
+        return cls(draft_backend, verifier,
+                   max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
+                   options=options, target=target_backend, local=verifier,
+                   target_tokenizer=target_backend.tokenizer,
+                   target_vocab=target_backend.vocab_size)
+
+    @classmethod
+    def remote(cls, draft: Backend, server: str, connect: Callable[[], Transport], *,
+               target_tokenizer: str | None = None, tls_ca: str | None = None,
+               tls_verify: bool = True, options: EdgeOptions | None = None,
+               auth_token: str = "") -> Generator:
+        """A generator for a loaded draft and the verifier at ``server``, reached through
+        ``connect``: with the target's tokenizer when the draft's is another
+        (``target_tokenizer``, else the server's, which it hands out when they differ)."""
+        if target_tokenizer:
+            shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
+        else:
+            from spececd.backends import bundle
+
+            shared = bundle.fetch(server, tokenizer_fingerprint(draft.tokenizer,
+                                                                draft.vocab_size),
+                                  tls_ca, tls_verify)
+        theirs, vocab = shared if shared else (None, 0)
+        return cls(draft, connect, max_context=draft.max_context, options=options,
+                   auth_token=auth_token, target_tokenizer=theirs, target_vocab=vocab)
+
+    @property
+    def options(self) -> EdgeOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: EdgeOptions) -> None:
+        self._options = options.resolved(self.site)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[EdgeClient]:
+        """An idle client (a new one when all are busy)."""
+        with self._pool_lock:
+            client = self._idle.pop() if self._idle else None
+        if client is None:
+            client = self._new_client()  # outside the lock: a GGUF draft opens a context
+            with self._pool_lock:
+                self._clients.append(client)
+        try:
+            yield client
+        finally:
+            if self._closed:
+                client.close()
+            else:
+                with self._pool_lock:
+                    self._idle.append(client)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            self._closed = True
+            clients, self._clients, self._idle = self._clients, [], []
+        for client in clients:
+            client.close()
+        if self._local is not None:
+            self._local.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise InputError("the prompt is empty: give some text or token ids")
+        check_token_ids(ids, self.vocab_size, "the prompt")
+        limit = self.max_context
+        if len(ids) >= limit:
+            raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
+                             f"{limit}, leaving no room to generate: shorten the prompt")
+        return ids
+
+    def params(self, **sampling: Any) -> SamplingParams:
+        """The sampling settings of a generation, checked: keywords by
+        :class:`~spececd.core.sampling.SamplingParams`' field names (``max_tokens``,
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop_token_ids``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias``), each left out taking its default there; a fresh random ``seed``
+        and the tokenizer's end-of-sequence tokens as stop tokens when none are given.
+        ``logit_bias``: token id -> a number added to its logit, in [-100, 100] (-100 in
+        effect bans the token)."""
+        return sampling_params(sampling, self.site)
+
+    def resolve(self, prompt_len: int, options: EdgeOptions | None = None,
+                **sampling: Any) -> Resolved:
+        """What a generation after a prompt of ``prompt_len`` tokens runs with: ``options``
+        (default: :attr:`options`) as they run here and the sampling parameters
+        ``sampling`` asks for (:meth:`params`); see :func:`spececd.edge.options.resolve`."""
+        return resolve(self._options if options is None else options, sampling, self.site,
+                       prompt_len)
+
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation (``role`` and ``content`` per message) as prompt ids: the
+        tokenizer's chat template when it has one, else a plain transcript ending in
+        ``Assistant:``."""
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages))
+        except Exception as exc:  # templates raise on what their model does not take
+            raise InputError(f"the model's chat template refused these messages: "
+                             f"{exc}") from None
+        if ids is None:
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+            ids = self.tokenizer.encode(text + "Assistant:")
+        return self.prompt_ids(list(ids))
+
+    def _stream(self, ids: list[int], run: Resolved, stats: GenerationStats,
+                cloud_only: bool = False, stop: Sequence[str] = ()) -> Iterator[StreamChunk]:
+        params = run.params
+        decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        emitted: list[int] = []
+        source = "target"
+        # Closing the client's generation when this one ends, however it ends, lets the
+        # client end a stream it leaves early before the next generation takes it.
+        with self._session() as client, \
+                contextlib.closing(client.generate(ids, run, stats, cloud_only)) as rounds:
+            for out in rounds:
+                verified = "fallback" if out.fallback else "target"
+                for source, part in (("draft", out.token_ids[:out.from_draft]),
+                                     (verified, out.token_ids[out.from_draft:])):
+                    if not part:
+                        continue
+                    # A stop token ends the completion: its id is kept, its text is not.
+                    ends = part[-1] in params.stop_token_ids
+                    text = stops.push(decoder.push(part[:-1] if ends else part))
+                    if stops.found:  # the ids up to the stop string, no further
+                        part = self._through_stop(emitted, part, stops.stops)
+                        yield StreamChunk(part, text, source)
+                        rounds.close()  # at once, not when the caller takes the last chunk
+                        yield StreamChunk((), "", source, "stop")
+                        return
+                    emitted.extend(part)
+                    yield StreamChunk(part, text, source)
+        stopped = bool(emitted) and emitted[-1] in params.stop_token_ids
+        yield StreamChunk((), stops.push(decoder.flush()) + stops.flush(), source,
+                          "stop" if stopped else "length")
+
+    def _through_stop(self, emitted: Sequence[int], part: tuple[int, ...],
+                      stops: Sequence[str]) -> tuple[int, ...]:
+        """The shortest head of ``part`` whose text, after ``emitted``'s, spells a stop."""
+        for n in range(1, len(part)):
+            text = self.tokenizer.decode([*emitted, *part[:n]])
+            if any(stop in text for stop in stops):
+                return part[:n]
+        return part
+
+    def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
+               cloud_only: bool = False, stop: Sequence[str] = (),
+               options: EdgeOptions | None = None, **sampling: Any
+               ) -> PyGenerator[StreamChunk, None, None]:
+        """Yield the completion as it is verified (see :meth:`params` for the sampling
+        options); the last chunk says why it ended. ``stats``, when given, is filled in as
+        generation goes. ``cloud_only``: no drafting, the verifier generates every token
+        itself (a baseline). ``stop``: strings that end the completion, matched on the
+        text across token boundaries and left out of it. ``options``: this generation's
+        edge options, instead of :attr:`options`."""
+        ids = self.prompt_ids(prompt)
+        yield from self._stream(ids, self.resolve(len(ids), options, **sampling),
+                                stats or GenerationStats(), cloud_only, stop)
+
+    def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
+                 stop: Sequence[str] = (), options: EdgeOptions | None = None,
+                 **sampling: Any) -> Completion:
+        return self.generate_n(prompt, 1, cloud_only=cloud_only, stop=stop, options=options,
+                               **sampling)[0]
+
+    def generate_n(self, prompt: str | Sequence[int], n: int, *, cloud_only: bool = False,
+                   stop: Sequence[str] = (), options: EdgeOptions | None = None,
+                   **sampling: Any) -> list[Completion]:
+        """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...); the keywords
+        are :meth:`stream`'s. A completion's text leaves out a stop token's text and a stop
+        string; its token ids keep the stop token, and the ids that spelled a stop
+        string."""
+        ids = self.prompt_ids(prompt)
+        base = self.resolve(len(ids), options, **sampling)
+        seed = base.params.seed
+        assert seed is not None
+        completions = []
+        for i in range(n):
+            stats = GenerationStats()
+            token_ids: list[int] = []
+            texts: list[str] = []
+            for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop):
+                token_ids.extend(chunk.token_ids)
+                texts.append(chunk.text)
+                finish = chunk.finish_reason
+            assert finish is not None
+            completions.append(Completion(token_ids, "".join(texts), finish, stats))
+        return completions
+
+
+class AsyncGenerator:
+    """The asyncio face of :class:`Generator`: the same sessions, streamed as an async
+    iterator. Model work and the blocking link run on a worker thread, so the event loop
+    is never blocked.
+
+        gen = await AsyncGenerator.load(draft="models/draft", server="ws://gpu:8765")
+        async for chunk in gen.stream("def main():", max_tokens=64):
+            print(chunk.text, end="")
+    """
+
+    def __init__(self, generator: Generator, executor: Executor | None = None) -> None:
+        self.generator = generator
+        self.executor = executor  # where generations run (None: the loop's default)
+
+    @classmethod
+    async def load(cls, *args: Any, **kwargs: Any) -> AsyncGenerator:
+        return cls(await asyncio.to_thread(Generator.load, *args, **kwargs))
+
+    async def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None,
+                     **sampling: Any) -> AsyncIterator[StreamChunk]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
+
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                chunks = self.generator.stream(prompt, stats, **sampling)
+                for chunk in chunks:
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    if stop.is_set():
+                        chunks.close()
+                        break
+            except BaseException as exc:  # handed to the consumer, raised there
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        worker = loop.run_in_executor(self.executor, work)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()  # the consumer left early: the worker ends after its current round
+            await worker
+
+    async def generate(self, prompt: str | Sequence[int], **sampling: Any) -> Completion:
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, functools.partial(self.generator.generate, prompt, **sampling))
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.generator.close)

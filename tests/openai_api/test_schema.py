@@ -1,0 +1,51 @@
+"""The OpenAI request schema decides nothing of its own: the names ``mode`` and
+``proactive`` take are the enums' values, and the sampling defaults and ranges are
+SamplingParams'."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+
+from spececd.core.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
+from spececd.edge.options import Proactive
+from spececd.openai_api.schema import ChatRequest, CompletionRequest
+
+REQUESTS = (CompletionRequest, ChatRequest)
+
+
+def choices(schema: dict[str, Any], field: str) -> list[str]:
+    (named, _none) = schema["properties"][field]["anyOf"]
+    return list(named["enum"])
+
+
+@pytest.mark.parametrize("request_type", REQUESTS)
+def test_mode_and_proactive_take_the_enums_values(request_type: Any) -> None:
+    schema = request_type.model_json_schema()
+    assert choices(schema, "mode") == [m.value for m in Mode if not m.lossy]  # no lossy mode
+    assert choices(schema, "proactive") == [p.value for p in Proactive]
+
+
+@pytest.mark.parametrize("request_type", REQUESTS)
+def test_sampling_defaults_are_sampling_params_own(request_type: Any) -> None:
+    fields = request_type.model_fields
+    default = SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty"):
+        assert fields[name].default == getattr(default, name), name
+
+
+def test_the_ranges_are_sampling_params_own() -> None:
+    body = {"model": "m", "prompt": "x"}
+    for field, edge in (("presence_penalty", PENALTY_LIMIT),
+                        ("frequency_penalty", PENALTY_LIMIT)):
+        CompletionRequest(**body, **{field: edge})
+        SamplingParams(**{field: edge})  # what the schema lets through, the params take
+        with pytest.raises(pydantic.ValidationError, match=field):
+            CompletionRequest(**body, **{field: edge + 0.5})
+    CompletionRequest(**body, logit_bias={5: -LOGIT_BIAS_LIMIT})
+    SamplingParams(logit_bias=((5, -LOGIT_BIAS_LIMIT),))
+    with pytest.raises(pydantic.ValidationError, match="logit_bias"):
+        CompletionRequest(**body, logit_bias={5: LOGIT_BIAS_LIMIT + 1})
