@@ -36,8 +36,8 @@ from spececd.edge.strategies import (
     StreamDrafting,
     Work,
 )
-from spececd.protocol.messages import Fingerprint
 from spececd.protocol.edge_session import EdgeSession
+from spececd.protocol.messages import Fingerprint
 from spececd.transports.base import Transport
 
 __all__ = ["CloudUnreachable", "EdgeClient", "Reconnect", "RoundOutput"]
