@@ -16,6 +16,57 @@ import pytest
 from tests.builders import build_model, train_tokenizer, vocab_pair
 from tests.toy import ToyBackend, toy_pair
 
+# The default suite keeps each promise once per mechanism. These variants repeat one on a
+# transport, setting or scale whose code path another variant in the default suite already
+# runs (sampling over gRPC and HTTP goes through the same service as over WebSocket; the
+# exact-mode variants of each sampling parameter through the same processing as match and
+# as the combined variant). They run with `python -m pytest -m slow` (see
+# docs/development.md), and keep the default suite within its time on two cores.
+SLOW_VARIANTS = frozenset({
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[exact-1.0-0.9-grpc]",
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[exact-1.0-0.9-http]",
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[match-0.8-1.0-grpc]",
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[match-0.8-1.0-http]",
+    "tests/e2e/test_transports.py::test_sampled_token_trees_keep_the_target_distribution"
+    "[websocket-exact-1.0-0.9]",
+    "tests/e2e/test_transports.py::test_resume_after_the_server_is_killed[websocket-stream]",
+    "tests/e2e/test_transports.py::test_resume_after_the_server_is_killed[grpc-on]",
+    "tests/e2e/test_transports.py::test_resume_after_the_server_is_killed[http-on]",
+    "tests/e2e/test_transports.py::test_resume_after_the_server_is_killed[http-stream]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[exact-narrow-draft-memory]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[exact-narrow-draft-websocket]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[exact-wide-draft-memory]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[match-narrow-draft-websocket]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[match-wide-draft-memory]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[match-wide-draft-websocket]",
+    *(f"tests/e2e/test_sampling_params.py::"
+      f"test_each_parameter_keeps_the_target_distribution_in_process[{variant}]"
+      for variant in ("repetition-exact", "presence-exact", "frequency-exact", "min_p-exact",
+                      "logit_bias-exact", "combined-exact", "repetition-match",
+                      "frequency-match", "logit_bias-match")),
+    "tests/e2e/test_sampling_params.py::test_combined_parameters_over_the_network",
+    "tests/e2e/test_cross_tokenizer.py::test_sampling_keeps_the_target_distribution[websocket]",
+    "tests/e2e/test_inprocess.py::test_default_pair_greedy_identical_on_20_heldout_prompts",
+    "tests/e2e/test_network.py::test_default_pair_20_concurrent_sessions_identical_to_alone",
+    "tests/e2e/test_vllm.py::test_sampling_keeps_the_target_distribution",
+    "tests/e2e/test_balancer.py::test_replicas_behind_nginx_lose_no_session[http]",
+    "tests/bench/test_bench_cli.py::test_bench_load_reports_a_curve",
+    "tests/backends/test_onnx_openvino.py::test_lossless_against_a_server",
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture()
 def toy() -> tuple[ToyBackend, ToyBackend]:
