@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
-from spececd.cloud.engine import Ending, Engine, EnginePolicy
+from spececd.cloud.builtin import BuiltinRunner
+from spececd.cloud.engine import CloudService, Ending, Engine, EnginePolicy
+from spececd.cloud.metrics import Metrics
 from spececd.protocol import messages as m
 from tests.toy import ToyBackend, ToyModel, greedy
 
@@ -213,3 +215,63 @@ def test_frames_behind_one_that_ends_a_generation_are_still_handled(
     assert ending is Ending.CLOSED  # not IDLE
     assert [type(r) for r in replies] == [m.Welcome, m.Verdict]
     assert replies[1].seq == 2  # type: ignore[attr-defined]
+
+
+class Stalled:
+    """A continuous generation (as vLLM's) whose step never ends: a request waiting for a
+    slot, or a long prefill."""
+
+    continuous = True
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def step(self) -> Any:
+        await asyncio.Event().wait()
+
+    def hinted(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class StallingRunner(BuiltinRunner):
+    def generation(self, key: str, session: Any) -> Stalled:
+        self.stalled = Stalled()
+        return self.stalled
+
+
+@pytest.mark.parametrize("how", ["client_leaves", "server_drains"])
+def test_a_continuous_step_is_abandoned_when_the_client_leaves_or_the_server_drains(
+        target: ToyBackend, how: str) -> None:
+    # A loop that only looked at the client's leaving or the drain between steps would
+    # wait for a step that never ends (and, woken by the end of the link, spin on it).
+    metrics = Metrics()
+    runner = StallingRunner(target, metrics)
+    service = CloudService(runner, metrics=metrics)
+    replies: list[m.Message] = []
+
+    async def main() -> Ending:
+        link = service.open()
+        for frame in (hello(target), m.encode(m.Generate(1, 0, PROMPT, 8))):
+            link.put(frame)
+
+        async def send(frame: bytes) -> None:
+            replies.append(m.decode(frame))
+
+        serving = asyncio.ensure_future(service.serve(link, send))
+        await asyncio.sleep(0.05)
+        if how == "client_leaves":
+            link.end()
+            return await asyncio.wait_for(serving, 5)
+        await service.drain(5)
+        return await asyncio.wait_for(serving, 5)
+
+    ending = asyncio.run(main())
+    assert runner.stalled.closed  # the runner was told to stop generating
+    if how == "client_leaves":
+        assert ending is Ending.CLIENT_LEFT and [type(r) for r in replies] == [m.Welcome]
+    else:
+        assert ending is Ending.DRAINED or isinstance(replies[-1], m.Error)
+        assert isinstance(replies[-1], m.Error) and replies[-1].code == "draining"

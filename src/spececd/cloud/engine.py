@@ -331,7 +331,7 @@ class CloudService:
                     return
                 out = await self._step(link, generation, take)
                 if out is None:
-                    return
+                    continue  # the loop's checks say why (failed, ended, left, draining)
                 if not out.drafted:
                     step_s.update(out.seconds)
                 await link.flush(send)
@@ -343,7 +343,9 @@ class CloudService:
     async def _step(self, link: Link, generation: Generation,
                     take: Callable[[], bool]) -> StepOut | None:
         """One step of the generation, recorded; None when it failed (the error is
-        queued) or when a frame taken meanwhile ended the generation."""
+        queued), or when, during a continuous runner's step, a frame taken ended the
+        generation, the client left or the server began draining (the step is then
+        abandoned: the caller looks again)."""
         session = link.session
         step = asyncio.ensure_future(generation.step())
         try:
@@ -351,7 +353,9 @@ class CloudService:
                 arrival = asyncio.ensure_future(link.inbox.arrived())
                 await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
                 arrival.cancel()
-                if not take():
+                if step.done():
+                    break  # recorded first; what arrived is taken before the next step
+                if not take() or link.inbox.ended or self.draining:
                     return None
             out = await step
         except RunnerError as exc:

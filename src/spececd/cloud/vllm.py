@@ -256,8 +256,11 @@ class _Request:
         self._outputs = runner.outputs(self._id, request.context, runner.sampling(
             request.params, len(request.context), request.max_tokens, request.stop_token_ids))
         self._last = time.perf_counter()
+        self._ended_early = False
 
     async def step(self) -> StepOut:
+        if self._ended_early:  # after the step that ended it was recorded and sent
+            raise RunnerError("the engine ended the generation early")
         try:
             out = await anext(self._outputs)
         except StopAsyncIteration:
@@ -268,8 +271,7 @@ class _Request:
         result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last,
                                              self._proposes)
         self._last = now
-        if out.finished and not result.done:  # vLLM stopped before SpecECD's limits did
-            raise RunnerError("the engine ended the generation early")
+        self._ended_early = out.finished and not result.done  # before SpecECD's limits
         return result
 
     def hinted(self) -> None:

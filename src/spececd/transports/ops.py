@@ -29,9 +29,11 @@ class Reply:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """``failure``: what an answer other than 200 (``failure_status``) means, for the
-    API's documentation ("" when it always answers 200)."""
+    """``name``: the route's name (the HTTP API's operation ids derive from it);
+    ``failure``: what an answer other than 200 (``failure_status``) means, for the API's
+    documentation ("" when it always answers 200)."""
 
+    name: str
     path: str
     summary: str
     answer: Callable[[CloudService], Reply]
@@ -71,16 +73,16 @@ def _tokenizer(service: CloudService) -> Reply:
 
 
 ENDPOINTS = (
-    Endpoint("/healthz", "Alive: 200 while the engine can serve.", _healthz,
+    Endpoint("healthz", "/healthz", "Alive: 200 while the engine can serve.", _healthz,
              "the engine has failed: restart the server"),
-    Endpoint("/readyz", "200 while a session can be opened.", _readyz,
+    Endpoint("readyz", "/readyz", "200 while a session can be opened.", _readyz,
              "full: no session can be opened now"),
-    Endpoint("/status", "Sessions, KV cache, evictions, errors by code, uptime and model.",
-             _status),
-    Endpoint("/metrics", "Prometheus metrics.", _metrics),
-    Endpoint(bundle.PATH + "/fingerprint",
+    Endpoint("status", "/status",
+             "Sessions, KV cache, evictions, errors by code, uptime and model.", _status),
+    Endpoint("metrics", "/metrics", "Prometheus metrics.", _metrics),
+    Endpoint("tokenizer_fingerprint", bundle.PATH + "/fingerprint",
              "The target tokenizer's fingerprint (what the handshake compares).", _fingerprint),
-    Endpoint(bundle.PATH, "The target's tokenizer (a msgpack bundle), for edges whose draft "
-             "has another.", _tokenizer, "the tokenizer cannot be exported", 404),
+    Endpoint("tokenizer", bundle.PATH, "The target's tokenizer (a msgpack bundle), for edges "
+             "whose draft has another.", _tokenizer, "the tokenizer cannot be exported", 404),
 )
 BY_PATH = {endpoint.path: endpoint for endpoint in ENDPOINTS}

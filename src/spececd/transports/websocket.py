@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
@@ -25,7 +26,6 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as ws_serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
@@ -49,9 +49,12 @@ def _http_handler(engine: CloudService) -> Callable[[ServerConnection, Request],
         if endpoint is None:
             return None  # a WebSocket upgrade
         reply = endpoint.answer(engine)
-        return Response(reply.status, HTTPStatus(reply.status).phrase, Headers([
-            ("Content-Type", reply.content_type), ("Content-Length", str(len(reply.body)))]),
-            reply.body)
+        response = connection.respond(HTTPStatus(reply.status), "")  # Date, Connection: close
+        for name in ("Content-Type", "Content-Length"):
+            del response.headers[name]
+        response.headers["Content-Type"] = reply.content_type
+        response.headers["Content-Length"] = str(len(reply.body))
+        return dataclasses.replace(response, body=reply.body)
 
     return process_request
 

@@ -44,8 +44,8 @@ def _ops_router() -> APIRouter:
             {endpoint.failure_status: {"description": endpoint.failure}}
             if endpoint.failure else None)
         router.add_api_route(endpoint.path, _route(endpoint), methods=["GET"],
-                             summary=endpoint.summary, response_class=Response,
-                             responses=failure)
+                             name=endpoint.name, description=endpoint.summary,
+                             response_class=Response, responses=failure)
     return router
 
 
