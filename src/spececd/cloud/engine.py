@@ -374,8 +374,9 @@ class CloudService:
     def _failed(self, link: Link, seq: int, exc: BaseException) -> None:
         """Answer a failed model request: the session stays open unless the runner is
         gone, in which case the service drains (edges go elsewhere, operators restart)."""
-        log.error("a model request failed: %s", exc, exc_info=exc,
-                  extra={"session": link.key})
+        # The runner logged the failure's traceback where it caught it (the scheduler, vLLM's
+        # request); this line ties it to the session.
+        log.error("a model request failed: %s", exc, extra={"session": link.key})
         if not self.runner.alive():
             self.draining = True
             log.critical("the %s runner has failed: /healthz and /readyz answer 503; "
