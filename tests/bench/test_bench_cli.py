@@ -48,6 +48,19 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
                 row["proactive"] == "auto")
         else:
             assert row["bound"] > 0 and row["c"] > 0 and row["v"] > 0
+            # the bare forward of the same positions per pass, and the server's v over it
+            assert row["bare_v"] > 0 and row["tax"] == pytest.approx(
+                row["v"] / row["bare_v"], rel=0.01)
+            if row["k"] == 2:  # two drafted tokens and the bonus position at most
+                assert 1 <= row["positions_per_pass"] <= 3
+        budget = row["budget_us"]  # the server's metrics, read for this configuration
+        assert budget["forward"] > 0 and budget["processing"] > 0 and budget["queue"] >= 0
+        assert ("edge_draft" in budget) == (row["proactive"] not in ("stream", "auto"))
+    assert all(row["tax"] > 0 for row in summary if row["kind"] == "cloud")
+    assert "bare" not in kinds  # the bare forward is a measurement, not a row
+    markdown = (out / "bench.md").read_text()
+    assert "| configuration | positions/pass | v | bare v | tax |" in markdown
+    assert "Per-pass budget in microseconds" in markdown
     rtt10 = next(r for r in summary if r["kind"] == "cloud" and r["rtt_ms"] == 10)
     assert rtt10["ttft_ms"] >= 10  # one emulated round trip before the first token
 

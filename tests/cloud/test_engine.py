@@ -118,6 +118,7 @@ class FailingBackend:
         self.name, self.vocab_size = backend.name, backend.vocab_size
         self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
         self.description, self.kv_bytes_per_token = "failing", backend.kv_bytes_per_token
+        self.thread = backend.thread
         self.tree_attention = backend.tree_attention
 
     def new_sequence(self) -> CachedSequence:

@@ -286,6 +286,7 @@ class CountingBackend:
         self.description, self.kv_bytes_per_token = "counting", backend.kv_bytes_per_token
         self.tree_attention = backend.tree_attention
         self.fed: list[int] = []
+        self.thread = backend.thread
 
     def new_sequence(self) -> Any:
         return self._backend.new_sequence()

@@ -5,22 +5,28 @@ Loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` on ``cpu``, ``cuda``, ``
 with a one-line warning). Each :class:`HFSequence` owns a ``DynamicCache``; rollback is
 ``DynamicCache.crop`` (transformers 5: a negative count of tokens to remove).
 
+Every model of this runtime in the process, draft and target alike, loads and runs on one
+thread (:func:`torch_thread`, a :class:`~spececd.backends.base.ModelThread`): torch's
+OpenMP workers then form one team, which keeps its forward passes as fast as when one
+thread calls them.
+
 This module is the only one that imports torch and transformers for inference.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-# Imported here, under the module lock: transformers' lazy attributes are not thread-safe
-# on first use, and sessions may load models from several threads at once.
+# Imported here, at import time: transformers' lazy attributes are not thread-safe on first
+# use (models load on the torch thread only, see torch_thread).
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
@@ -28,6 +34,9 @@ from spececd.backends.base import (
     Backend,
     CachedSequence,
     Extend,
+    ModelThread,
+    P,
+    R,
     contiguous,
     is_chain,
     resolve_keep,
@@ -37,7 +46,28 @@ from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
-_LOAD_LOCK = threading.Lock()
+_THREAD_LOCK = threading.Lock()
+
+_THREAD: ModelThread | None = None
+
+
+def torch_thread() -> ModelThread:
+    """The thread this process runs its transformers models on, made on first use."""
+    global _THREAD
+    if _THREAD is not None:
+        return _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None:
+            _THREAD = ModelThread("spececd-torch")
+        return _THREAD
+
+
+def _on_torch_thread(method: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return torch_thread().call(method, *args, **kwargs)
+    return call
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -86,6 +116,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _load(source: str, dtype: torch.dtype, device: torch.device,
+          threads: int) -> tuple[Any, Any]:
+    """The model, on ``device`` in inference mode, and its transformers tokenizer. Runs on
+    the torch thread. With OpenMP, the count of threads a parallel region uses is the
+    calling thread's own: torch.get_num_threads() reports what was set on any thread, but a
+    thread it was not set on uses every core. So it is set here, on the thread that runs."""
+    torch.set_num_threads(threads or torch.get_num_threads())
+    model = cast(Any, AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(source)
+
+
 class HFSequence:
     def __init__(self, backend: HFBackend) -> None:
         self._backend = backend
@@ -99,6 +140,7 @@ class HFSequence:
     def tokens(self) -> list[int]:
         return self._tokens
 
+    @_on_torch_thread
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], keep: int | None = None,
                parents: Sequence[int] | None = None) -> np.ndarray:
@@ -159,6 +201,7 @@ class HFSequence:
             self._cache.crop(-remove)
         del self._tokens[n:]
 
+    @_on_torch_thread
     def select(self, n: int, positions: Sequence[int]) -> None:
         if contiguous(n, positions):
             self.truncate(n + len(positions))
@@ -177,8 +220,6 @@ class HFBackend(Backend):
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  threads: int = 0) -> None:
         """``threads``: torch's CPU threads for the whole process (0: torch's choice)."""
-        if threads:
-            torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bars on load
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
@@ -190,17 +231,16 @@ class HFBackend(Backend):
         looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
         if not local.exists() and looks_like_path:
             raise InputError(f"model {model!r} not found: no such folder")
+        self.thread = torch_thread()
         try:
-            with _LOAD_LOCK:  # from_pretrained is not thread-safe (global init contexts)
-                # Any: transformers' annotations of to() and get_output_embeddings()
-                # do not type-check under mypy --strict.
-                self.model: Any = cast(Any, AutoModelForCausalLM.from_pretrained(
-                    source, dtype=torch_dtype))
-                hf_tokenizer = AutoTokenizer.from_pretrained(source)
+            # Any: transformers' annotations of to() and get_output_embeddings()
+            # do not type-check under mypy --strict.
+            self.model: Any
+            self.model, hf_tokenizer = self.thread.call(_load, source, torch_dtype, self.device,
+                                                        threads)
         except (OSError, ValueError) as exc:
             raise InputError(f"could not load model {model!r}: not a local folder, and the hub "
                              f"id could not be loaded ({str(exc).splitlines()[0]})") from None
-        self.model.to(self.device).eval()
         config = self.model.config
         self.logits_width = int(self.model.get_output_embeddings().weight.shape[0])
         self.vocab_size = min(len(hf_tokenizer), self.logits_width)  # ids that are tokens
@@ -222,6 +262,7 @@ class HFBackend(Backend):
             raise TypeError("extend_batch takes sequences made by this backend")
         return sequence
 
+    @_on_torch_thread
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """``extend`` for several sequences in one forward pass, ids non-empty. Caches of

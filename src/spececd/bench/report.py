@@ -60,9 +60,10 @@ def _tps(passes: list[list[dict[str, Any]]]) -> list[float]:
 
 
 def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    total: dict[str, Any] = {}
+    total: dict[str, Any] = {"generations": 0}
     for results in passes:
         for r in results:
+            total["generations"] += 1
             for key, value in r.get("stats", {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
@@ -85,21 +86,25 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
              for c in configs.values()
              if c["kind"] in ("target", "llama_alone") and c["passes"]}
     lowest = min((c["rtt_ms"] for c in configs.values() if c["kind"] == "cloud"), default=None)
-    for (rtt, target), tps in cloud_tps.items():
+    for (rtt, target), speed in cloud_tps.items():
         if rtt == lowest:
-            alone.setdefault(target, tps)
+            alone.setdefault(target, speed)
     # One target step, measured on the server while it generated alone (cloud-only), for
     # each target of the run.
     cloud_stats: dict[Any, list[dict[str, Any]]] = {}
     for c in configs.values():
         if c["kind"] == "cloud":
             cloud_stats.setdefault(c.get("target"), []).append(_sum_stats(c["passes"]))
-    steps = {target: (sum(s.get("verify_s", 0) for s in stats)
-                      / max(1, sum(s.get("generated", 0) for s in stats))) or None
+    # Each generation's first pass also reads its prompt: left out of steps and rounds.
+    steps = {target: (sum(s.get("verify_s", 0) - s.get("prefill_s", 0) for s in stats)
+                      / max(1, sum(s.get("generated", 0) - s["generations"] for s in stats))
+                      ) or None
              for target, stats in cloud_stats.items()}
+    bare = {c.get("target"): _bare(c["passes"]) for c in configs.values()
+            if c["kind"] == "bare" and c["passes"]}
     for name, c in configs.items():
         tps = _tps(c["passes"])
-        if not tps:
+        if not tps or c["kind"] == "bare":
             continue
         target_tps = alone.get(c.get("target")) or next(iter(alone.values()), None)
         results = [r for p in c["passes"] for r in p]
@@ -131,6 +136,9 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 row["tokens_per_pass"] = round(s.get("generated", 0) / passes, 3)
                 row["positions_per_token"] = round(
                     (s.get("drafted", 0) + s.get("tree_siblings", 0) + passes) / generated, 3)
+            budget = _budget(c, s)
+            if budget:
+                row["budget_us"] = budget
             if wall:  # the share of the edge's time not spent drafting
                 row["edge_wait_share"] = round(1 - s.get("draft_s", 0.0) / wall, 3)
             # Streaming (auto too, when it streams) overlaps drafting and verifying.
@@ -159,9 +167,11 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 for arm in ("stream", "plain"):
                     row[f"auto_{arm}_share"] = round(s.get(f"auto_{arm}_tokens", 0)
                                                      / max(1, s.get("generated", 0)), 3)
-            if step_s and rounds and drafted and c.get("proactive") not in ("stream", "auto"):
+            later = rounds - s["generations"]  # rounds after each generation's first
+            if step_s and later > 0 and drafted and \
+                    c.get("proactive") not in ("stream", "auto"):
                 c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
-                v_ratio = (s["verify_s"] / rounds) / step_s
+                v_ratio = ((s["verify_s"] - s.get("prefill_s", 0.0)) / later) / step_s
                 tokens_per_round = (accepted + rounds) / rounds
                 bound = tokens_per_round / (k * c_ratio + v_ratio)
                 row.update({"c": round(c_ratio, 4), "v": round(v_ratio, 4),
@@ -170,13 +180,70 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                             "bound": round(bound, 3)})
                 if row["speedup_vs_target"]:
                     row["achieved_over_bound"] = round(row["speedup_vs_target"] / bound, 3)
+                forward = bare.get(c.get("target"))
+                if forward:  # the bare forward's v at this row's positions per pass
+                    positions = (drafted + s.get("tree_siblings", 0) + rounds) / rounds
+                    bare_v = _interpolate(forward, positions) / forward[0]
+                    row.update({"bare_v": round(bare_v, 4), "tax": round(v_ratio / bare_v, 3),
+                                "positions_per_pass": round(positions, 2)})
+        step_s, forward = steps.get(c.get("target")), bare.get(c.get("target"))
+        if c["kind"] == "cloud" and step_s and forward:  # a step against one position's
+            row["tax"] = round(step_s / forward[0], 3)
         rows.append(row)
     return rows
 
 
+def _bare(passes: list[list[dict[str, Any]]]) -> list[float]:
+    """The bare forward's seconds for 1, 2, ... new positions: medians over prompts and
+    passes."""
+    runs = [r["bare_s"] for p in passes for r in p if r.get("bare_s")]
+    return [statistics.median(run[i] for run in runs) for i in range(min(map(len, runs)))]
+
+
+def _interpolate(seconds: list[float], positions: float) -> float:
+    """``seconds[n - 1]`` is the cost of ``n`` positions; linear between them, the last
+    beyond."""
+    low = min(max(int(positions), 1), len(seconds))
+    if low >= len(seconds):
+        return seconds[-1]
+    return seconds[low - 1] + (positions - low) * (seconds[low] - seconds[low - 1])
+
+
+def _budget(c: dict[str, Any], s: dict[str, Any]) -> dict[str, float]:
+    """Where one pass's time goes, in microseconds: on the server (from its metrics, over
+    every pass of the configuration, prompts' first passes included) the wait for a batch,
+    the hand-offs to the model's thread and back, the forward and the rest of the work
+    (logits processing, verification, sampling, rollback); at the edge, per exchange,
+    drafting, the network and everything else it did (encoding, decoding, its loop)."""
+    server: dict[str, float] = {}
+    for delta in c.get("server", []):
+        for key, value in delta.items():
+            server[key] = server.get(key, 0.0) + value
+    count = server.get("spececd_pass_seconds_count", 0.0)
+    if not count:
+        return {}
+    def per_pass(metric: str) -> float:
+        return 1e6 * server.get(f"{metric}_sum", 0.0) / count
+
+    forward, work = per_pass("spececd_pass_forward_seconds"), per_pass("spececd_pass_work_seconds")
+    budget = {"queue": 1e6 * server.get("spececd_pass_queue_seconds_sum", 0.0)
+              / max(1.0, server.get("spececd_pass_queue_seconds_count", 0.0)),
+              "handoff": per_pass("spececd_pass_seconds") - work,
+              "forward": forward, "processing": work - forward}
+    passes = s.get("target_passes", 0)
+    if passes and c.get("proactive") not in ("stream", "auto"):
+        wall, draft, net = (1e6 * s.get(key, 0.0) / passes
+                            for key in ("wall_s", "draft_s", "network_s"))
+        verify = 1e6 * s.get("verify_s", 0.0) / passes
+        budget.update({"edge_draft": draft, "network": net, "verify_reported": verify,
+                       "edge_other": wall - draft - net - verify})
+    return {key: round(value, 1) for key, value in budget.items()}
+
+
 COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
            "speedup_vs_target", "speedup_vs_cloud", "acceptance_rate", "mean_accepted_len",
-           "alpha_iid", "c", "v", "bound", "achieved_over_bound", "tokens_per_pass",
+           "alpha_iid", "c", "v", "bare_v", "tax", "positions_per_pass", "bound",
+           "achieved_over_bound", "tokens_per_pass",
            "positions_per_token", "edge_wait_share", "bytes_per_token", "ttft_ms", "label"]
 
 
@@ -239,6 +306,31 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += [f"| {r['config']} | {_cell(r['tokens_per_pass'])} | "
                   f"{_cell(r.get('positions_per_token'))} | {_cell(r.get('edge_wait_share'))} |"
                   for r in passes]
+    taxed = [r for r in rows if "tax" in r]
+    if taxed:
+        lines += ["", "The tax: the server's v (a round's verify pass over a cloud-only step, "
+                  "as the server reported them, each generation's first pass left out) over "
+                  "the bare v (the target's bare forward over the same positions per pass "
+                  "over one position, same backend and threads); for cloud-only, its step "
+                  "over the bare forward of one position:", "",
+                  "| configuration | positions/pass | v | bare v | tax |", "|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {_cell(r.get('positions_per_pass'))} | "
+                  f"{_cell(r.get('v'))} | {_cell(r.get('bare_v'))} | {_cell(r['tax'])} |"
+                  for r in taxed]
+    budgets = [r for r in rows if "budget_us" in r]
+    if budgets:
+        parts = ("queue", "handoff", "forward", "processing", "edge_draft", "network",
+                 "verify_reported", "edge_other")
+        lines += ["", "Per-pass budget in microseconds. The server, from its metrics (every "
+                  "pass, prompts' first included): the wait for a batch, the hand-offs to "
+                  "the model's thread and back, the forward, the rest of its work (logits "
+                  "processing, verification, sampling, rollback). The edge, per exchange: "
+                  "drafting, the network beyond the server's time, the pass as the server "
+                  "reported it, and the rest (encoding, decoding, the edge's loop):", "",
+                  "| configuration | " + " | ".join(parts) + " |",
+                  "|---|" + "---|" * len(parts)]
+        lines += ["| " + r["config"] + " | " + " | ".join(
+            _cell(r["budget_us"].get(part)) for part in parts) + " |" for r in budgets]
     auto = [r for r in rows if "auto_stream_share" in r]
     if auto:
         lines += ["", "Share of the tokens `auto` generated by each strategy:", ""]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from spececd.backends.registry import model_format
+from spececd.bench.load import metrics
 from spececd.bench.netem import DelayProxy
 from spececd.edge.options import EdgeOptions
 
@@ -60,7 +61,8 @@ class BenchConfig:
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
                 proactive: str | None = None, tree: int | None = None) -> str:
     name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
-            "spececd": "SpecECD", "llama_alone": "llama.cpp target alone",
+            "spececd": "SpecECD", "bare": "target's bare forward",
+            "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative",
             "llama_speculative": "llama.cpp speculative (draft model, in-process)"}[kind]
     if k is not None:
@@ -213,6 +215,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                   temperature=cfg.temperature, mode=cfg.mode, threads=1)
     try:
         urls: dict[tuple[int, float, str], str] = {}
+        direct: dict[tuple[int, str], str] = {}  # each target's server, by transport
         schemes = {"websocket": "ws", "grpc": "grpc", "http": "http"}
         for t, target in enumerate(targets):
             server, ports = start_server(replace(cfg, target=target), tuple(cfg.transports))
@@ -224,10 +227,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                         proxies[key] = DelayProxy(cfg.host, port, rtt / 2,
                                                   cfg.jitter_ms / 2).start()
                     port_here = proxies[key].port if key in proxies else port
+                    direct[(t, transport)] = f"{schemes[transport]}://{cfg.host}:{port}"
                     urls[key] = f"{schemes[transport]}://{cfg.host}:{port_here}"
         plan: list[dict[str, Any]] = []
+        # The target's bare forward over as many positions as a pass can verify (a chain of
+        # the longest k and its bonus position; trees up to twice that), for the tax.
+        longest = max((k for k in cfg.ks if isinstance(k, int)), default=8) + 1
+        positions = longest * (2 if max(cfg.trees) > 1 else 1)
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
+            workers[f"bare{t}"] = Worker({**common, "kind": "bare", "target": target,
+                                          "device": cfg.device, "positions": positions,
+                                          "repeat": 5})
+            plan.append({"kind": "bare", "worker": f"bare{t}", "tag": tag,
+                         "target": label(target)})
             if cfg.baselines and model_format(target) == "hf":
                 workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
                 plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
@@ -263,7 +276,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for (t, rtt, transport), url in urls.items():
             target = targets[t]
             over = f" over {transport}" if len(cfg.transports) > 1 else ""
+            # The server's own metrics, read straight from it (not through the delay proxy)
+            metrics_url = direct.get((t, "websocket")) or direct.get((t, "http"))
             plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
+                         "metrics": metrics_url,
                          "target": label(target), "transport": transport,
                          "tag": (f" [{label(target)}]" if pairs else "") + over})
             for d, draft in enumerate(drafts):
@@ -271,6 +287,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                 # only (the comparison that matters there is against the policy). Trees
                 # for every setting (stream drafting's hints carry them too).
                 plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
+                          "metrics": metrics_url,
                           "proactive": proactive, "worker": f"spececd{d}",
                           "target": label(target), "transport": transport,
                           "tree": width if width > 1 else None,
@@ -279,16 +296,23 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          for k in cfg.ks for proactive in
                          (cfg.proactive if k == "auto" else cfg.proactive[:1])
                          for width in cfg.trees]
-        results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": []} for p in plan}
+        results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": [], "server": []}
+                                              for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
         started = time.time()
         for iteration in range(cfg.iterations + 1):
             order = plan if iteration % 2 == 0 else plan[::-1]
             for entry in order:
                 request = {**entry, "pass": iteration, "limit": 2 if iteration == 0 else None}
+                before = metrics(entry["metrics"]) if entry.get("metrics") else {}
                 passed = workers[entry["worker"]].run(request)
                 if iteration > 0:  # the first pass is the warm-up
                     results[name(entry)]["passes"].append(passed)
+                    if before:  # what the server counted during this pass
+                        after = metrics(entry["metrics"])
+                        results[name(entry)]["server"].append(
+                            {key: after[key] - before.get(key, 0.0) for key in after
+                             if key.startswith("spececd_pass")})
                 bar.update(1)
                 bar.set_postfix_str(name(entry))
         bar.close()

@@ -16,6 +16,9 @@ Kinds:
   draft GGUF in one process (``llama-speculative-simple``, built by
   ``scripts/build-llama-speculative.sh``), run once per prompt; its times are the ones it
   prints (the prompt's encoding and the decoding, not the models' loading);
+- ``bare``: the target's bare forward pass on the server's backend, timed over 1 to
+  ``positions`` new positions after the prompt and half the generation's tokens (what a
+  verify pass of that many positions costs without the server around it);
 - ``spececd``: the SpecECD edge here, the verifier on the server; each pass says whether
   to draft (``spececd``) or to let the server generate and stream while the edge only
   reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
@@ -181,6 +184,40 @@ class SpeculativeBinaryRunner:
                 "ttft_s": encode_s + decode_s / max(1, tokens), "llama_stats": stats}
 
 
+class BareRunner:
+    """The target's bare forward (``kind: bare``): for each prompt, a cache of the prompt's
+    tokens and ``max_tokens / 2`` more, then ``extend`` of 1, 2, ... ``positions`` tokens,
+    each rolled back, ``repeat`` times interleaved; the median seconds for each count."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from spececd.backends.registry import load_backend
+
+        self.backend = load_backend(job["target"], device=job.get("device", "cpu"),
+                                    dtype="float32", threads=int(job.get("threads", 1)))
+        self.job = job
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        import statistics
+
+        from spececd.backends.base import Extend
+
+        ids = self.backend.tokenizer.encode(prompt)
+        context = [ids[i % len(ids)] for i in range(len(ids) + self.job["max_tokens"] // 2)]
+        sequence = self.backend.new_sequence()
+        sequence.extend(context, keep=0)
+        counts = range(1, int(self.job.get("positions", 9)) + 1)
+        times: dict[int, list[float]] = {n: [] for n in counts}
+        start = time.perf_counter()
+        for _ in range(int(self.job.get("repeat", 7))):
+            for n in counts:
+                t = time.perf_counter()
+                self.backend.extend_batch([Extend(sequence, context[:n], n)])
+                times[n].append(time.perf_counter() - t)
+                sequence.truncate(len(context))
+        return {"tokens": 0, "wall_s": time.perf_counter() - start, "ttft_s": 0.0,
+                "bare_s": [statistics.median(times[n]) for n in counts]}
+
+
 class SpecRunner:
     """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
 
@@ -236,9 +273,11 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    runner: HFRunner | LlamaRunner | SpeculativeBinaryRunner | SpecRunner
+    runner: HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | SpecRunner
     if job["kind"] in ("target", "assisted"):
         runner = HFRunner(job)
+    elif job["kind"] == "bare":
+        runner = BareRunner(job)
     elif job["kind"] in ("llama_alone", "llama_lookup"):
         runner = LlamaRunner(job)
     elif job["kind"] == "llama_speculative":

@@ -2,7 +2,9 @@
 
 Model work runs on one worker thread, so the service's event loop stays free to read frames
 (hints for a running generation among them), answer health checks and notice closed links
-while a pass runs. Sessions' verifications are batched into one forward pass by
+while a pass runs: the backend's own thread where it has one (transformers: the one thread
+that runs every torch model of the process), else a thread of the runner's. Sessions'
+verifications are batched into one forward pass by
 :class:`~spececd.cloud.scheduler.BatchScheduler`. Each session has its own KV cache
 (a :class:`~spececd.backends.base.CachedSequence`), allocated on first use and rebuilt from
 the session's context after a failure or an eviction; with ``max_kv_bytes`` set, the least
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from spececd.backends.base import Backend, CachedSequence
 from spececd.cloud.metrics import Metrics
@@ -39,7 +41,9 @@ class BuiltinRunner:
         self.backend = self.target = backend
         self.metrics = metrics
         self.max_kv_bytes = max_kv_bytes
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
+        self._own_executor = backend.thread is None
+        self.executor: Executor = backend.thread.executor if backend.thread is not None else \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
         self.scheduler = BatchScheduler(backend, self.executor, metrics, max_batch)
         self._caches: dict[str, CachedSequence] = {}
         self._busy: set[str] = set()  # sessions with a verification queued or running
@@ -107,7 +111,8 @@ class BuiltinRunner:
     def close(self) -> None:
         self._caches.clear()
         self.scheduler.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_executor:  # a backend's thread is the backend's, shared
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _Steps:

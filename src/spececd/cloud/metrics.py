@@ -10,7 +10,14 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
   bonuses and cloud-only tokens), so that every token sent to an edge is counted once, in
   this or in ``spececd_accepted_tokens_total``;
 - ``spececd_batch_size``: histogram of sessions per target forward pass;
-- ``spececd_verify_latency_seconds``: histogram of verification passes;
+- ``spececd_verify_latency_seconds``: histogram of verification passes, as a session waits
+  for its pass (the hand-off to the model's thread and back included);
+- where the time of a batched pass goes, one observation per pass:
+  ``spececd_pass_queue_seconds`` (each job's wait for its pass to start),
+  ``spececd_pass_forward_seconds`` (the target's forward), ``spececd_pass_work_seconds``
+  (the pass on the model's thread: the forward plus logits processing, verification,
+  sampling and the caches' rollback) and ``spececd_pass_seconds`` (the pass as the event
+  loop sees it: the work plus the hand-offs);
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
 - ``spececd_errors_total{code}``: typed errors answered, by code;
 - ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
@@ -47,11 +54,34 @@ class Metrics:
         self.verify_latency = Histogram("spececd_verify_latency_seconds",
                                         "Verification pass latency", buckets=LATENCY_BUCKETS,
                                         registry=r)
+        self.pass_queue = Histogram("spececd_pass_queue_seconds",
+                                    "A verification's wait for its pass to start",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.pass_forward = Histogram("spececd_pass_forward_seconds",
+                                      "The target's forward in a pass",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.pass_work = Histogram("spececd_pass_work_seconds",
+                                   "A pass on the model's thread: forward, logits processing, "
+                                   "verification", buckets=LATENCY_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("spececd_pass_seconds",
+                                      "A pass as the event loop sees it, hand-offs included",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
         self.kv_evictions = Counter("spececd_kv_evictions",
                                     "KV caches freed to stay under --max-kv-bytes", registry=r)
+
+    def record_batch(self, size: int, forward_s: float, work_s: float, seconds: float,
+                     waits: list[float]) -> None:
+        """One batched pass of ``size`` sessions: its forward, its work on the model's
+        thread and its whole duration, and each job's wait for it."""
+        self.batch_size.observe(size)
+        self.pass_forward.observe(forward_s)
+        self.pass_work.observe(work_s)
+        self.pass_seconds.observe(seconds)
+        for wait in waits:
+            self.pass_queue.observe(wait)
 
     def record_pass(self, drafted: int, accepted: int, generated: int, seconds: float,
                     is_round: bool) -> None:

@@ -39,11 +39,23 @@ class VerificationError(RunnerError):
     """A verification pass failed (the backend raised); the job's cache is unusable."""
 
 
+@dataclass(frozen=True)
+class Verified:
+    """One batch's results, in order, and where its time went: the target's forward pass,
+    and the rest (feeding new context, logits processing, verification, sampling and the
+    caches' rollback)."""
+
+    results: list[VerifyResult]
+    forward_s: float
+    seconds: float
+
+
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
-                      ) -> list[VerifyResult]:
+                      ) -> Verified:
     """Verify each request's tokens (a chain or a tree) after its context on its own cached
     sequence, all in one target forward pass (``Backend.extend_batch``). A tree's cache
     then keeps the accepted path only (``CachedSequence.select``)."""
+    start = time.perf_counter()
     items = []
     for sequence, request in work:
         feed = sync(sequence, request.context)
@@ -55,7 +67,9 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         items.append(Extend(sequence, [*feed, *request.tokens], len(request.tokens) + 1,
                             parents))
+    forward = time.perf_counter()
     all_logits = backend.extend_batch(items)
+    forward = time.perf_counter() - forward
     results = []
     for (sequence, request), logits in zip(work, all_logits, strict=True):  # [n + 1, vocab]
         target_probs = _target_probs(logits, request)
@@ -67,7 +81,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             start = len(request.context)
             sequence.select(start, [start + node for node in result.path])
         results.append(result)
-    return results
+    return Verified(results, forward, time.perf_counter() - start)
 
 
 def _target_probs(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
@@ -92,6 +106,7 @@ class _Job:
     sequence: CachedSequence
     request: VerifyRequest
     future: asyncio.Future[Pass]
+    queued: float  # perf_counter when submitted
 
 
 class BatchScheduler:
@@ -113,7 +128,7 @@ class BatchScheduler:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(self._wake))
         future: asyncio.Future[Pass] = loop.create_future()
-        self._queue.append(_Job(sequence, request, future))
+        self._queue.append(_Job(sequence, request, future, time.perf_counter()))
         self._wake.set()
         return await future
 
@@ -133,7 +148,7 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
-            results = await loop.run_in_executor(
+            verified = await loop.run_in_executor(
                 self.executor, run_verifications, self.backend,
                 [(job.sequence, job.request) for job in batch])
         except Exception as exc:
@@ -148,8 +163,9 @@ class BatchScheduler:
                 await self._pass([job])
             return
         seconds = time.perf_counter() - start
-        self.metrics.batch_size.observe(len(batch))
-        for job, result in zip(batch, results, strict=True):
+        self.metrics.record_batch(len(batch), verified.forward_s, verified.seconds, seconds,
+                                  [start - job.queued for job in batch])
+        for job, result in zip(batch, verified.results, strict=True):
             if not job.future.done():
                 job.future.set_result(Pass(result, seconds, len(batch)))
 

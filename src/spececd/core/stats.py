@@ -27,6 +27,7 @@ class GenerationStats:
     draft_s: float = 0.0
     draft_steps: int = 0  # draft model steps run, drafted ahead and discarded ones included
     verify_s: float = 0.0  # as reported by the verifier
+    prefill_s: float = 0.0  # of verify_s, the first pass's, which also read the prompt
     network_s: float = 0.0  # round trips minus the verifier's reported time
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -59,10 +60,17 @@ class GenerationStats:
             for i in range(n):
                 counts[i] += 1
 
+    def record_pass(self, seconds: float) -> None:
+        """One verifier pass (a verdict or a streamed step) that took ``seconds`` there."""
+        if not self.target_passes:
+            self.prefill_s += seconds
+        self.target_passes += 1
+        self.verify_s += seconds
+
     def merge(self, other: GenerationStats) -> None:
         for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
-                     "draft_steps",
-                     "verify_s", "network_s", "bytes_sent", "bytes_received", "reconnects",
+                     "draft_steps", "verify_s", "prefill_s", "network_s", "bytes_sent",
+                     "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits",
                      "auto_stream_tokens", "auto_plain_tokens", "tree_siblings", "target_passes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -99,6 +107,7 @@ class GenerationStats:
             "draft_s": round(self.draft_s, 4),
             "draft_steps": self.draft_steps,
             "verify_s": round(self.verify_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
             "network_s": round(self.network_s, 4),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,

@@ -116,8 +116,7 @@ class Rounds:
         stats.draft_s += draft_s
         stats.record_round(len(tree.chain), verdict.num_accepted)
         stats.tree_siblings += len(tree.tokens) - len(tree.chain)
-        stats.target_passes += 1
-        stats.verify_s += verdict.verify_s
+        stats.record_pass(verdict.verify_s)
         self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s, verdict.verify_s,
                             round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
@@ -246,8 +245,7 @@ class CloudOnly:
 
     def received(self, reply: Reply) -> Piece:
         assert isinstance(reply, m.Tokens)
-        self.work.stats.verify_s += reply.compute_s
-        self.work.stats.target_passes += 1
+        self.work.stats.record_pass(reply.compute_s)
         if reply.drafted:  # the server verified hints in this step
             self.work.stats.record_round(reply.drafted, reply.accepted)
         return Piece(reply.token_ids, reply.accepted, reply.done)

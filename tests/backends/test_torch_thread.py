@@ -1,0 +1,51 @@
+"""Every transformers model of a process runs on one thread (``hf.torch_thread``): with
+torch's OpenMP, a second thread running models makes a second team of workers, and more
+workers than cores slow every forward pass (see ``backends.base.ModelThread``)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from spececd.backends.base import Extend, ModelThread
+
+pytest.importorskip("torch")
+
+
+def test_a_model_thread_runs_calls_there_and_its_own_calls_at_once() -> None:
+    thread = ModelThread("test-model")
+    assert thread.call(threading.get_ident) != threading.get_ident()
+    here = thread.call(threading.get_ident)
+    # a call made on the thread runs inline: waiting for itself would never end
+    assert thread.call(lambda: thread.call(threading.get_ident)) == here
+    assert thread.call(lambda: thread.here()) and not thread.here()
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0)
+
+
+def test_every_transformers_model_runs_on_the_torch_thread(target: Any, draft: Any) -> None:
+    from spececd.backends.hf import torch_thread
+
+    ran: list[int] = []
+    hooks = [backend.model.register_forward_pre_hook(
+        lambda *_: ran.append(threading.get_ident())) for backend in (target, draft)]
+    try:
+        ids = [3, 5, 7, 11, 13]
+        alone = target.new_sequence().extend(ids)
+        elsewhere = ThreadPoolExecutor(1)
+        from_another = elsewhere.submit(lambda: target.new_sequence().extend(ids)).result()
+        batched = target.extend_batch([Extend(target.new_sequence(), ids, 2),
+                                       Extend(target.new_sequence(), ids[:3], 1)])
+        elsewhere.submit(lambda: draft.new_sequence().extend(ids, keep=1)).result()
+        elsewhere.shutdown()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert target.thread is draft.thread is torch_thread()
+    assert len(ran) == 4 and set(ran) == {torch_thread().call(threading.get_ident)}
+    np.testing.assert_allclose(from_another, alone, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batched[0], alone[-2:], rtol=1e-4, atol=1e-4)
