@@ -82,12 +82,33 @@ def test_empty_draft_samples_the_bonus() -> None:
     assert verify([], one_hot([3]), rng, Mode.EXACT, []) == VerifyResult(0, 3)
 
 
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("parents", [None, (-1, -1, 0, 2, 2)])
+def test_the_targets_tokens_verify_as_their_one_hot_rows_without_a_draw(
+        mode: Mode, parents: tuple[int, ...] | None) -> None:
+    """Temperature 0: the target's tokens ``[n + 1]`` stand for one-hot rows in every mode,
+    a chain or a tree, and no generator is made."""
+    def no_draw(depth: int) -> np.random.Generator:
+        raise AssertionError("a point mass needs no draw")
+
+    for seed in range(50):
+        cases = np.random.default_rng(seed)
+        draft = [int(t) for t in cases.integers(0, 3, 5)]
+        chosen = cases.integers(0, 3, 6)
+        dists = [SparseProbs(np.array([t]), np.array([1.0], dtype=np.float32)) for t in draft]
+        expected = verify(draft, one_hot(list(chosen), 3), np.random.default_rng(seed), mode,
+                          dists, 0.5, parents)
+        assert verify(draft, chosen, no_draw, mode, dists, 0.5, parents) == expected
+
+
 def test_shapes_are_checked() -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="n \\+ 1"):
         verify([1, 2], one_hot([1, 2]), rng, Mode.MATCH)
     with pytest.raises(ValueError, match="draft distribution"):
         verify([1], one_hot([1, 2]), rng, Mode.EXACT, None)
+    with pytest.raises(ValueError, match="n \\+ 1"):
+        verify([1, 2], np.array([1, 2]), rng, Mode.MATCH)  # the target's tokens: n + 1 too
 
 
 @pytest.mark.parametrize("tokens,stops,remaining,expected", [

@@ -28,7 +28,7 @@ import numpy as np
 from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Pass, RunnerError
-from spececd.core.sampling import VERIFIER_STREAM, process_logits, round_rng
+from spececd.core.sampling import VERIFIER_STREAM, greedy_tokens, process_logits, round_rng
 from spececd.core.verify import VerifyResult, tree_paths, verify
 from spececd.protocol.cloud_session import VerifyRequest
 
@@ -72,10 +72,9 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     forward = time.perf_counter() - forward
     results = []
     for (sequence, request), logits in zip(work, all_logits, strict=True):  # [n + 1, vocab]
-        target_probs = _target_probs(logits, request)
         assert request.params.seed is not None
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
-        result = verify(request.tokens, target_probs, rngs, request.mode,
+        result = verify(request.tokens, _target(logits, request), rngs, request.mode,
                         request.draft_probs, request.threshold, request.parents)
         if result.path is not None:
             start = len(request.context)
@@ -84,16 +83,18 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     return Verified(results, forward, time.perf_counter() - start)
 
 
-def _target_probs(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
+def _target(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
     """The target's distributions ``[n + 1, vocab]`` at the root and after each drafted
-    token. Penalties depend on the tokens before a row: a chain's rows follow one another,
-    a tree's row follows its node's path."""
+    token, or at temperature 0 its tokens ``[n + 1]`` (point masses: no distribution is
+    built, no draw made). Penalties depend on the tokens before a row: a chain's rows
+    follow one another, a tree's row follows its node's path."""
     context, params = request.context, request.params
+    process = greedy_tokens if params.greedy else process_logits
     if request.parents is None or not params.penalized:
-        return process_logits(logits, params, (*context, *request.tokens), len(context))
+        return process(logits, params, (*context, *request.tokens), len(context))
     histories = [context, *((*context, *(request.tokens[i] for i in path))
                             for path in tree_paths(request.parents))]
-    return np.concatenate([process_logits(logits[row:row + 1], params, history, len(history))
+    return np.concatenate([process(logits[row:row + 1], params, history, len(history))
                            for row, history in enumerate(histories)])
 
 

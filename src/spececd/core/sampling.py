@@ -176,15 +176,16 @@ def process_logits(logits: np.ndarray, params: SamplingParams,
     ``i`` follows ``history[:start + i]``, which the penalties need (:func:`penalize`)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
+    if params.greedy:
+        n, vocab = logits.shape
+        probs = np.zeros((n, vocab), dtype=np.float64)
+        probs[np.arange(n), greedy_tokens(logits, params, history, start)] = 1.0
+        return probs
     if params.penalized:
         if history is None:
             raise ValueError("penalties and biases need the token history")
         logits = penalize(logits, params, history, start)
     n, vocab = logits.shape
-    if params.greedy:
-        probs = np.zeros((n, vocab), dtype=np.float64)
-        probs[np.arange(n), logits.argmax(axis=-1)] = 1.0
-        return probs
     scores = logits.astype(np.float64) / params.temperature
     if 0 < params.top_k < vocab:
         kth = np.partition(scores, vocab - params.top_k, axis=-1)[:, vocab - params.top_k]
@@ -202,6 +203,20 @@ def process_logits(logits: np.ndarray, params: SamplingParams,
         probs = np.where(probs < params.min_p * probs.max(axis=-1, keepdims=True), 0.0, probs)
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def greedy_tokens(logits: np.ndarray, params: SamplingParams,
+                  history: Sequence[int] | None = None, start: int = 0) -> np.ndarray:
+    """The token each row ``[n, vocab]`` of ``logits`` picks at temperature 0 (after the
+    penalties and biases of ``params``, as :func:`process_logits`): ``[n]`` integers, the
+    point masses :func:`process_logits` returns as one-hot rows."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [n, vocab], got shape {logits.shape}")
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties and biases need the token history")
+        logits = penalize(logits, params, history, start)
+    return logits.argmax(axis=-1)  # type: ignore[no-any-return]
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -42,6 +42,11 @@ whose every node has one child. Per mode, at a node with children ``c_1, c_2, ..
   induction over the children, the emitted token follows the node's ``target_probs``.
 - ``threshold``: follow the first child the target gives at least ``threshold``.
 
+At temperature 0 every row is a point mass, and ``target_probs`` may be given as the
+target's tokens instead, ``[n + 1]`` integers: every mode then keeps the drafted tokens
+equal to them (the same result as with one-hot rows, in any mode), with no distribution
+built and no random draw.
+
 This module is pure: arrays and an explicit RNG in, a frozen result out.
 
 The RNG is either one generator for the whole block or a function from the depth in the
@@ -100,9 +105,12 @@ def verify(
     parents: Sequence[int] | None = None,  # [n]: a tree; None: a chain
 ) -> VerifyResult:
     n = len(draft_tokens)
-    if target_probs.ndim != 2 or target_probs.shape[0] != n + 1:
-        raise ValueError(f"target_probs must be [n + 1, vocab] = [{n + 1}, V], "
-                         f"got {target_probs.shape}")
+    points = target_probs.ndim == 1 and np.issubdtype(target_probs.dtype, np.integer)
+    if target_probs.shape[0] != n + 1 or not (points or target_probs.ndim == 2):
+        raise ValueError(f"target_probs must be [n + 1, vocab] = [{n + 1}, V], or the "
+                         f"target's [n + 1] tokens, got {target_probs.shape}")
+    if points:  # point masses: every mode keeps the drafted tokens equal to the target's
+        mode = Mode.MATCH
     if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != n):
         raise ValueError("exact mode needs one draft distribution per drafted token")
     if mode is Mode.THRESHOLD and not 0.0 < threshold <= 1.0:
@@ -122,26 +130,30 @@ def verify(
     path: list[int] = []
     row = 0  # the node reached, as its row in target_probs
     while True:
-        gen, probs = at(len(path)), target_probs[row]
         chosen = emitted = None
-        if mode is Mode.EXACT:
-            assert draft_probs is not None
-            mass = 1.0  # probs is P times mass: a residual is left unnormalised
-            for child in children[row]:
-                token, dist = draft_tokens[child], draft_probs[child]
-                if gen.random() < min(1.0, probs[token] / mass / dist.prob_of(token)):
-                    chosen = child
-                    break
-                residual = np.maximum(probs / mass - dist.dense(target_probs.shape[1]), 0)
-                # A zero residual means P == q here, where rejection has probability 0;
-                # only rounding gets here, and P is then the residual.
-                if residual.sum() > 0:
-                    probs, mass = residual, float(residual.sum())
-        elif mode is Mode.THRESHOLD:
-            chosen = next((c for c in children[row] if probs[draft_tokens[c]] >= threshold),
-                          None)
+        if points:
+            emitted = int(target_probs[row])
         else:
-            emitted = sample(probs, gen)
+            gen, probs = at(len(path)), target_probs[row]
+            if mode is Mode.EXACT:
+                assert draft_probs is not None
+                mass = 1.0  # probs is P times mass: a residual is left unnormalised
+                for child in children[row]:
+                    token, dist = draft_tokens[child], draft_probs[child]
+                    if gen.random() < min(1.0, probs[token] / mass / dist.prob_of(token)):
+                        chosen = child
+                        break
+                    residual = np.maximum(probs / mass - dist.dense(target_probs.shape[1]), 0)
+                    # A zero residual means P == q here, where rejection has probability 0;
+                    # only rounding gets here, and P is then the residual.
+                    if residual.sum() > 0:
+                        probs, mass = residual, float(residual.sum())
+            elif mode is Mode.THRESHOLD:
+                chosen = next((c for c in children[row] if probs[draft_tokens[c]] >= threshold),
+                              None)
+            else:
+                emitted = sample(probs, gen)
+        if emitted is not None:  # match: follow the first child equal to the target's token
             chosen = next((c for c in children[row] if draft_tokens[c] == emitted), None)
         if chosen is None:
             token = sample(probs, gen) if emitted is None else emitted

@@ -140,7 +140,6 @@ class Drafter:
         context = list(history)  # penalties count the tokens drafted so far too
         for i in range(k):
             logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
-            rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
             parent = chain[-1] if chain else -1
             room = shape.budget - len(tokens) - (k - 1 - i)  # keep a place for the chain's rest
             siblings = min(shape.width, room) - 1
@@ -149,6 +148,7 @@ class Drafter:
                 shape.reach[i] > 0 else float("inf")
             choices: list[tuple[int, SparseProbs | None]]
             if report:
+                rng = round_rng(seed, DRAFTER_STREAM, len(history) + i)
                 dist = draft_distribution(logits, params, max_support, context)
                 token = sample_sparse(dist, rng)
                 choices = [(token, dist), *_drawn_siblings(dist, token, rng, siblings, least)]
@@ -161,7 +161,7 @@ class Drafter:
                              if siblings > 0 else scores)
                 else:
                     probs = process_logits(logits[None, :], params, context, len(context))[0]
-                    token = sample(probs, rng)
+                    token = sample(probs, round_rng(seed, DRAFTER_STREAM, len(history) + i))
                 choices = [(token, None), *((t, None) for t in _likely_siblings(
                     probs, token, siblings, least))]
             chain.append(len(tokens))
