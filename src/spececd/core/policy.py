@@ -40,6 +40,7 @@ where each verified position is dear, they shrink to chains. Delay-aware by cons
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # The strategy chooser lived here; its names stay importable from this module.
@@ -93,6 +94,26 @@ class LinearFit:
 
 
 FIRST_FLOOR = 0.1  # a sibling's expected gain before anything is measured
+
+
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """Tokens a round gains in expectation, ``E(k)`` of the module docstring, for a draft of
+    ``len(acceptance)`` tokens whose ``i``-th is accepted with probability ``acceptance[i]``
+    when all before it were: the verifier's own token and every draft kept."""
+    gain, survive = 1.0, 1.0
+    for a in acceptance:
+        survive *= a
+        gain += survive
+    return gain
+
+
+def round_cost(k: int, draft_step_s: float, round_trip_s: float, hit: float) -> float:
+    """Seconds a round of ``k`` drafted tokens costs: drafting them (``draft_step_s``
+    each) and the round trip (the verify pass and the network), the one hidden behind the
+    other when the round hits (probability ``hit``; 0 for plain rounds, which draft only
+    after the verdict)."""
+    drafting = k * draft_step_s
+    return hit * max(drafting, round_trip_s) + (1 - hit) * (drafting + round_trip_s)
 
 
 @dataclass(frozen=True)
@@ -169,23 +190,17 @@ class DraftLengthPolicy:
         self._network.update(max(0.0, network_s))
 
     def expected_tokens(self, k: int) -> float:
-        gain, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
-            survive *= a
-            gain += survive
-        return gain
+        return expected_tokens(self.acceptance()[:k])
 
     def cost(self, k: int, fitted: bool = False) -> float:
         """Seconds a round of ``k`` costs; ``fitted``: with the least-squares verify model."""
         verify = (self._verify.base + k * self._verify.slope if fitted
                   else self._verify_base.value + k * self._verify_per_token.value)
-        round_trip = verify + self._network.value
-        drafting = k * self._draft_step.value
-        if not self.proactive:
-            return drafting + round_trip
-        a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
-        hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
-        return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
+        hit = 0.0
+        if self.proactive:
+            a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
+            hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
+        return round_cost(k, self._draft_step.value, verify + self._network.value, hit)
 
     def tree_shape(self, k: int, width: int, budget: int) -> TreeShape:
         """How to branch a chain of ``k`` (see the module docstring)."""
