@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from spececd.core.policy import (
     DraftLengthPolicy,
     HintGate,
     LinearFit,
+    RoundsEstimate,
     StrategyChooser,
     stream_lookahead,
 )
@@ -234,6 +236,56 @@ def test_a_segment_counts_its_tokens_over_all_its_time() -> None:
     assert chooser.speed(Arm.ROUNDS) is None and chooser.start() is Arm.ROUNDS
     assert chooser.record(Arm.ROUNDS, 1, 0.05) is Arm.STREAM  # 16 tokens: now stream
     assert chooser.speed(Arm.ROUNDS) == pytest.approx(80.0)
+
+
+# -- what rounds would bring, from what stream drafting measures -----------------------
+
+
+def rounds_reference(k_max: int, rtt_s: float, step_s: float, position_s: float,
+                     draft_s: float, accept: float) -> float:
+    """Tokens per second of the best rounds of at most ``k_max``, from the cost model
+    written out: block-ahead rounds, whose drafting hides behind the round trip when all
+    ``k`` drafts and the guessed bonus are kept."""
+    def speed(k: int) -> float:
+        gained = sum(accept ** i for i in range(k + 1))
+        drafting, round_trip = k * draft_s, rtt_s + step_s + k * position_s
+        hit = accept ** (k + 1)
+        return gained / (hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip))
+    return max(speed(k) for k in range(1, k_max + 1))
+
+
+def test_the_rounds_estimate_reads_stream_drafting_steps() -> None:
+    estimate = RoundsEstimate()
+    assert estimate.speed(8, 0.0) == math.inf and estimate.cloud_only() == 0.0
+    assert estimate.speed(8, 0.1) == pytest.approx(90.0)  # k_max + 1 tokens per round trip
+    for _ in range(200):
+        estimate.step(0, 0, 0.010)  # a cloud-only step: 10 ms
+        estimate.step(4, 2, 0.014)  # 4 hinted tokens verified, 1 ms each; 2 kept
+        estimate.drafted(3, 0.003)
+    assert estimate.cloud_only() == pytest.approx(100.0)
+    # Kept over reached (the third was reached, the fourth not): 2/3, not 2/4.
+    assert estimate.acceptance() == pytest.approx(2 / 3, abs=0.005)
+    for rtt in (0.0, 0.02, 0.1):
+        assert estimate.speed(8, rtt) == pytest.approx(
+            rounds_reference(8, rtt, 0.010, 0.001, 0.001, estimate.acceptance()))
+        assert estimate.speed(8, rtt, ceiling=True) == pytest.approx(
+            rounds_reference(8, rtt, 0.010, 0.001, 0.001, 1.0))
+    # On a fast link rounds would beat the server alone; over 50 ms they could not.
+    assert estimate.speed(8, 0.0) > estimate.cloud_only() > estimate.speed(8, 0.05)
+
+
+def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:
+    estimate = RoundsEstimate()
+    rng = random.Random(0)
+    for _ in range(400):
+        drafted, kept = rng.randint(1, 4), 0
+        while kept < drafted and rng.random() < 0.6:
+            kept += 1
+        estimate.step(drafted, kept, 0.01)
+    assert estimate.acceptance() == pytest.approx(0.6, abs=0.06)
+    for _ in range(400):  # the text grows predictable: every hint kept
+        estimate.step(4, 4, 0.01)
+    assert estimate.acceptance() > 0.99
 
 
 # -- the hint gate (stream drafting) ----------------------------------------------------
