@@ -103,11 +103,12 @@ def test_proactive_hits_hide_the_drafting_cost() -> None:
 
 
 def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int,
-             tokens: int = 64, easier: float = 0.0) -> list[tuple[Arm, int]]:
+             tokens: int = 64, easier: float = 0.0, noise: random.Random | None = None,
+             ) -> list[tuple[Arm, int]]:
     """Generations of ``tokens`` each, every segment generated at ``speed[arm]`` tokens per
     second (a function of the link, as the chooser sees it), times ``1 + easier`` for each
-    segment already generated (text that grows more predictable along a generation);
-    (arm, tokens) per segment."""
+    segment already generated (text that grows more predictable along a generation), and,
+    with ``noise``, off by up to 20% either way; (arm, tokens) per segment."""
     segments = []
     for _ in range(generations):
         arm, done = chooser.start(), 0
@@ -115,6 +116,7 @@ def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int
             n = min(chooser.segment, tokens - done)
             segments.append((arm, n))
             pace = speed[arm] * (1 + easier * (done // chooser.segment))
+            pace *= noise.uniform(0.8, 1.2) if noise is not None else 1.0
             following = chooser.record(arm, n, n / pace, position=done)
             done += n
             if arm is not Arm.STREAM:  # streaming goes on to the end of its generation
@@ -190,6 +192,72 @@ def test_rounds_that_cannot_reach_streaming_are_not_probed_again_for_long() -> N
     assert [arm for arm, _ in segments].count(Arm.ROUNDS) == 1
     uncapped = simulate(StrategyChooser(), speed, generations=40)
     assert [arm for arm, _ in uncapped].count(Arm.ROUNDS) == 2  # a second probe
+
+
+def arms(segments: list[tuple[Arm, int]]) -> list[Arm]:
+    return [arm for arm, _ in segments]
+
+
+def test_rounds_that_cannot_reach_the_servers_own_speed_are_not_started() -> None:
+    # What the edge knew at the hello (the round trip, the server's step, the draft's)
+    # caps rounds under what the server generates alone, which streaming reaches at least:
+    # a session streams from its first generation and never measures rounds.
+    chooser = StrategyChooser()
+    chooser.cap(Arm.ROUNDS, 80.0)
+    chooser.floor(Arm.STREAM, 90.0)
+    segments = simulate(chooser, {Arm.ROUNDS: 33.0, Arm.STREAM: 95.0}, generations=20)
+    assert set(arms(segments)) == {Arm.STREAM}
+    assert chooser.speed(Arm.ROUNDS) is None and chooser.leader() is Arm.STREAM
+    # A cap over that floor, or none known: rounds first, then streaming, as ever.
+    for floor in (70.0, 0.0):
+        chooser = StrategyChooser()
+        chooser.cap(Arm.ROUNDS, 80.0)
+        chooser.floor(Arm.STREAM, floor)
+        segments = simulate(chooser, {Arm.ROUNDS: 33.0, Arm.STREAM: 95.0}, generations=1)
+        assert arms(segments)[:2] == [Arm.ROUNDS, Arm.STREAM]
+
+
+def test_a_probe_of_rounds_waits_while_their_estimate_is_under_streaming() -> None:
+    # Rounds at 0.7 of streaming. Measured, they are probed a second time (a session's
+    # first comparison runs cold); estimated from what streaming measures, under its
+    # speed, they are not: each probe would cost a segment of rounds and a new stream.
+    speed = {Arm.ROUNDS: 70.0, Arm.STREAM: 100.0}
+    assert arms(simulate(StrategyChooser(), speed, generations=40)).count(Arm.ROUNDS) == 2
+    chooser = StrategyChooser()
+    simulate(chooser, speed, generations=1)  # both measured in the first generation
+    chooser.cap(Arm.ROUNDS, 90.0)
+    assert Arm.ROUNDS not in arms(simulate(chooser, speed, generations=40))
+    # The link grows faster, and so does the estimate: the probe, due all along, runs at
+    # the next generation's start (not 4,096 tokens later), and rounds take over.
+    chooser.cap(Arm.ROUNDS, 200.0)
+    segments = simulate(chooser, {Arm.ROUNDS: 150.0, Arm.STREAM: 100.0}, generations=3)
+    assert arms(segments)[0] is Arm.ROUNDS and chooser.leader() is Arm.ROUNDS
+    assert arms(segments)[-4:] == [Arm.ROUNDS] * 4
+
+
+def test_a_cap_spares_a_measurement_but_never_overrides_one() -> None:
+    speed = {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}
+    capped, free = StrategyChooser(), StrategyChooser()
+    for chooser in (capped, free):
+        simulate(chooser, speed, generations=4)
+    assert capped.leader() is Arm.ROUNDS
+    capped.cap(Arm.ROUNDS, 90.0)  # an estimate under streaming's speed, and wrong
+    segments = simulate(capped, speed, generations=20)
+    assert capped.leader() is Arm.ROUNDS and segments == simulate(free, speed, generations=20)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_with_jitter_rounds_slower_than_streaming_are_not_probed_again(seed: int) -> None:
+    # "RTT 0" with 10 ms of jitter (docs/benchmarks-2026-11-22-late.md): block-ahead rounds
+    # at 132 tokens/s, streaming at 186, every segment off by up to 20%. Without an
+    # estimate, a noisy second comparison can find rounds closer than three quarters of
+    # streaming and keep probing them, ever more rarely; with the estimate (which errs
+    # for rounds, but stays under streaming) they run in the first generation only.
+    speed = {Arm.ROUNDS: 132.0, Arm.STREAM: 186.0}
+    chooser = StrategyChooser()
+    chooser.cap(Arm.ROUNDS, 160.0)
+    segments = simulate(chooser, speed, generations=40, noise=random.Random(seed))
+    assert arms(segments).count(Arm.ROUNDS) == 1 and chooser.leader() is Arm.STREAM
 
 
 def test_a_link_that_changes_is_followed() -> None:
