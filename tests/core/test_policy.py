@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from spececd.core.policy import (
     DraftLengthPolicy,
     HintGate,
     LinearFit,
+    RoundsEstimate,
     StrategyChooser,
     stream_lookahead,
 )
@@ -101,11 +103,12 @@ def test_proactive_hits_hide_the_drafting_cost() -> None:
 
 
 def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int,
-             tokens: int = 64, easier: float = 0.0) -> list[tuple[Arm, int]]:
+             tokens: int = 64, easier: float = 0.0, noise: random.Random | None = None,
+             ) -> list[tuple[Arm, int]]:
     """Generations of ``tokens`` each, every segment generated at ``speed[arm]`` tokens per
     second (a function of the link, as the chooser sees it), times ``1 + easier`` for each
-    segment already generated (text that grows more predictable along a generation);
-    (arm, tokens) per segment."""
+    segment already generated (text that grows more predictable along a generation), and,
+    with ``noise``, off by up to 20% either way; (arm, tokens) per segment."""
     segments = []
     for _ in range(generations):
         arm, done = chooser.start(), 0
@@ -113,6 +116,7 @@ def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int
             n = min(chooser.segment, tokens - done)
             segments.append((arm, n))
             pace = speed[arm] * (1 + easier * (done // chooser.segment))
+            pace *= noise.uniform(0.8, 1.2) if noise is not None else 1.0
             following = chooser.record(arm, n, n / pace, position=done)
             done += n
             if arm is not Arm.STREAM:  # streaming goes on to the end of its generation
@@ -190,6 +194,72 @@ def test_rounds_that_cannot_reach_streaming_are_not_probed_again_for_long() -> N
     assert [arm for arm, _ in uncapped].count(Arm.ROUNDS) == 2  # a second probe
 
 
+def arms(segments: list[tuple[Arm, int]]) -> list[Arm]:
+    return [arm for arm, _ in segments]
+
+
+def test_rounds_that_cannot_reach_the_servers_own_speed_are_not_started() -> None:
+    # What the edge knew at the hello (the round trip, the server's step, the draft's)
+    # caps rounds under what the server generates alone, which streaming reaches at least:
+    # a session streams from its first generation and never measures rounds.
+    chooser = StrategyChooser()
+    chooser.cap(Arm.ROUNDS, 80.0)
+    chooser.floor(Arm.STREAM, 90.0)
+    segments = simulate(chooser, {Arm.ROUNDS: 33.0, Arm.STREAM: 95.0}, generations=20)
+    assert set(arms(segments)) == {Arm.STREAM}
+    assert chooser.speed(Arm.ROUNDS) is None and chooser.leader() is Arm.STREAM
+    # A cap over that floor, or none known: rounds first, then streaming, as ever.
+    for floor in (70.0, 0.0):
+        chooser = StrategyChooser()
+        chooser.cap(Arm.ROUNDS, 80.0)
+        chooser.floor(Arm.STREAM, floor)
+        segments = simulate(chooser, {Arm.ROUNDS: 33.0, Arm.STREAM: 95.0}, generations=1)
+        assert arms(segments)[:2] == [Arm.ROUNDS, Arm.STREAM]
+
+
+def test_a_probe_of_rounds_waits_while_their_estimate_is_under_streaming() -> None:
+    # Rounds at 0.7 of streaming. Measured, they are probed a second time (a session's
+    # first comparison runs cold); estimated from what streaming measures, under its
+    # speed, they are not: each probe would cost a segment of rounds and a new stream.
+    speed = {Arm.ROUNDS: 70.0, Arm.STREAM: 100.0}
+    assert arms(simulate(StrategyChooser(), speed, generations=40)).count(Arm.ROUNDS) == 2
+    chooser = StrategyChooser()
+    simulate(chooser, speed, generations=1)  # both measured in the first generation
+    chooser.cap(Arm.ROUNDS, 90.0)
+    assert Arm.ROUNDS not in arms(simulate(chooser, speed, generations=40))
+    # The link grows faster, and so does the estimate: the probe, due all along, runs at
+    # the next generation's start (not 4,096 tokens later), and rounds take over.
+    chooser.cap(Arm.ROUNDS, 200.0)
+    segments = simulate(chooser, {Arm.ROUNDS: 150.0, Arm.STREAM: 100.0}, generations=3)
+    assert arms(segments)[0] is Arm.ROUNDS and chooser.leader() is Arm.ROUNDS
+    assert arms(segments)[-4:] == [Arm.ROUNDS] * 4
+
+
+def test_a_cap_spares_a_measurement_but_never_overrides_one() -> None:
+    speed = {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}
+    capped, free = StrategyChooser(), StrategyChooser()
+    for chooser in (capped, free):
+        simulate(chooser, speed, generations=4)
+    assert capped.leader() is Arm.ROUNDS
+    capped.cap(Arm.ROUNDS, 90.0)  # an estimate under streaming's speed, and wrong
+    segments = simulate(capped, speed, generations=20)
+    assert capped.leader() is Arm.ROUNDS and segments == simulate(free, speed, generations=20)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_with_jitter_rounds_slower_than_streaming_are_not_probed_again(seed: int) -> None:
+    # "RTT 0" with 10 ms of jitter (docs/benchmarks-2026-11-22-late.md): block-ahead rounds
+    # at 132 tokens/s, streaming at 186, every segment off by up to 20%. Without an
+    # estimate, a noisy second comparison can find rounds closer than three quarters of
+    # streaming and keep probing them, ever more rarely; with the estimate (which errs
+    # for rounds, but stays under streaming) they run in the first generation only.
+    speed = {Arm.ROUNDS: 132.0, Arm.STREAM: 186.0}
+    chooser = StrategyChooser()
+    chooser.cap(Arm.ROUNDS, 160.0)
+    segments = simulate(chooser, speed, generations=40, noise=random.Random(seed))
+    assert arms(segments).count(Arm.ROUNDS) == 1 and chooser.leader() is Arm.STREAM
+
+
 def test_a_link_that_changes_is_followed() -> None:
     chooser = StrategyChooser(max_probe=512)
     simulate(chooser, {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}, generations=20)
@@ -234,6 +304,56 @@ def test_a_segment_counts_its_tokens_over_all_its_time() -> None:
     assert chooser.speed(Arm.ROUNDS) is None and chooser.start() is Arm.ROUNDS
     assert chooser.record(Arm.ROUNDS, 1, 0.05) is Arm.STREAM  # 16 tokens: now stream
     assert chooser.speed(Arm.ROUNDS) == pytest.approx(80.0)
+
+
+# -- what rounds would bring, from what stream drafting measures -----------------------
+
+
+def rounds_reference(k_max: int, rtt_s: float, step_s: float, position_s: float,
+                     draft_s: float, accept: float) -> float:
+    """Tokens per second of the best rounds of at most ``k_max``, from the cost model
+    written out: block-ahead rounds, whose drafting hides behind the round trip when all
+    ``k`` drafts and the guessed bonus are kept."""
+    def speed(k: int) -> float:
+        gained = sum(accept ** i for i in range(k + 1))
+        drafting, round_trip = k * draft_s, rtt_s + step_s + k * position_s
+        hit = accept ** (k + 1)
+        return gained / (hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip))
+    return max(speed(k) for k in range(1, k_max + 1))
+
+
+def test_the_rounds_estimate_reads_stream_drafting_steps() -> None:
+    estimate = RoundsEstimate()
+    assert estimate.speed(8, 0.0) == math.inf and estimate.cloud_only() == 0.0
+    assert estimate.speed(8, 0.1) == pytest.approx(90.0)  # k_max + 1 tokens per round trip
+    for _ in range(200):
+        estimate.step(0, 0, 0.010)  # a cloud-only step: 10 ms
+        estimate.step(4, 2, 0.014)  # 4 hinted tokens verified, 1 ms each; 2 kept
+        estimate.drafted(3, 0.003)
+    assert estimate.cloud_only() == pytest.approx(100.0)
+    # Kept over reached (the third was reached, the fourth not): 2/3, not 2/4.
+    assert estimate.acceptance() == pytest.approx(2 / 3, abs=0.005)
+    for rtt in (0.0, 0.02, 0.1):
+        assert estimate.speed(8, rtt) == pytest.approx(
+            rounds_reference(8, rtt, 0.010, 0.001, 0.001, estimate.acceptance()))
+        assert estimate.speed(8, rtt, ceiling=True) == pytest.approx(
+            rounds_reference(8, rtt, 0.010, 0.001, 0.001, 1.0))
+    # On a fast link rounds would beat the server alone; over 50 ms they could not.
+    assert estimate.speed(8, 0.0) > estimate.cloud_only() > estimate.speed(8, 0.05)
+
+
+def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:
+    estimate = RoundsEstimate()
+    rng = random.Random(0)
+    for _ in range(400):
+        drafted, kept = rng.randint(1, 4), 0
+        while kept < drafted and rng.random() < 0.6:
+            kept += 1
+        estimate.step(drafted, kept, 0.01)
+    assert estimate.acceptance() == pytest.approx(0.6, abs=0.06)
+    for _ in range(400):  # the text grows predictable: every hint kept
+        estimate.step(4, 4, 0.01)
+    assert estimate.acceptance() > 0.99
 
 
 # -- the hint gate (stream drafting) ----------------------------------------------------

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
+from spececd.core.chooser import Arm
+from spececd.core.policy import Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
@@ -188,3 +190,35 @@ def test_max_tokens_and_stop_tokens_end_the_generation_exactly(
         out = generate(edge, PROMPTS[0], stop_token_ids=(stop,))
         assert out == reference[:first + 1]
     edge.close()
+
+
+def test_auto_streams_from_the_start_where_rounds_cannot_win() -> None:
+    """Stream drafting measures, on its client, the server's step, the draft's and the
+    share of hinted tokens kept; with the hellos' round trip they bound what rounds could
+    bring. Where the round trip alone outlasts what the server takes to generate the most
+    a round could bring, auto streams from its first generation and never measures rounds
+    (a chooser that knew nothing would begin with a segment of rounds); over this link, in
+    the same process, where rounds could win, it measures rounds first, as ever."""
+    draft, target = toy_pair(agreement=0.7)
+    target.pass_s = 0.005  # a target about as slow as a real one
+    server = local_verifier(target)
+    try:
+        for rtt in (1.0, None):
+            edge = client(draft, server, k=4, proactive="stream")
+            generate(edge, PROMPTS[0])
+            estimate = edge.client.rounds_estimate
+            assert 100 < estimate.cloud_only() < 200  # a step of 5 ms and a little more
+            assert 0 < estimate.acceptance() < 1  # hints were verified, some kept
+            if rtt is not None:  # as the hellos of a slow link would have measured it
+                edge.client.link.rtt = Ema(rtt, seen=True)
+            edge.options = edge.options.with_settings(proactive="auto")
+            stats = GenerationStats()
+            assert generate(edge, PROMPTS[1], stats) == greedy(target, PROMPTS[1], N)
+            rounds = edge.client.chooser.speed(Arm.ROUNDS)
+            if rtt is not None:
+                assert stats.auto_stream_tokens == N and rounds is None
+            else:
+                assert stats.auto_stream_tokens < N and rounds is not None
+            edge.close()
+    finally:
+        server.close()

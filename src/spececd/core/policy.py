@@ -25,7 +25,9 @@ would keep the policy from ever trying longer drafts. Pure: no clock, no I/O; th
 feeds measurements in seconds.
 
 Which *way* to speculate (rounds or stream drafting, block-ahead or plain) is chosen
-by :mod:`spececd.core.chooser`, whose names this module re-exports.
+by :mod:`spececd.core.chooser`, whose names this module re-exports. The same cost model,
+fed by what stream drafting measures (:class:`RoundsEstimate`), tells the chooser what
+rounds would bring while it streams.
 
 The same model shapes **token trees** (:meth:`DraftLengthPolicy.tree_shape`). A sibling
 candidate ``s`` at depth ``i`` gains one token when the target's token there is ``s``:
@@ -40,6 +42,7 @@ where each verified position is dear, they shrink to chains. Delay-aware by cons
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # The strategy chooser lived here; its names stay importable from this module.
@@ -93,6 +96,26 @@ class LinearFit:
 
 
 FIRST_FLOOR = 0.1  # a sibling's expected gain before anything is measured
+
+
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """Tokens a round gains in expectation, ``E(k)`` of the module docstring, for a draft of
+    ``len(acceptance)`` tokens whose ``i``-th is accepted with probability ``acceptance[i]``
+    when all before it were: the verifier's own token and every draft kept."""
+    gain, survive = 1.0, 1.0
+    for a in acceptance:
+        survive *= a
+        gain += survive
+    return gain
+
+
+def round_cost(k: int, draft_step_s: float, round_trip_s: float, hit: float) -> float:
+    """Seconds a round of ``k`` drafted tokens costs: drafting them (``draft_step_s``
+    each) and the round trip (the verify pass and the network), the one hidden behind the
+    other when the round hits (probability ``hit``; 0 for plain rounds, which draft only
+    after the verdict)."""
+    drafting = k * draft_step_s
+    return hit * max(drafting, round_trip_s) + (1 - hit) * (drafting + round_trip_s)
 
 
 @dataclass(frozen=True)
@@ -169,23 +192,17 @@ class DraftLengthPolicy:
         self._network.update(max(0.0, network_s))
 
     def expected_tokens(self, k: int) -> float:
-        gain, survive = 1.0, 1.0
-        for a in self.acceptance()[:k]:
-            survive *= a
-            gain += survive
-        return gain
+        return expected_tokens(self.acceptance()[:k])
 
     def cost(self, k: int, fitted: bool = False) -> float:
         """Seconds a round of ``k`` costs; ``fitted``: with the least-squares verify model."""
         verify = (self._verify.base + k * self._verify.slope if fitted
                   else self._verify_base.value + k * self._verify_per_token.value)
-        round_trip = verify + self._network.value
-        drafting = k * self._draft_step.value
-        if not self.proactive:
-            return drafting + round_trip
-        a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
-        hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
-        return hit * max(drafting, round_trip) + (1 - hit) * (drafting + round_trip)
+        hit = 0.0
+        if self.proactive:
+            a = self.acceptance()  # past k_max, the bonus guess takes the last estimate
+            hit = math.prod(a[min(i, len(a) - 1)] for i in range(k + 1))
+        return round_cost(k, self._draft_step.value, verify + self._network.value, hit)
 
     def tree_shape(self, k: int, width: int, budget: int) -> TreeShape:
         """How to branch a chain of ``k`` (see the module docstring)."""
@@ -233,6 +250,76 @@ def stream_lookahead(depth: int, rtt_s: float, step_s: float, cap: int) -> int:
     return 0 if lag >= cap else min(cap, depth + lag)
 
 
+@dataclass
+class RoundsEstimate:
+    """What rounds would bring on this link, from what stream drafting measures: so that
+    ``--proactive auto`` need not leave streaming, and lose the rest of a generation, to
+    learn that rounds are slower.
+
+    A server step that verified ``drafted`` hinted tokens and kept ``accepted`` of them is
+    a verify pass over a draft of that length, as in a round: steps give the verify pass's
+    seconds by positions (one that verified none is a cloud-only step) and the draft's
+    acceptance per token (kept over reached: a draft is reached up to its first
+    rejection). With the draft's step and the round trip, rounds of ``k`` would bring
+    ``E(k)`` tokens per :func:`round_cost`, block-ahead's (which hides drafting behind the
+    round trip when a round hits, so it is at least plain rounds' speed), and
+    :meth:`speed` is the best over ``k``. It errs for rounds, so that they are measured
+    where they might win: the edge's and the server's own overheads per round are left
+    out, and the hints a server verifies follow drafted tokens it generated too, so their
+    acceptance is, if anything, above a round's (about 1.4 times the speed rounds were
+    measured at, on the default pair on a busy 2-core machine).
+
+    ``ceiling``: every draft counts as kept, ``k + 1`` tokens per round, the most rounds
+    could bring (for exact verification of sampled drafts, which keeps at least as many as
+    match, by which hints are verified). Before a server step is measured the verify pass
+    counts as free: ``k_max + 1`` tokens per round trip. Pure: the caller feeds it.
+    """
+
+    decay: float = 0.98  # per step that verified hints, of the acceptance counts
+    prior: float = 2.0  # positions reached and kept before any is measured
+    _accepted: float = 0.0
+    _reached: float = 0.0
+    # Slow, over the steps of many generations; steps that verified no hint pin the base.
+    _verify: LinearFit = field(default_factory=lambda: LinearFit(weight=0.05))
+    _draft_step: Ema = field(default_factory=lambda: Ema(0.0))
+
+    def step(self, drafted: int, accepted: int, seconds: float) -> None:
+        """Feed a server step that verified ``drafted`` hinted tokens, kept ``accepted`` and
+        took ``seconds`` (leave out a step that also ran over a new context)."""
+        if seconds > 0:
+            self._verify.update(drafted, seconds)
+        if drafted > 0:
+            self._accepted = self.decay * self._accepted + accepted
+            self._reached = self.decay * self._reached + min(drafted, accepted + 1)
+
+    def drafted(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._draft_step.update(seconds / tokens)
+
+    def acceptance(self) -> float:
+        """The share of drafted tokens the server keeps, per token reached."""
+        return (self._accepted + self.prior) / (self._reached + self.prior)
+
+    def cloud_only(self) -> float:
+        """Tokens per second of the server generating alone, one per step (0: unmeasured)."""
+        step = self._verify.base
+        return 1 / step if step > 0 else 0.0
+
+    def speed(self, k_max: int, rtt_s: float, ceiling: bool = False) -> float:
+        """Tokens per second rounds of at most ``k_max`` drafted tokens would bring over
+        a round trip of ``rtt_s`` (``math.inf`` when nothing is measured that bounds
+        them); ``ceiling``: as if every draft were kept."""
+        accept = 1.0 if ceiling else self.acceptance()
+        best = 0.0
+        for k in range(1, k_max + 1):
+            verify = self._verify.base + k * self._verify.slope
+            cost = round_cost(k, self._draft_step.value, rtt_s + verify, accept ** (k + 1))
+            if cost <= 0:
+                return math.inf
+            best = max(best, expected_tokens([accept] * k) / cost)
+        return best
+
+
 __all__ = ["FIRST_FLOOR", "STAGES", "Arm", "DraftLengthPolicy", "Ema", "HintGate", "LinearFit",
-           "StrategyChooser", "TreeShape", "hint_shape", "relative_speed", "stage",
-           "stream_lookahead"]
+           "RoundsEstimate", "StrategyChooser", "TreeShape", "expected_tokens", "hint_shape",
+           "relative_speed", "round_cost", "stage", "stream_lookahead"]

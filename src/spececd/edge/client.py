@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
 from spececd.core.chooser import Arm, HintGate, StrategyChooser
+from spececd.core.policy import RoundsEstimate
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
@@ -63,9 +64,11 @@ class EdgeClient:
         self.max_context = max_context
         self.auth_token = auth_token
         self.link = Link(connect, Reconnect())  # each generation sets its own (_strategy)
-        # What this client has learnt of its link: which way to speculate (auto), and
-        # whether stream drafting's hints arrive in time.
+        # What this client has learnt of its link: which way to speculate (auto), whether
+        # stream drafting's hints arrive in time, and what rounds would bring (measured
+        # while streaming), with the server's draft limit as last welcomed.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
+        self.rounds_estimate, self.max_draft = RoundsEstimate(), 0
         # Within rounds: block-ahead or plain.
         self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
 
@@ -144,12 +147,17 @@ class EdgeClient:
         session = edge_session(run, self.fingerprint, self.auth_token, streams, trees)
         # Auto: rounds in the asked mode, or streaming by match (the same session when the
         # mode is match), whichever the chooser starts this generation with.
-        arm = self.chooser.start() if options.proactive is Proactive.AUTO and not cloud_only \
-            else None
+        auto = options.proactive is Proactive.AUTO and not cloud_only
+        if auto:
+            self.bound_rounds(run)
+        arm = self.chooser.start() if auto else None
         stream_session = session if mode is Mode.MATCH else edge_session(
             run, self.fingerprint, self.auth_token, True, trees)
         welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
         self.link.reconnect = options.link_reconnect()
+        self.max_draft = welcome.max_draft
+        if auto:
+            self.bound_rounds(run)  # with the round trip the hello just measured
         if probe:
             log.warning("the verifier answers again: generation is verified from here on")
             out.verified_again()
@@ -163,11 +171,29 @@ class EdgeClient:
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
             return Adaptive(work, stream, self.chooser, self.rounds_chooser, self.hint_gate,
-                            arm, k_max, adaptive=options.k is None)
+                            self.rounds_estimate, arm, k_max, adaptive=options.k is None)
         if options.proactive is Proactive.STREAM:
-            return StreamDrafting(work, ahead=k_max, gate=self.hint_gate)
+            return StreamDrafting(work, ahead=k_max, gate=self.hint_gate,
+                                  estimate=self.rounds_estimate)
         rounds = BlockAhead if options.proactive is Proactive.ON else Rounds
         return rounds(work, k_max, adaptive=options.k is None)
+
+    def bound_rounds(self, run: Resolved) -> None:
+        """Tell the chooser what rounds could bring here, by what this client has measured
+        (the hellos' round trip; from stream drafting, the server's step, the draft's and
+        the share of hinted tokens kept), and that streaming brings at least the server's
+        own generation: rounds that cannot win are not run (the chooser's :meth:`~spececd.
+        core.chooser.StrategyChooser.cap`)."""
+        if not self.max_draft:
+            return  # never welcomed: nothing measured
+        options = run.options
+        # Exact verification of sampled drafts keeps at least as many as match, by which
+        # hints are verified: there, the ceiling (every draft kept).
+        ceiling = options.session_mode(False)[0] is Mode.EXACT and run.params.temperature > 0
+        estimate = self.rounds_estimate
+        self.chooser.cap(Arm.ROUNDS, estimate.speed(options.draft_limit(self.max_draft),
+                                                    self.link.rtt.value, ceiling))
+        self.chooser.floor(Arm.STREAM, estimate.cloud_only())
 
 
 def edge_session(run: Resolved, fingerprint: Fingerprint, auth_token: str, streams: bool,

@@ -17,7 +17,6 @@ own statistics (drafting, rounds, timings) and never emits.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from spececd.core.policy import (
     Ema,
     HintGate,
     LinearFit,
+    RoundsEstimate,
     StrategyChooser,
     hint_shape,
     stream_lookahead,
@@ -271,12 +271,19 @@ class StreamDrafting(CloudOnly):
     carries other candidates where the draft is unsure (:func:`~spececd.core.policy.
     hint_shape`, from the share of hinted tokens the server keeps and what a verified
     position costs it): where the target's token is not the hinted one, it may be one of
-    those, and the step keeps it."""
+    those, and the step keeps it.
 
-    def __init__(self, work: Work, ahead: int, gate: HintGate | None = None) -> None:
+    What it measures of the server's steps, the hints' acceptance and the draft's speed
+    also goes to ``estimate``, which outlives the generation: what rounds would bring on
+    this link (for ``--proactive auto``)."""
+
+    def __init__(self, work: Work, ahead: int, gate: HintGate | None = None,
+                 estimate: RoundsEstimate | None = None) -> None:
         super().__init__(work)
         self.ahead = ahead
         self.gate = gate or HintGate()  # closed while hints keep arriving too late
+        self.estimate = estimate
+        self.prefill = False  # the next step also runs over the context it was asked from
         self.draft: list[int] = []  # drafted tokens after the history
         self.sent = 0  # how many of them the server has been sent
         self.draft_step, self.server_step = Ema(0.0), Ema(0.0)  # one draft token; a lone step
@@ -286,10 +293,14 @@ class StreamDrafting(CloudOnly):
 
     def restarted(self) -> None:
         self.sent = 0  # a new connection's generation has no hints yet
+        self.prefill = True
 
     def received(self, reply: Reply) -> Piece:
         piece = super().received(reply)
         assert isinstance(reply, m.Tokens)
+        if self.estimate is not None and not self.prefill:
+            self.estimate.step(reply.drafted, reply.accepted, reply.compute_s)
+        self.prefill = False
         self.gate.step(len(reply.token_ids), verified=reply.drafted > 0, hinted=self.sent > 0)
         ids = list(reply.token_ids)
         if self.draft[:len(ids)] == ids:  # the target agreed with the draft so far
@@ -323,6 +334,8 @@ class StreamDrafting(CloudOnly):
         tokens, alternatives = self.drafted([*out.history, *self.draft], max(1, min(chunk, want)))
         seconds = time.perf_counter() - t0
         self.draft_step.update(seconds / max(1, len(tokens)))
+        if self.estimate is not None:
+            self.estimate.drafted(len(tokens), seconds)
         work.stats.draft_s += seconds
         work.stats.draft_steps += len(tokens)
         work.stats.tree_siblings += len(alternatives)
@@ -360,28 +373,28 @@ class Adaptive:
     so the output's distribution does not depend on the choice (for a seed, the tokens may,
     as with ``k`` auto in exact mode). A generation under way switches between the kinds
     of rounds, and to streaming, at once; streaming goes on to the end of its generation
-    (the server's generation cannot be taken back mid-way)."""
+    (the server's generation cannot be taken back mid-way). Streaming feeds ``estimate``,
+    what rounds would bring, with which the client spares the chooser probes of rounds
+    that cannot win (:meth:`~spececd.edge.client.EdgeClient.bound_rounds`)."""
 
     def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser,
-                 rounds_chooser: StrategyChooser, gate: HintGate, arm: Arm, k_max: int,
-                 adaptive: bool) -> None:
+                 rounds_chooser: StrategyChooser, gate: HintGate, estimate: RoundsEstimate,
+                 arm: Arm, k_max: int, adaptive: bool) -> None:
         self.stream_work, self.chooser, self.gate = stream, chooser, gate
+        self.estimate = estimate
         self.rounds_chooser = rounds_chooser
         self.arm, self.k_max = arm, k_max
         self.rounds: dict[Arm, Rounds] = {Arm.AHEAD: BlockAhead(rounds, k_max, adaptive),
                                           Arm.PLAIN: Rounds(rounds, k_max, adaptive)}
         self.kind = rounds_chooser.start()  # the kind of rounds
         self.current: Strategy = (self.rounds[self.kind] if arm is Arm.ROUNDS
-                                  else StreamDrafting(stream, k_max, gate))
+                                  else StreamDrafting(stream, k_max, gate, estimate))
         # The first exchange of an arm carries one-off costs (the prompt's prefill, a new
         # hello, the request of a stream) that would make whichever arm starts a
         # generation look slower: it is not measured. Nor is the first round of a kind of
         # rounds switched to (block-ahead has no block drafted ahead yet, and with k auto
         # the kind's own draft-length policy starts cold).
         self.warm = self.kind_warm = False
-        # A round brings k_max + 1 tokens at most per round trip (measured at the hello).
-        rtt = rounds.link.rtt.value
-        chooser.cap(Arm.ROUNDS, (k_max + 1) / rtt if rtt > 0 else math.inf)
 
     @property
     def streams(self) -> bool:
@@ -409,7 +422,8 @@ class Adaptive:
         self.kind_warm = True
         if arm is Arm.STREAM:
             self.arm, self.warm = arm, False
-            self.current = StreamDrafting(self.stream_work, self.k_max, self.gate)
+            self.current = StreamDrafting(self.stream_work, self.k_max, self.gate,
+                                          self.estimate)
         elif kind is not self.kind:  # the same session: no hello, no prefill
             self.kind, self.current, self.kind_warm = kind, self.rounds[kind], False
         return pieces
