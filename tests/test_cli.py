@@ -3,6 +3,7 @@ exit status 2 for every bad input."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -63,6 +64,14 @@ def test_generate_streams_text_and_a_summary(capsys: pytest.CaptureFixture[str],
                          "--seed", "1", "--color", "never")
     assert code == 0 and "\033[" not in out
     assert "tokens/s" in err and "acceptance" in err and "mean accepted length" in err
+    assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
+
+
+def test_chat_names_its_draft_first(capsys: pytest.CaptureFixture[str], pair: list[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f():\n\n"))
+    code, out, err = run(capsys, "chat", *pair, "--max-tokens", "4", "--color", "never")
+    assert code == 0 and out.startswith("assistant> ")
     assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
 
 
