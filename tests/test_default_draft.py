@@ -43,6 +43,18 @@ def test_the_default_draft_is_its_fastest_form_whose_runtime_is_installed(
     monkeypatch.setenv("SPECECD_MODELS", str(models_folder(tmp_path, forms)))
     monkeypatch.setattr(options, "installed", lambda name: name in installed)
     assert choose_draft(None) == Draft(str(tmp_path / chosen), backend, faster)
+    assert choose_draft(None, "cpu") == choose_draft(None)
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps", "npu"])
+def test_on_another_device_than_the_cpu_the_default_draft_is_transformers(
+        device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the faster forms are CPU builds: draft-onnx would ask a CPU-only ONNX Runtime for
+    # CUDA and fail to load
+    monkeypatch.setenv("SPECECD_MODELS", str(models_folder(tmp_path, {"draft-onnx",
+                                                                      "draft.gguf"})))
+    monkeypatch.setattr(options, "installed", lambda name: True)
+    assert choose_draft(None, device) == Draft(str(tmp_path / "draft"), "hf")
 
 
 def test_what_the_first_line_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model)
+    draft = choose_draft(cfg.draft_model, cfg.device)
     print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
     with load_generator(cfg, draft) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)

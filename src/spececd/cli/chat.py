@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model)
+    draft = choose_draft(cfg.draft_model, cfg.device)
     print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
     with load_generator(cfg, draft) as gen:
         colour = use_colour(args.color, sys.stdout)

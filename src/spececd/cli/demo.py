@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model)
+    draft = choose_draft(cfg.draft_model, cfg.device)
     print(f"SpecECD demo: draft {draft}", flush=True)  # before the models load
     with load_generator(cfg, draft) as gen:
         colour = use_colour(args.color, sys.stdout)

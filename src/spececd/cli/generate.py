@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--n must be >= 1, got {args.n}")
     prompt = parse_prompt(args)
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model)
+    draft = choose_draft(cfg.draft_model, cfg.device)
     print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
     with load_generator(cfg, draft) as gen:
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)

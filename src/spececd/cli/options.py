@@ -1,5 +1,6 @@
 """Arguments the edge commands share, and what they become: an :class:`EdgeConfig` (flags
-over the environment over ``config.toml``), then a loaded Generator.
+over the environment over ``config.toml``), the draft to run (:func:`choose_draft`: the
+user's, or the default draft in its fastest form installed here), then a loaded Generator.
 
 Flags default to None ("not given") so that the file and the environment show through;
 the defaults the help texts name live in :class:`~spececd.core.sampling.SamplingParams`
@@ -74,16 +75,17 @@ class Draft:
         return f"{path} ({RUNTIME_NAMES[self.backend]}{hint})"
 
 
-def choose_draft(model: str | None) -> Draft:
+def choose_draft(model: str | None, device: str = "auto") -> Draft:
     """``model`` when the user gave one (flag, environment or config file), else the
     default draft in the first of :data:`FASTER_DRAFTS` that is in :func:`models_dir` with
     its runtime installed, else its transformers folder (whose loading says what to
-    install when torch is missing). Any form gives the target's output: the draft only
-    proposes."""
+    install when torch is missing). The faster forms are builds for the CPU: on another
+    ``device`` than ``auto`` or ``cpu`` the transformers folder runs, on that device. Any
+    form gives the target's output: the draft only proposes."""
     if model:
         return Draft(model, model_format(model))
     faster = ""
-    for name, backend in FASTER_DRAFTS:
+    for name, backend in FASTER_DRAFTS if device in ("auto", "cpu") else ():
         path = models_dir() / name
         if path.exists() and model_format(str(path)) == backend:
             if installed(backend):
@@ -105,8 +107,9 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         g.add_argument("--draft-model", help="draft model: local folder, hub id or .gguf file "
                        "(default: the project's trained draft in its fastest form this "
-                       "machine runs: models/draft-onnx on ONNX Runtime GenAI, "
-                       "models/draft.gguf on llama.cpp, else models/draft on transformers)")
+                       "machine runs: on device auto or cpu, models/draft-onnx on ONNX "
+                       "Runtime GenAI, models/draft.gguf on llama.cpp, else models/draft on "
+                       "transformers)")
     g.add_argument("--target-model", help="target model: local folder or hub id "
                    "(default: the project's trained target)")
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps or npu (the NPU of an "
