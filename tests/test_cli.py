@@ -3,6 +3,7 @@ exit status 2 for every bad input."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -63,6 +64,15 @@ def test_generate_streams_text_and_a_summary(capsys: pytest.CaptureFixture[str],
                          "--seed", "1", "--color", "never")
     assert code == 0 and "\033[" not in out
     assert "tokens/s" in err and "acceptance" in err and "mean accepted length" in err
+    assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
+
+
+def test_chat_names_its_draft_first(capsys: pytest.CaptureFixture[str], pair: list[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f():\n\n"))
+    code, out, err = run(capsys, "chat", *pair, "--max-tokens", "4", "--color", "never")
+    assert code == 0 and out.startswith("assistant> ")
+    assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
 
 
 def test_threshold_mode_is_labelled_lossy(capsys: pytest.CaptureFixture[str],
@@ -117,6 +127,8 @@ def test_bad_input_is_one_line_and_exit_2(case: str, bad_cases: dict[str, list[s
     code, out, err = run(capsys, "generate", *bad_cases[case])
     assert code == 2, err
     lines = err.strip().splitlines()
+    if lines[0].startswith("spececd: draft "):  # said before the models load
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("spececd: error: "), err
     assert "Traceback" not in err and out == ""
 
@@ -136,6 +148,8 @@ def test_demo_runs_on_a_models_folder(capsys: pytest.CaptureFixture[str], tmp_pa
     code, out, _ = run(capsys, "demo", "--device", "cpu", "--max-tokens", "10",
                        "--color", "always")
     assert code == 0
+    # the default draft in the form this folder has: transformers' alone
+    assert out.splitlines()[0] == f"SpecECD demo: draft {tmp_path / 'draft'} (transformers)"
     assert out.count("tokens/s") == 3  # one summary per prompt and one overall
     assert "\033[32m" in out or "\033[1;33m" in out
 

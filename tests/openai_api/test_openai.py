@@ -17,6 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
+from spececd.cli.options import choose_draft  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402
@@ -336,6 +337,10 @@ def test_32_concurrent_streams_equal_their_one_by_one_outputs(client: Any,
 
 def test_the_playground_page_is_served(api: ServerProcess) -> None:
     import urllib.request
+
+    # `spececd api` names its draft first, and the runtime it runs in
+    assert api.log[0] == f"spececd: draft {choose_draft(str(MODELS / 'draft'))}\n"
+    assert api.log[0].endswith("draft (transformers)\n")
 
     with urllib.request.urlopen(f"{api.url}/", timeout=10) as response:
         page = response.read().decode()

@@ -30,6 +30,7 @@ This module is the only one that imports llama_cpp.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -73,8 +74,22 @@ class LlamaCppTokenizer:
                                        special=True))
 
     def decode(self, ids: Sequence[int]) -> str:
-        data: bytes = self._llm.detokenize(list(ids), special=True)
-        return data.decode("utf-8", errors="replace")
+        return b"".join(self._piece(int(t)) for t in ids).decode("utf-8", errors="replace")
+
+    def _piece(self, token: int) -> bytes:
+        """A token's bytes. llama-cpp-python's ``detokenize`` reads each piece into 32
+        bytes and drops longer ones (runs of indentation in a code tokenizer), so this asks
+        llama.cpp again with the size it says it needs."""
+        import llama_cpp
+
+        size = 32
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._llm._model.vocab, token, buffer, size, 0,
+                                               True)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
 
     def files(self) -> dict[str, bytes]:
         return {}  # a GGUF's tokenizer has no transformers files to rebuild it from

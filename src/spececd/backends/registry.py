@@ -24,6 +24,14 @@ from spececd.errors import InputError
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "llama.cpp", "onnx", "openvino")
+# What each backend imports (the tokenizer of ONNX and OpenVINO folders is transformers'),
+# what people call it, and the extra of spececd that installs it.
+REQUIRES = {"hf": ("torch", "transformers"), "llama.cpp": ("llama_cpp",),
+            "onnx": ("onnxruntime_genai", "transformers"),
+            "openvino": ("openvino", "transformers")}
+RUNTIME_NAMES = {"hf": "transformers", "llama.cpp": "llama.cpp",
+                 "onnx": "ONNX Runtime GenAI", "openvino": "OpenVINO"}
+EXTRAS = {"hf": "hf", "llama.cpp": "llama", "onnx": "onnx", "openvino": "openvino"}
 CONVERT_HINT = ("`spececd convert --to openvino` makes an OpenVINO folder for an Intel NPU; "
                 "a Snapdragon NPU runs an ONNX folder through ONNX Runtime's QNN provider")
 
@@ -40,6 +48,11 @@ def model_format(model: str) -> str:
     if openvino.is_model_folder(path):
         return "openvino"
     return "hf"
+
+
+def installed(backend: str) -> bool:
+    """Whether ``backend``'s runtime can be imported here (without importing it)."""
+    return all(importlib.util.find_spec(name) is not None for name in REQUIRES[backend])
 
 
 def is_npu(device: dict[str, str]) -> bool:
@@ -97,7 +110,7 @@ def load_backend(model: str, device: str = "auto", dtype: str = "auto",
 
         return OpenVinoBackend(model, device="cpu" if device == "auto" else device,
                                threads=threads)
-    if not all(importlib.util.find_spec(name) for name in ("torch", "transformers")):
+    if not installed("hf"):
         raise InputError("the Hugging Face backend needs torch and transformers: "
                          "pip install torch==2.13.0 'spececd[hf]'")
     from spececd.backends.hf import HFBackend

@@ -7,7 +7,13 @@ import io
 import sys
 from typing import Any
 
-from spececd.cli.options import add_edge_options, edge_config, load_generator, sampling_kwargs
+from spececd.cli.options import (
+    add_edge_options,
+    choose_draft,
+    edge_config,
+    load_generator,
+    sampling_kwargs,
+)
 from spececd.cli.output import Tee, stream_completion, strip_ansi, summary_line, use_colour
 
 
@@ -21,7 +27,9 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    with load_generator(cfg) as gen:
+    draft = choose_draft(cfg.draft_model, cfg.device)
+    print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
+    with load_generator(cfg, draft) as gen:
         colour = use_colour(args.color, sys.stdout)
         messages = [{"role": "system", "content": args.system}] if args.system else []
         interactive = sys.stdin.isatty()

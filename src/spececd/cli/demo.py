@@ -8,6 +8,7 @@ from typing import Any
 
 from spececd.cli.options import (
     add_edge_options,
+    choose_draft,
     demo_prompts,
     edge_config,
     load_generator,
@@ -30,12 +31,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    with load_generator(cfg) as gen:
+    draft = choose_draft(cfg.draft_model, cfg.device)
+    print(f"SpecECD demo: draft {draft}", flush=True)  # before the models load
+    with load_generator(cfg, draft) as gen:
         colour = use_colour(args.color, sys.stdout)
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         target = gen.target_backend.description if gen.target_backend else cfg.server
-        print(f"SpecECD demo: draft {gen.draft_backend.description}\n"
-              f"              target {target}\n"
+        print(f"              target {target}\n"
               f"mode {gen.options.mode.value}, k={gen.options.k or 'auto'}, "
               f"temperature {cfg.temperature}, repetition penalty "
               f"{cfg.repetition_penalty:g}"

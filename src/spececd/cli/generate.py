@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spececd.cli.options import add_edge_options, edge_config, load_generator, sampling_kwargs
+from spececd.cli.options import (
+    add_edge_options,
+    choose_draft,
+    edge_config,
+    load_generator,
+    sampling_kwargs,
+)
 from spececd.cli.output import stream_completion, summary_line, use_colour
 from spececd.core.stats import GenerationStats
 from spececd.errors import InputError
@@ -48,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--n must be >= 1, got {args.n}")
     prompt = parse_prompt(args)
     cfg = edge_config(args)
-    with load_generator(cfg) as gen:
+    draft = choose_draft(cfg.draft_model, cfg.device)
+    print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
+    with load_generator(cfg, draft) as gen:
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         if args.json:
             completions = gen.generate_n(prompt, args.n, **kwargs)

@@ -1,5 +1,6 @@
 """Arguments the edge commands share, and what they become: an :class:`EdgeConfig` (flags
-over the environment over ``config.toml``), then a loaded Generator.
+over the environment over ``config.toml``), the draft to run (:func:`choose_draft`: the
+user's, or the default draft in its fastest form installed here), then a loaded Generator.
 
 Flags default to None ("not given") so that the file and the environment show through;
 the defaults the help texts name live in :class:`~spececd.core.sampling.SamplingParams`
@@ -13,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spececd import config
+from spececd.backends.registry import EXTRAS, RUNTIME_NAMES, installed, model_format
 from spececd.config import EdgeConfig, parse_logit_bias
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.options import EdgeOptions, Fallback, Proactive
@@ -29,8 +32,8 @@ OPTIONS = EdgeOptions()  # for the help texts' defaults
 CONFIG = EdgeConfig()
 SAMPLING = SamplingParams()
 
-__all__ = ["add_edge_options", "edge_config", "load_generator", "parse_logit_bias",
-           "sampling_kwargs"]
+__all__ = ["Draft", "add_edge_options", "choose_draft", "edge_config", "load_generator",
+           "parse_logit_bias", "sampling_kwargs"]
 
 
 def models_dir() -> Path:
@@ -47,6 +50,50 @@ def default_model(kind: str) -> str:
     return str(path)
 
 
+# The default draft's faster forms, fastest first (scripts/draft-runtimes.py,
+# models/README.md): the name beside the default draft's folder, and its backend.
+FASTER_DRAFTS = (("draft-onnx", "onnx"), ("draft.gguf", "llama.cpp"))
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The draft model an edge command runs: the one the user named, or the default draft
+    in the fastest form this machine can run (:func:`choose_draft`). ``faster``: for the
+    default only, the backend of a faster form that is there but not installed ('')."""
+
+    model: str
+    backend: str
+    faster: str = ""
+
+    def __str__(self) -> str:
+        """What the commands' first line says: ``models/draft-onnx (ONNX Runtime GenAI)``."""
+        path = Path(self.model)
+        if path.is_absolute() and path.is_relative_to(Path.cwd()):
+            path = path.relative_to(Path.cwd())
+        hint = (f"; pip install 'spececd[{EXTRAS[self.faster]}]' to draft with its faster "
+                f"{RUNTIME_NAMES[self.faster]} form" if self.faster else "")
+        return f"{path} ({RUNTIME_NAMES[self.backend]}{hint})"
+
+
+def choose_draft(model: str | None, device: str = "auto") -> Draft:
+    """``model`` when the user gave one (flag, environment or config file), else the
+    default draft in the first of :data:`FASTER_DRAFTS` that is in :func:`models_dir` with
+    its runtime installed, else its transformers folder (whose loading says what to
+    install when torch is missing). The faster forms are builds for the CPU: on another
+    ``device`` than ``auto`` or ``cpu`` the transformers folder runs, on that device. Any
+    form gives the target's output: the draft only proposes."""
+    if model:
+        return Draft(model, model_format(model))
+    faster = ""
+    for name, backend in FASTER_DRAFTS if device in ("auto", "cpu") else ():
+        path = models_dir() / name
+        if path.exists() and model_format(str(path)) == backend:
+            if installed(backend):
+                return Draft(str(path), backend, faster)
+            faster = faster or backend
+    return Draft(default_model("draft"), "hf", faster)
+
+
 def demo_prompts() -> list[str]:
     path = models_dir() / "heldout_prompts.json"
     if not path.is_file():
@@ -59,7 +106,10 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g = p.add_argument_group("models")
     if draft:
         g.add_argument("--draft-model", help="draft model: local folder, hub id or .gguf file "
-                       "(default: the project's trained draft)")
+                       "(default: the project's trained draft in its fastest form this "
+                       "machine runs: on device auto or cpu, models/draft-onnx on ONNX "
+                       "Runtime GenAI, models/draft.gguf on llama.cpp, else models/draft on "
+                       "transformers)")
     g.add_argument("--target-model", help="target model: local folder or hub id "
                    "(default: the project's trained target)")
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N, mps or npu (the NPU of an "
@@ -179,19 +229,20 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
                        defaults=getattr(args, "edge_defaults", None))
 
 
-def load_generator(cfg: EdgeConfig) -> Generator:
+def load_generator(cfg: EdgeConfig, draft: Draft) -> Generator:
+    """A generator drafting with ``draft`` (:func:`choose_draft` of ``cfg.draft_model``,
+    which the command has already named on its first line)."""
     from spececd.generator import Generator
 
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                   npu=cfg.npu, options=cfg.options)
-    draft = cfg.draft_model or default_model("draft")
     if cfg.server:
-        return Generator.load(draft, server=cfg.server,
+        return Generator.load(draft.model, server=cfg.server,
                               auth_token=config.auth_token(cfg.auth_token_file),
                               tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify,
                               target_tokenizer=cfg.target_tokenizer or None,
                               round_timeout=cfg.round_timeout, **common)
-    return Generator.load(draft, cfg.target_model or default_model("target"), **common)
+    return Generator.load(draft.model, cfg.target_model or default_model("target"), **common)
 
 
 def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None
