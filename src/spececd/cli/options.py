@@ -118,7 +118,8 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    "(default: auto)")
     g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
                    "(default: auto = float32 on cpu, bfloat16 on GPUs)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: the runtime's choice)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: the runtime's choice; "
+                   "in one process with the target, a draft on another runtime runs on one)")
     g.add_argument("--config", type=Path, help="config.toml to read settings from; flags and "
                    "SPECECD_* environment variables override it")
 
