@@ -4,6 +4,8 @@ workers than cores slow every forward pass (see ``backends.base.ModelThread``)."
 
 from __future__ import annotations
 
+import os
+import select
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,3 +51,24 @@ def test_every_transformers_model_runs_on_the_torch_thread(target: Any, draft: A
     assert len(ran) == 4 and set(ran) == {torch_thread().call(threading.get_ident)}
     np.testing.assert_allclose(from_another, alone, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(batched[0], alone[-2:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_a_forked_child_gets_its_own_model_thread() -> None:
+    """A forked child has none of its parent's threads: the model thread starts again there
+    instead of leaving its calls waiting for ever."""
+    thread = ModelThread("test-fork")
+    parent = thread.call(os.getpid)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, and leave without cleanup
+        try:
+            os.write(write, str(thread.call(os.getpid)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 30)
+    assert ready, "the child's call never ran"
+    child = int(os.read(read, 64).decode())
+    os.waitpid(pid, 0)
+    assert child == pid != parent and thread.call(os.getpid) == parent

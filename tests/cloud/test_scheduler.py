@@ -147,3 +147,30 @@ def test_a_cancelled_job_is_skipped(executor: ThreadPoolExecutor) -> None:
     # The pass held the other two only: the cancelled session's cache was never touched.
     assert backend.batches == [[work[0][0], work[2][0]]]
     assert work[1][0].tokens == []
+
+
+def test_where_a_pass_went_adds_up_for_chains_and_trees(executor: ThreadPoolExecutor) -> None:
+    """The pass metrics: each pass's forward within its work on the model's thread, the
+    work within the whole pass, one queue wait per job; a tree with a new context (whose
+    prefill is a forward too) included."""
+    backend, metrics = Recording(), Metrics()
+    scheduler = BatchScheduler(backend, executor, metrics)
+    tree = VerifyRequest(seq=1, context=tuple(PROMPTS[1]), tokens=(1, 2, 3), draft_probs=None,
+                         mode=Mode.GREEDY, params=SamplingParams(temperature=0.0, seed=0),
+                         parents=(-1, -1, 0))
+    work = [(sequence, req) for sequence, req, _ in jobs(backend)]
+    results = run(scheduler, [*work, (backend.new_sequence(), tree)])
+    assert all(isinstance(result, Pass) for result in results)
+
+    def total(name: str) -> float:
+        value = metrics.registry.get_sample_value(name)
+        assert value is not None, name
+        return value
+
+    passes = total("spececd_pass_seconds_count")
+    assert passes == total("spececd_pass_work_seconds_count") == \
+        total("spececd_pass_forward_seconds_count") >= 1
+    assert total("spececd_pass_queue_seconds_count") == len(work) + 1
+    forward, work_s = (total("spececd_pass_forward_seconds_sum"),
+                       total("spececd_pass_work_seconds_sum"))
+    assert 0 < forward <= work_s <= total("spececd_pass_seconds_sum")

@@ -39,6 +39,7 @@ Heavy imports (torch, llama_cpp, ...) live in each backend's own module.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -100,11 +101,24 @@ class ModelThread:
     """
 
     def __init__(self, name: str) -> None:
-        self.executor: Executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._ident = self.executor.submit(threading.get_ident).result()
+        self.name = name
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        self._ident = self._executor.submit(threading.get_ident).result()
+
+    @property
+    def executor(self) -> Executor:
+        """The thread, as an executor. A forked child has none of its parent's threads: its
+        first use there starts the thread again."""
+        if self._pid != os.getpid():
+            self._start()
+        return self._executor
 
     def here(self) -> bool:
-        return threading.get_ident() == self._ident
+        return threading.get_ident() == self._ident and self._pid == os.getpid()
 
     def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``fn(*args, **kwargs)`` on this thread; the caller waits for its result."""
@@ -124,7 +138,7 @@ class Backend(Protocol):
     # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
     tokenizer: Tokenizer
     tree_attention: bool = False  # extend takes trees (see the module docstring)
-    # The thread every call of this backend runs on (its calls move there themselves), so
+    # The thread this backend's model work runs on (its calls move there themselves), so
     # that a runner can run its passes there without a second hop; None: the caller's.
     thread: ModelThread | None = None
 

@@ -119,9 +119,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def _load(source: str, dtype: torch.dtype, device: torch.device,
           threads: int) -> tuple[Any, Any]:
     """The model, on ``device`` in inference mode, and its transformers tokenizer. Runs on
-    the torch thread. With OpenMP, the count of threads a parallel region uses is the
-    calling thread's own: torch.get_num_threads() reports what was set on any thread, but a
-    thread it was not set on uses every core. So it is set here, on the thread that runs."""
+    the torch thread. With OpenMP the thread count is the calling thread's own: measured
+    here, after torch.set_num_threads(1) on the main thread, a matmul on another thread ran
+    on both cores while torch.get_num_threads() there said 1. So it is set here, on the
+    thread that runs the models."""
     torch.set_num_threads(threads or torch.get_num_threads())
     model = cast(Any, AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
     return model.to(device).eval(), AutoTokenizer.from_pretrained(source)
@@ -219,7 +220,8 @@ class HFBackend(Backend):
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  threads: int = 0) -> None:
-        """``threads``: torch's CPU threads for the whole process (0: torch's choice)."""
+        """``threads``: torch's CPU threads for the whole process (0: as already set in this
+        process, at first torch's choice)."""
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bars on load
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)

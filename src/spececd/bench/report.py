@@ -197,7 +197,8 @@ def _bare(passes: list[list[dict[str, Any]]]) -> list[float]:
     """The bare forward's seconds for 1, 2, ... new positions: medians over prompts and
     passes."""
     runs = [r["bare_s"] for p in passes for r in p if r.get("bare_s")]
-    return [statistics.median(run[i] for run in runs) for i in range(min(map(len, runs)))]
+    return [statistics.median(run[i] for run in runs)
+            for i in range(min(map(len, runs), default=0))]
 
 
 def _interpolate(seconds: list[float], positions: float) -> float:
@@ -231,7 +232,9 @@ def _budget(c: dict[str, Any], s: dict[str, Any]) -> dict[str, float]:
               "handoff": per_pass("spececd_pass_seconds") - work,
               "forward": forward, "processing": work - forward}
     passes = s.get("target_passes", 0)
-    if passes and c.get("proactive") not in ("stream", "auto"):
+    # The edge's split, for rounds only: streaming overlaps drafting with the server's
+    # steps, and a cloud-only edge's wait is all network and server.
+    if passes and c["kind"] == "spececd" and c.get("proactive") not in ("stream", "auto"):
         wall, draft, net = (1e6 * s.get(key, 0.0) / passes
                             for key in ("wall_s", "draft_s", "network_s"))
         verify = 1e6 * s.get("verify_s", 0.0) / passes

@@ -230,17 +230,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                     direct[(t, transport)] = f"{schemes[transport]}://{cfg.host}:{port}"
                     urls[key] = f"{schemes[transport]}://{cfg.host}:{port_here}"
         plan: list[dict[str, Any]] = []
-        # The target's bare forward over as many positions as a pass can verify (a chain of
-        # the longest k and its bonus position; trees up to twice that), for the tax.
-        longest = max((k for k in cfg.ks if isinstance(k, int)), default=8) + 1
-        positions = longest * (2 if max(cfg.trees) > 1 else 1)
+        # The target's bare forward over as many positions as a pass can verify (the longest
+        # draft, auto's longest for k=auto, times the tree width, and the bonus position),
+        # for the tax; on the built-in engine, whose backend the bare worker loads.
+        longest = max(k if isinstance(k, int) else EdgeOptions().k_max for k in cfg.ks)
+        positions = longest * max(cfg.trees) + 1
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
-            workers[f"bare{t}"] = Worker({**common, "kind": "bare", "target": target,
-                                          "device": cfg.device, "positions": positions,
-                                          "repeat": 5})
-            plan.append({"kind": "bare", "worker": f"bare{t}", "tag": tag,
-                         "target": label(target)})
+            if cfg.engine == "builtin":
+                workers[f"bare{t}"] = Worker({**common, "kind": "bare", "target": target,
+                                              "device": cfg.device, "positions": positions,
+                                              "repeat": 5})
+                plan.append({"kind": "bare", "worker": f"bare{t}", "tag": tag,
+                             "target": label(target)})
             if cfg.baselines and model_format(target) == "hf":
                 workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
                 plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
@@ -312,7 +314,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                         after = metrics(entry["metrics"])
                         results[name(entry)]["server"].append(
                             {key: after[key] - before.get(key, 0.0) for key in after
-                             if key.startswith("spececd_pass")})
+                             if key.startswith("spececd_pass")
+                             and key.endswith(("_sum", "_count"))})
                 bar.update(1)
                 bar.set_postfix_str(name(entry))
         bar.close()

@@ -41,13 +41,14 @@ class VerificationError(RunnerError):
 
 @dataclass(frozen=True)
 class Verified:
-    """One batch's results, in order, and where its time went: the target's forward pass,
-    and the rest (feeding new context, logits processing, verification, sampling and the
-    caches' rollback)."""
+    """One batch's results, in order, and where its time went: ``work_s`` the whole batch,
+    of which ``forward_s`` the target's forward passes (a tree's new context included);
+    the rest is syncing the caches, logits processing, verification, sampling and the
+    caches' rollback."""
 
     results: list[VerifyResult]
     forward_s: float
-    seconds: float
+    work_s: float
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
@@ -55,21 +56,24 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     """Verify each request's tokens (a chain or a tree) after its context on its own cached
     sequence, all in one target forward pass (``Backend.extend_batch``). A tree's cache
     then keeps the accepted path only (``CachedSequence.select``)."""
-    start = time.perf_counter()
+    began = time.perf_counter()
+    forward = 0.0
     items = []
     for sequence, request in work:
         feed = sync(sequence, request.context)
         parents = None
         if request.parents is not None:
             if len(feed) > 1:  # a new context (a prompt, a resume): in first, as a chain, so
-                sequence.extend(feed[:-1], keep=0)  # the tree's mask spans its nodes only
+                t = time.perf_counter()  # the tree's mask spans its nodes only
+                sequence.extend(feed[:-1], keep=0)
+                forward += time.perf_counter() - t
                 feed = feed[-1:]
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         items.append(Extend(sequence, [*feed, *request.tokens], len(request.tokens) + 1,
                             parents))
-    forward = time.perf_counter()
+    t = time.perf_counter()
     all_logits = backend.extend_batch(items)
-    forward = time.perf_counter() - forward
+    forward += time.perf_counter() - t
     results = []
     for (sequence, request), logits in zip(work, all_logits, strict=True):  # [n + 1, vocab]
         assert request.params.seed is not None
@@ -80,7 +84,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             start = len(request.context)
             sequence.select(start, [start + node for node in result.path])
         results.append(result)
-    return Verified(results, forward, time.perf_counter() - start)
+    return Verified(results, forward, time.perf_counter() - began)
 
 
 def _target(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
@@ -164,7 +168,7 @@ class BatchScheduler:
                 await self._pass([job])
             return
         seconds = time.perf_counter() - start
-        self.metrics.record_batch(len(batch), verified.forward_s, verified.seconds, seconds,
+        self.metrics.record_batch(len(batch), verified.forward_s, verified.work_s, seconds,
                                   [start - job.queued for job in batch])
         for job, result in zip(batch, verified.results, strict=True):
             if not job.future.done():

@@ -97,7 +97,7 @@ def tree_depth(parents: Sequence[int]) -> int:
 
 def verify(
     draft_tokens: Sequence[int],  # [n]
-    target_probs: np.ndarray,  # [n + 1, vocab]
+    target_probs: np.ndarray,  # [n + 1, vocab], or the target's tokens [n + 1]
     rng: np.random.Generator | Callable[[int], np.random.Generator],
     mode: Mode,
     draft_probs: Sequence[SparseProbs] | None = None,  # [n], required in exact mode
@@ -109,8 +109,6 @@ def verify(
     if target_probs.shape[0] != n + 1 or not (points or target_probs.ndim == 2):
         raise ValueError(f"target_probs must be [n + 1, vocab] = [{n + 1}, V], or the "
                          f"target's [n + 1] tokens, got {target_probs.shape}")
-    if points:  # point masses: every mode keeps the drafted tokens equal to the target's
-        mode = Mode.MATCH
     if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != n):
         raise ValueError("exact mode needs one draft distribution per drafted token")
     if mode is Mode.THRESHOLD and not 0.0 < threshold <= 1.0:

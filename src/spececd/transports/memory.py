@@ -4,7 +4,9 @@ the same frames, session state machines and engine loop as over a network.
 :class:`LocalServer` runs an :class:`~spececd.cloud.engine.CloudService` on its own event loop in
 a background thread; each :class:`MemoryTransport` is one link to it. So in-process
 generation batches concurrent sessions and stream-drafts exactly like a networked one:
-the engine reads hints while the target works, on its own thread.
+the engine reads hints while the target works. (Where draft and target are both
+transformers models they share the one thread torch runs on in a process,
+:func:`~spececd.backends.hf.torch_thread`, so a draft step and a verify pass take turns.)
 """
 
 from __future__ import annotations
