@@ -306,9 +306,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             order = plan if iteration % 2 == 0 else plan[::-1]
             for entry in order:
                 request = {**entry, "pass": iteration, "limit": 2 if iteration == 0 else None}
-                before = metrics(entry["metrics"]) if entry.get("metrics") else {}
+                measured = iteration > 0  # the first pass is the warm-up
+                before = metrics(entry["metrics"]) if measured and entry.get("metrics") else {}
                 passed = workers[entry["worker"]].run(request)
-                if iteration > 0:  # the first pass is the warm-up
+                if measured:
                     results[name(entry)]["passes"].append(passed)
                     if before:  # what the server counted during this pass
                         after = metrics(entry["metrics"])

@@ -205,10 +205,10 @@ class BareRunner:
         context = [ids[i % len(ids)] for i in range(len(ids) + self.job["max_tokens"] // 2)]
         sequence = self.backend.new_sequence()
         sequence.extend(context, keep=0)
-        counts = range(1, int(self.job.get("positions", 9)) + 1)
+        counts = range(1, int(self.job["positions"]) + 1)
         times: dict[int, list[float]] = {n: [] for n in counts}
         start = time.perf_counter()
-        for _ in range(int(self.job.get("repeat", 7))):
+        for _ in range(int(self.job["repeat"])):
             for n in counts:
                 t = time.perf_counter()
                 self.backend.extend_batch([Extend(sequence, context[:n], n)])

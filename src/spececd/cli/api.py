@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from spececd import config
-from spececd.cli.options import add_edge_options, choose_draft, edge_config, load_generator
+from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
 
 
@@ -42,9 +42,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model, cfg.device)
-    print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
-    with load_generator(cfg, draft) as gen:
+    with load_generator(cfg) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)
 
         def ready(port: int) -> None:

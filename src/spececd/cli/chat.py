@@ -9,7 +9,6 @@ from typing import Any
 
 from spececd.cli.options import (
     add_edge_options,
-    choose_draft,
     edge_config,
     load_generator,
     sampling_kwargs,
@@ -27,9 +26,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model, cfg.device)
-    print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
-    with load_generator(cfg, draft) as gen:
+    with load_generator(cfg) as gen:
         colour = use_colour(args.color, sys.stdout)
         messages = [{"role": "system", "content": args.system}] if args.system else []
         interactive = sys.stdin.isatty()

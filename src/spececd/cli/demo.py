@@ -8,7 +8,6 @@ from typing import Any
 
 from spececd.cli.options import (
     add_edge_options,
-    choose_draft,
     demo_prompts,
     edge_config,
     load_generator,
@@ -31,9 +30,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model, cfg.device)
-    print(f"SpecECD demo: draft {draft}", flush=True)  # before the models load
-    with load_generator(cfg, draft) as gen:
+    with load_generator(cfg, "SpecECD demo", sys.stdout) as gen:
         colour = use_colour(args.color, sys.stdout)
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         target = gen.target_backend.description if gen.target_backend else cfg.server

@@ -10,7 +10,6 @@ from typing import Any
 
 from spececd.cli.options import (
     add_edge_options,
-    choose_draft,
     edge_config,
     load_generator,
     sampling_kwargs,
@@ -54,9 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--n must be >= 1, got {args.n}")
     prompt = parse_prompt(args)
     cfg = edge_config(args)
-    draft = choose_draft(cfg.draft_model, cfg.device)
-    print(f"spececd: draft {draft}", file=sys.stderr, flush=True)
-    with load_generator(cfg, draft) as gen:
+    with load_generator(cfg) as gen:
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         if args.json:
             completions = gen.generate_n(prompt, args.n, **kwargs)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from spececd import config
 from spececd.backends.registry import EXTRAS, RUNTIME_NAMES, installed, model_format
@@ -230,11 +231,15 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
                        defaults=getattr(args, "edge_defaults", None))
 
 
-def load_generator(cfg: EdgeConfig, draft: Draft) -> Generator:
-    """A generator drafting with ``draft`` (:func:`choose_draft` of ``cfg.draft_model``,
-    which the command has already named on its first line)."""
+def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = None
+                   ) -> Generator:
+    """A generator drafting with :func:`choose_draft` of ``cfg.draft_model``, which the
+    command names first, before the models load: ``{name}: draft ...`` on ``out``
+    (standard error unless given)."""
     from spececd.generator import Generator
 
+    draft = choose_draft(cfg.draft_model, cfg.device)
+    print(f"{name}: draft {draft}", file=out or sys.stderr, flush=True)
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                   npu=cfg.npu, options=cfg.options)
     if cfg.server:
