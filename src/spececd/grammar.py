@@ -5,6 +5,8 @@ EBNF/GBNF and Lark grammars compiled to a token-level pushdown automaton with ro
 the rest of SpecECD sees :class:`Grammars` (a tokenizer's compiler and cache),
 :class:`CompiledConstraint` and :class:`ConstraintMatcher`, and numpy arrays.
 
+- JSON (``json_object``, ``json_schema``) is generated compact, as ``json.dumps`` writes
+  it: no free whitespace between tokens, which small models otherwise fill.
 - :meth:`Grammars.compile` turns a :class:`~spececd.core.sampling.Constraint` into a
   compiled grammar, cached by a hash of (kind, spec, strict) for this tokenizer, within a
   time limit. What cannot compile (an invalid schema, an unsupported keyword, a grammar
@@ -125,10 +127,10 @@ class Grammars:
     def _compile(self, constraint: Constraint) -> CompiledConstraint | InvalidConstraint:
         kind, spec = constraint.kind, constraint.spec
         try:
-            if kind == "json_object":
-                grammar = self._compiler.compile_builtin_json_grammar()
-            elif kind == "json_schema":
-                grammar = self._compiler.compile_json_schema(spec, strict_mode=constraint.strict)
+            if kind in ("json_object", "json_schema"):
+                grammar = self._compiler.compile_json_schema(
+                    spec if kind == "json_schema" else '{"type": "object"}',
+                    any_whitespace=False, strict_mode=constraint.strict and kind != "json_object")
             elif kind == "regex":
                 grammar = self._compiler.compile_regex(spec)
             elif kind == "choice":
