@@ -53,9 +53,10 @@ def xgrammar_of(constraint: Constraint, compiler: Any) -> Any:
 
 
 def hf_constrained_greedy(model_dir: Path, ids: list[int], constraint: Constraint,
-                          max_new_tokens: int) -> list[int]:
+                          max_new_tokens: int, compile: Any = None) -> list[int]:
     """The reference: transformers' greedy generation with xgrammar's logits processor,
-    stopping at the end-of-sequence token (kept, as SpecECD reports it)."""
+    stopping at the end-of-sequence token (kept, as SpecECD reports it); ``compile``:
+    how the constraint is compiled (default :func:`xgrammar_of`)."""
     from transformers import AutoTokenizer
 
     written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
@@ -63,7 +64,7 @@ def hf_constrained_greedy(model_dir: Path, ids: list[int], constraint: Constrain
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size,
                                               stop_token_ids=[tokenizer.eos_token_id])
-    grammar = xgrammar_of(constraint, xgr.GrammarCompiler(info))
+    grammar = (compile or xgrammar_of)(constraint, xgr.GrammarCompiler(info))
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
