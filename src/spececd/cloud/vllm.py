@@ -44,7 +44,7 @@ that says so: on this engine, constrained sessions stream (``--proactive stream`
 generate cloud-only. vLLM compiles JSON with its own options: any whitespace unless the
 engine's ``structured_outputs_config`` says ``disable_any_whitespace`` (the server sets it:
 compact JSON, ``","`` and ``":"`` with no space), and ``strict: false`` is not honoured
-(vLLM's xgrammar backend compiles every schema strictly).
+(the server picks vLLM's xgrammar backend, which compiles every schema strictly).
 
 vLLM draws its own random numbers. For a seed, output is reproducible on this engine, but
 it is not the built-in engine's output for that seed. Each request is seeded from the
@@ -369,7 +369,7 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         "enable_prefix_caching": True,
         # Compact JSON under a constraint, as the built-in engine writes it (roughly: see
         # the module docstring).
-        "structured_outputs_config": {"disable_any_whitespace": True},
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         "speculative_config": {"method": "custom_class", "model": PROPOSER,
                                "num_speculative_tokens": min(limits.max_draft, MAX_PROPOSED)},
         **extra})
