@@ -133,6 +133,7 @@ class Drafter:
         self.lock = lock or threading.Lock()
         self.forced = 0
         self._matcher: ConstraintMatcher | None = None
+        self._warned = False  # about a history the constraint refuses (said once)
 
     def _constraint(self, constraint: Constraint | None) -> ConstraintMatcher | None:
         if constraint is None:
@@ -140,6 +141,7 @@ class Drafter:
         if self._matcher is None or self._matcher.compiled.constraint != constraint:
             grammars = grammars_for(self.backend.tokenizer, self.backend.vocab_size)
             self._matcher = grammars.compile(constraint).matcher()
+            self._warned = False
         return self._matcher
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
@@ -172,7 +174,9 @@ class Drafter:
             try:
                 matcher.sync(history[params.prompt_len:])
             except InputError as exc:  # the verifier is the authority: draft unconstrained
-                log.warning("drafting without the constraint: %s", exc)
+                if not self._warned:
+                    log.warning("drafting without the constraint: %s", exc)
+                    self._warned = True
                 matcher = None
         for i in range(k):
             parent = chain[-1] if chain else -1
