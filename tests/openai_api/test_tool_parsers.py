@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from spececd.errors import InputError
 from spececd.openai_api.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -135,5 +136,5 @@ def test_llama3_json_text_after_a_call_is_content() -> None:
 
 
 def test_unknown_parser_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(InputError, match="hermes, llama3_json"):
         parser("mistral")

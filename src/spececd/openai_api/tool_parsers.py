@@ -29,6 +29,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from spececd.errors import InputError
+
 __all__ = ["PARSERS", "HermesParser", "Llama3JsonParser", "ToolCall", "ToolParser",
            "ToolStream", "parser"]
 
@@ -243,5 +245,5 @@ def parser(name: str) -> ToolParser:
     try:
         return PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}: choose one of "
+        raise InputError(f"unknown tool-call parser {name!r}: choose one of "
                          f"{', '.join(PARSERS)}") from None
