@@ -46,6 +46,7 @@ from spececd.edge.options import (
 )
 from spececd.edge.retokenize import CrossDrafter
 from spececd.errors import InputError
+from spececd.grammar import grammars_for
 from spececd.text import IncrementalDecoder, StopStrings
 from spececd.transports.base import Transport
 
@@ -273,7 +274,8 @@ class Generator:
         :class:`~spececd.core.sampling.SamplingParams`' field names (``max_tokens``,
         ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop_token_ids``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias``), each left out taking its default there; a fresh random ``seed``
+        ``logit_bias``, ``constraint``: a :class:`~spececd.core.sampling.Constraint`),
+        each left out taking its default there; a fresh random ``seed``
         and the tokenizer's end-of-sequence tokens as stop tokens when none are given.
         ``logit_bias``: token id -> a number added to its logit, in [-100, 100] (-100 in
         effect bans the token)."""
@@ -284,8 +286,11 @@ class Generator:
         """What a generation after a prompt of ``prompt_len`` tokens runs with: ``options``
         (default: :attr:`options`) as they run here and the sampling parameters
         ``sampling`` asks for (:meth:`params`); see :func:`spececd.edge.options.resolve`."""
-        return resolve(self._options if options is None else options, sampling, self.site,
-                       prompt_len)
+        run = resolve(self._options if options is None else options, sampling, self.site,
+                      prompt_len)
+        if run.params.constraint is not None:  # refused here, before anything is sent
+            grammars_for(self.tokenizer, self.vocab_size).compile(run.params.constraint)
+        return run
 
     def chat_ids(self, messages: Sequence[dict[str, Any]],
                  tools: Sequence[dict[str, Any]] | None = None) -> list[int]:

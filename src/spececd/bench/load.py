@@ -49,6 +49,8 @@ from spececd.protocol.messages import Fingerprint
 class ReplayDrafter:
     """Proposes the target's own greedy continuation, corrupted position by position."""
 
+    forced = 0  # no constraint forces anything here
+
     def __init__(self, prompt: Sequence[int], trace: Sequence[int], acceptance: float,
                  vocab: int, seed: int) -> None:
         self.prompt, self.trace = list(prompt), list(trace)

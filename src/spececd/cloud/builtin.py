@@ -12,6 +12,10 @@ recently used idle caches are freed to stay under it.
 
 A generation's step is a verification of the hint ahead of the context (an empty draft
 when there is none: one token of the target's own), built when the step starts.
+
+A session with a constraint has a :class:`~spececd.grammar.ConstraintMatcher` here, beside
+its cache, which every pass masks the target's logits with (see
+:mod:`spececd.cloud.scheduler`); like the cache it is rebuilt from the context if lost.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from spececd.backends.base import Backend, CachedSequence
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, Pass
 from spececd.cloud.scheduler import BatchScheduler
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.grammar import ConstraintMatcher, grammars_for
 from spececd.protocol.cloud_session import CloudSession, StepOut, VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,7 @@ class BuiltinRunner:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
         self.scheduler = BatchScheduler(backend, self.executor, metrics, max_batch)
         self._caches: dict[str, CachedSequence] = {}
+        self._matchers: dict[str, ConstraintMatcher] = {}
         self._busy: set[str] = set()  # sessions with a verification queued or running
         self._last_used: dict[str, float] = {}
         self.kv_evictions = 0
@@ -58,15 +64,27 @@ class BuiltinRunner:
         sequence = self._caches.get(key)
         if sequence is None:  # first use, or evicted: rebuilt from the context
             sequence = self._caches[key] = self.backend.new_sequence()
+        constraint = request.params.constraint
+        matcher = None if constraint is None else self._matcher(key, constraint)
         self._busy.add(key)
         try:
-            return await self.scheduler.verify(sequence, request)
+            return await self.scheduler.verify(sequence, request, matcher)
         except BaseException:
             self._caches.pop(key, None)  # a failed pass may have left it half-updated
+            self._matchers.pop(key, None)
             raise
         finally:
             self._busy.discard(key)
             self._last_used[key] = time.monotonic()
+
+    def _matcher(self, key: str, constraint: Constraint) -> ConstraintMatcher:
+        """``key``'s matcher for ``constraint`` (compiled when the hello was answered, so
+        from the cache), new when the session's constraint changed."""
+        matcher = self._matchers.get(key)
+        if matcher is None or matcher.compiled.constraint != constraint:
+            grammars = grammars_for(self.backend.tokenizer, self.backend.vocab_size)
+            matcher = self._matchers[key] = grammars.compile(constraint).matcher()
+        return matcher
 
     def generation(self, key: str, session: CloudSession) -> Generation:
         return _Steps(self, key, session)
@@ -93,6 +111,7 @@ class BuiltinRunner:
 
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
+        self._matchers.pop(key, None)
         self._last_used.pop(key, None)
 
     def kv_tokens(self, key: str | None = None) -> int:

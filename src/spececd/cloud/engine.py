@@ -38,7 +38,10 @@ from spececd.cloud.inbox import Inbox
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, ModelRunner, RunnerError, Target
 from spececd.core.policy import Ema
+from spececd.core.sampling import Constraint
 from spececd.core.verify import tree_depth
+from spececd.errors import InputError
+from spececd.grammar import grammars_for
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import (
     CloudSession,
@@ -93,7 +96,8 @@ class Link:
         # ``authorized``: the transport checked the token already, so the hello needs none.
         self.session = CloudSession(service.fingerprint, service.limits,
                                     "" if authorized else service.auth_token,
-                                    service.target.tree_attention, service.runner.unsupported)
+                                    service.target.tree_attention, service.runner.unsupported,
+                                    service.constraint_error)
         self.inbox = Inbox()
         self.refusal = refusal  # the error frame to send instead of serving
         self.drafted = 0  # drafted tokens verified for this session, and accepted
@@ -240,6 +244,7 @@ class CloudService:
                     await link.flush(send)
                     ending = Ending.DRAINED
                     return ending
+                await self._precompile(frame)
                 link.receive(frame)
                 await self._answer(link, send)
                 if link.closed:
@@ -247,6 +252,30 @@ class CloudService:
                     return ending
         finally:
             self.release(link, ending)
+
+    # -- constraints ---------------------------------------------------------------------
+    def constraint_error(self, constraint: Constraint) -> str:
+        """Why ``constraint`` cannot be compiled for the target's tokenizer ("" when it
+        can; then it is in the cache, for the runner)."""
+        try:
+            grammars_for(self.target.tokenizer, self.target.vocab_size).compile(constraint)
+        except InputError as exc:
+            return str(exc)
+        return ""
+
+    async def _precompile(self, frame: bytes) -> None:
+        """Compile a hello's constraint off the event loop (within the compile time limit),
+        so that the session's check of it finds it cached and other sessions go on."""
+        # A hello is a msgpack array of at most 15 fields whose first is its type.
+        if len(frame) < 2 or frame[0] & 0xF0 != 0x90 or frame[1] != m.Hello.TYPE:
+            return
+        try:
+            hello = m.decode(frame)
+        except ProtocolError:
+            return  # the session answers it
+        if isinstance(hello, m.Hello) and hello.constraint is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.constraint_error, hello.constraint)
 
     # -- running what a session asks -----------------------------------------------------
     async def _answer(self, link: Link, send: Send) -> None:

@@ -8,6 +8,12 @@ duration of the pass before it: a lone client never waits for a timer, and under
 batch grows by itself. Each session keeps its own KV cache; a batch pads them together for
 the pass and hands each its own back (``Backend.extend_batch``).
 
+A job with a constraint carries its session's
+:class:`~spececd.grammar.ConstraintMatcher`: before verification the target's logits at
+every row (drafted positions, the bonus, a tree's siblings) are masked to what the
+constraint allows there, so a drafted token it refuses has probability zero and is
+rejected, and the token the verifier adds is always allowed.
+
 Batching changes nothing but floating-point rounding: every session's tokens, RNG stream
 and acceptance decisions are its own. The scheduler knows nothing of sessions beyond the
 cache each job runs on.
@@ -30,6 +36,7 @@ from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Pass, RunnerError
 from spececd.core.sampling import VERIFIER_STREAM, greedy_tokens, process_logits, round_rng
 from spececd.core.verify import VerifyResult, tree_paths, verify
+from spececd.grammar import ConstraintMatcher, mask_logits
 from spececd.protocol.cloud_session import VerifyRequest
 
 log = logging.getLogger(__name__)
@@ -51,11 +58,12 @@ class Verified:
     work_s: float
 
 
-def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]]
-                      ) -> Verified:
+def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
+                      matchers: Sequence[ConstraintMatcher | None] = ()) -> Verified:
     """Verify each request's tokens (a chain or a tree) after its context on its own cached
     sequence, all in one target forward pass (``Backend.extend_batch``). A tree's cache
-    then keeps the accepted path only (``CachedSequence.select``)."""
+    then keeps the accepted path only (``CachedSequence.select``). ``matchers``: each
+    job's constraint matcher (None, or none given: unconstrained), moved to its context."""
     began = time.perf_counter()
     forward = 0.0
     items = []
@@ -75,8 +83,12 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     all_logits = backend.extend_batch(items)
     forward += time.perf_counter() - t
     results = []
-    for (sequence, request), logits in zip(work, all_logits, strict=True):  # [n + 1, vocab]
-        assert request.params.seed is not None
+    for i, ((sequence, request), logits) in enumerate(zip(work, all_logits, strict=True)):
+        assert request.params.seed is not None  # logits: [n + 1, vocab]
+        matcher = matchers[i] if i < len(matchers) else None
+        if matcher is not None:
+            matcher.sync(request.context[request.params.prompt_len:])
+            logits = mask_logits(logits, matcher.allowed(request.tokens, request.parents))
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
         result = verify(request.tokens, _target(logits, request), rngs, request.mode,
                         request.draft_probs, request.threshold, request.parents)
@@ -112,6 +124,7 @@ class _Job:
     request: VerifyRequest
     future: asyncio.Future[Pass]
     queued: float  # perf_counter when submitted
+    matcher: ConstraintMatcher | None = None
 
 
 class BatchScheduler:
@@ -125,15 +138,17 @@ class BatchScheduler:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def verify(self, sequence: CachedSequence, request: VerifyRequest) -> Pass:
-        """Run ``request`` on ``sequence`` in the next batch. Raises
-        :class:`VerificationError` when the pass fails for this job."""
+    async def verify(self, sequence: CachedSequence, request: VerifyRequest,
+                     matcher: ConstraintMatcher | None = None) -> Pass:
+        """Run ``request`` on ``sequence`` in the next batch (masked by ``matcher``, its
+        session's constraint). Raises :class:`VerificationError` when the pass fails for
+        this job."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._wake is None:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(self._wake))
         future: asyncio.Future[Pass] = loop.create_future()
-        self._queue.append(_Job(sequence, request, future, time.perf_counter()))
+        self._queue.append(_Job(sequence, request, future, time.perf_counter(), matcher))
         self._wake.set()
         return await future
 
@@ -155,7 +170,7 @@ class BatchScheduler:
         try:
             verified = await loop.run_in_executor(
                 self.executor, run_verifications, self.backend,
-                [(job.sequence, job.request) for job in batch])
+                [(job.sequence, job.request) for job in batch], [job.matcher for job in batch])
         except Exception as exc:
             if len(batch) == 1:
                 log.exception("verification failed")

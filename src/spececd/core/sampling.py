@@ -22,12 +22,17 @@ derives one from (seed, stream, position), so a round's randomness depends only 
 it is in the sequence, never on what happened before; a retried or resumed round draws
 the same numbers.
 
+A :class:`Constraint` (a JSON schema, a regex, a choice of strings, a grammar) restricts
+what may be generated; this module only names and checks it. Compiling it against a
+tokenizer and masking logits with it is :mod:`spececd.grammar`'s work.
+
 This module knows nothing about models, tokenizers or the network.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +64,84 @@ class Mode(str, enum.Enum):
         return self is Mode.THRESHOLD
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# The largest spec a constraint may carry (a schema, a grammar): bigger ones are refused
+# before anything compiles them.
+MAX_CONSTRAINT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, applied on both sides like the other sampling settings
+    (the verifier is the authority). ``kind`` and ``spec``:
+
+    - ``json_object``: any JSON object (``spec`` empty);
+    - ``json_schema``: ``spec`` the schema's JSON text; ``strict`` False lets objects carry
+      properties the schema does not name (OpenAI's ``strict: false``; xgrammar's
+      ``strict_mode``), True allows only the named ones;
+    - ``regex``: ``spec`` the regular expression the whole output matches;
+    - ``choice``: ``spec`` a JSON list of strings, the output being one of them;
+    - ``grammar``: ``spec`` an EBNF grammar (GBNF, as llama.cpp writes them) with a
+      ``root`` rule, or a Lark grammar (xgrammar takes both).
+
+    The end-of-sequence token is allowed only where the output is complete.
+    """
+
+    kind: str
+    spec: str = ""
+    strict: bool = True  # json_schema only
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InputError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise InputError(f"a {self.kind} constraint's spec must be a string")
+        if len(self.spec.encode()) > MAX_CONSTRAINT_BYTES:
+            raise InputError(f"the {self.kind} constraint is {len(self.spec.encode())} bytes, "
+                             f"over the limit of {MAX_CONSTRAINT_BYTES}")
+        if self.kind == "json_object":
+            if self.spec:
+                raise InputError("a json_object constraint takes no spec (use json_schema "
+                                 "for a schema)")
+            return
+        if not self.spec:
+            raise InputError(f"a {self.kind} constraint needs a spec (the "
+                             f"{_SPEC_NAMES[self.kind]})")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as exc:
+                raise InputError(f"invalid json_schema constraint: the schema is not JSON "
+                                 f"({exc})") from None
+            if not isinstance(schema, dict | bool):
+                raise InputError(f"invalid json_schema constraint: a schema is a JSON object, "
+                                 f"got {type(schema).__name__}")
+        elif self.kind == "choice":
+            self.choices()
+
+    def choices(self) -> list[str]:
+        """A ``choice`` constraint's strings (raises :class:`InputError` when its spec is
+        not a non-empty JSON list of strings)."""
+        try:
+            choices = json.loads(self.spec)
+        except ValueError:
+            choices = None
+        if not (isinstance(choices, list) and choices
+                and all(isinstance(c, str) for c in choices)):
+            raise InputError(f"invalid choice constraint: the spec must be a non-empty JSON "
+                             f"list of strings, got {self.spec[:80]!r}")
+        return choices
+
+    @classmethod
+    def of_choices(cls, choices: Sequence[str]) -> Constraint:
+        return cls("choice", json.dumps(list(choices)))
+
+
+_SPEC_NAMES = {"json_schema": "schema's JSON text", "regex": "regular expression",
+               "choice": "JSON list of strings", "grammar": "grammar's text"}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-session generation settings, applied identically by drafter and verifier.
@@ -79,6 +162,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     prompt_len: int = 0  # the context's first tokens that are the prompt (set by the edge)
+    constraint: Constraint | None = None  # what the output after the prompt must match
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -110,6 +194,9 @@ class SamplingParams:
                                  f"got {token}: {bias}")
         if self.prompt_len < 0:
             raise InputError(f"prompt_len must be >= 0, got {self.prompt_len}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InputError(f"constraint must be a spececd Constraint, got "
+                             f"{type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,9 @@ class GenerationStats:
     # tokens, one per position, so that acceptance stays per position)
     tree_siblings: int = 0
     target_passes: int = 0  # verifier passes this generation took: verdicts and streamed steps
+    # drafted tokens a constraint forced (the only ones it allowed), proposed without a draft
+    # model step (jump-forward drafting; ``draft_steps`` does not count them)
+    forced_tokens: int = 0
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
     accepted_by_position: list[int] = field(default_factory=list)
@@ -72,7 +75,8 @@ class GenerationStats:
                      "draft_steps", "verify_s", "prefill_s", "network_s", "bytes_sent",
                      "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits",
-                     "auto_stream_tokens", "auto_plain_tokens", "tree_siblings", "target_passes"):
+                     "auto_stream_tokens", "auto_plain_tokens", "tree_siblings", "target_passes",
+                     "forced_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fallback = self.fallback or other.fallback
         self.lossy = self.lossy or other.lossy
@@ -124,6 +128,7 @@ class GenerationStats:
             "auto_plain_tokens": self.auto_plain_tokens,
             "tree_siblings": self.tree_siblings,
             "target_passes": self.target_passes,
+            "forced_tokens": self.forced_tokens,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
                 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)

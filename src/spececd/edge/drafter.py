@@ -25,6 +25,14 @@ the most likely such tokens (greedy, ``match``: the verifier compares ids only) 
 drawn from; whether to draw one more is decided before the draw (from the mass left,
 ``reach[i] * mass >= floor``), so that each sibling follows its reported distribution.
 
+Under a constraint (``params.constraint``) it drafts as the verifier verifies: a
+:class:`~spececd.grammar.ConstraintMatcher`, moved to the history's generated tokens
+(rolling back whatever the verifier rejected), masks the draft's logits before anything
+else, so the distribution it reports is the one it sampled from and every draft is one the
+constraint allows. Where the constraint allows a single token, that token is proposed
+without running the draft model (jump-forward drafting), with a point-mass distribution in
+``exact`` mode; :attr:`Drafter.forced` counts them.
+
 The drafter knows nothing about the network or the verifier.
 """
 
@@ -41,6 +49,7 @@ from spececd.backends.base import Backend, sync
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import (
     DRAFTER_STREAM,
+    Constraint,
     Mode,
     SamplingParams,
     SparseProbs,
@@ -51,6 +60,7 @@ from spececd.core.sampling import (
     sample,
     sample_sparse,
 )
+from spececd.grammar import ConstraintMatcher, grammars_for, mask_logits
 
 CHAIN = TreeShape(width=1, budget=0, reach=(), floor=0.0)  # the shape of a plain draft
 
@@ -94,7 +104,10 @@ class Tree:
 class DraftSource(Protocol):
     """What the edge loop drafts with: :class:`Drafter`, or a
     :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer
-    (which drafts chains only: its ``tree`` is its chain)."""
+    (which drafts chains only: its ``tree`` is its chain). ``forced``: the tokens drafted
+    so far that a constraint forced, proposed without the draft model."""
+
+    forced: int
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
@@ -112,6 +125,16 @@ class Drafter:
         self.backend = backend
         self.sequence = backend.new_sequence()
         self.lock = lock or threading.Lock()
+        self.forced = 0
+        self._matcher: ConstraintMatcher | None = None
+
+    def _constraint(self, constraint: Constraint | None) -> ConstraintMatcher | None:
+        if constraint is None:
+            return None
+        if self._matcher is None or self._matcher.compiled.constraint != constraint:
+            grammars = grammars_for(self.backend.tokenizer, self.backend.vocab_size)
+            self._matcher = grammars.compile(constraint).matcher()
+        return self._matcher
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
@@ -138,9 +161,28 @@ class Drafter:
         chain: list[int] = []
         report = mode is Mode.EXACT and not params.greedy
         context = list(history)  # penalties count the tokens drafted so far too
+        matcher = self._constraint(params.constraint)
+        if matcher is not None:
+            matcher.sync(history[params.prompt_len:])
         for i in range(k):
-            logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
             parent = chain[-1] if chain else -1
+            forced = matcher.forced(1) if matcher is not None else []
+            if forced:  # the only token allowed: no model step, no siblings
+                token = forced[0]
+                point = SparseProbs(np.array([token]), np.array([1.0], dtype=np.float32))
+                chain.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                if report:
+                    dists.append(point)
+                self.forced += 1
+                context.append(token)
+                feed.append(token)
+                assert matcher is not None and matcher.accept(token)
+                continue
+            logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
+            if matcher is not None:
+                logits = mask_logits(logits[None, :], matcher.allowed_now()[None, :])[0]
             room = shape.budget - len(tokens) - (k - 1 - i)  # keep a place for the chain's rest
             siblings = min(shape.width, room) - 1
             # The least draft probability that makes a sibling here worth its position.
@@ -172,6 +214,9 @@ class Drafter:
                     dists.append(dist_j)
             context.append(token)
             feed = [token]
+            if matcher is not None and not matcher.accept(token):
+                raise RuntimeError(f"the drafter drew token {token}, which its constraint "
+                                   f"masked out")
         return Tree(tuple(tokens), tuple(parents), tuple(dists) if report else None,
                     tuple(chain))
 

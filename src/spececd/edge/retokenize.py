@@ -31,7 +31,10 @@ LOOK_BEHIND = 4  # committed target tokens re-encoded with the draft's text
 
 class CrossDrafter:
     """A :class:`~spececd.edge.drafter.Drafter` for ``backend`` that takes and returns
-    ``target``'s token ids. It reports no distributions: verification is by match."""
+    ``target``'s token ids. It reports no distributions: verification is by match. It
+    drafts unconstrained (the verifier masks), so it forces nothing."""
+
+    forced = 0
 
     def __init__(self, backend: Backend, target: Tokenizer,
                  lock: threading.Lock | None = None) -> None:
@@ -48,8 +51,10 @@ class CrossDrafter:
         own = own_tokenizer.encode(self.target.decode(history))
         # Penalties and biases name target ids and count target tokens: they stay with the
         # verifier. The draft samples with the rest, which is all a good guess needs.
+        # So does a constraint: the verifier's mask alone keeps the output valid.
         guess = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0,
-                                    frequency_penalty=0.0, logit_bias=(), prompt_len=0)
+                                    frequency_penalty=0.0, logit_bias=(), prompt_len=0,
+                                    constraint=None)
         drafted, _ = self.drafter.draft(own, k, Mode.MATCH, guess, seed, max_support)
         before = own_tokenizer.decode(own)
         text = own_tokenizer.decode([*own, *drafted]).rstrip("\ufffd")  # no cut character

@@ -71,8 +71,18 @@ class Work:
 
     def draft(self, history: Sequence[int], k: int) -> Block:
         assert self.params.seed is not None
-        return self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
-                                  self.max_support)
+        before = self.drafter.forced
+        block = self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
+                                   self.max_support)
+        self.count_forced(before)
+        return block
+
+    def count_forced(self, before: int) -> None:
+        """Count the tokens a constraint forced since the drafter had forced ``before``
+        (callers count every drafted token as a draft step: these were none)."""
+        forced = self.drafter.forced - before
+        self.stats.forced_tokens += forced
+        self.stats.draft_steps -= forced
 
     def tree(self, history: Sequence[int], k: int, room: int, policy: DraftLengthPolicy
              ) -> Tree:
@@ -84,8 +94,11 @@ class Work:
             return Tree.of_chain(*self.draft(history, k))
         assert self.params.seed is not None
         shape = policy.tree_shape(k, width, max(k, min(k * width, welcome.max_draft, room)))
-        return self.drafter.tree(history, k, shape, self.mode, self.params, self.params.seed,
+        before = self.drafter.forced
+        tree = self.drafter.tree(history, k, shape, self.mode, self.params, self.params.seed,
                                  self.max_support)
+        self.count_forced(before)
+        return tree
 
 
 class Rounds:
@@ -359,8 +372,10 @@ class StreamDrafting(CloudOnly):
         # candidates per depth they carried.
         shape = hint_shape(work.tree_width, n, len(self.draft), self.kept.value,
                            self.step_fit.slope / self.breadth.value, self.server_step.value)
+        before = work.drafter.forced
         tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
                                  work.max_support)
+        work.count_forced(before)
         self.breadth.update(len(tree.tokens) / max(1, len(tree.chain)))
         return tree.trunk().tokens, tree.siblings()
 

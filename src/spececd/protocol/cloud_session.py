@@ -34,12 +34,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.sampling import Constraint, Mode, SamplingParams, SparseProbs
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (
     AuthFailed,
     IncompatibleModels,
+    InvalidConstraint,
     InvalidProbabilities,
     InvalidTokens,
     LimitExceeded,
@@ -128,16 +129,19 @@ class State(enum.Enum):
 class CloudSession:
     """``trees``: the target's backend verifies token trees (offered to protocol-4 edges).
     ``unsupported``: why the server's engine cannot serve a mode with some sampling
-    settings ("" when it can), asked at every hello."""
+    settings ("" when it can), asked at every hello. ``constraint_error``: why a hello's
+    constraint cannot be compiled ("" when it can; None: constraints are refused)."""
 
     def __init__(self, fingerprint: m.Fingerprint, limits: Limits, auth_token: str = "",
                  trees: bool = False,
-                 unsupported: Callable[[Mode, SamplingParams], str] | None = None) -> None:
+                 unsupported: Callable[[Mode, SamplingParams], str] | None = None,
+                 constraint_error: Callable[[Constraint], str] | None = None) -> None:
         self.fingerprint = fingerprint
         self.limits = limits
         self._auth_token = auth_token
         self._trees = trees
         self._unsupported = unsupported
+        self._constraint_error = constraint_error
         self.trees = False  # this session's edge was told it may send trees
         self.state = State.AWAIT_HELLO
         self.session_id = secrets.token_hex(8)
@@ -217,7 +221,8 @@ class CloudSession:
 
     def _hello(self, hello: m.Hello) -> bytes:
         if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
-                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()):
+                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
+                hello.protocol_version < 6 and hello.constraint is not None):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
         if self._auth_token and not hmac.compare_digest(
@@ -241,7 +246,8 @@ class CloudSession:
                 seed=hello.seed, repetition_penalty=extras.repetition_penalty,
                 presence_penalty=extras.presence_penalty,
                 frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
-                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len)
+                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len,
+                constraint=hello.constraint)
             if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
                 raise ValueError(f"logit_bias names token ids the vocabulary of "
                                  f"{self.fingerprint.vocab_size} does not have")
@@ -256,6 +262,11 @@ class CloudSession:
                                     f"mode only, not {requested.value}")
         if self._unsupported is not None and (reason := self._unsupported(requested, params)):
             raise Unsupported(reason)
+        if hello.constraint is not None:
+            if self._constraint_error is None:
+                raise Unsupported("this server does not take constraints")
+            if reason := self._constraint_error(hello.constraint):
+                raise InvalidConstraint(reason)
         # At temperature 0 every mode is greedy verification (threshold too: the target's
         # one-hot distribution passes its argmax alone), but a lossy mode keeps its label,
         # so that every report says what the edge asked for.

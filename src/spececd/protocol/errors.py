@@ -14,6 +14,8 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── AuthFailed            missing or wrong bearer token                      (fatal)
     ├── Unsupported           the server's engine cannot serve the hello's mode or
     │                         sampling settings (the message says which)         (fatal)
+    ├── InvalidConstraint     the hello's constraint (schema, regex, choice, grammar) cannot
+    │                         be compiled; the message says which and why (protocol 6) (fatal)
     ├── InvalidTokens         a token id outside the vocabulary
     ├── InvalidProbabilities  NaN, negative, non-normalised or inconsistent draft_probs
     ├── LimitExceeded         over a configured limit (draft length, context, message size)
@@ -65,6 +67,11 @@ class Unsupported(ProtocolError):
     fatal = True
 
 
+class InvalidConstraint(ProtocolError):
+    code = "invalid_constraint"
+    fatal = True
+
+
 class InvalidTokens(ProtocolError):
     code = "invalid_tokens"
 
@@ -102,9 +109,9 @@ class VerificationFailed(ProtocolError):
 _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
-                IncompatibleModels, AuthFailed, Unsupported, InvalidTokens, InvalidProbabilities,
-                LimitExceeded, OutOfOrder, UnknownSession, ServerBusy, Draining,
-                VerificationFailed)
+                IncompatibleModels, AuthFailed, Unsupported, InvalidConstraint, InvalidTokens,
+                InvalidProbabilities, LimitExceeded, OutOfOrder, UnknownSession, ServerBusy,
+                Draining, VerificationFailed)
 }
 
 

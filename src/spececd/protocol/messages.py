@@ -14,7 +14,7 @@ machines, which know the vocabulary and the limits.
 Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
-    Hello(version, fingerprint, sampling, mode, auth, threshold, extras)  ->
+    Hello(version, fingerprint, sampling, mode, auth, threshold, extras, constraint)  ->
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s, path)
@@ -51,17 +51,18 @@ from typing import Any, ClassVar
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from spececd.core.sampling import SparseProbs
+from spececd.core.sampling import Constraint, SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 5  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints
+PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
+# 6: the Hello's constraint (a schema, regex, choice or grammar the output must match)
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
 # version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
 # with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
-COMPATIBLE_VERSIONS = (2, 3, 4, 5)
+COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class Hello:
     auth_token: str = ""
     threshold: float = 0.0  # threshold mode (lossy) only; left off the wire when 0
     extras: SamplingExtras = SamplingExtras()
+    # Protocol 6: what the output after the prompt must match (the verifier masks every
+    # position with it); the extras then carry the prompt's length.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -233,14 +237,16 @@ def encode(message: Message) -> bytes:
                            _hash_bytes(fp.tokenizer_hash), message.mode,
                            _number(message.temperature), message.top_k,
                            _number(message.top_p), message.seed, message.auth_token]
-        extras = message.extras
-        if message.threshold or extras != SamplingExtras():
+        extras, constraint = message.extras, message.constraint
+        if message.threshold or extras != SamplingExtras() or constraint is not None:
             body.append(_number(message.threshold))
-        if extras != SamplingExtras():
+        if extras != SamplingExtras() or constraint is not None:
             body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
                          _number(extras.frequency_penalty), _number(extras.min_p),
                          extras.prompt_len, [t for t, _ in extras.logit_bias],
                          [_number(b) for _, b in extras.logit_bias]])
+        if constraint is not None:
+            body.append([constraint.kind, constraint.spec, constraint.strict])
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
@@ -283,7 +289,8 @@ def encode(message: Message) -> bytes:
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _NODES = "nodes"  # a list of node indices, -1 allowed
 _SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras"),
+    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras",
+                 "constraint"),
     Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
     Verdict.TYPE: (_INT, _INT, _INT, _INT, _NODES),
@@ -295,7 +302,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
+_OPTIONAL = {Hello.TYPE: 3, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
              Hint.TYPE: 1}
 
 
@@ -330,6 +337,9 @@ def _check(kind: str, value: Any) -> bool:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in value))
+    if kind == "constraint":  # [kind, spec, strict]
+        return (isinstance(value, list) and len(value) == 3 and _check(_STR, value[0])
+                and _check(_STR, value[1]) and _check(_BOOL, value[2]))
     if kind == "extras":  # [4 numbers, prompt_len, bias ids, bias values]
         return (isinstance(value, list) and len(value) == 7
                 and all(_check(_NUM, v) for v in value[:4]) and _check(_INT, value[4])
@@ -380,9 +390,15 @@ def decode(frame: bytes) -> Message:
             extras = SamplingExtras(float(rep), float(presence), float(frequency),
                                     float(min_p), prompt_len,
                                     tuple(zip(ids, map(float, biases), strict=True)))
+        constraint = None
+        if len(body) > 11:
+            try:
+                constraint = Constraint(*body[11])
+            except ValueError as exc:  # an unknown kind, a malformed choice list
+                raise MalformedFrame(f"constraint: {exc}") from None
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
                      float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
-                     extras)
+                     extras, constraint)
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
