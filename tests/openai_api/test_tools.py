@@ -191,12 +191,15 @@ def test_a_template_that_cannot_take_tools_is_refused(models: Path, tokenizer: A
 
     # The GGUF's own template (Qwen1.5's) never reads `tools`.
     gguf = Llama(str(models / "ggml-vocab-qwen2.gguf"), vocab_only=True, verbose=False)
-    plain = copy.deepcopy(tokenizer)
-    plain.chat_template = gguf.metadata["tokenizer.chat_template"]
-    with pytest.raises(InputError, match="does not take tools"):
-        HFTokenizer(plain, (plain.eos_token_id,)).apply_chat_template(ASK, [WEATHER])
-    assert HFTokenizer(plain, (plain.eos_token_id,)).apply_chat_template(ASK) == \
-        rendered(plain, ASK, [])
+    tools_template, tokenizer.chat_template = tokenizer.chat_template, \
+        gguf.metadata["tokenizer.chat_template"]
+    try:
+        plain = HFTokenizer(tokenizer, (tokenizer.eos_token_id,))
+        with pytest.raises(InputError, match="does not take tools"):
+            plain.apply_chat_template(ASK, [WEATHER])
+        assert plain.apply_chat_template(ASK) == rendered(tokenizer, ASK, [])
+    finally:
+        tokenizer.chat_template = tools_template
 
 
 def test_gguf_and_transformers_templates_render_tools_alike(models: Path,

@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from spececd.core.sampling import Constraint
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
@@ -215,7 +216,7 @@ class Api:
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
         if tools is not None and tools.grammar is not None:  # the calls, forced
-            sampling["constraint"] = tool_constraint(tools.grammar)
+            sampling["constraint"] = Constraint("grammar", tools.grammar)
         # Checked before streaming; the first choice's seed (drawn when none was given).
         base = self.gen.params(seed=body.seed, **sampling).seed
         assert base is not None
@@ -359,13 +360,6 @@ class Api:
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield "data: [DONE]\n\n"
-
-
-def tool_constraint(grammar: str) -> Any:
-    """The constraint that forces tool calls: ``grammar``, masked by the verifier."""
-    from spececd.core.sampling import Constraint
-
-    return Constraint("grammar", grammar)
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -118,7 +118,8 @@ def call_grammar(parser_name: str, tools: list[dict[str, Any]], parallel: bool) 
         function = tool["function"]
         schema = function.get("parameters") or {"type": "object"}
         tag = TagFormat(begin=begin.format(name=function["name"]),
-                        content=JSONSchemaFormat(json_schema=schema), end=end)
+                        content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1),
+                        end=end)
         try:  # each schema on its own, so that an error names its function
             xgrammar.Grammar.from_structural_tag(StructuralTag(format=tag))
         except Exception as exc:
