@@ -138,3 +138,39 @@ def test_llama3_json_text_after_a_call_is_content() -> None:
 def test_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(InputError, match="hermes, llama3_json"):
         parser("mistral")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+    "required": ["city"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+CALLS = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>', '<tool_call>\n{"name": "now", "arguments": {"tz": 1}}\n'
+               '</tool_call>', "\n"),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                    '{"name": "now", "parameters": {"tz": 1}}', "; "),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_the_call_grammar_takes_what_the_parser_parses(name: str) -> None:
+    """The grammar that forces calls (tool_choice required or named) writes them in the
+    parser's format: what it accepts parses back, and it refuses what breaks the schema,
+    a second call when calls are not parallel, and text around a call."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from spececd.openai_api.tools import call_grammar
+
+    one, other, separator = CALLS[name]
+    parallel = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=True))
+    single = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=False))
+    both = one + separator + other
+    assert _is_grammar_accept_string(parallel, both)
+    assert [c.name for c in parser(name).parse(both)[1]] == ["get_weather", "now"]
+    assert _is_grammar_accept_string(single, one) and _is_grammar_accept_string(single, other)
+    assert not _is_grammar_accept_string(single, both)
+    assert not _is_grammar_accept_string(parallel, one.replace("Paris", "Rome"))
+    assert not _is_grammar_accept_string(parallel, "Sure. " + one)
+    assert not _is_grammar_accept_string(parallel, "")

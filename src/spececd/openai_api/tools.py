@@ -13,20 +13,22 @@ templates write them; a ``tool`` message's ``tool_call_id``). :func:`plan` decid
   lossless and unconstrained;
 - ``"required"`` or a named function: as auto, and the output is forced to be calls, in
   the parser's format, with arguments valid under each function's ``parameters`` schema:
-  a grammar (:func:`call_grammar`, built with xgrammar's structural tags, which embed the
-  JSON schemas) that the verifier masks the target with at every position, so the output
-  is the target's own under that constraint. A named function is called once;
-  ``required`` calls one or more when ``parallel_tool_calls`` (the default), else one.
+  a grammar (:func:`call_grammar`, built by :func:`spececd.grammar.tagged_json_grammar`
+  from xgrammar's structural tags, which embed the JSON schemas) passed as a ``grammar``
+  :class:`~spececd.core.sampling.Constraint`, which the verifier masks the target with at
+  every position, so the output is the target's own under that constraint. A named
+  function is called once; ``required`` calls one or more when ``parallel_tool_calls``
+  (the default), else one.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from spececd.errors import InputError
+from spececd.grammar import InvalidConstraint, tagged_json_grammar
 from spececd.openai_api.schema import ChatRequest, Message, NamedToolChoice
 from spececd.openai_api.tool_parsers import PARSERS, ToolParser, parser
 
@@ -100,33 +102,20 @@ def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
 
 
 def call_grammar(parser_name: str, tools: list[dict[str, Any]], parallel: bool) -> str:
-    """An EBNF grammar (xgrammar's dialect, with a ``root`` rule) of one call, or of one or
-    more separated as the parser expects when ``parallel``, to any of ``tools``, each
-    call's arguments valid under its function's ``parameters`` (any object when it has
-    none). A schema xgrammar cannot take is an InputError naming the function."""
-    import xgrammar
-    from xgrammar.structural_tag import (
-        JSONSchemaFormat,
-        StructuralTag,
-        TagFormat,
-        TagsWithSeparatorFormat,
-    )
-
+    """An EBNF grammar of one call, or of one or more separated as the parser expects when
+    ``parallel``, to any of ``tools``, each call's arguments valid under its function's
+    ``parameters`` (any object when it has none). A schema that cannot constrain a call
+    is an InputError naming the function."""
     begin, end, separator = CALL_FORMATS[parser_name]
     tags = []
     for tool in tools:
         function = tool["function"]
-        schema = function.get("parameters") or {"type": "object"}
-        tag = TagFormat(begin=begin.format(name=function["name"]),
-                        content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1),
-                        end=end)
+        tag = (begin.format(name=function["name"]),
+               function.get("parameters") or {"type": "object"}, end)
         try:  # each schema on its own, so that an error names its function
-            xgrammar.Grammar.from_structural_tag(StructuralTag(format=tag))
-        except Exception as exc:
-            why = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(exc))  # xgrammar's source line
+            tagged_json_grammar([tag], separator, repeat=False)
+        except InvalidConstraint as exc:
             raise InputError(f"the parameters of tool {function['name']!r} are not a JSON "
-                             f"schema a call can be constrained by: {why}") from None
+                             f"schema a call can be constrained by: {exc}") from None
         tags.append(tag)
-    calls = TagsWithSeparatorFormat(tags=tags, separator=separator, at_least_one=True,
-                                    stop_after_first=not parallel)
-    return str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=calls)))
+    return tagged_json_grammar(tags, separator, repeat=parallel)
