@@ -14,7 +14,6 @@ once into a cache (:func:`tests.builders.llama_cpp_models`)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,6 +118,9 @@ def test_a_tool_call_round_trip(client: Any, tokenizer: Any, stream: bool) -> No
         content, calls, finish = streamed_reply(client, **request)
         call_id, name, arguments = calls[0]["id"], calls[0]["name"], calls[0]["arguments"]
         assert len(calls) == 1
+        said: Any = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}}]}
     else:
         reply = client.chat.completions.create(**request)
         message, finish = reply.choices[0].message, reply.choices[0].finish_reason
@@ -128,18 +130,15 @@ def test_a_tool_call_round_trip(client: Any, tokenizer: Any, stream: bool) -> No
         call_id, name, arguments = call.id, call.function.name, call.function.arguments
         assert call.type == "function" and call_id.startswith("call_")
         assert reply.usage.prompt_tokens == len(rendered(tokenizer, ASK, [WEATHER, TIME]))
+        said = message  # sent back as the client returned it
     assert finish == "tool_calls" and content == ""
     args = check_weather_call(name, arguments)
     print(f"call ({'streamed' if stream else 'whole'}): {name}({arguments})")
 
     # The tool's result goes back, with the assistant's call, for the final answer.
-    conversation = [*ASK,
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"id": call_id, "type": "function",
-                         "function": {"name": name, "arguments": arguments}}]},
-                    {"role": "tool", "tool_call_id": call_id,
-                     "content": json.dumps({"temperature": 21, **args})}]
-    final = client.chat.completions.create(model="qwen", messages=conversation,
+    result = {"role": "tool", "tool_call_id": call_id,
+              "content": json.dumps({"temperature": 21, **args})}
+    final = client.chat.completions.create(model="qwen", messages=[*ASK, said, result],
                                            tools=[WEATHER, TIME], temperature=0,
                                            max_tokens=8)
     assert final.choices[0].message.tool_calls is None
@@ -147,9 +146,9 @@ def test_a_tool_call_round_trip(client: Any, tokenizer: Any, stream: bool) -> No
     assert isinstance(final.choices[0].message.content, str)
     # The template saw the call (arguments as an object, as Qwen's template writes them)
     # and the result.
-    template_view = copy.deepcopy(conversation)
-    template_view[1]["content"] = ""
-    template_view[1]["tool_calls"][0]["function"]["arguments"] = args
+    template_view = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+        result]
     assert final.usage.prompt_tokens == len(rendered(tokenizer, template_view,
                                                      [WEATHER, TIME]))
 
