@@ -14,8 +14,9 @@ once into a cache (:func:`tests.builders.llama_cpp_models`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from spececd.backends.hf_tokenizer import HFTokenizer  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
-from spececd.generator import Generator  # noqa: E402
+from spececd.generator import Generator, StreamChunk  # noqa: E402
+from spececd.openai_api.schema import ChatRequest  # noqa: E402
 from spececd.openai_api.server import Api, create_app  # noqa: E402
+from spececd.openai_api.tools import plan  # noqa: E402
 from tests.builders import build_model, llama_cpp_models, qwen25_tokenizer  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
@@ -67,16 +70,22 @@ def gen(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[Ge
         yield loaded
 
 
+APIS: list[Api] = []
+
+
 def client_for(gen: Generator, tool_parser: str | None = "hermes") -> Any:
     api = Api(gen, "qwen", tool_parser=tool_parser)
+    APIS.append(api)
     http = TestClient(create_app(api), raise_server_exceptions=False)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
                          http_client=http)
 
 
 @pytest.fixture(scope="module")
-def client(gen: Generator) -> Any:
-    return client_for(gen)
+def client(gen: Generator) -> Iterator[Any]:
+    yield client_for(gen)
+    for api in APIS:
+        api.executor.shutdown(wait=True)
 
 
 def rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -223,3 +232,41 @@ def test_gguf_and_transformers_templates_render_tools_alike(models: Path,
     assert ours is not None and "<tool_response>\n21\n</tool_response>" in theirs.decode(ours)
     assert theirs.decode(ours) == tokenizer.decode(rendered(tokenizer, conversation,
                                                             [WEATHER]))
+
+
+def test_streamed_deltas_hold_back_a_tag_and_send_calls_whole(gen: Generator) -> None:
+    """The events of a stream whose text (as the generator yields it, split anywhere)
+    is content, then two calls: content as soon as it is certain, each call as its id
+    and name, then its arguments, the finish reason ``tool_calls`` on the last event."""
+    body = ChatRequest(model="qwen", messages=ASK, tools=[WEATHER, TIME], stream=True)
+    api = Api(gen, "qwen", tool_parser="hermes")
+    try:
+        run = api.start(body, [[1, 2, 3]], 8, "chatcmpl", plan(body, "hermes"))
+    finally:
+        api.executor.shutdown(wait=True)
+    texts = ["Let me check.\n<tool", '_call>\n{"name": "get_weather", "argu',
+             'ments": {"city": "Lima", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n',
+             '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', ""]
+    chunks = [(run.choices[0], StreamChunk((7,), text, "target", "stop" if i == 4 else None))
+              for i, text in enumerate(texts)]
+
+    async def rest() -> AsyncIterator[tuple[Any, StreamChunk]]:
+        for chunk in chunks[1:]:
+            yield chunk
+
+    async def collect() -> list[str]:
+        return [event async for event in api.events(run, True, chunks[0], rest())]
+
+    events = [json.loads(line[len("data: "):]) for event in asyncio.run(collect())
+              for line in event.split("\n\n") if line.startswith("data: {")]
+    deltas = [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events]
+    assert [d for d, _ in deltas][:2] == [{"role": "assistant", "content": "Let me check.\n"},
+                                          {}]  # "<tool" held back: it may open a call
+    calls = [d["tool_calls"][0] for d, _ in deltas if "tool_calls" in d]
+    assert [c["index"] for c in calls] == [0, 0, 1, 1]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"] == {
+        "name": "get_weather", "arguments": ""} and "id" not in calls[1]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Lima", "unit": "celsius"}
+    assert calls[2]["function"]["name"] == "get_time"
+    assert [f for _, f in deltas] == [None] * (len(deltas) - 1) + ["tool_calls"]
+    assert "".join(d.get("content") or "" for d, _ in deltas) == "Let me check.\n"
