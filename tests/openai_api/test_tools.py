@@ -234,11 +234,15 @@ def test_gguf_and_transformers_templates_render_tools_alike(models: Path,
                                                             [WEATHER]))
 
 
-def test_streamed_deltas_hold_back_a_tag_and_send_calls_whole(gen: Generator) -> None:
+@pytest.mark.parametrize("parallel", [True, False])
+def test_streamed_deltas_hold_back_a_tag_and_send_calls_whole(gen: Generator,
+                                                              parallel: bool) -> None:
     """The events of a stream whose text (as the generator yields it, split anywhere)
     is content, then two calls: content as soon as it is certain, each call as its id
-    and name, then its arguments, the finish reason ``tool_calls`` on the last event."""
-    body = ChatRequest(model="qwen", messages=ASK, tools=[WEATHER, TIME], stream=True)
+    and name, then its arguments, the finish reason ``tool_calls`` on the last event;
+    without parallel_tool_calls, the first call only."""
+    body = ChatRequest(model="qwen", messages=ASK, tools=[WEATHER, TIME], stream=True,
+                       parallel_tool_calls=parallel)
     api = Api(gen, "qwen", tool_parser="hermes")
     try:
         run = api.start(body, [[1, 2, 3]], 8, "chatcmpl", plan(body, "hermes"))
@@ -263,10 +267,10 @@ def test_streamed_deltas_hold_back_a_tag_and_send_calls_whole(gen: Generator) ->
     assert [d for d, _ in deltas][:2] == [{"role": "assistant", "content": "Let me check.\n"},
                                           {}]  # "<tool" held back: it may open a call
     calls = [d["tool_calls"][0] for d, _ in deltas if "tool_calls" in d]
-    assert [c["index"] for c in calls] == [0, 0, 1, 1]
+    assert [c["index"] for c in calls] == ([0, 0, 1, 1] if parallel else [0, 0])
     assert calls[0]["id"].startswith("call_") and calls[0]["function"] == {
         "name": "get_weather", "arguments": ""} and "id" not in calls[1]
     assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Lima", "unit": "celsius"}
-    assert calls[2]["function"]["name"] == "get_time"
+    assert not parallel or calls[2]["function"]["name"] == "get_time"
     assert [f for _, f in deltas] == [None] * (len(deltas) - 1) + ["tool_calls"]
     assert "".join(d.get("content") or "" for d, _ in deltas) == "Let me check.\n"

@@ -127,6 +127,11 @@ class Choice:
     finish_reason: str | None = None
     tools: ToolStream | None = None  # calls are parsed out of the text, as it streams
     calls: int = 0  # tool calls streamed so far
+    max_calls: int | None = None  # calls kept (parallel_tool_calls false: the first)
+
+    def keep(self, calls: list[ToolCall]) -> list[ToolCall]:
+        room = len(calls) if self.max_calls is None else self.max_calls - self.calls
+        return calls[:max(room, 0)]
 
 
 @dataclass
@@ -222,7 +227,8 @@ class Api:
         assert base is not None
         parser = tools.parser if tools is not None else None
         choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
-                          tools=parser.stream() if parser else None)
+                          tools=parser.stream() if parser else None,
+                          max_calls=tools.max_calls if tools is not None else None)
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
@@ -296,7 +302,7 @@ class Api:
             if c.tools is not None:
                 content, calls = c.tools.push(text)
                 rest, more = c.tools.flush()
-                calls += more
+                calls = c.keep(calls + more)
                 body["message"]["content"] = (content + rest) or None
                 if calls:
                     body["message"]["tool_calls"] = [call.as_openai() for call in calls]
@@ -327,6 +333,7 @@ class Api:
                     if finish is not None:
                         rest, more = choice.tools.flush()
                         text, calls = text + rest, calls + more
+                    calls = choice.keep(calls)
                 deltas: list[dict[str, Any]] = [{"content": text} if text else {}]
                 if choice.index not in started:
                     deltas[0] = {"role": "assistant", "content": text}

@@ -10,7 +10,8 @@ templates write them; a ``tool`` message's ``tool_call_id``). :func:`plan` decid
 - ``tool_choice: "none"``: the template still shows the tools; the output is content;
 - ``"auto"`` (the default with tools): the output is parsed for calls
   (:mod:`spececd.openai_api.tool_parsers`); generation itself is untouched, so it stays
-  lossless and unconstrained;
+  lossless and unconstrained (with ``parallel_tool_calls`` false, calls after the first
+  are dropped);
 - ``"required"`` or a named function: as auto, and the output is forced to be calls, in
   the parser's format, with arguments valid under each function's ``parameters`` schema:
   a grammar (:func:`call_grammar`, built by :func:`spececd.grammar.tagged_json_grammar`
@@ -77,6 +78,7 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None  # for the chat template
     parser: ToolParser | None  # calls are parsed out of the output
     grammar: str | None  # an EBNF grammar the output must match: calls only
+    max_calls: int | None = None  # calls kept per choice (parallel_tool_calls false: 1)
 
 
 def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
@@ -98,7 +100,8 @@ def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
         grammar = call_grammar(parser_name, named, parallel=False)
     elif choice == "required":
         grammar = call_grammar(parser_name, tools, parallel=body.parallel_tool_calls)
-    return ToolPlan(tools, parser(parser_name), grammar)
+    return ToolPlan(tools, parser(parser_name), grammar,
+                    None if body.parallel_tool_calls else 1)
 
 
 def call_grammar(parser_name: str, tools: list[dict[str, Any]], parallel: bool) -> str:
