@@ -12,7 +12,7 @@ from typing import Any
 from spececd import config
 from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
-from spececd.openai_api.tool_parsers import PARSERS
+from spececd.openai_api.tool_parsers import PARSERS, parser
 
 
 def add_parser(sub: Any) -> None:
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
+    if cfg.tool_call_parser:
+        parser(cfg.tool_call_parser)  # a name config.toml misspells is refused before loading
     with load_generator(cfg) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
                   tool_parser=cfg.tool_call_parser or None)
