@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 from spececd.cloud.engine import EnginePolicy
-from spececd.core.sampling import SamplingParams
+from spececd.core.sampling import Constraint, SamplingParams
 from spececd.edge.options import ROUND_TIMEOUT, SAMPLING_SETTINGS, EdgeOptions
 from spececd.edge.options import SETTINGS as OPTION_SETTINGS
 from spececd.errors import InputError
@@ -114,6 +114,12 @@ class EdgeConfig:
     presence_penalty: float = _SAMPLING.presence_penalty
     frequency_penalty: float = _SAMPLING.frequency_penalty
     logit_bias: str = ""  # "ID:BIAS,ID:BIAS"
+    # A constraint on the output (at most one): a JSON schema file, a regex, the strings
+    # to choose from, an EBNF/GBNF or Lark grammar file.
+    json_schema: str = ""
+    regex: str = ""
+    choice: tuple[str, ...] = ()
+    grammar: str = ""
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True
@@ -126,7 +132,42 @@ class EdgeConfig:
         """This section's sampling settings, by :class:`SamplingParams`' names (what
         ``Generator.stream`` takes); ``logit_bias`` parsed from its text."""
         named = {name: getattr(self, name) for name in SAMPLING_SETTINGS if hasattr(self, name)}
-        return {**named, "logit_bias": parse_logit_bias(self.logit_bias)}
+        return {**named, "logit_bias": parse_logit_bias(self.logit_bias),
+                "constraint": self.constraint()}
+
+    def constraint(self) -> Constraint | None:
+        """The constraint ``json_schema``, ``regex``, ``choice`` or ``grammar`` asks for
+        (files read here); None when none does. InputError when more than one does."""
+        given = [name for name in ("json_schema", "regex", "choice", "grammar")
+                 if getattr(self, name)]
+        if len(given) > 1:
+            raise InputError(f"{' and '.join(given)} both constrain the output: give one")
+        if self.json_schema:
+            return Constraint("json_schema", _read(self.json_schema, "JSON schema"))
+        if self.regex:
+            return Constraint("regex", self.regex)
+        if self.choice:
+            return Constraint.of_choices(self.choice)
+        if self.grammar:
+            return Constraint("grammar", _read(self.grammar, "grammar"))
+        return None
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+
+
+def parse_choices(value: Any) -> tuple[str, ...]:
+    """``choice``: a list of strings (a TOML array, repeated ``--choice`` flags) or, from
+    the environment, one string of comma-separated choices."""
+    if isinstance(value, str):
+        return tuple(c for c in (part.strip() for part in value.split(",")) if c)
+    if isinstance(value, list | tuple) and all(isinstance(c, str) for c in value):
+        return tuple(value)
+    raise InputError(f"expected a list of strings, got {value!r}")
 
 
 def parse_logit_bias(text: str) -> dict[int, float]:
@@ -173,8 +214,9 @@ def settings(cls: type[Config]) -> dict[str, Callable[[Any], Any]]:
     types = get_type_hints(cls)
     found: dict[str, Callable[[Any], Any]] = {
         f.name: functools.partial(_convert, kind=types[f.name])
-        for f in fields(cls) if f.name != "options"}
+        for f in fields(cls) if f.name not in ("options", "choice")}
     if cls is EdgeConfig:
+        found["choice"] = parse_choices
         found.update({name: parse for name, parse in OPTION_SETTINGS.items()
                       if name != "reconnect"})  # the API's Reconnect object has no text form
     return found

@@ -190,6 +190,9 @@ def test_bad_tool_requests_are_400s_that_say_why(client: Any, gen: Generator) ->
         "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}
     assert "tool 'broken'" in bad_request(client, messages=ASK, tools=[broken],
                                           tool_choice="required")
+    assert "cannot be combined with response_format" in bad_request(
+        client, messages=ASK, tools=[WEATHER], tool_choice="required",
+        response_format={"type": "json_object"})
     assert "--tool-call-parser" in bad_request(client_for(gen, None), messages=ASK,
                                                tools=[WEATHER])
 

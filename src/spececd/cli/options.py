@@ -151,6 +151,16 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
                    "(bias -100 to 100; -100 bans the token)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the completion at this text, left out of it (repeatable)")
+    c = p.add_argument_group("constraint (at most one; the verifier enforces it, the draft "
+                             "follows it)")
+    c.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this "
+                   "schema (a JSON file)")
+    c.add_argument("--regex", help="the output matches this regular expression")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is one of these strings (repeat the flag once per "
+                   "choice; a choice may contain commas)")
+    c.add_argument("--grammar", metavar="FILE", help="the output follows this grammar "
+                   "(EBNF/GBNF with a root rule, or Lark)")
 
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:

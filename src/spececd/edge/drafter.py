@@ -29,7 +29,9 @@ Under a constraint (``params.constraint``) it drafts as the verifier verifies: a
 :class:`~spececd.grammar.ConstraintMatcher`, moved to the history's generated tokens
 (rolling back whatever the verifier rejected), masks the draft's logits before anything
 else, so the distribution it reports is the one it sampled from and every draft is one the
-constraint allows. Where the constraint allows a single token, that token is proposed
+constraint allows (a history the constraint refuses, which only a verifier that does not
+enforce it would produce, is drafted after unconstrained). Where the constraint allows a
+single token, that token is proposed
 without running the draft model (jump-forward drafting), with a point-mass distribution in
 ``exact`` mode; :attr:`Drafter.forced` counts them.
 
@@ -38,6 +40,7 @@ The drafter knows nothing about the network or the verifier.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +63,10 @@ from spececd.core.sampling import (
     sample,
     sample_sparse,
 )
+from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for, mask_logits
+
+log = logging.getLogger(__name__)
 
 CHAIN = TreeShape(width=1, budget=0, reach=(), floor=0.0)  # the shape of a plain draft
 
@@ -163,7 +169,11 @@ class Drafter:
         context = list(history)  # penalties count the tokens drafted so far too
         matcher = self._constraint(params.constraint)
         if matcher is not None:
-            matcher.sync(history[params.prompt_len:])
+            try:
+                matcher.sync(history[params.prompt_len:])
+            except InputError as exc:  # the verifier is the authority: draft unconstrained
+                log.warning("drafting without the constraint: %s", exc)
+                matcher = None
         for i in range(k):
             parent = chain[-1] if chain else -1
             forced = matcher.forced(1) if matcher is not None else []

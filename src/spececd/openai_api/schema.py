@@ -6,6 +6,13 @@ Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
 
+Constraints come as OpenAI's ``response_format`` (``json_object``; ``json_schema`` with
+``strict``: its default false lets objects carry properties the schema does not name), as
+vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``; :meth:`Sampling.constraint` makes one
+:class:`~spececd.core.sampling.Constraint` of them (at most one may be given).
+
 Nothing here is decided twice: the sampling defaults and ranges are
 :class:`~spececd.core.sampling.SamplingParams`' (OpenAI's own ``temperature`` ceiling of
 2 and its ``max_tokens`` of 16 for completions aside), and the names ``mode`` and
@@ -15,12 +22,20 @@ ones) and :class:`~spececd.edge.options.Proactive`.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spececd.core.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
+from spececd.core.sampling import (
+    LOGIT_BIAS_LIMIT,
+    PENALTY_LIMIT,
+    Constraint,
+    Mode,
+    SamplingParams,
+)
 from spececd.edge.options import Proactive
+from spececd.errors import InputError
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 DEFAULT = SamplingParams()
@@ -38,6 +53,46 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class FieldError(InputError):
+    """A request field's value is invalid: ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class Sampling(BaseModel):
@@ -69,9 +124,71 @@ class Sampling(BaseModel):
     mode: ModeName | None = None
     proactive: ProactiveName | None = None
     cloud_only: bool | None = None  # the server generates alone (default: the server's)
+    # Constraints: OpenAI's, vLLM's, vLLM's older (see the module docstring).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def constraint(self) -> Constraint | None:
+        """The one constraint the request asks for (None: none); raises
+        :class:`FieldError` naming the field when it is invalid, or when two are given."""
+        found = self.constraint_field()
+        return found[1] if found else None
+
+    def constraint_field(self) -> tuple[str, Constraint] | None:
+        """:meth:`constraint`, with the field that asked for it."""
+        found: list[tuple[str, Constraint]] = []
+
+        def add(param: str, kind: str, spec: str = "", strict: bool = True) -> None:
+            try:
+                found.append((param, Constraint(kind, spec, strict)))
+            except InputError as exc:
+                raise FieldError(param, f"{param}: {exc}") from None
+
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            add("response_format", "json_object")
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise FieldError("response_format", "response_format: type json_schema needs "
+                                 "a json_schema object (name, schema, strict)")
+            add("response_format", "json_schema", json.dumps(rf.json_schema.json_schema),
+                bool(rf.json_schema.strict))
+        so = self.structured_outputs
+        if so is not None:
+            given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
+                     if getattr(so, name) not in (None, False)]
+            if len(given) != 1:
+                raise FieldError("structured_outputs", "structured_outputs: give exactly one "
+                                 "of json, regex, choice, grammar, json_object")
+            if so.json_ is not None:
+                add("structured_outputs.json", "json_schema", _schema_text(so.json_))
+            elif so.regex is not None:
+                add("structured_outputs.regex", "regex", so.regex)
+            elif so.choice is not None:
+                add("structured_outputs.choice", "choice", json.dumps(so.choice))
+            elif so.grammar is not None:
+                add("structured_outputs.grammar", "grammar", so.grammar)
+            else:
+                add("structured_outputs.json_object", "json_object")
+        if self.guided_json is not None:
+            add("guided_json", "json_schema", _schema_text(self.guided_json))
+        if self.guided_regex is not None:
+            add("guided_regex", "regex", self.guided_regex)
+        if self.guided_choice is not None:
+            add("guided_choice", "choice", json.dumps(self.guided_choice))
+        if self.guided_grammar is not None:
+            add("guided_grammar", "grammar", self.guided_grammar)
+        if len(found) > 1:
+            raise FieldError(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain "
+                             f"the output: give one")
+        return found[0] if found else None
 
 
 class CompletionRequest(Sampling):

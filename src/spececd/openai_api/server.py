@@ -53,10 +53,17 @@ from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
 from spececd.generator import AsyncGenerator, Generator, StreamChunk
-from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
+from spececd.grammar import grammars_for
+from spececd.openai_api.schema import (
+    ChatRequest,
+    CompletionRequest,
+    FieldError,
+    Sampling,
+    unsupported,
+)
 from spececd.openai_api.tool_parsers import ToolCall, ToolStream, parser
 from spececd.openai_api.tools import ToolPlan, plan, template_messages
-from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
+from spececd.protocol.errors import InvalidConstraint, ProtocolError, ServerBusy, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,8 @@ def api_error(exc: BaseException) -> ApiError:
     """What a failure of generation means to an API client."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, FieldError):
+        return ApiError(400, str(exc), param=exc.param)
     if isinstance(exc, InputError):
         return ApiError(400, str(exc))
     if isinstance(exc, CloudUnreachable):
@@ -87,6 +96,8 @@ def api_error(exc: BaseException) -> ApiError:
                         code="cloud_unreachable")
     if isinstance(exc, ServerBusy):
         return ApiError(503, f"the verifier is full: {exc}", "server_error", code=exc.code)
+    if isinstance(exc, InvalidConstraint):  # the verifier could not compile it
+        return ApiError(400, f"the verifier refused the constraint: {exc}", code=exc.code)
     if isinstance(exc, Unsupported):  # a sampling setting the verifier's engine lacks
         return ApiError(400, f"the verifier cannot serve this request: {exc}", code=exc.code)
     if isinstance(exc, ProtocolError):
@@ -205,6 +216,16 @@ class Api:
         if refused is not None:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
+    def compile(self, body: Sampling) -> None:
+        """Compile the request's constraint (off the event loop: it may take up to the
+        compile time limit), so that an invalid one is a 400 before anything runs."""
+        found = body.constraint_field()
+        if found is not None:
+            try:
+                grammars_for(self.gen.tokenizer, self.gen.vocab_size).compile(found[1])
+            except InputError as exc:
+                raise FieldError(found[0], str(exc)) from None
+
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
               kind: str, tools: ToolPlan | None = None) -> Run:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
@@ -216,6 +237,7 @@ class Api:
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
                                     if name in Sampling.model_fields and name != "seed"}
         sampling.update(
+            constraint=body.constraint(),
             max_tokens=min(max_tokens, room) if max_tokens else room,
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
@@ -408,6 +430,7 @@ def create_app(api: Api) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check(request, body)
+        await asyncio.to_thread(api.compile, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
         return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False,
                                  request)
@@ -415,7 +438,8 @@ def create_app(api: Api) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check(request, body)
-        tools = plan(body, api.tool_parser)
+        await asyncio.to_thread(api.compile, body)
+        tools = await asyncio.to_thread(plan, body, api.tool_parser)  # xgrammar builds
         ids = await asyncio.to_thread(api.gen.chat_ids, template_messages(body.messages),
                                       tools.tools)
         limit = body.max_completion_tokens or body.max_tokens

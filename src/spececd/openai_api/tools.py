@@ -30,7 +30,7 @@ from typing import Any
 
 from spececd.errors import InputError
 from spececd.grammar import InvalidConstraint, tagged_json_grammar
-from spececd.openai_api.schema import ChatRequest, Message, NamedToolChoice
+from spececd.openai_api.schema import ChatRequest, FieldError, Message, NamedToolChoice
 from spececd.openai_api.tool_parsers import PARSERS, ToolParser, parser
 
 __all__ = ["CALL_FORMATS", "ToolPlan", "call_grammar", "plan", "template_messages"]
@@ -94,6 +94,12 @@ def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
         raise InputError("this server parses no tool calls: start `spececd api` with "
                          f"--tool-call-parser ({' or '.join(PARSERS)}, the format the "
                          "model writes calls in), or send tool_choice \"none\"")
+    other = body.constraint_field() if choice != "auto" else None
+    if other is not None:
+        what = f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) \
+            else repr(choice)
+        raise FieldError("tool_choice", f"tool_choice {what} forces a tool call, which "
+                         f"cannot be combined with {other[0]}: send one or the other")
     grammar = None
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t["function"]["name"] == choice.function.name]
