@@ -173,6 +173,25 @@ def test_required_without_parallel_calls_makes_exactly_one_call(client: Any) -> 
                                                     ("get_time", {"zone"}))
 
 
+def test_sampled_forced_calls_are_valid_in_every_choice(client: Any) -> None:
+    """At temperature 1 a random model strays anywhere it may: the grammar keeps each of
+    the choices a call to one of the tools with arguments its schema allows."""
+    reply = client.chat.completions.create(
+        model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=3, n=4, max_tokens=60)
+    seen = set()
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0].function
+        args = json.loads(call.arguments)
+        if call.name == "get_weather":
+            check_weather_call(call.name, call.arguments)
+        else:
+            assert call.name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"})
+        seen.add(call.arguments)
+    assert len(seen) > 1  # sampled, not one answer four times
+
+
 def bad_request(client: Any, **request: Any) -> str:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="qwen", max_tokens=4, **request)
