@@ -143,6 +143,20 @@ def qwen25_tokenizer(models: Path) -> Any:
     return tokenizer
 
 
+def llama31_tokenizer(models: Path) -> Any:
+    """Llama 3's byte-level BPE vocabulary (``ggml-vocab-llama-bpe.gguf``) with
+    Llama-3.1-8B-Instruct's chat template, which renders tools and JSON tool calls; ends at
+    ``<|eot_id|>``. (Llama 3.0's vocabulary: ``<|python_tag|>`` is a reserved token.)"""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(models,
+                                                        gguf_file="ggml-vocab-llama-bpe.gguf")
+    tokenizer.chat_template = (models / "templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja"
+                               ).read_text()
+    tokenizer.eos_token = "<|eot_id|>"
+    return tokenizer
+
+
 def default_pair_present() -> bool:
     return (MODELS / "target" / "config.json").is_file() and \
         (MODELS / "draft" / "config.json").is_file()

@@ -34,7 +34,12 @@ from spececd.generator import Generator, StreamChunk  # noqa: E402
 from spececd.openai_api.schema import ChatRequest  # noqa: E402
 from spececd.openai_api.server import Api, create_app  # noqa: E402
 from spececd.openai_api.tools import plan  # noqa: E402
-from tests.builders import build_model, llama_cpp_models, qwen25_tokenizer  # noqa: E402
+from tests.builders import (  # noqa: E402
+    build_model,
+    llama31_tokenizer,
+    llama_cpp_models,
+    qwen25_tokenizer,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -296,3 +301,44 @@ def test_streamed_deltas_hold_back_a_tag_and_send_calls_whole(gen: Generator,
     assert not parallel or calls[2]["function"]["name"] == "get_time"
     assert [f for _, f in deltas] == [None] * (len(deltas) - 1) + ["tool_calls"]
     assert "".join(d.get("content") or "" for d, _ in deltas) == "Let me check.\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_llama3_json_round_trip(models: Path, tmp_path: Path, stream: bool) -> None:
+    """The same round trip on Llama 3's vocabulary and Llama 3.1's template (tools in the
+    first user message, calls as bare JSON with "parameters", results as ipython turns),
+    served with the llama3_json parser."""
+    tokenizer = llama31_tokenizer(models)
+    target = build_model("llama", tmp_path / "target", tokenizer, seed=40, context=1024)
+    draft = build_model("llama", tmp_path / "draft", tokenizer, seed=41, layers=1, hidden=32,
+                        context=1024)
+    with Generator.load(str(draft), str(target), device="cpu", dtype="float32",
+                        threads=1) as llama:
+        client = client_for(llama, "llama3_json")
+        forced = {"type": "function", "function": {"name": "get_weather"}}
+        request: dict[str, Any] = dict(model="qwen", messages=ASK, tools=[WEATHER, TIME],
+                                       tool_choice=forced, temperature=0, max_tokens=60)
+        if stream:
+            content, calls, finish = streamed_reply(client, **request)
+        else:
+            reply = client.chat.completions.create(**request)
+            message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+            content = message.content or ""
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                     for c in message.tool_calls or ()]
+        assert finish == "tool_calls" and content == "" and len(calls) == 1
+        args = check_weather_call(calls[0]["name"], calls[0]["arguments"])
+        said = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0]["id"], "type": "function",
+             "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]}
+        result = {"role": "tool", "tool_call_id": calls[0]["id"], "content": "21"}
+        final = client.chat.completions.create(model="qwen", messages=[*ASK, said, result],
+                                               tools=[WEATHER, TIME], temperature=0,
+                                               max_tokens=8)
+        template_view = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": calls[0]["id"], "type": "function",
+             "function": {"name": "get_weather", "arguments": args}}]}, result]
+        assert final.usage.prompt_tokens == len(rendered(tokenizer, template_view,
+                                                         [WEATHER, TIME]))
+        APIS.pop().executor.shutdown(wait=True)  # this test's own
