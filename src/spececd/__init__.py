@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spececd.core.sampling import SamplingParams
+from spececd.core.sampling import Constraint, SamplingParams
 from spececd.errors import InputError, SpecECDError
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncGenerator", "Completion", "Generator", "InputError", "SamplingParams",
+__all__ = ["AsyncGenerator", "Completion", "Constraint", "Generator", "InputError",
+           "SamplingParams",
            "SpecECDError", "StreamChunk"]
 
 if TYPE_CHECKING:

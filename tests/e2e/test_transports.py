@@ -127,6 +127,20 @@ def test_greedy_is_identical_to_the_target_alone(
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_greedy_under_a_constraint_is_the_target_alone_constrained(
+        kind: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+    """The constraint travels in the hello: the server masks, the edge drafts under it."""
+    pytest.importorskip("xgrammar")
+    from tests.e2e.test_constrained_models import CONSTRAINTS, hf_constrained_greedy
+
+    with cloud.generator(tiny_models["draft"], k=4, proactive="on") as gen:
+        ids = gen.prompt_ids(PROMPTS[0])
+        out = gen.generate(ids, max_tokens=24, temperature=0, constraint=CONSTRAINTS[kind])
+        assert out.token_ids == hf_constrained_greedy(tiny_models["llama"], ids,
+                                                      CONSTRAINTS[kind], 24)
+
+
 @pytest.mark.parametrize("mode,proactive", [("greedy", "off"), ("exact", "on")])
 def test_greedy_token_trees_are_identical_to_the_target_alone(
         mode: str, proactive: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:

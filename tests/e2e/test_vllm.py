@@ -221,3 +221,44 @@ def test_default_pair_on_vllm_matches_vllm_alone_and_transformers() -> None:
     for out, run, prompt in zip(outs, runs, ids, strict=True):
         assert out.token_ids == list(run.outputs[0].token_ids)
         assert out.token_ids == hf_greedy(MODELS / "target", prompt, 48)
+
+
+@pytest.mark.slow
+@requires_default_pair
+def test_constrained_greedy_on_vllm_is_the_target_alone_constrained() -> None:
+    """A constraint goes to vLLM's structured outputs (the 10-word pair has no end token, so
+    the default pair, on an engine of its own): stream-drafted and cloud-only output equal
+    transformers with xgrammar's processor compiled as vLLM compiles (compact JSON with
+    "," and ":"), and a later round is refused with a message that says what to use."""
+    pytest.importorskip("xgrammar")
+    import xgrammar as xgr
+
+    from spececd.core.sampling import Constraint
+    from spececd.protocol.errors import VerificationFailed
+    from tests.e2e.test_constrained_models import CONSTRAINTS, hf_constrained_greedy
+
+    def as_vllm(constraint: Constraint, compiler: object) -> object:
+        assert isinstance(compiler, xgr.GrammarCompiler)
+        if constraint.kind == "json_schema":
+            return compiler.compile_json_schema(constraint.spec, any_whitespace=False,
+                                                separators=(",", ":"))
+        from tests.e2e.test_constrained_models import xgrammar_of
+        return xgrammar_of(constraint, compiler)
+
+    proc = vllm_server(MODELS / "target")
+    try:
+        with remote(MODELS / "draft", proc.url, proactive="stream") as gen:
+            ids = gen.prompt_ids("def parse(line):\n    ")
+            for kind in ("json_schema", "regex", "choice", "grammar"):
+                constraint = CONSTRAINTS[kind]
+                expected = hf_constrained_greedy(MODELS / "target", ids, constraint, 32,
+                                                 compile=as_vllm)
+                for cloud_only in (False, True):
+                    out = gen.generate(ids, max_tokens=32, temperature=0,
+                                       constraint=constraint, cloud_only=cloud_only)
+                    assert out.token_ids == expected, (kind, cloud_only)
+            with pytest.raises(VerificationFailed, match="--proactive stream"):
+                gen.generate(ids, max_tokens=32, temperature=0, constraint=CONSTRAINTS["regex"],
+                             options=gen.options.with_settings(proactive="off", k=2))
+    finally:
+        proc.stop()

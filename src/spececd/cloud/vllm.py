@@ -34,6 +34,18 @@ with an ``unsupported`` error. vLLM applies those penalties to a request's outpu
 a round's request has what was generated before in its prompt. Exact mode is served as
 match mode: the edge's draft distributions are not used.
 
+A constraint (``SamplingParams.constraint``) is passed to vLLM's own structured outputs
+(``StructuredOutputsParams``; vLLM masks with xgrammar too, and checks proposed tokens
+against the grammar). vLLM starts a request's grammar at its first output token, so only a
+request that starts where the prompt ends can carry it: a constrained session's
+cloud-only or stream-drafted generation (one request) and its first round. A later round,
+or a generation resumed past the prompt, is answered with a ``verification_failed`` error
+that says so: on this engine, constrained sessions stream (``--proactive stream``) or
+generate cloud-only. vLLM compiles JSON with its own options: any whitespace unless the
+engine's ``structured_outputs_config`` says ``disable_any_whitespace`` (the server sets it:
+compact JSON, ``","`` and ``":"`` with no space), and ``strict: false`` is not honoured
+(the server picks vLLM's xgrammar backend, which compiles every schema strictly).
+
 vLLM draws its own random numbers. For a seed, output is reproducible on this engine, but
 it is not the built-in engine's output for that seed. Each request is seeded from the
 session's seed and the position it starts at, so that two rounds never reuse a draw.
@@ -57,7 +69,7 @@ from spececd.cloud.engine import CloudService, EnginePolicy
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, Pass, RunnerError
 from spececd.cloud.vllm_proposer import ADDRESS_ENV
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.sampling import Constraint, Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.errors import InputError
 from spececd.protocol.cloud_session import (
@@ -164,6 +176,13 @@ class VllmRunner:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
+        constraint = params.constraint
+        if constraint is not None and start != params.prompt_len:
+            raise RunnerError(
+                "this server's vLLM engine applies a constraint from the prompt's end only, "
+                "and this request starts later (a round after the first, or a resumed "
+                "generation): use stream drafting (--proactive stream) or cloud-only "
+                "generation for constrained output, or a server with the built-in engine")
         seed = None if params.seed is None else (params.seed * 1_000_003 + start) % (1 << 63)
         return VllmSampling(
             n=1, max_tokens=max_tokens, temperature=params.temperature,
@@ -171,7 +190,8 @@ class VllmRunner:
             repetition_penalty=params.repetition_penalty,
             logit_bias=dict(params.logit_bias) or None, seed=seed,
             stop_token_ids=list(stop), ignore_eos=True, detokenize=False,
-            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+            skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=None if constraint is None else _structured(constraint))
 
     def outputs(self, request_id: str, context: Sequence[int],
                 sampling: Any) -> AsyncGenerator[Any, None]:
@@ -185,9 +205,9 @@ class VllmRunner:
         draft, and the first that does not (or the one after the whole draft)."""
         draft, context = request.tokens, request.context
         request_id = self.request_id(key, "r", request.seq)
+        sampling = self.sampling(request.params, len(context), len(draft) + 1)
         if _proposes(request.params):
             self.hints.publish(request_id, len(context), draft)
-        sampling = self.sampling(request.params, len(context), len(draft) + 1)
         emitted: list[int] = []
         started = time.perf_counter()
         outputs = self.outputs(request_id, context, sampling)
@@ -226,6 +246,22 @@ class VllmRunner:
         self.hints.close()
 
 
+def _structured(constraint: Constraint) -> Any:
+    """``constraint`` as vLLM's ``StructuredOutputsParams``."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=spec)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=spec)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=constraint.choices())
+    return StructuredOutputsParams(grammar=spec)
+
+
 def _proposes(params: SamplingParams) -> bool:
     """Whether vLLM verifies the session's drafts itself: greedy sessions only (see the
     module docstring for why sampled ones are not)."""
@@ -251,14 +287,22 @@ class _Request:
         self._id = runner.request_id(key, "g", request.seq)
         self._proposes = _proposes(request.params)
         self._published = (stream.hint_start, stream.hint)
+        self._refused: RunnerError | None = None
+        try:
+            sampling = runner.sampling(request.params, len(request.context),
+                                       request.max_tokens, request.stop_token_ids)
+        except RunnerError as exc:  # answered at the first step
+            self._refused, self._proposes = exc, False
+            return
         if self._proposes:
             self._hints.publish(self._id, *self._published)
-        self._outputs = runner.outputs(self._id, request.context, runner.sampling(
-            request.params, len(request.context), request.max_tokens, request.stop_token_ids))
+        self._outputs = runner.outputs(self._id, request.context, sampling)
         self._last = time.perf_counter()
         self._ended_early = False
 
     async def step(self) -> StepOut:
+        if self._refused is not None:
+            raise self._refused
         if self._ended_early:  # after the step that ended it was recorded and sent
             raise RunnerError("the engine ended the generation early")
         try:
@@ -282,8 +326,9 @@ class _Request:
             self._hints.publish(self._id, *self._published)
 
     async def close(self) -> None:
-        await self._outputs.aclose()  # aborts the request if it is still running
-        self._hints.forget(self._id)
+        if self._refused is None:
+            await self._outputs.aclose()  # aborts the request if it is still running
+            self._hints.forget(self._id)
 
 
 def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = "",
@@ -322,6 +367,9 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
         "max_model_len": max_context, "max_num_seqs": policy.max_batch,
         "enable_prefix_caching": True,
+        # Compact JSON under a constraint, as the built-in engine writes it (roughly: see
+        # the module docstring).
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         "speculative_config": {"method": "custom_class", "model": PROPOSER,
                                "num_speculative_tokens": min(limits.max_draft, MAX_PROPOSED)},
         **extra})

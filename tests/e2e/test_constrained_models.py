@@ -1,0 +1,113 @@
+"""Greedy output under every constraint kind is identical to transformers' on the target
+alone with xgrammar's own transformers logits processor, in process, whatever the
+speculation: rounds in exact and match mode, token trees, stream drafting, cloud-only
+generation. (Over every transport: ``tests/e2e/test_transports.py``; on vLLM:
+``tests/e2e/test_vllm.py``.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+xgr = pytest.importorskip("xgrammar")
+
+from spececd.api import Generator  # noqa: E402
+from spececd.core.sampling import Constraint  # noqa: E402
+from tests.reference import PROMPTS, _reference_model  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "items": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "items", "n"], "additionalProperties": False}
+CONSTRAINTS = {
+    "json_schema": Constraint("json_schema", json.dumps(SCHEMA)),
+    "json_object": Constraint("json_object"),
+    "regex": Constraint("regex", r"[a-z]{2,8} = \d+;"),
+    "choice": Constraint.of_choices(["alpha", "beta", "gamma delta"]),
+    "grammar": Constraint("grammar", 'root ::= "(" item ("," item)* ")"\n'
+                                     'item ::= [a-z]+ | [0-9]+'),
+}
+N = 24
+
+
+def xgrammar_of(constraint: Constraint, compiler: Any) -> Any:
+    """``constraint`` compiled by xgrammar itself, as SpecECD documents it: compact JSON
+    (no free whitespace), json_object the schema of any object."""
+    if constraint.kind == "json_schema":
+        return compiler.compile_json_schema(constraint.spec, any_whitespace=False,
+                                            strict_mode=constraint.strict)
+    if constraint.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                            strict_mode=False)
+    if constraint.kind == "regex":
+        return compiler.compile_regex(constraint.spec)
+    if constraint.kind == "choice":
+        return compiler.compile_grammar("root ::= " + " | ".join(
+            json.dumps(c) for c in constraint.choices()))
+    return compiler.compile_grammar(constraint.spec)
+
+
+def hf_constrained_greedy(model_dir: Path, ids: list[int], constraint: Constraint,
+                          max_new_tokens: int, compile: Any = None) -> list[int]:
+    """The reference: transformers' greedy generation with xgrammar's logits processor,
+    stopping at the end-of-sequence token (kept, as SpecECD reports it); ``compile``:
+    how the constraint is compiled (default :func:`xgrammar_of`)."""
+    from transformers import AutoTokenizer
+
+    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
+    model = _reference_model(Path(model_dir), written)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size,
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    grammar = (compile or xgrammar_of)(constraint, xgr.GrammarCompiler(info))
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    return list(out[0, len(ids):].tolist())
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_models: dict[str, Path]) -> Generator:
+    return Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
+                          dtype="float32", k=4, proactive="off")
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRAINTS))
+@pytest.mark.parametrize("mode", ["exact", "match"])
+def test_greedy_under_each_constraint_is_the_target_alone(
+        kind: str, mode: str, gen: Generator, tiny_models: dict[str, Path]) -> None:
+    constraint = CONSTRAINTS[kind]
+    ids = gen.prompt_ids(PROMPTS[0])
+    out = gen.generate(ids, max_tokens=N, temperature=0, constraint=constraint,
+                       options=gen.options.with_settings(mode=mode))
+    assert out.token_ids == hf_constrained_greedy(tiny_models["llama"], ids, constraint, N)
+
+
+@pytest.mark.parametrize("settings,cloud_only", [
+    ({"tree_width": 3, "mode": "exact"}, False),  # siblings are masked too
+    ({"proactive": "stream"}, False),  # stream drafting's steps
+    ({}, True),  # the server generates alone
+])
+def test_trees_streams_and_cloud_only_generation_are_masked_too(
+        settings: dict[str, Any], cloud_only: bool, gen: Generator,
+        tiny_models: dict[str, Path]) -> None:
+    for kind in ("json_schema", "grammar"):
+        constraint = CONSTRAINTS[kind]
+        ids = gen.prompt_ids(PROMPTS[1])
+        out = gen.generate(ids, max_tokens=N, temperature=0, constraint=constraint,
+                           cloud_only=cloud_only, options=gen.options.with_settings(**settings))
+        assert out.token_ids == hf_constrained_greedy(tiny_models["llama"], ids, constraint, N)
+
+
+def test_forced_tokens_are_drafted_without_the_draft_model(gen: Generator) -> None:
+    out = gen.generate(gen.prompt_ids(PROMPTS[2]), max_tokens=N, temperature=0,
+                       constraint=CONSTRAINTS["json_schema"])
+    # '{"name": "' is forced outright, and so are the keys and punctuation after it; each
+    # drafted token took a draft model step or was forced (plain rounds draft nothing ahead).
+    assert out.stats.forced_tokens >= 4
+    assert out.stats.draft_steps + out.stats.forced_tokens == out.stats.drafted
