@@ -63,7 +63,8 @@ def test_parse_with_a_pydantic_model_returns_a_parsed_object(client: Any) -> Non
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "boolean"}},
                       "required": ["a"]}}, lambda t: isinstance(json.loads(t)["a"], bool)),
     # The tiny model never closes an object it may fill at will: its start shows the mask.
-    ({"response_format": {"type": "json_object"}}, lambda t: t.startswith('{"')),
+    ({"response_format": {"type": "json_object"}, "max_tokens": 4},
+     lambda t: t.startswith('{"')),
 ])
 def test_vllm_and_openai_fields_constrain_the_output(http: TestClient, body: dict[str, Any],
                                                      check: Any) -> None:
