@@ -9,6 +9,8 @@ when a model is built.
 
 from __future__ import annotations
 
+import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,10 @@ def train_tokenizer(vocab_size: int,
 
 
 def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: int = 2,
-                hidden: int = 64, width: int = 0) -> Path:
+                hidden: int = 64, width: int = 0, context: int = 256) -> Path:
     """A random-init model of ``arch`` saved with ``tokenizer``; ``width``: its logits'
-    width when it pads its output embeddings past the tokenizer (0: no padding)."""
+    width when it pads its output embeddings past the tokenizer (0: no padding);
+    ``context``: its positions."""
     import torch
     from transformers import (
         GPT2Config,
@@ -59,14 +62,16 @@ def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: in
     if arch == "llama":
         model: Any = LlamaForCausalLM(LlamaConfig(
             hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **common))
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+            **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(
             hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **common))
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+            **common))
     elif arch == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=4,
-                                           n_positions=256, **common))
+                                           n_positions=context, **common))
     else:
         raise ValueError(arch)
     # Random init gives nearly uniform logits; sharpen them so that sampling tests see a
@@ -76,6 +81,80 @@ def build_model(arch: str, path: Path, tokenizer: Any, seed: int = 0, layers: in
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+
+
+def llama_cpp_models() -> Path:
+    """The ``vendor/llama.cpp/models`` folder of llama-cpp-python's source archive: real
+    vocabularies as vocab-only GGUF files (``ggml-vocab-qwen2.gguf``, ``-llama-bpe``, ...)
+    and real chat templates (``templates/*.jinja``). Fetched once with pip (from the
+    package index, nothing else) into ``$SPECECD_TEST_CACHE`` (default
+    ``~/.cache/spececd-tests``), only those files kept; the test is skipped where pip
+    cannot fetch it."""
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    cache = Path(os.environ.get("SPECECD_TEST_CACHE") or Path.home() / ".cache" /
+                 "spececd-tests") / LLAMA_CPP_SDIST.replace("==", "-")
+    models = cache / "models"
+    if (models / "ggml-vocab-qwen2.gguf").is_file():
+        return models
+    with tempfile.TemporaryDirectory() as tmp:
+        fetched = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "--quiet", "-d", tmp, LLAMA_CPP_SDIST], capture_output=True, text=True)
+        archives = list(Path(tmp).glob("*.tar.gz"))
+        if fetched.returncode or not archives:
+            pytest.skip(f"pip could not fetch {LLAMA_CPP_SDIST}'s source archive: "
+                        f"{fetched.stderr.strip()[-300:]}")
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache))
+        with tarfile.open(archives[0]) as archive:
+            members = [m for m in archive.getmembers() if m.isfile() and re.search(
+                r"/vendor/llama\.cpp/models/(ggml-vocab-[^/]*\.gguf|templates/[^/]*)$",
+                m.name)]
+            for member in members:
+                member.name = member.name.split("/vendor/llama.cpp/models/", 1)[1]
+            archive.extractall(staging, members=members, filter="data")
+        try:
+            staging.replace(models)  # whole or not at all, should two sessions race
+        except OSError:
+            if not (models / "ggml-vocab-qwen2.gguf").is_file():
+                raise
+    return models
+
+
+def qwen25_tokenizer(models: Path) -> Any:
+    """Qwen2.5's tokenizer, as far as a vocab-only GGUF gives it: Qwen2's byte-level BPE
+    vocabulary (151,643 tokens and its special ones, padded to 151,936) with Qwen2.5's own
+    ``<tool_call>``/``</tool_call>`` tokens added and Qwen2.5-7B-Instruct's chat template,
+    which renders tools and tool calls (Hermes style); ends at ``<|im_end|>``."""
+    from transformers import Qwen2Tokenizer
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(models, gguf_file="ggml-vocab-qwen2.gguf")
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = (models / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+                               ).read_text()
+    tokenizer.eos_token = "<|im_end|>"
+    return tokenizer
+
+
+def llama31_tokenizer(models: Path) -> Any:
+    """Llama 3's byte-level BPE vocabulary (``ggml-vocab-llama-bpe.gguf``) with
+    Llama-3.1-8B-Instruct's chat template, which renders tools and JSON tool calls; ends at
+    ``<|eot_id|>``. (Llama 3.0's vocabulary: ``<|python_tag|>`` is a reserved token.)"""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(models,
+                                                        gguf_file="ggml-vocab-llama-bpe.gguf")
+    tokenizer.chat_template = (models / "templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja"
+                               ).read_text()
+    tokenizer.eos_token = "<|eot_id|>"
+    return tokenizer
 
 
 def default_pair_present() -> bool:

@@ -178,3 +178,15 @@ def test_bad_engine_and_load_options_are_one_line(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spececd: error: "), err
     assert said in lines[0] and out == ""
+
+
+def test_api_refuses_an_unknown_tool_call_parser_before_loading(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[edge]\ntool_call_parser = "mistral"\n')
+    code, out, err = run(capsys, "api", "--config", str(config), "--draft-model",
+                         str(tmp_path / "never-loaded"))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "spececd: error: unknown tool-call parser 'mistral': choose one of hermes, "
+        "llama3_json"]

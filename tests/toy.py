@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,8 @@ class ByteTokenizer:
     def files(self) -> dict[str, bytes]:
         return {}
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | None:
         return None
 
 

@@ -125,6 +125,7 @@ class EdgeConfig:
     tls_verify: bool = True
     target_tokenizer: str = ""  # with a server: the target's, when the draft's differs
     round_timeout: float = ROUND_TIMEOUT  # seconds without a reply: the link is deemed dead
+    tool_call_parser: str = ""  # spececd api: hermes or llama3_json ("": tools refused)
     options: EdgeOptions = field(default_factory=EdgeOptions)
 
     def sampling(self) -> dict[str, Any]:

@@ -292,17 +292,28 @@ class Generator:
             grammars_for(self.tokenizer, self.vocab_size).compile(run.params.constraint)
         return run
 
-    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """A conversation (``role`` and ``content`` per message) as prompt ids: the
-        tokenizer's chat template when it has one, else a plain transcript ending in
-        ``Assistant:``."""
+    def chat_ids(self, messages: Sequence[dict[str, Any]],
+                 tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation (``role`` and ``content`` per message; an assistant's
+        ``tool_calls`` and a ``tool`` message's ``tool_call_id`` as OpenAI's API and the
+        templates spell them) as prompt ids: the tokenizer's chat template when it has one,
+        else a plain transcript ending in ``Assistant:``. ``tools``: OpenAI's function
+        tools, which the template renders; a model whose template cannot take them (or
+        that has none) is an :class:`~spececd.errors.InputError`."""
         try:
-            ids = self.tokenizer.apply_chat_template(list(messages))
+            ids = self.tokenizer.apply_chat_template(list(messages), list(tools or []) or None)
+        except InputError:
+            raise
         except Exception as exc:  # templates raise on what their model does not take
             raise InputError(f"the model's chat template refused these messages: "
                              f"{exc}") from None
         if ids is None:
-            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+            if tools:
+                raise InputError("this model has no chat template, so it cannot be given "
+                                 "tools: leave tools out, or serve a model whose template "
+                                 "renders them")
+            text = "".join(f"{m['role'].capitalize()}: {m.get('content') or ''}\n"
+                           for m in messages)
             ids = self.tokenizer.encode(text + "Assistant:")
         return self.prompt_ids(list(ids))
 

@@ -323,3 +323,30 @@ class ConstraintMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+def tagged_json_grammar(tags: Sequence[tuple[str, Any, str]], separator: str,
+                        repeat: bool) -> str:
+    """An EBNF grammar (with a ``root`` rule, for a ``grammar`` constraint) of one tag
+    ``begin JSON end`` out of ``tags`` (``(begin, json_schema, end)``, the schema a dict),
+    or, when ``repeat``, one or more separated by ``separator``: each tag's JSON valid
+    under its schema, with at most one whitespace character between its tokens. Built
+    from xgrammar's structural tags, which embed the schemas; forced tool calls are such
+    tags (:mod:`spececd.openai_api.tools`). A schema xgrammar cannot take raises
+    :class:`InvalidConstraint` saying why."""
+    xgr = _xgrammar()
+    from xgrammar.structural_tag import (
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
+
+    formats = [TagFormat(begin=begin, end=end, content=JSONSchemaFormat(
+        json_schema=schema, max_whitespace_cnt=1)) for begin, schema, end in tags]
+    calls = TagsWithSeparatorFormat(tags=formats, separator=separator, at_least_one=True,
+                                    stop_after_first=not repeat)
+    try:
+        return str(xgr.Grammar.from_structural_tag(StructuralTag(format=calls)))
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own
+        raise InvalidConstraint(_reason(exc)) from None

@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import NamedTuple, ParamSpec, Protocol, TypeVar
+from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
 from spececd.core.verify import check_tree
+from spececd.errors import InputError
 from spececd.protocol.messages import Fingerprint
 
 
@@ -63,7 +65,23 @@ class Tokenizer(Protocol):
     def vocab_tokens(self) -> list[str]: ...  # token string of each id, in id order
     # The files transformers rebuilds this tokenizer from; empty when it cannot be exported.
     def files(self) -> dict[str, bytes]: ...
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None: ...
+    # A conversation as prompt ids through the model's chat template, with the generation
+    # prompt; None when it has no template. ``tools``: OpenAI's function tools, rendered by
+    # the template (an InputError when the template takes none: see takes_tools).
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | None: ...
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a Jinja chat template reads the ``tools`` variable: one that does not would
+    drop the tools silently."""
+    return re.search(r"\btools\b", template) is not None
+
+
+def no_tools_error() -> InputError:
+    return InputError("this model's chat template does not take tools (it never reads "
+                      "`tools`), so the model would not see them: leave tools out, or serve "
+                      "a model whose template renders them")
 
 
 class CachedSequence(Protocol):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from spececd.backends.base import no_tools_error, takes_tools
 from spececd.errors import InputError
 
 
@@ -36,10 +37,14 @@ class HFTokenizer:
             by_id[i] = token
         return by_id
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | None:
         if not getattr(self._tok, "chat_template", None):
             return None
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        if tools and not takes_tools(self._tok.get_chat_template(tools=tools)):
+            raise no_tools_error()
+        ids = self._tok.apply_chat_template(messages, tools=tools or None,
+                                            add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
         return list(ids)
 

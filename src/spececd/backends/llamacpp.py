@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from spececd.backends.base import Backend, ChainSequence
+from spececd.backends.base import Backend, ChainSequence, no_tools_error, takes_tools
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -98,15 +98,18 @@ class LlamaCppTokenizer:
         model = self._llm._model
         return [model.token_get_text(i) for i in range(token_count(self._llm))]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | None:
         """The GGUF's ``tokenizer.chat_template`` rendered the way llama.cpp's Python
-        bindings render it (Jinja2, sandboxed, with the generation prompt), then
-        tokenized with special tokens and no extra BOS (the template writes its own);
-        None when the GGUF has no template."""
+        bindings render it (Jinja2, sandboxed, with the generation prompt, ``tools``
+        included), then tokenized with special tokens and no extra BOS (the template
+        writes its own); None when the GGUF has no template."""
+        template = self._llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            return None
+        if tools and not takes_tools(template):
+            raise no_tools_error()
         if self._chat is None:
-            template = self._llm.metadata.get("tokenizer.chat_template")
-            if not template:
-                return None
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
             def text(token: int) -> str:
@@ -114,7 +117,7 @@ class LlamaCppTokenizer:
 
             self._chat = Jinja2ChatFormatter(template, eos_token=text(self._llm.token_eos()),
                                              bos_token=text(self._llm.token_bos()))
-        prompt = self._chat(messages=messages).prompt
+        prompt = self._chat(messages=messages, tools=tools or None).prompt
         return list(self._llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from spececd import config
 from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
+from spececd.openai_api.tool_parsers import PARSERS, parser
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +31,11 @@ def add_parser(sub: Any) -> None:
                    "(no drafting), for comparison; a request may still set cloud_only")
     g.add_argument("--max-concurrency", type=int, default=64,
                    help="sessions generating at once; more requests wait (default: 64)")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="the format the model writes tool calls in, parsed out of its output "
+                   "into tool_calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3/Hermes) or "
+                   "llama3_json (Llama 3.1's JSON); without it, requests with tools are "
+                   "refused unless tool_choice is none (config: [edge] tool_call_parser)")
     p.set_defaults(run=run)
 
 
@@ -42,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
+    if cfg.tool_call_parser:
+        parser(cfg.tool_call_parser)  # a name config.toml misspells is refused before loading
     with load_generator(cfg) as gen:
-        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)
+        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
+                  tool_parser=cfg.tool_call_parser or None)
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"

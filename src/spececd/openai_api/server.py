@@ -11,7 +11,13 @@ in this process or on a server) behind FastAPI:
   streamed choice carries ``spececd``: where its tokens came from (``draft``: drafted and
   accepted, ``target``: the verifier's own, ``fallback``: the draft alone, unverified)
   and the statistics so far;
-- ``GET /`` the playground (``playground.html``), ``GET /healthz``.
+- ``GET /`` the playground (``playground.html``), ``GET /healthz``;
+- tool calls (:mod:`spececd.openai_api.tools`): ``tools`` rendered by the chat template,
+  calls parsed out of the output in the format of ``tool_parser`` into
+  ``message.tool_calls`` (``finish_reason: "tool_calls"``), or streamed as OpenAI's
+  ``tool_calls`` deltas (a call's id and name, then its arguments) once each call is
+  whole, the text before it as content; ``tool_choice`` ``required`` or a named function
+  forced by a grammar the verifier masks with.
 
 Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
@@ -41,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from spececd.core.sampling import Constraint
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
@@ -54,6 +61,8 @@ from spececd.openai_api.schema import (
     Sampling,
     unsupported,
 )
+from spececd.openai_api.tool_parsers import ToolCall, ToolStream, parser
+from spececd.openai_api.tools import ToolPlan, plan, template_messages
 from spececd.protocol.errors import InvalidConstraint, ProtocolError, ServerBusy, Unsupported
 
 log = logging.getLogger(__name__)
@@ -127,6 +136,13 @@ class Choice:
     tokens: int = 0
     from_draft: int = 0  # of them, drafted and accepted
     finish_reason: str | None = None
+    tools: ToolStream | None = None  # calls are parsed out of the text, as it streams
+    calls: int = 0  # tool calls streamed so far
+    max_calls: int | None = None  # calls kept (parallel_tool_calls false: the first)
+
+    def keep(self, calls: list[ToolCall]) -> list[ToolCall]:
+        room = len(calls) if self.max_calls is None else self.max_calls - self.calls
+        return calls[:max(room, 0)]
 
 
 @dataclass
@@ -177,9 +193,13 @@ class Api:
     """The routes' state: the generator, the served model's name and the API key."""
 
     def __init__(self, gen: Generator, model: str, api_key: str = "",
-                 cloud_only: bool = False, max_concurrency: int = 64) -> None:
+                 cloud_only: bool = False, max_concurrency: int = 64,
+                 tool_parser: str | None = None) -> None:
         self.gen, self.model, self.api_key = gen, model, api_key
         self.cloud_only = cloud_only
+        if tool_parser is not None:
+            parser(tool_parser)  # a known name, or the error that lists them
+        self.tool_parser = tool_parser  # the format calls are parsed in (None: no tools)
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
 
@@ -207,7 +227,7 @@ class Api:
                 raise FieldError(found[0], str(exc)) from None
 
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
-              kind: str) -> Run:
+              kind: str, tools: ToolPlan | None = None) -> Run:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         longest = max(len(ids) for ids in prompts)
@@ -222,10 +242,15 @@ class Api:
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
+        if tools is not None and tools.grammar is not None:  # the calls, forced
+            sampling["constraint"] = Constraint("grammar", tools.grammar)
         # Checked before streaming; the first choice's seed (drawn when none was given).
         base = self.gen.params(seed=body.seed, **sampling).seed
         assert base is not None
-        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
+        parser = tools.parser if tools is not None else None
+        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
+                          tools=parser.stream() if parser else None,
+                          max_calls=tools.max_calls if tools is not None else None)
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
@@ -295,8 +320,17 @@ class Api:
             text = "".join(c.text)
             body: dict[str, Any] = ({"message": {"role": "assistant", "content": text}}
                                     if chat else {"text": text})
+            finish = c.finish_reason
+            if c.tools is not None:
+                content, calls = c.tools.push(text)
+                rest, more = c.tools.flush()
+                calls = c.keep(calls + more)
+                body["message"]["content"] = (content + rest) or None
+                if calls:
+                    body["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
             choices.append({"index": c.index, **body, "logprobs": None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish})
         return {"id": run.id, "object": "chat.completion" if chat else "text_completion",
                 "created": run.created, "model": self.model, "choices": choices,
                 "usage": run.usage(), "speculative": run.speculative()}
@@ -313,18 +347,37 @@ class Api:
         started: set[int] = set()
 
         def event(choice: Choice, chunk: StreamChunk) -> str:
-            body: dict[str, Any]
+            finish = chunk.finish_reason
             if chat:
-                delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+                text, calls = chunk.text, list[ToolCall]()
+                if choice.tools is not None:  # content as it is certain, calls once whole
+                    text, calls = choice.tools.push(text)
+                    if finish is not None:
+                        rest, more = choice.tools.flush()
+                        text, calls = text + rest, calls + more
+                    calls = choice.keep(calls)
+                deltas: list[dict[str, Any]] = [{"content": text} if text else {}]
                 if choice.index not in started:
-                    delta = {"role": "assistant", "content": chunk.text}
+                    deltas[0] = {"role": "assistant", "content": text}
                 started.add(choice.index)
-                body = {"delta": delta}
+                for call in calls:  # OpenAI's: id and name, then the arguments
+                    deltas += [{"tool_calls": [{"index": choice.calls, "id": call.id,
+                                                "type": "function", "function": {
+                                                    "name": call.name, "arguments": ""}}]},
+                               {"tool_calls": [{"index": choice.calls, "function": {
+                                   "arguments": call.arguments}}]}]
+                    choice.calls += 1
+                if finish == "stop" and choice.calls:
+                    finish = "tool_calls"
+                if len(deltas) > 1 and deltas[0] == {}:
+                    deltas.pop(0)
             else:
-                body = {"text": chunk.text}
-            return sse({**head, "choices": [{
-                "index": choice.index, **body, "logprobs": None,
-                "finish_reason": chunk.finish_reason, "spececd": run.live(choice, chunk)}]})
+                deltas = [{"text": chunk.text}]
+            live = run.live(choice, chunk)
+            return "".join(sse({**head, "choices": [{
+                "index": choice.index, **({"delta": delta} if chat else delta),
+                "logprobs": None, "finish_reason": finish if i == len(deltas) - 1 else None,
+                "spececd": live}]}) for i, delta in enumerate(deltas))
 
         try:
             yield event(*first)
@@ -386,11 +439,12 @@ def create_app(api: Api) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.text()} for m in body.messages]
-        ids = await asyncio.to_thread(api.gen.chat_ids, messages)
+        tools = await asyncio.to_thread(plan, body, api.tool_parser)  # xgrammar builds
+        ids = await asyncio.to_thread(api.gen.chat_ids, template_messages(body.messages),
+                                      tools.tools)
         limit = body.max_completion_tokens or body.max_tokens
-        return await api.respond(api.start(body, [ids], limit, "chatcmpl"), True, request)
+        return await api.respond(api.start(body, [ids], limit, "chatcmpl", tools), True,
+                                 request)
 
     return app
 

@@ -1,0 +1,176 @@
+"""The tool-call parsers on outputs as the models write them: whole, and fed in pieces of
+every size (calls split across stream chunks), which must give the same content and
+calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spececd.errors import InputError
+from spececd.openai_api.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCall,
+    ToolParser,
+    parser,
+)
+
+# Qwen2.5-7B-Instruct's way: a call per block, a newline between blocks.
+QWEN_TWO_CALLS = (
+    '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": '
+    '"San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_temperature_date", "arguments": {"location": "San Francisco, CA, USA", '
+    '"date": "2024-10-01", "unit": "celsius"}}\n</tool_call>')
+QWEN_TEXT_THEN_CALL = (
+    'Let me look that up.\n<tool_call>\n{"name": "search", "arguments": {"q": "a \\"quoted\\"'
+    ' </tool> {brace}"}}\n</tool_call>')
+# Llama 3.1-8B-Instruct's way: the reply is the JSON object.
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def streamed(p: ToolParser, text: str, size: int) -> tuple[str | None, list[ToolCall]]:
+    stream = p.stream()
+    content, calls = "", []
+    for piece in pieces(text, size):
+        more, new = stream.push(piece)
+        content += more
+        calls += new
+    more, new = stream.flush()
+    return (content + more) or None, calls + new
+
+
+def named(calls: list[ToolCall]) -> list[tuple[str, dict[str, object]]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 10_000])
+def test_hermes_several_calls(size: int) -> None:
+    content, calls = streamed(HermesParser(), QWEN_TWO_CALLS, size)
+    assert content is None
+    assert named(calls) == [
+        ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+        ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01",
+                                  "unit": "celsius"})]
+    assert calls[0].arguments == ('{"location": "San Francisco, CA, USA", "unit": '
+                                  '"celsius"}')  # the model's own text
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize("size", [1, 4, 10_000])
+def test_hermes_text_before_a_call_is_content(size: int) -> None:
+    content, calls = streamed(HermesParser(), QWEN_TEXT_THEN_CALL, size)
+    assert content == "Let me look that up.\n"
+    assert named(calls) == [("search", {"q": 'a "quoted" </tool> {brace}'})]
+
+
+@pytest.mark.parametrize("size", [1, 5, 10_000])
+def test_hermes_malformed_json_is_left_as_content(size: int) -> None:
+    bad = '<tool_call>\n{"name": "f", "arguments": {"x": 1}\n</tool_call>'  # a brace short
+    text = f"{bad}\n{QWEN_TWO_CALLS}"
+    content, calls = streamed(HermesParser(), text, size)
+    assert content == bad + "\n"
+    assert [c.name for c in calls] == ["get_current_temperature", "get_temperature_date"]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n["f"]\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"x": 1}}',  # cut off before its end tag
+    "plain text with a < and <tool but no call",
+])
+def test_hermes_what_is_not_a_call_is_content(text: str) -> None:
+    assert HermesParser().parse(text) == (text, [])
+    assert streamed(HermesParser(), text, 1) == (text, [])
+
+
+def test_hermes_holds_back_only_what_may_open_a_call() -> None:
+    stream = HermesParser().stream()
+    assert stream.push("Sure <tool") == ("Sure ", [])  # "<tool" may open a call
+    assert stream.push("s> are ready") == ("<tools> are ready", [])
+    assert stream.flush() == ("", [])
+
+
+def test_hermes_a_call_without_arguments_gets_an_empty_object() -> None:
+    _, calls = HermesParser().parse('<tool_call>\n{"name": "now"}\n</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("now", "{}")]
+
+
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", " \n"])
+def test_llama3_json_call(prefix: str, size: int) -> None:
+    content, calls = streamed(Llama3JsonParser(), prefix + LLAMA_CALL, size)
+    assert content is None
+    assert named(calls) == [("get_weather", {"city": "Paris", "days": 3})]
+    assert calls[0].arguments == '{"city": "Paris", "days": 3}'
+
+
+@pytest.mark.parametrize("size", [1, 10_000])
+def test_llama3_json_several_calls_separated_by_semicolons(size: int) -> None:
+    text = LLAMA_CALL + '; {"name": "get_time", "parameters": {}}'
+    _, calls = streamed(Llama3JsonParser(), text, size)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("text", [
+    "The weather in Paris is sunny.",
+    '{"name": "get_weather", "parameters": {"city": "Paris"',  # cut off
+    '{"city": "Paris"}',  # JSON, but no call
+    "<|python_tag|>not json",
+])
+def test_llama3_json_what_is_not_a_call_is_content(text: str) -> None:
+    assert Llama3JsonParser().parse(text) == (text, [])
+    assert streamed(Llama3JsonParser(), text, 1) == (text, [])
+
+
+def test_llama3_json_text_after_a_call_is_content() -> None:
+    assert named(Llama3JsonParser().parse(LLAMA_CALL + " done")[1]) == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    assert Llama3JsonParser().parse(LLAMA_CALL + " done")[0] == " done"
+
+
+def test_unknown_parser_names_the_known_ones() -> None:
+    with pytest.raises(InputError, match="hermes, llama3_json"):
+        parser("mistral")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}},
+    "required": ["city"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+CALLS = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>', '<tool_call>\n{"name": "now", "arguments": {"tz": 1}}\n'
+               '</tool_call>', "\n"),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                    '{"name": "now", "parameters": {"tz": 1}}', "; "),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_the_call_grammar_takes_what_the_parser_parses(name: str) -> None:
+    """The grammar that forces calls (tool_choice required or named) writes them in the
+    parser's format: what it accepts parses back, and it refuses what breaks the schema,
+    a second call when calls are not parallel, and text around a call."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from spececd.openai_api.tools import call_grammar
+
+    one, other, separator = CALLS[name]
+    parallel = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=True))
+    single = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=False))
+    both = one + separator + other
+    assert _is_grammar_accept_string(parallel, both)
+    assert [c.name for c in parser(name).parse(both)[1]] == ["get_weather", "now"]
+    assert _is_grammar_accept_string(single, one) and _is_grammar_accept_string(single, other)
+    assert not _is_grammar_accept_string(single, both)
+    assert not _is_grammar_accept_string(parallel, one.replace("Paris", "Rome"))
+    assert not _is_grammar_accept_string(parallel, "Sure. " + one)
+    assert not _is_grammar_accept_string(parallel, "")
