@@ -414,18 +414,18 @@ class Generator:
             texts: list[str] = []
             logprobs: list[TokenLogprob] | None = [] if base.params.logprobs is not None \
                 else None
-            prompt: list[TokenLogprob | None] | None = None
+            scored: list[TokenLogprob | None] | None = None  # the prompt's
             for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 finish = chunk.finish_reason
                 if chunk.prompt_logprobs is not None:
-                    prompt = list(chunk.prompt_logprobs)
+                    scored = list(chunk.prompt_logprobs)
                 if logprobs is not None and chunk.token_ids:
                     logprobs = logprobs + list(chunk.logprobs) if chunk.logprobs else None
             assert finish is not None
             completions.append(Completion(token_ids, "".join(texts), finish, stats, logprobs,
-                                          prompt))
+                                          scored))
         return completions
 
 

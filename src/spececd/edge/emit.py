@@ -6,8 +6,8 @@ the authoritative token history, applies stop tokens and ``max_tokens`` exactly
 (:func:`~spececd.core.stopping.clip_emitted`), ends the generation at the context limit
 or when the server says it is done, counts what was emitted, and marks output that was
 never verified. Log-probabilities, where asked, follow their tokens through the same
-clipping; the prompt's are handed on once, the first time a reply brings them. Strategies read the history and the budget from it and never emit
-themselves.
+clipping; the prompt's are handed on once, the first time a reply brings them.
+Strategies read the history and the budget from it and never emit themselves.
 """
 
 from __future__ import annotations

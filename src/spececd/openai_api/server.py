@@ -11,7 +11,14 @@ in this process or on a server) behind FastAPI:
   streamed choice carries ``spececd``: where its tokens came from (``draft``: drafted and
   accepted, ``target``: the verifier's own, ``fallback``: the draft alone, unverified)
   and the statistics so far;
-- ``GET /`` the playground (``playground.html``), ``GET /healthz``.
+- ``GET /`` the playground (``playground.html``), ``GET /healthz``;
+- log-probabilities, the target's own (:mod:`spececd.core.logprobs`): chat's ``logprobs``
+  and ``top_logprobs`` (``choices[].logprobs.content``), completions' ``logprobs: N`` in
+  OpenAI's legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``: the ``N`` most
+  likely and the chosen token, ``text_offset``) and ``echo`` (the prompt before the
+  completion, with its log-probabilities, the first ``null``; ``max_tokens: 0`` generates
+  nothing: scoring, as lm-evaluation-harness asks). ``-inf`` (a token a filter removed,
+  in ``processed_logprobs`` mode) is written ``-9999.0``, as vLLM writes it.
 
 Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
@@ -26,12 +33,13 @@ stream has begun, a failure arrives as an ``error`` event before ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
@@ -41,6 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from spececd.core.logprobs import TokenLogprob
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
@@ -52,6 +61,7 @@ from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming client is still there
+NO_LOGPROB = -9999.0  # how -inf is written (JSON has no infinity), as vLLM writes it
 
 
 class ApiError(Exception):
@@ -116,6 +126,11 @@ class Choice:
     tokens: int = 0
     from_draft: int = 0  # of them, drafted and accepted
     finish_reason: str | None = None
+    prompt_text: str = ""  # what echo puts before the completion
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: unverified
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    offset: int = 0  # streamed completions' text_offset so far
 
 
 @dataclass
@@ -130,6 +145,9 @@ class Run:
     options: EdgeOptions
     cloud_only: bool
     id: str
+    logprobs: int | None = None  # alternatives per token, when asked
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    score_only: bool = False  # max_tokens 0: nothing generated (the prompt scored, if asked)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
@@ -171,6 +189,7 @@ class Api:
         self.cloud_only = cloud_only
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
+        self._token_texts: dict[int, str] = {}
 
     def check(self, request: Request, body: Sampling) -> None:
         guard(self, request)
@@ -186,7 +205,9 @@ class Api:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
-              kind: str) -> Run:
+              kind: str, prompt_texts: Sequence[str] = ()) -> Run:
+        """A request's run. ``max_tokens`` 0 (completions) generates nothing: the
+        verifier's one step (cloud-only) scores the prompt, and its token is dropped."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         longest = max(len(ids) for ids in prompts)
@@ -195,19 +216,30 @@ class Api:
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
                                     if name in Sampling.model_fields and name != "seed"}
+        score_only = max_tokens == 0
+        echo = isinstance(body, CompletionRequest) and body.echo
+        logprobs = body.logprobs if isinstance(body, CompletionRequest) else (
+            (body.top_logprobs or 0) if isinstance(body, ChatRequest) and body.logprobs
+            else None)
         sampling.update(
-            max_tokens=min(max_tokens, room) if max_tokens else room,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            max_tokens=1 if score_only else min(max_tokens, room) if max_tokens else room,
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
         # Checked before streaming; the first choice's seed (drawn when none was given).
         base = self.gen.params(seed=body.seed, **sampling).seed
         assert base is not None
-        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
+        texts = list(prompt_texts) or [""] * len(prompts)
+        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
+                          prompt_text=texts[p] if echo else "")
                    for p, ids in enumerate(prompts) for i in range(body.n)]
-        cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
+        cloud_only = score_only or (self.cloud_only if body.cloud_only is None
+                                    else body.cloud_only)
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
-                   options, cloud_only, f"{kind}-{secrets.token_hex(12)}")
+                   options, cloud_only, f"{kind}-{secrets.token_hex(12)}", logprobs, echo,
+                   score_only)
 
     async def chunks(self, run: Run) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every choice's chunks as they come, the choices generated concurrently."""
@@ -235,8 +267,16 @@ class Api:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if item.prompt_logprobs is not None:
+                        choice.prompt_logprobs = item.prompt_logprobs
+                    if run.score_only:  # the scoring step's token is no part of the reply
+                        item = dataclasses.replace(
+                            item, token_ids=(), text="", logprobs=None,
+                            finish_reason="length" if item.finish_reason else None)
                     choice.text.append(item.text)
                     choice.tokens += len(item.token_ids)
+                    choice.token_ids.extend(item.token_ids)
+                    choice.logprobs.extend(item.logprobs or (None,) * len(item.token_ids))
                     choice.from_draft += len(item.token_ids) if item.source == "draft" else 0
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item
@@ -272,12 +312,65 @@ class Api:
         for c in run.choices:
             text = "".join(c.text)
             body: dict[str, Any] = ({"message": {"role": "assistant", "content": text}}
-                                    if chat else {"text": text})
-            choices.append({"index": c.index, **body, "logprobs": None,
+                                    if chat else {"text": c.prompt_text + text})
+            choices.append({"index": c.index, **body,
+                            "logprobs": self.logprobs(run, c, c.token_ids, c.logprobs, chat,
+                                                      first=True),
                             "finish_reason": c.finish_reason})
         return {"id": run.id, "object": "chat.completion" if chat else "text_completion",
                 "created": run.created, "model": self.model, "choices": choices,
                 "usage": run.usage(), "speculative": run.speculative()}
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.gen.tokenizer.decode([token])
+        return text
+
+    def logprobs(self, run: Run, choice: Choice, token_ids: Sequence[int],
+                 entries: Sequence[TokenLogprob | None], chat: bool, first: bool
+                 ) -> dict[str, Any] | None:
+        """``choice``'s log-probabilities of ``token_ids`` in OpenAI's shape, chat's or
+        completions' legacy one (with echo, on the ``first`` part of a choice, the prompt's
+        before them; ``text_offset`` counts from the start of the choice's text); None when
+        the request asked for none. An unverified token (the draft's alone) has null."""
+        if run.logprobs is None:
+            return None
+        if chat:
+            return {"content": [self.chat_entry(token, entry)
+                                for token, entry in zip(token_ids, entries, strict=True)],
+                    "refusal": None}
+        pairs = list(zip(token_ids, entries, strict=True))
+        if run.echo and first:
+            prompt = choice.prompt_logprobs or (None,) * len(choice.prompt_ids)
+            pairs = [*zip(choice.prompt_ids, prompt, strict=True), *pairs]
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token, entry in pairs:
+            text = self.token_text(token)
+            tokens.append(text)
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(finite(entry.logprob))
+            top = {self.token_text(t): finite(value) for t, value in entry.top}
+            top.setdefault(text, finite(entry.logprob))  # OpenAI's: the chosen one too
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def chat_entry(self, token: int, entry: TokenLogprob | None) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": finite(entry.logprob) if entry else None,
+                "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": finite(value),
+                                  "bytes": list(self.token_text(t).encode())}
+                                 for t, value in (entry.top if entry else ())]}
 
     async def events(self, run: Run, chat: bool, first: tuple[Choice, StreamChunk],
                      rest: AsyncIterator[tuple[Choice, StreamChunk]]) -> AsyncIterator[str]:
@@ -292,16 +385,19 @@ class Api:
 
         def event(choice: Choice, chunk: StreamChunk) -> str:
             body: dict[str, Any]
+            first = choice.index not in started
+            started.add(choice.index)
             if chat:
                 delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
-                if choice.index not in started:
+                if first:
                     delta = {"role": "assistant", "content": chunk.text}
-                started.add(choice.index)
                 body = {"delta": delta}
             else:
-                body = {"text": chunk.text}
+                body = {"text": (choice.prompt_text if first else "") + chunk.text}
+            entries = chunk.logprobs or (None,) * len(chunk.token_ids)
             return sse({**head, "choices": [{
-                "index": choice.index, **body, "logprobs": None,
+                "index": choice.index, **body,
+                "logprobs": self.logprobs(run, choice, chunk.token_ids, entries, chat, first),
                 "finish_reason": chunk.finish_reason, "spececd": run.live(choice, chunk)}]})
 
         try:
@@ -314,6 +410,10 @@ class Api:
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield "data: [DONE]\n\n"
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > NO_LOGPROB else NO_LOGPROB
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -356,8 +456,9 @@ def create_app(api: Api) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check(request, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
-        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False,
-                                 request)
+        texts = await asyncio.to_thread(echoed_prompts, api.gen, body, prompts)
+        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl", texts),
+                                 False, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -389,6 +490,20 @@ def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")
     return [gen.prompt_ids(p) for p in many]
+
+
+def echoed_prompts(gen: Generator, body: CompletionRequest, prompts: list[list[int]]
+                   ) -> list[str]:
+    """What ``echo`` puts before each prompt's completions: the prompt as written, or
+    the text of its token ids."""
+    if not body.echo:
+        return []
+    prompt = body.prompt
+    written = [prompt] if isinstance(prompt, str) else prompt if prompt and all(
+        isinstance(p, str) for p in prompt) else None
+    if written is not None:
+        return [str(p) for p in written]
+    return [gen.tokenizer.decode(ids) for ids in prompts]
 
 
 def on_validation(exc: RequestValidationError) -> JSONResponse:
