@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("grpc")
 
-from spececd.core.logprobs import TokenLogprob  # noqa: E402
-from spececd.core.sampling import SamplingParams, process_logits  # noqa: E402
-from tests.e2e import test_transports  # noqa: E402
-from tests.reference import FIXED_K, PROMPTS, hf_logprobs  # noqa: E402
+from spececd.core.logprobs import TokenLogprob
+from spececd.core.sampling import SamplingParams, process_logits
+from tests.e2e import test_transports
+from tests.reference import FIXED_K, PROMPTS, hf_logprobs
 
 # The verifier fixtures of the transports suite, over memory, WebSocket, gRPC and HTTP.
 tiny_server, cloud = test_transports.tiny_server, test_transports.cloud
