@@ -374,6 +374,14 @@ def test_logprobs_and_echo_are_the_targets_own(client: Any, tokenizer: Any) -> N
         assert 1 <= len(top) <= 4  # the 3 most likely and the chosen one (OpenAI's legacy)
         assert max(top.values()) == pytest.approx(row.max(), abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    events = list(client.completions.create(model="spececd", prompt=prompt, max_tokens=12,
+                                            temperature=0, logprobs=3, echo=True, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(e.choices[0].text for e in events) == choice.text
+    parts = [e.choices[0].logprobs for e in events if e.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert np.allclose([v for p in parts for v in p.token_logprobs][1:], want, atol=1e-4)
     scored = client.completions.create(model="spececd", prompt=prompt, max_tokens=0,
                                        temperature=0, logprobs=1, echo=True)
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0

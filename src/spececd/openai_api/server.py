@@ -333,15 +333,17 @@ class Api:
         """``choice``'s log-probabilities of ``token_ids`` in OpenAI's shape, chat's or
         completions' legacy one (with echo, on the ``first`` part of a choice, the prompt's
         before them; ``text_offset`` counts from the start of the choice's text); None when
-        the request asked for none. An unverified token (the draft's alone) has null."""
-        if run.logprobs is None:
+        the request asked for none, or for a part without tokens (a stream's last event).
+        An unverified token (the draft's alone) has null."""
+        echoed = run.echo and first
+        if run.logprobs is None or not (token_ids or echoed):
             return None
         if chat:
             return {"content": [self.chat_entry(token, entry)
                                 for token, entry in zip(token_ids, entries, strict=True)],
                     "refusal": None}
         pairs = list(zip(token_ids, entries, strict=True))
-        if run.echo and first:
+        if echoed:
             prompt = choice.prompt_logprobs or (None,) * len(choice.prompt_ids)
             pairs = [*zip(choice.prompt_ids, prompt, strict=True), *pairs]
         tokens: list[str] = []
