@@ -43,11 +43,12 @@ def check_against_reference(reference: np.ndarray, ids: list[int],
                            atol=TOLERANCE), i
 
 
-@pytest.mark.parametrize("how", ["rounds", "cloud_only", "stream"])
+@pytest.mark.parametrize("how", ["rounds", "trees", "cloud_only", "stream"])
 def test_greedy_logprobs_are_the_targets_own(how: str, cloud: Cloud,
                                              tiny_models: dict[str, Path]) -> None:
-    proactive = {"rounds": "off", "cloud_only": "off", "stream": "stream"}[how]
-    with cloud.generator(tiny_models["draft"], k=4, proactive=proactive) as gen:
+    proactive = "stream" if how == "stream" else "off"
+    with cloud.generator(tiny_models["draft"], k=4, proactive=proactive,
+                         tree_width=3 if how == "trees" else 1) as gen:
         ids = gen.prompt_ids(PROMPTS[0])
         out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[],
                            logprobs=TOP, prompt_logprobs=TOP, cloud_only=how == "cloud_only")
@@ -60,8 +61,10 @@ def test_greedy_logprobs_are_the_targets_own(how: str, cloud: Cloud,
     prompt = [e for e in out.prompt_logprobs[1:] if e is not None]
     assert [e.token_id for e in prompt] == ids[1:]
     check_against_reference(reference, ids[:1], prompt)
-    if how == "rounds":
+    if how in ("rounds", "trees"):
         assert out.stats.accepted > 0  # some positions were drafted and accepted
+    if how == "trees":
+        assert out.stats.tree_siblings > 0  # trees were drafted and verified
 
 
 def test_sampled_logprobs_raw_and_processed(cloud: Cloud, tiny_models: dict[str, Path]) -> None:

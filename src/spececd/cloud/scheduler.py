@@ -40,6 +40,8 @@ from spececd.protocol.cloud_session import VerifyRequest
 
 log = logging.getLogger(__name__)
 
+PROMPT_BLOCK = 256  # rows of a prompt's logits turned into log-probabilities at a time
+
 
 class VerificationError(RunnerError):
     """A verification pass failed (the backend raised); the job's cache is unusable."""
@@ -125,8 +127,12 @@ def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
                                        len(request.context))
         emitted_lp = token_logprobs(values, emitted, params.logprobs)
     if prompt is not None and params.prompt_logprobs is not None:
-        prompt_lp = token_logprobs(log_softmax(prompt), request.context[1:],
-                                   params.prompt_logprobs)
+        top, tokens = params.prompt_logprobs, request.context[1:]
+        # By blocks of rows: a long prompt's float64 copy of its whole logits is gigabytes.
+        prompt_lp = Logprobs.concat([Logprobs.empty(top), *(
+            token_logprobs(log_softmax(prompt[i:i + PROMPT_BLOCK]),
+                           tokens[i:i + PROMPT_BLOCK], top)
+            for i in range(0, len(tokens), PROMPT_BLOCK))])
     return emitted_lp, prompt_lp
 
 
