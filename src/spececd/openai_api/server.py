@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -190,6 +192,7 @@ class Api:
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
         self._token_texts: dict[int, str] = {}
+        self._vocab: list[str] | None = None  # the tokenizer's token strings, when needed
 
     def check(self, request: Request, body: Sampling) -> None:
         guard(self, request)
@@ -366,12 +369,30 @@ class Api:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def chat_entry(self, token: int, entry: TokenLogprob | None) -> dict[str, Any]:
+    def token_bytes(self, token: int) -> list[int]:
+        """A token's UTF-8 bytes, as OpenAI's ``bytes``: a token that holds part of a
+        character (its text alone decodes to U+FFFD) gives its own bytes where the
+        tokenizer's token string spells them (byte-level BPE, SentencePiece's
+        ``<0xNN>``)."""
         text = self.token_text(token)
-        return {"token": text, "logprob": finite(entry.logprob) if entry else None,
-                "bytes": list(text.encode()),
+        if "\ufffd" not in text:
+            return list(text.encode())
+        if self._vocab is None:
+            self._vocab = self.gen.tokenizer.vocab_tokens()
+        piece = self._vocab[token] if token < len(self._vocab) else ""
+        if found := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return [int(found[1], 16)]
+        table = byte_level_decoder()
+        if piece and all(c in table for c in piece):
+            return [table[c] for c in piece]
+        return list(text.encode())
+
+    def chat_entry(self, token: int, entry: TokenLogprob | None) -> dict[str, Any]:
+        return {"token": self.token_text(token),
+                "logprob": finite(entry.logprob) if entry else None,
+                "bytes": self.token_bytes(token),
                 "top_logprobs": [{"token": self.token_text(t), "logprob": finite(value),
-                                  "bytes": list(self.token_text(t).encode())}
+                                  "bytes": self.token_bytes(t)}
                                  for t, value in (entry.top if entry else ())]}
 
     async def events(self, run: Run, chat: bool, first: tuple[Choice, StreamChunk],
@@ -412,6 +433,22 @@ class Api:
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield "data: [DONE]\n\n"
+
+
+@functools.cache
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character to byte: printable bytes stand for
+    themselves, the others for characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
 
 
 def finite(logprob: float) -> float:
