@@ -76,3 +76,15 @@ def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingPar
         second = np.stack([process_logits(rows[a:a + 1], params, [*prompt, a],
                                           len(prompt) + 1)[0] for a in range(vocab)])
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]
+
+
+def hf_logprobs(model_dir: Path, ids: list[int]) -> np.ndarray:  # [len(ids), vocab]
+    """The reference for log-probabilities: one plain transformers forward pass over
+    ``ids`` and ``log_softmax`` in float64; row ``i`` is the distribution after
+    ``ids[:i + 1]``."""
+    import torch
+
+    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
+    with torch.no_grad():
+        logits = _reference_model(Path(model_dir), written)(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1).numpy()  # type: ignore[no-any-return]

@@ -7,6 +7,14 @@
         print(chunk.text, end="", flush=True)       # chunk.source: "draft" or "target"
     completion = gen.generate("import os\n", max_tokens=32, temperature=0)
     print(completion.token_ids, completion.stats.acceptance_rate)
+    scored = gen.generate("x = 1", max_tokens=4, logprobs=5, prompt_logprobs=0)
+    print(scored.logprobs[0].logprob, scored.logprobs[0].top, scored.prompt_logprobs)
+
+Log-probabilities (``logprobs=N``: of each generated token with its ``N`` most likely
+alternatives; ``prompt_logprobs=N``: of the prompt's tokens too; ``logprobs_mode``:
+``raw_logprobs`` or ``processed_logprobs``, see :mod:`spececd.core.logprobs`) are the
+target's own, computed by the verifier, and arrive on the chunks and the completion as
+:class:`~spececd.core.logprobs.TokenLogprob` values.
 
 In-process generation runs the verifier behind an in-memory transport: the same frames,
 session state machines and verification as the networked edge/cloud split.
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend, load_tokenizer, model_format
+from spececd.core.logprobs import Logprobs, TokenLogprob
 from spececd.core.sampling import SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
@@ -53,7 +62,7 @@ from spececd.transports.base import Transport
 if TYPE_CHECKING:
     from spececd.transports.memory import LocalServer
 
-__all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk"]
+__all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,12 @@ class StreamChunk:
     # On the last chunk only: "stop" (a stop token or stop string) or "length" (max_tokens
     # or the context). That chunk may carry no tokens: text held back, or nothing.
     finish_reason: str | None = None
+    # With logprobs asked: one per token of token_ids (None for the draft model's
+    # unverified tokens: the target never saw them).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # With prompt_logprobs asked, on the first chunk: one per prompt token, the first None
+    # (nothing precedes it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass
@@ -74,6 +89,10 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (a stop token or string), "length" (max_tokens or context)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # As on StreamChunk: per token of token_ids (None if not asked, or if any token was the
+    # draft model's alone), and per prompt token.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Generator:
@@ -323,14 +342,30 @@ class Generator:
         decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
         emitted: list[int] = []
         source = "target"
+        prompt: tuple[TokenLogprob | None, ...] | None = None  # handed on with the next chunk
+
+        def chunk(part: tuple[int, ...], text: str, source: str,
+                  logprobs: Logprobs | None) -> StreamChunk:
+            nonlocal prompt
+            entries = logprobs.rows(0, len(part)).entries(part) if logprobs else None
+            made = StreamChunk(part, text, source, None, entries, prompt)
+            prompt = None
+            return made
+
         # Closing the client's generation when this one ends, however it ends, lets the
         # client end a stream it leaves early before the next generation takes it.
         with self._session() as client, \
                 contextlib.closing(client.generate(ids, run, stats, cloud_only)) as rounds:
             for out in rounds:
                 verified = "fallback" if out.fallback else "target"
-                for source, part in (("draft", out.token_ids[:out.from_draft]),
-                                     (verified, out.token_ids[out.from_draft:])):
+                if out.prompt_logprobs is not None:
+                    prompt = (None, *out.prompt_logprobs.entries(ids[1:]))
+                lp = out.logprobs
+                for source, part, part_lp in (
+                        ("draft", out.token_ids[:out.from_draft],
+                         lp.rows(0, out.from_draft) if lp else None),
+                        (verified, out.token_ids[out.from_draft:],
+                         lp.rows(out.from_draft) if lp else None)):
                     if not part:
                         continue
                     # A stop token ends the completion: its id is kept, its text is not.
@@ -338,15 +373,15 @@ class Generator:
                     text = stops.push(decoder.push(part[:-1] if ends else part))
                     if stops.found:  # the ids up to the stop string, no further
                         part = self._through_stop(emitted, part, stops.stops)
-                        yield StreamChunk(part, text, source)
+                        yield chunk(part, text, source, part_lp)
                         rounds.close()  # at once, not when the caller takes the last chunk
                         yield StreamChunk((), "", source, "stop")
                         return
                     emitted.extend(part)
-                    yield StreamChunk(part, text, source)
+                    yield chunk(part, text, source, part_lp)
         stopped = bool(emitted) and emitted[-1] in params.stop_token_ids
         yield StreamChunk((), stops.push(decoder.flush()) + stops.flush(), source,
-                          "stop" if stopped else "length")
+                          "stop" if stopped else "length", None, prompt)
 
     def _through_stop(self, emitted: Sequence[int], part: tuple[int, ...],
                       stops: Sequence[str]) -> tuple[int, ...]:
@@ -393,12 +428,20 @@ class Generator:
             stats = GenerationStats()
             token_ids: list[int] = []
             texts: list[str] = []
+            logprobs: list[TokenLogprob] | None = [] if base.params.logprobs is not None \
+                else None
+            scored: list[TokenLogprob | None] | None = None  # the prompt's
             for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 finish = chunk.finish_reason
+                if chunk.prompt_logprobs is not None:
+                    scored = list(chunk.prompt_logprobs)
+                if logprobs is not None and chunk.token_ids:
+                    logprobs = logprobs + list(chunk.logprobs) if chunk.logprobs else None
             assert finish is not None
-            completions.append(Completion(token_ids, "".join(texts), finish, stats))
+            completions.append(Completion(token_ids, "".join(texts), finish, stats, logprobs,
+                                          scored))
         return completions
 
 

@@ -8,6 +8,7 @@ runs (asyncio runs ready tasks in the order they became ready)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -174,3 +175,33 @@ def test_where_a_pass_went_adds_up_for_chains_and_trees(executor: ThreadPoolExec
     forward, work_s = (total("spececd_pass_forward_seconds_sum"),
                        total("spececd_pass_work_seconds_sum"))
     assert 0 < forward <= work_s <= total("spececd_pass_seconds_sum")
+
+
+def test_a_long_prompts_logprobs_come_whole_from_a_cached_sequence() -> None:
+    """The prompt's log-probabilities (echo) span every context token after the first,
+    across the blocks they are computed in, even where the session's cache already held
+    part of the context; the verification beside them is unchanged."""
+    from spececd.cloud.scheduler import PROMPT_BLOCK, run_verifications
+    from spececd.core.logprobs import log_softmax
+
+    backend = ToyBackend(ToyModel(seed=0))
+    context = [(7 * i) % 200 + 1 for i in range(PROMPT_BLOCK + 40)]
+    params = SamplingParams(temperature=0.0, seed=0, logprobs=2, prompt_logprobs=3)
+    sequence = backend.new_sequence()
+    sequence.extend(context[:100], keep=0)  # a cache from an earlier generation
+    draft = greedy(backend, context, 2)
+    asked = VerifyRequest(1, tuple(context), tuple(draft), None, Mode.GREEDY, params,
+                          prompt_logprobs=True)
+    verified = run_verifications(backend, [(sequence, asked)])
+    assert verified.results[0].num_accepted == 2
+    emitted, prompt = verified.logprobs[0]
+    reference = log_softmax(backend.model.forward([*context, *draft]))
+    assert prompt is not None and len(prompt) == len(context) - 1 and prompt.top == 3
+    np.testing.assert_allclose(prompt.chosen, reference[np.arange(len(context) - 1),
+                                                        context[1:]], atol=1e-5)
+    np.testing.assert_array_equal(prompt.top_ids[:, 0], reference[:len(context) - 1].argmax(-1))
+    assert emitted is not None and len(emitted) == 3 and emitted.top == 2
+    np.testing.assert_allclose(emitted.chosen[:2], reference[len(context) - 1 + np.arange(2),
+                                                             draft], atol=1e-5)
+    again = dataclasses.replace(asked, seq=2, prompt_logprobs=False)
+    assert run_verifications(backend, [(sequence, again)]).logprobs[0][1] is None

@@ -148,7 +148,8 @@ def test_sampling_keeps_the_target_distribution(
     ({"mode": "threshold", "threshold": 0.3}, "threshold mode"),
     ({"presence_penalty": 0.5}, "presence and frequency penalties"),
     ({"logit_bias": {3: 5.0}}, "logit_bias and min_p"),
-    ({"min_p": 0.1}, "logit_bias and min_p")])
+    ({"min_p": 0.1}, "logit_bias and min_p"),
+    ({"logprobs": 2}, "log-probabilities"), ({"prompt_logprobs": 0}, "log-probabilities")])
 def test_what_the_engine_cannot_serve_is_refused_at_the_hello(
         settings: dict[str, object], refused: str, server: ServerProcess,
         pair: dict[str, Path]) -> None:

@@ -346,3 +346,70 @@ def test_the_playground_page_is_served(api: ServerProcess) -> None:
         page = response.read().decode()
     assert response.headers["content-type"].startswith("text/html")
     assert "/v1/completions" in page
+
+
+def test_logprobs_and_echo_are_the_targets_own(client: Any, tokenizer: Any) -> None:
+    """Completions' legacy logprobs with echo: the prompt's (the first null) and the
+    completion's, equal to the target alone's forward pass; ``max_tokens: 0`` scores the
+    prompt alone (lm-evaluation-harness's request)."""
+    import numpy as np
+
+    from tests.reference import hf_logprobs
+
+    prompt = PROMPTS[2]
+    ids = list(tokenizer.encode(prompt))
+    generated = hf_greedy(MODELS / "target", ids, 12)
+    reference = hf_logprobs(MODELS / "target", ids + generated)
+    want = reference[np.arange(len(ids) + 11), (ids + generated)[1:]]
+    out = client.completions.create(model="spececd", prompt=prompt, max_tokens=12,
+                                    temperature=0, logprobs=3, echo=True,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt) and out.usage.completion_tokens == 12
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 12
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert np.allclose(lp.token_logprobs[1:], want, atol=1e-4)
+    for top, row in zip(lp.top_logprobs[1:], reference, strict=False):
+        assert 1 <= len(top) <= 4  # the 3 most likely and the chosen one (OpenAI's legacy)
+        assert max(top.values()) == pytest.approx(row.max(), abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    events = list(client.completions.create(model="spececd", prompt=prompt, max_tokens=12,
+                                            temperature=0, logprobs=3, echo=True, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(e.choices[0].text for e in events) == choice.text
+    parts = [e.choices[0].logprobs for e in events if e.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert np.allclose([v for p in parts for v in p.token_logprobs][1:], want, atol=1e-4)
+    scored = client.completions.create(model="spececd", prompt=prompt, max_tokens=0,
+                                       temperature=0, logprobs=1, echo=True)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert np.allclose(scored.choices[0].logprobs.token_logprobs[1:], want[:len(ids) - 1],
+                       atol=1e-4)
+    plain = client.completions.create(model="spececd", prompt=prompt, max_tokens=4,
+                                      temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_top_logprobs_are_ordered_and_counted_streamed_or_not(client: Any) -> None:
+    request: dict[str, Any] = dict(
+        model="spececd", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=10,
+        temperature=0, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**request)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 10
+    for entry in content:
+        values = [alt.logprob for alt in entry.top_logprobs]
+        assert len(values) == 4 and values == sorted(values, reverse=True)
+        assert entry.logprob == values[0]  # greedy, raw: the chosen token is the likeliest
+    text = whole.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == text  # partial characters too
+    streamed = [entry for chunk in client.chat.completions.create(**request, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-4)  # passes of other shapes
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(**{**request, "logprobs": False})

@@ -49,3 +49,22 @@ def test_the_ranges_are_sampling_params_own() -> None:
     SamplingParams(logit_bias=((5, -LOGIT_BIAS_LIMIT),))
     with pytest.raises(pydantic.ValidationError, match="logit_bias"):
         CompletionRequest(**body, logit_bias={5: LOGIT_BIAS_LIMIT + 1})
+
+
+def test_logprob_fields_are_checked_and_partial_characters_keep_their_bytes() -> None:
+    """``logprobs``/``top_logprobs`` take 0 to 20 and ``logprobs_mode`` vLLM's two names
+    for log-probabilities; a byte-level BPE token's own bytes come back from its string
+    (transformers' table is the reference)."""
+    for bad in ({"logprobs": 21}, {"logprobs": -1}, {"logprobs_mode": "raw_logits"}):
+        with pytest.raises(pydantic.ValidationError):
+            CompletionRequest(model="m", prompt="x", **bad)
+    with pytest.raises(pydantic.ValidationError):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                    top_logprobs=21)
+    assert CompletionRequest(model="m", prompt="x", max_tokens=0, echo=True).max_tokens == 0
+    pytest.importorskip("transformers")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from spececd.openai_api.server import byte_level_decoder
+
+    assert byte_level_decoder() == {char: byte for byte, char in bytes_to_unicode().items()}

@@ -148,7 +148,8 @@ class _Steps:
         done = await self._runner.verify(self._key, request)
         result = done.result
         return self._session.tokens(request, result.num_accepted, result.next_token,
-                                    done.seconds, result.path)
+                                    done.seconds, result.path, done.logprobs,
+                                    done.prompt_logprobs)
 
     def hinted(self) -> None:
         pass  # read when the next step starts

@@ -302,7 +302,8 @@ class CloudService:
         self._record(link, drafted, done.result.num_accepted, 1, done.seconds,
                      is_round=True)  # a tree counts its positions
         link.session.verdict(request, done.result.num_accepted, done.result.next_token,
-                             done.seconds, done.result.path)
+                             done.seconds, done.result.path, done.logprobs,
+                             done.prompt_logprobs)
 
     async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
         """A cloud-only generation, one ``Tokens`` frame per step, on any runner.

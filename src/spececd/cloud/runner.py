@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from spececd.backends.base import Tokenizer
+from spececd.core.logprobs import Logprobs
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.protocol.cloud_session import CloudSession, StepOut, VerifyRequest
@@ -35,6 +36,8 @@ class Pass:
     result: VerifyResult
     seconds: float
     batch: int
+    logprobs: Logprobs | None = None  # of the tokens it emits, when the session asked
+    prompt_logprobs: Logprobs | None = None  # of the context (echo), when the request asked
 
 
 class Target(Protocol):

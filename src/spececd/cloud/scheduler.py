@@ -14,6 +14,12 @@ every row (drafted positions, the bonus, a tree's siblings) are masked to what t
 constraint allows there, so a drafted token it refuses has probability zero and is
 rejected, and the token the verifier adds is always allowed.
 
+When the session asked for log-probabilities (:mod:`spececd.core.logprobs`), the same pass
+gives them: of each token the verification emits, from the row that decided it, and on
+the first request after a hello that asked for the prompt's, of every context token after
+the first (the context is then fed whole, its cached part too, keeping every row). Under a
+constraint they are the masked distribution's, as vLLM reports them.
+
 Batching changes nothing but floating-point rounding: every session's tokens, RNG stream
 and acceptance decisions are its own. The scheduler knows nothing of sessions beyond the
 cache each job runs on.
@@ -27,19 +33,22 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Pass, RunnerError
+from spececd.core.logprobs import Logprobs, distribution_logprobs, log_softmax, token_logprobs
 from spececd.core.sampling import VERIFIER_STREAM, greedy_tokens, process_logits, round_rng
 from spececd.core.verify import VerifyResult, tree_paths, verify
 from spececd.grammar import ConstraintMatcher, mask_logits
 from spececd.protocol.cloud_session import VerifyRequest
 
 log = logging.getLogger(__name__)
+
+PROMPT_BLOCK = 256  # rows of a prompt's logits turned into log-probabilities at a time
 
 
 class VerificationError(RunnerError):
@@ -56,6 +65,8 @@ class Verified:
     results: list[VerifyResult]
     forward_s: float
     work_s: float
+    # Per job, when asked: the emitted tokens' log-probabilities and the prompt's.
+    logprobs: list[tuple[Logprobs | None, Logprobs | None]] = field(default_factory=list)
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
@@ -67,26 +78,35 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     began = time.perf_counter()
     forward = 0.0
     items = []
+    prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
     for sequence, request in work:
+        if request.prompt_logprobs:
+            sequence.truncate(0)  # every context position's logits, the cached ones too
         feed = sync(sequence, request.context)
-        parents = None
+        parents, prompt, keep = None, None, len(request.tokens) + 1
         if request.parents is not None:
             if len(feed) > 1:  # a new context (a prompt, a resume): in first, as a chain, so
                 t = time.perf_counter()  # the tree's mask spans its nodes only
-                sequence.extend(feed[:-1], keep=0)
+                prompt = sequence.extend(feed[:-1], keep=None if request.prompt_logprobs else 0)
                 forward += time.perf_counter() - t
                 feed = feed[-1:]
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
-        items.append(Extend(sequence, [*feed, *request.tokens], len(request.tokens) + 1,
-                            parents))
+        elif request.prompt_logprobs:
+            keep += len(feed) - 1
+        items.append(Extend(sequence, [*feed, *request.tokens], keep, parents))
+        prompt_rows.append(prompt)
     t = time.perf_counter()
     all_logits = backend.extend_batch(items)
     forward += time.perf_counter() - t
-    results = []
-    for i, ((sequence, request), logits) in enumerate(zip(work, all_logits, strict=True)):
-        assert request.params.seed is not None  # logits: [n + 1, vocab]
+    results, logprobs = [], []
+    for i, ((sequence, request), logits, prompt) in enumerate(
+            zip(work, all_logits, prompt_rows, strict=True)):
+        if request.prompt_logprobs and prompt is None:  # a chain's: the rows before the block's
+            prompt, logits = logits[:len(request.context) - 1], logits[len(request.context) - 1:]
+        # logits: [n + 1, vocab]
+        assert request.params.seed is not None
         matcher = matchers[i] if i < len(matchers) else None
-        if matcher is not None:
+        if matcher is not None:  # masked before anything reads them, log-probabilities too
             matcher.sync(request.context[request.params.prompt_len:])
             logits = mask_logits(logits, matcher.allowed(request.tokens, request.parents))
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
@@ -96,7 +116,38 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             start = len(request.context)
             sequence.select(start, [start + node for node in result.path])
         results.append(result)
-    return Verified(results, forward, time.perf_counter() - began)
+        logprobs.append(_logprobs(logits, request, result, prompt))
+    return Verified(results, forward, time.perf_counter() - began, logprobs)
+
+
+def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
+              prompt: np.ndarray | None) -> tuple[Logprobs | None, Logprobs | None]:
+    """The log-probabilities the session asked for: of the tokens ``result`` emits, each
+    from the row of ``logits`` ``[n + 1, vocab]`` that decided it (a tree's rows follow its
+    accepted path), and of the context after its first token from ``prompt``
+    ``[len(context) - 1, vocab]`` (raw, see :mod:`spececd.core.logprobs`)."""
+    params = request.params
+    emitted_lp = prompt_lp = None
+    if params.logprobs is not None:
+        n = result.num_accepted
+        if result.path is None:
+            rows, accepted = list(range(n + 1)), list(request.tokens[:n])
+        else:
+            rows = [0, *(node + 1 for node in result.path)]
+            accepted = [request.tokens[node] for node in result.path]
+        emitted = [*accepted, result.next_token]
+        history = (*request.context, *accepted)
+        values = distribution_logprobs(logits[rows], params.logprobs_mode, params, history,
+                                       len(request.context))
+        emitted_lp = token_logprobs(values, emitted, params.logprobs)
+    if prompt is not None and params.prompt_logprobs is not None:
+        top, tokens = params.prompt_logprobs, request.context[1:]
+        # By blocks of rows: a long prompt's float64 copy of its whole logits is gigabytes.
+        prompt_lp = Logprobs.concat([Logprobs.empty(top), *(
+            token_logprobs(log_softmax(prompt[i:i + PROMPT_BLOCK]),
+                           tokens[i:i + PROMPT_BLOCK], top)
+            for i in range(0, len(tokens), PROMPT_BLOCK))])
+    return emitted_lp, prompt_lp
 
 
 def _target(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
@@ -185,9 +236,10 @@ class BatchScheduler:
         seconds = time.perf_counter() - start
         self.metrics.record_batch(len(batch), verified.forward_s, verified.work_s, seconds,
                                   [start - job.queued for job in batch])
-        for job, result in zip(batch, verified.results, strict=True):
+        for job, result, logprobs in zip(batch, verified.results, verified.logprobs,
+                                         strict=True):
             if not job.future.done():
-                job.future.set_result(Pass(result, seconds, len(batch)))
+                job.future.set_result(Pass(result, seconds, len(batch), *logprobs))
 
     def close(self) -> None:
         if self._task is not None:

@@ -159,6 +159,11 @@ class VllmRunner:
             return ("logit_bias and min_p are not served by this server's engine (vLLM "
                     "ignores them when it runs speculative decoding): leave them out, or use "
                     "a server with the built-in engine")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            return ("log-probabilities (logprobs, top_logprobs, echo) are not served by this "
+                    "server's engine (SpecECD does not map vLLM's per-request logprobs onto "
+                    "its rounds and streams, and vLLM fixes logprobs_mode for the whole "
+                    "engine): leave them out, or use a server with the built-in engine")
         if 0 < params.temperature < 0.01:
             return ("temperatures between 0 and 0.01 are not served by this server's engine "
                     "(vLLM raises them to 0.01): use 0 (greedy) or at least 0.01")

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spececd.core.logprobs import RAW, check_logprobs
 from spececd.errors import InputError
 
 # The widest bias ``logit_bias`` may add to a logit (-100 in effect bans a token), and the
@@ -163,6 +164,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     prompt_len: int = 0  # the context's first tokens that are the prompt (set by the edge)
     constraint: Constraint | None = None  # what the output after the prompt must match
+    # The target's log-probabilities (spececd.core.logprobs), reported, not sampled from:
+    # of each generated token with this many alternatives (None: not asked), of the prompt's
+    # tokens too (echo), and which distribution (vLLM's logprobs_mode).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = RAW
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -197,6 +204,8 @@ class SamplingParams:
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InputError(f"constraint must be a spececd Constraint, got "
                              f"{type(self.constraint).__name__}")
+        check_logprobs(self.logprobs, self.logprobs_mode)
+        check_logprobs(self.prompt_logprobs, self.logprobs_mode, "prompt_logprobs")
 
     @property
     def greedy(self) -> bool:

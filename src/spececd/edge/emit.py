@@ -5,8 +5,9 @@ from the draft model alone; the :class:`Emitter` owns what happens to them next.
 the authoritative token history, applies stop tokens and ``max_tokens`` exactly
 (:func:`~spececd.core.stopping.clip_emitted`), ends the generation at the context limit
 or when the server says it is done, counts what was emitted, and marks output that was
-never verified. Strategies read the history and the budget from it and never emit
-themselves.
+never verified. Log-probabilities, where asked, follow their tokens through the same
+clipping; the prompt's are handed on once, the first time a reply brings them.
+Strategies read the history and the budget from it and never emit themselves.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spececd.core.logprobs import Logprobs
 from spececd.core.sampling import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
@@ -27,6 +29,8 @@ class Piece:
     tokens: Sequence[int]
     from_draft: int = 0
     done: bool = False
+    logprobs: Logprobs | None = None  # of ``tokens``, where asked
+    prompt_logprobs: Logprobs | None = None  # of the request's context after its first token
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,17 @@ class RoundOutput:
     from_draft: int
     finished: bool
     fallback: bool = False
+    logprobs: Logprobs | None = None  # of ``token_ids``, where asked (never for fallback)
+    # Of the prompt's tokens after the first (echo), on the first output that has them.
+    prompt_logprobs: Logprobs | None = None
 
 
 class Emitter:
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
                  stats: GenerationStats, max_context: int) -> None:
         self.history = list(prompt_ids)
+        self.prompt_len = len(self.history)
+        self.prompt_logprobs_sent = False
         self.params, self.stats = params, stats
         self.max_context = max_context  # positions the history may fill
         self.generated = 0
@@ -79,5 +88,11 @@ class Emitter:
         if self.unverified:
             self.stats.fallback_tokens += len(out)
         finished = finished or piece.done or len(self.history) >= self.max_context
+        prompt = None
+        if piece.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            # After a reconnect, the context the server scored may run past the prompt.
+            prompt = piece.prompt_logprobs.rows(0, self.prompt_len - 1)
+            self.prompt_logprobs_sent = True
+        logprobs = piece.logprobs.rows(0, len(out)) if piece.logprobs is not None else None
         return RoundOutput(tuple(out), min(piece.from_draft, len(out)), finished,
-                           self.unverified)
+                           self.unverified, logprobs, prompt)

@@ -134,7 +134,8 @@ class Rounds:
                             round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
-        return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n)]
+        return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n,
+                      logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs)]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
         tree = self.work.tree(history, self.choose(limit), room, self.policy)
@@ -261,7 +262,8 @@ class CloudOnly:
         self.work.stats.record_pass(reply.compute_s)
         if reply.drafted:  # the server verified hints in this step
             self.work.stats.record_round(reply.drafted, reply.accepted)
-        return Piece(reply.token_ids, reply.accepted, reply.done)
+        return Piece(reply.token_ids, reply.accepted, reply.done, reply.logprobs,
+                     reply.prompt_logprobs)
 
 
 class StreamDrafting(CloudOnly):

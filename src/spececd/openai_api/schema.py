@@ -1,7 +1,8 @@
 """The OpenAI request bodies SpecECD accepts, checked field by field.
 
 Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) and SpecECD's own
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ``logprobs_mode``,
+per request here, where vLLM sets it for the whole engine) and SpecECD's own
 (``k``, ``mode``, ``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from spececd.core.logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from spececd.core.sampling import (
     LOGIT_BIAS_LIMIT,
     PENALTY_LIMIT,
@@ -40,13 +42,16 @@ from spececd.errors import InputError
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 DEFAULT = SamplingParams()
 Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 if TYPE_CHECKING:
     ModeName: TypeAlias = str
     ProactiveName: TypeAlias = str
+    LogprobsModeName: TypeAlias = str
 else:  # the enums' values, as literals: the OpenAPI document lists them
     ModeName = Literal[tuple(mode.value for mode in Mode if not mode.lossy)]
     ProactiveName = Literal[tuple(choice.value for choice in Proactive)]
+    LogprobsModeName = Literal[LOGPROBS_MODES]
 
 
 class StreamOptions(BaseModel):
@@ -119,6 +124,7 @@ class Sampling(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0)] = DEFAULT.repetition_penalty
     ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # more that end a choice
+    logprobs_mode: LogprobsModeName = DEFAULT.logprobs_mode  # which logprobs (vLLM's names)
     # SpecECD's own.
     k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     mode: ModeName | None = None
@@ -193,9 +199,10 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    # 0: nothing generated (with echo: the prompt's log-probabilities alone, for scoring)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    echo: bool = False  # the prompt before the completion (and its logprobs, if asked)
+    logprobs: TopLogprobs | None = None  # per token, with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
 
@@ -288,7 +295,7 @@ class ChatRequest(Sampling):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None  # needs logprobs
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -307,12 +314,11 @@ class ChatRequest(Sampling):
 
 
 def unsupported(request: Sampling) -> tuple[str, str] | None:
-    """The first field set to something SpecECD does not do yet, and why; None if none."""
+    """The first field set to something SpecECD does not do (yet), and why; None if
+    none."""
     checks: list[tuple[str, bool, str]] = []
     if isinstance(request, CompletionRequest):
         checks += [
-            ("echo", request.echo, "echo is not supported"),
-            ("logprobs", request.logprobs is not None, "logprobs are not supported"),
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
             ("best_of", request.best_of not in (None, request.n),
              "best_of is not supported: use n"),
@@ -320,8 +326,8 @@ def unsupported(request: Sampling) -> tuple[str, str] | None:
     else:
         assert isinstance(request, ChatRequest)
         checks += [
-            ("logprobs", request.logprobs, "logprobs are not supported"),
-            ("top_logprobs", request.top_logprobs is not None, "logprobs are not supported"),
+            ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
+             "top_logprobs needs logprobs: true"),
         ]
     for name, is_set, why in checks:
         if is_set:

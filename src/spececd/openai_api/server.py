@@ -17,7 +17,14 @@ in this process or on a server) behind FastAPI:
   ``message.tool_calls`` (``finish_reason: "tool_calls"``), or streamed as OpenAI's
   ``tool_calls`` deltas (a call's id and name, then its arguments) once each call is
   whole, the text before it as content; ``tool_choice`` ``required`` or a named function
-  forced by a grammar the verifier masks with.
+  forced by a grammar the verifier masks with;
+- log-probabilities, the target's own (:mod:`spececd.core.logprobs`): chat's ``logprobs``
+  and ``top_logprobs`` (``choices[].logprobs.content``), completions' ``logprobs: N`` in
+  OpenAI's legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs``: the ``N`` most
+  likely and the chosen token, ``text_offset``) and ``echo`` (the prompt before the
+  completion, with its log-probabilities, the first ``null``; ``max_tokens: 0`` generates
+  nothing: scoring, as lm-evaluation-harness asks). ``-inf`` (a token a filter removed,
+  in ``processed_logprobs`` mode) is written ``-9999.0``, as vLLM writes it.
 
 Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
@@ -32,12 +39,15 @@ stream has begun, a failure arrives as an ``error`` event before ``[DONE]``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
@@ -47,6 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from spececd.core.logprobs import TokenLogprob
 from spececd.core.sampling import Constraint
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
@@ -68,6 +79,7 @@ from spececd.protocol.errors import InvalidConstraint, ProtocolError, ServerBusy
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming client is still there
+NO_LOGPROB = -9999.0  # how -inf is written (JSON has no infinity), as vLLM writes it
 
 
 class ApiError(Exception):
@@ -144,6 +156,12 @@ class Choice:
         room = len(calls) if self.max_calls is None else self.max_calls - self.calls
         return calls[:max(room, 0)]
 
+    prompt_text: str = ""  # what echo puts before the completion
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: unverified
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    offset: int = 0  # streamed completions' text_offset so far
+
 
 @dataclass
 class Run:
@@ -157,6 +175,9 @@ class Run:
     options: EdgeOptions
     cloud_only: bool
     id: str
+    logprobs: int | None = None  # alternatives per token, when asked
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    score_only: bool = False  # max_tokens 0: nothing generated (the prompt scored, if asked)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
@@ -202,6 +223,8 @@ class Api:
         self.tool_parser = tool_parser  # the format calls are parsed in (None: no tools)
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
+        self._token_texts: dict[int, str] = {}
+        self._vocab: list[str] | None = None  # the tokenizer's token strings, when needed
 
     def check(self, request: Request, body: Sampling) -> None:
         guard(self, request)
@@ -227,7 +250,10 @@ class Api:
                 raise FieldError(found[0], str(exc)) from None
 
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
-              kind: str, tools: ToolPlan | None = None) -> Run:
+              kind: str, tools: ToolPlan | None = None,
+              prompt_texts: Sequence[str] = ()) -> Run:
+        """A request's run. ``max_tokens`` 0 (completions) generates nothing: the
+        verifier's one step (cloud-only) scores the prompt, and its token is dropped."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         longest = max(len(ids) for ids in prompts)
@@ -236,9 +262,16 @@ class Api:
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
                                     if name in Sampling.model_fields and name != "seed"}
+        score_only = max_tokens == 0
+        echo = isinstance(body, CompletionRequest) and body.echo
+        logprobs = body.logprobs if isinstance(body, CompletionRequest) else (
+            (body.top_logprobs or 0) if isinstance(body, ChatRequest) and body.logprobs
+            else None)
         sampling.update(
             constraint=body.constraint(),
-            max_tokens=min(max_tokens, room) if max_tokens else room,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            max_tokens=1 if score_only else min(max_tokens, room) if max_tokens else room,
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
@@ -248,13 +281,17 @@ class Api:
         base = self.gen.params(seed=body.seed, **sampling).seed
         assert base is not None
         parser = tools.parser if tools is not None else None
+        texts = list(prompt_texts) or [""] * len(prompts)
         choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
                           tools=parser.stream() if parser else None,
-                          max_calls=tools.max_calls if tools is not None else None)
+                          max_calls=tools.max_calls if tools is not None else None,
+                          prompt_text=texts[p] if echo else "")
                    for p, ids in enumerate(prompts) for i in range(body.n)]
-        cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
+        cloud_only = score_only or (self.cloud_only if body.cloud_only is None
+                                    else body.cloud_only)
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
-                   options, cloud_only, f"{kind}-{secrets.token_hex(12)}")
+                   options, cloud_only, f"{kind}-{secrets.token_hex(12)}", logprobs, echo,
+                   score_only)
 
     async def chunks(self, run: Run) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every choice's chunks as they come, the choices generated concurrently."""
@@ -282,8 +319,16 @@ class Api:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    if item.prompt_logprobs is not None:
+                        choice.prompt_logprobs = item.prompt_logprobs
+                    if run.score_only:  # the scoring step's token is no part of the reply
+                        item = dataclasses.replace(
+                            item, token_ids=(), text="", logprobs=None,
+                            finish_reason="length" if item.finish_reason else None)
                     choice.text.append(item.text)
                     choice.tokens += len(item.token_ids)
+                    choice.token_ids.extend(item.token_ids)
+                    choice.logprobs.extend(item.logprobs or (None,) * len(item.token_ids))
                     choice.from_draft += len(item.token_ids) if item.source == "draft" else 0
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item
@@ -319,7 +364,7 @@ class Api:
         for c in run.choices:
             text = "".join(c.text)
             body: dict[str, Any] = ({"message": {"role": "assistant", "content": text}}
-                                    if chat else {"text": text})
+                                    if chat else {"text": c.prompt_text + text})
             finish = c.finish_reason
             if c.tools is not None:
                 content, calls = c.tools.push(text)
@@ -329,11 +374,84 @@ class Api:
                 if calls:
                     body["message"]["tool_calls"] = [call.as_openai() for call in calls]
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": c.index, **body, "logprobs": None,
+            choices.append({"index": c.index, **body,
+                            "logprobs": self.logprobs(run, c, c.token_ids, c.logprobs, chat,
+                                                      first=True),
                             "finish_reason": finish})
         return {"id": run.id, "object": "chat.completion" if chat else "text_completion",
                 "created": run.created, "model": self.model, "choices": choices,
                 "usage": run.usage(), "speculative": run.speculative()}
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.gen.tokenizer.decode([token])
+        return text
+
+    def logprobs(self, run: Run, choice: Choice, token_ids: Sequence[int],
+                 entries: Sequence[TokenLogprob | None], chat: bool, first: bool
+                 ) -> dict[str, Any] | None:
+        """``choice``'s log-probabilities of ``token_ids`` in OpenAI's shape, chat's or
+        completions' legacy one (with echo, on the ``first`` part of a choice, the prompt's
+        before them; ``text_offset`` counts from the start of the choice's text); None when
+        the request asked for none, or for a part without tokens (a stream's last event).
+        An unverified token (the draft's alone) has null."""
+        echoed = run.echo and first
+        if run.logprobs is None or not (token_ids or echoed):
+            return None
+        if chat:
+            return {"content": [self.chat_entry(token, entry)
+                                for token, entry in zip(token_ids, entries, strict=True)],
+                    "refusal": None}
+        pairs = list(zip(token_ids, entries, strict=True))
+        if echoed:
+            prompt = choice.prompt_logprobs or (None,) * len(choice.prompt_ids)
+            pairs = [*zip(choice.prompt_ids, prompt, strict=True), *pairs]
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token, entry in pairs:
+            text = self.token_text(token)
+            tokens.append(text)
+            offsets.append(choice.offset)
+            choice.offset += len(text)
+            if entry is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(finite(entry.logprob))
+            top = {self.token_text(t): finite(value) for t, value in entry.top}
+            top.setdefault(text, finite(entry.logprob))  # OpenAI's: the chosen one too
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def token_bytes(self, token: int) -> list[int]:
+        """A token's UTF-8 bytes, as OpenAI's ``bytes``: a token that holds part of a
+        character (its text alone decodes to U+FFFD) gives its own bytes where the
+        tokenizer's token string spells them (byte-level BPE, SentencePiece's
+        ``<0xNN>``)."""
+        text = self.token_text(token)
+        if "\ufffd" not in text:
+            return list(text.encode())
+        if self._vocab is None:
+            self._vocab = self.gen.tokenizer.vocab_tokens()
+        piece = self._vocab[token] if token < len(self._vocab) else ""
+        if found := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return [int(found[1], 16)]
+        table = byte_level_decoder()
+        if piece and all(c in table for c in piece):
+            return [table[c] for c in piece]
+        return list(text.encode())
+
+    def chat_entry(self, token: int, entry: TokenLogprob | None) -> dict[str, Any]:
+        return {"token": self.token_text(token),
+                "logprob": finite(entry.logprob) if entry else None,
+                "bytes": self.token_bytes(token),
+                "top_logprobs": [{"token": self.token_text(t), "logprob": finite(value),
+                                  "bytes": self.token_bytes(t)}
+                                 for t, value in (entry.top if entry else ())]}
 
     async def events(self, run: Run, chat: bool, first: tuple[Choice, StreamChunk],
                      rest: AsyncIterator[tuple[Choice, StreamChunk]]) -> AsyncIterator[str]:
@@ -348,6 +466,8 @@ class Api:
 
         def event(choice: Choice, chunk: StreamChunk) -> str:
             finish = chunk.finish_reason
+            first = choice.index not in started
+            started.add(choice.index)
             if chat:
                 text, calls = chunk.text, list[ToolCall]()
                 if choice.tools is not None:  # content as it is certain, calls once whole
@@ -357,9 +477,8 @@ class Api:
                         text, calls = text + rest, calls + more
                     calls = choice.keep(calls)
                 deltas: list[dict[str, Any]] = [{"content": text} if text else {}]
-                if choice.index not in started:
+                if first:
                     deltas[0] = {"role": "assistant", "content": text}
-                started.add(choice.index)
                 for call in calls:  # OpenAI's: id and name, then the arguments
                     deltas += [{"tool_calls": [{"index": choice.calls, "id": call.id,
                                                 "type": "function", "function": {
@@ -372,11 +491,14 @@ class Api:
                 if len(deltas) > 1 and deltas[0] == {}:
                     deltas.pop(0)
             else:
-                deltas = [{"text": chunk.text}]
+                deltas = [{"text": (choice.prompt_text if first else "") + chunk.text}]
             live = run.live(choice, chunk)
+            entries = chunk.logprobs or (None,) * len(chunk.token_ids)
+            logprobs = self.logprobs(run, choice, chunk.token_ids, entries, chat, first)
             return "".join(sse({**head, "choices": [{
                 "index": choice.index, **({"delta": delta} if chat else delta),
-                "logprobs": None, "finish_reason": finish if i == len(deltas) - 1 else None,
+                "logprobs": logprobs if i == 0 else None,
+                "finish_reason": finish if i == len(deltas) - 1 else None,
                 "spececd": live}]}) for i, delta in enumerate(deltas))
 
         try:
@@ -389,6 +511,26 @@ class Api:
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield "data: [DONE]\n\n"
+
+
+@functools.cache
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character to byte: printable bytes stand for
+    themselves, the others for characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    table, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(256 + shifted)] = byte
+            shifted += 1
+    return table
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > NO_LOGPROB else NO_LOGPROB
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -432,8 +574,9 @@ def create_app(api: Api) -> FastAPI:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
-        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False,
-                                 request)
+        texts = await asyncio.to_thread(echoed_prompts, api.gen, body, prompts)
+        run = api.start(body, prompts, body.max_tokens, "cmpl", prompt_texts=texts)
+        return await api.respond(run, False, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -467,6 +610,20 @@ def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")
     return [gen.prompt_ids(p) for p in many]
+
+
+def echoed_prompts(gen: Generator, body: CompletionRequest, prompts: list[list[int]]
+                   ) -> list[str]:
+    """What ``echo`` puts before each prompt's completions: the prompt as written, or
+    the text of its token ids."""
+    if not body.echo:
+        return []
+    prompt = body.prompt
+    written = [prompt] if isinstance(prompt, str) else prompt if prompt and all(
+        isinstance(p, str) for p in prompt) else None
+    if written is not None:
+        return [str(p) for p in written]
+    return [gen.tokenizer.decode(ids) for ids in prompts]
 
 
 def on_validation(exc: RequestValidationError) -> JSONResponse:

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from spececd.core.logprobs import Logprobs
 from spececd.core.sampling import Constraint, Mode, SamplingParams, SparseProbs
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
@@ -75,6 +76,9 @@ class VerifyRequest:
     params: SamplingParams
     threshold: float = 0.0  # threshold mode (lossy) only
     parents: tuple[int, ...] | None = None  # a tree's parent of each token; None: a chain
+    # The first request after a hello that asked for the prompt's log-probabilities (echo):
+    # computed over the whole context, and sent with the reply.
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,7 @@ class CloudSession:
         self._last_verdict = b""
         self._checked = False  # a hello on this connection carried a matching fingerprint
         self.stream: Stream | None = None  # a cloud-only generation under way
+        self._prompt_pending = False  # the prompt's log-probabilities are asked, not yet sent
         self._events: list[Event] = []
         self._outgoing: list[bytes] = []
 
@@ -222,7 +227,8 @@ class CloudSession:
     def _hello(self, hello: m.Hello) -> bytes:
         if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
                 hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
-                hello.protocol_version < 6 and hello.constraint is not None):
+                hello.protocol_version < 6 and (
+                    hello.constraint is not None or hello.logprobs.asked)):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
         if self._auth_token and not hmac.compare_digest(
@@ -240,14 +246,17 @@ class CloudSession:
                 f"not). Use a draft model with the target's tokenizer, or give the edge the "
                 f"target's tokenizer (--target-tokenizer) to draft across the two")
         try:
-            extras = hello.extras
+            extras, ask = hello.extras, hello.logprobs
             params = SamplingParams(
                 temperature=hello.temperature, top_k=hello.top_k, top_p=hello.top_p,
                 seed=hello.seed, repetition_penalty=extras.repetition_penalty,
                 presence_penalty=extras.presence_penalty,
                 frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
                 logit_bias=extras.logit_bias, prompt_len=extras.prompt_len,
-                constraint=hello.constraint)
+                constraint=hello.constraint,
+                logprobs=ask.top if ask.top >= 0 else None,
+                prompt_logprobs=ask.prompt_top if ask.prompt_top >= 0 else None,
+                logprobs_mode=ask.mode)
             if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
                 raise ValueError(f"logit_bias names token ids the vocabulary of "
                                  f"{self.fingerprint.vocab_size} does not have")
@@ -275,6 +284,7 @@ class CloudSession:
         self.state, self._checked = State.READY, True
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         self.stream = None
+        self._prompt_pending = params.prompt_logprobs is not None
         self.trees = self._trees and hello.protocol_version >= 4  # older edges can't read it
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
                                   self.limits.max_context, self.lossy, self.trees))
@@ -317,7 +327,7 @@ class CloudSession:
         self._last_seq = draft.seq
         self.context, self.stream = context, None
         return VerifyRequest(draft.seq, context, draft.tokens, draft.draft_probs, self.mode,
-                             self.params, self.threshold, draft.parents)
+                             self.params, self.threshold, draft.parents, self._prompt_pending)
 
     def _generate(self, request: m.Generate) -> GenerateRequest:
         if request.max_tokens < 1:
@@ -418,20 +428,25 @@ class CloudSession:
                 parent = len(tokens) - len(here)  # the hinted token goes on
         return VerifyRequest(stream.request.seq, self.context, tuple(tokens), None, mode,
                              stream.request.params,
-                             parents=tuple(parents) if parents is not None else None)
+                             parents=tuple(parents) if parents is not None else None,
+                             prompt_logprobs=self._prompt_pending)
 
     # -- output -----------------------------------------------------------------------
     def tokens(self, request: VerifyRequest, num_accepted: int, next_token: int,
-               compute_s: float, path: tuple[int, ...] | None = None) -> StepOut:
+               compute_s: float, path: tuple[int, ...] | None = None,
+               logprobs: Logprobs | None = None,
+               prompt_logprobs: Logprobs | None = None) -> StepOut:
         """Record the outcome of :meth:`stream_step`'s request (``path``: a tree's
-        accepted nodes) and queue its ``Tokens`` frame."""
+        accepted nodes; ``logprobs``: of the tokens it emits, when the hello asked, and
+        ``prompt_logprobs`` of its context) and queue its ``Tokens`` frame."""
         if request.parents is None:
             accepted, drafted = request.tokens[:num_accepted], len(request.tokens)
         else:
             assert path is not None and len(path) == num_accepted, "a tree's verdict has a path"
             accepted = tuple(request.tokens[i] for i in path)
             drafted = tree_depth(request.parents)
-        return self._emit((*accepted, next_token), compute_s, drafted, num_accepted)
+        return self._emit((*accepted, next_token), compute_s, drafted, num_accepted,
+                          logprobs, prompt_logprobs)
 
     def engine_tokens(self, tokens: tuple[int, ...], compute_s: float) -> StepOut:
         """Record the tokens of one step of the generation under way, generated by an
@@ -447,7 +462,8 @@ class CloudSession:
         return self._emit(tokens, compute_s, drafted, accepted)
 
     def _emit(self, emitted: tuple[int, ...], compute_s: float, drafted: int,
-              accepted: int) -> StepOut:
+              accepted: int, logprobs: Logprobs | None = None,
+              prompt_logprobs: Logprobs | None = None) -> StepOut:
         stream = self.stream
         assert stream is not None, "no generation under way"
         generate = stream.request
@@ -461,19 +477,27 @@ class CloudSession:
         if done:
             self.stream = None
         accepted = min(accepted, len(emitted))
-        self._outgoing.append(m.encode(m.Tokens(generate.seq, emitted, done, compute_s, drafted,
-                                                accepted)))
+        if prompt_logprobs is not None:
+            self._prompt_pending = False
+        self._outgoing.append(m.encode(m.Tokens(
+            generate.seq, emitted, done, compute_s, drafted, accepted,
+            logprobs.rows(0, len(emitted)) if logprobs is not None else None, prompt_logprobs)))
         return StepOut(done, drafted, accepted, len(emitted), compute_s)
 
     def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
-                verify_s: float, path: tuple[int, ...] | None = None) -> None:
+                verify_s: float, path: tuple[int, ...] | None = None,
+                logprobs: Logprobs | None = None,
+                prompt_logprobs: Logprobs | None = None) -> None:
         """Record the verifier's decision for ``request`` (``path``: a tree's accepted
-        nodes) and queue its ``Verdict`` frame."""
+        nodes; ``logprobs`` and ``prompt_logprobs`` as in :meth:`tokens`) and queue its
+        ``Verdict`` frame."""
         accepted = request.tokens[:num_accepted] if path is None else tuple(
             request.tokens[i] for i in path)
         self.context = request.context + accepted + (next_token,)
+        if prompt_logprobs is not None:
+            self._prompt_pending = False
         self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s,
-                                                path))
+                                                path, logprobs, prompt_logprobs))
         self._outgoing.append(self._last_verdict)
 
 

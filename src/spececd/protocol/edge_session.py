@@ -46,13 +46,19 @@ class EdgeSession:
         extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
                                   params.frequency_penalty, params.min_p,
                                   params.prompt_len if counts_output else 0, params.logit_bias)
+        ask = m.LogprobsAsk(-1 if params.logprobs is None else params.logprobs,
+                            -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+                            params.logprobs_mode)
         # The lowest version that carries what is asked, so that older servers still serve.
-        version = 6 if params.constraint is not None else 4 if trees else \
-            3 if extras != m.SamplingExtras() else 2
+        version = (6 if ask.asked or params.constraint is not None else 4 if trees
+                   else 3 if extras != m.SamplingExtras() else 2)
         self.hello_message = m.Hello(version, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
                                      params.seed, auth_token, threshold, extras,
-                                     params.constraint)
+                                     params.constraint, ask)
+        # The prompt's log-probabilities are asked for until a reply brings them (a hello
+        # after a reconnect does not ask again).
+        self.prompt_pending = ask.prompt_top >= 0
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0
@@ -62,10 +68,13 @@ class EdgeSession:
         """The greeting; ``checked``: this connection already carried a hello whose
         fingerprint the server accepted, so this one leaves it out."""
         self.welcome, self.server_len, self._pending = None, 0, None
+        hello = self.hello_message
+        if not self.prompt_pending and hello.logprobs.prompt_top >= 0:
+            hello = dataclasses.replace(hello, logprobs=dataclasses.replace(
+                hello.logprobs, prompt_top=-1))
         if checked:
-            return m.encode(dataclasses.replace(self.hello_message,
-                                                fingerprint=m.SAME_FINGERPRINT))
-        return m.encode(self.hello_message)
+            hello = dataclasses.replace(hello, fingerprint=m.SAME_FINGERPRINT)
+        return m.encode(hello)
 
     @property
     def trees(self) -> bool:
@@ -122,14 +131,34 @@ class EdgeSession:
                         message.path, pending.parents or (), message.num_accepted)):
                 raise UnexpectedMessage(f"verdict's path {message.path} is not a path of "
                                         f"{message.num_accepted} nodes from the draft's root")
+            self._check_logprobs(message, pending, message.num_accepted + 1)
             self.server_len = (pending.context_len + len(pending.prefix)
                                + message.num_accepted + 1)
             self._pending = None
             return message
         if isinstance(message, m.Tokens) and isinstance(pending, m.Generate) \
                 and message.seq == pending.seq:
+            self._check_logprobs(message, pending, len(message.token_ids))
             self.server_len += len(message.token_ids)
             if message.done:
                 self._pending = None
             return message
         raise UnexpectedMessage(f"unexpected {type(message).__name__} from the server")
+
+    def _check_logprobs(self, reply: m.Verdict | m.Tokens, pending: m.Draft | m.Generate,
+                        emitted: int) -> None:
+        """Check that ``reply`` carries the log-probabilities asked for: of its
+        ``emitted`` tokens, and (the first reply after the hello that asked) of the
+        request's context after its first token."""
+        ask = self.hello_message.logprobs
+        lp, prompt = reply.logprobs, reply.prompt_logprobs
+        if ask.top >= 0 and (lp is None or len(lp) != emitted or lp.top > ask.top):
+            raise UnexpectedMessage(f"the server sent {len(lp) if lp else 'no'} rows of "
+                                    f"logprobs for {emitted} tokens")
+        if prompt is not None:
+            context = pending.context_len + len(pending.prefix)
+            if not self.prompt_pending or len(prompt) != context - 1 \
+                    or prompt.top > ask.prompt_top:
+                raise UnexpectedMessage(f"the server sent {len(prompt)} rows of prompt "
+                                        f"logprobs for a context of {context} tokens")
+            self.prompt_pending = False

@@ -14,15 +14,18 @@ machines, which know the vocabulary and the limits.
 Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
-    Hello(version, fingerprint, sampling, mode, auth, threshold, extras, constraint)  ->
+    Hello(version, fingerprint, sampling, mode, auth, threshold, extras, constraint,
+          logprobs)  ->
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
-                                           <- Verdict(seq, num_accepted, next_token, verify_s, path)
+                                           <- Verdict(seq, num_accepted, next_token, verify_s, path,
+                                                      logprobs, prompt_logprobs)
     ...
     Close ->
 
 or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
-answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted, accepted)``.
+answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted, accepted,
+logprobs, prompt_logprobs)``.
 While such a stream runs the edge may send ``Hint(position, tokens, alternatives)`` frames
 (stream drafting): drafted tokens for the positions from ``position`` on, continuing the
 previous hint or replacing it, and (protocol 5, trees) other candidates for some of those
@@ -35,6 +38,13 @@ A draft may be a tree of candidates (protocol 4, when the ``Welcome`` says ``tre
 ``parents[i]`` is the node drafted token ``i`` follows (``-1``: the context's last token,
 each parent before its children), and the verdict's ``path`` lists the nodes it accepted,
 root first. A chain sends neither.
+
+Log-probabilities (protocol 6) travel only when the hello asks (``LogprobsAsk``): a
+``Verdict`` then carries the target's log-probabilities of the tokens it emits (the
+accepted drafts and its own), a ``Tokens`` frame those of its ``token_ids``, and the first
+reply after a hello that asked for the prompt's (echo) those of its request's context
+after the first token (:mod:`spececd.core.logprobs`), each as raw little-endian arrays.
+Frames of a session that asked for none are unchanged.
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -51,12 +61,14 @@ from typing import Any, ClassVar
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
+from spececd.core.logprobs import RAW, Logprobs
 from spececd.core.sampling import Constraint, SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
 PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
-# 6: the Hello's constraint (a schema, regex, choice or grammar the output must match)
+# 6: the Hello's constraint (a schema, regex, choice or grammar the output must match) and
+# log-probabilities
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
@@ -92,6 +104,22 @@ class SamplingExtras:
 
 
 @dataclass(frozen=True)
+class LogprobsAsk:
+    """The Hello's request for log-probabilities (protocol 6): ``top`` alternatives per
+    generated token (-1: none asked), ``prompt_top`` per token of the prompt (echo; -1:
+    none), in ``mode`` (``raw_logprobs`` or ``processed_logprobs``). Left off the wire when
+    nothing is asked."""
+
+    top: int = -1
+    prompt_top: int = -1
+    mode: str = RAW
+
+    @property
+    def asked(self) -> bool:
+        return self.top >= 0 or self.prompt_top >= 0
+
+
+@dataclass(frozen=True)
 class Hello:
     TYPE: ClassVar[int] = 1
     protocol_version: int
@@ -107,6 +135,7 @@ class Hello:
     # Protocol 6: what the output after the prompt must match (the verifier masks every
     # position with it); the extras then carry the prompt's length.
     constraint: Constraint | None = None
+    logprobs: LogprobsAsk = LogprobsAsk()  # protocol 6
 
 
 @dataclass(frozen=True)
@@ -139,6 +168,8 @@ class Verdict:
     next_token: int
     verify_s: float = 0.0
     path: tuple[int, ...] | None = None  # a tree's accepted nodes, root first
+    logprobs: Logprobs | None = None  # of the num_accepted + 1 tokens emitted (protocol 6)
+    prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
 
 @dataclass(frozen=True)
@@ -163,6 +194,8 @@ class Tokens:
     compute_s: float = 0.0
     drafted: int = 0  # draft tokens this step verified (from the edge's hints)
     accepted: int = 0  # of those, kept: the first ``accepted`` of ``token_ids``
+    logprobs: Logprobs | None = None  # of token_ids (protocol 6)
+    prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
 
 @dataclass(frozen=True)
@@ -208,6 +241,26 @@ def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:
     return [sizes, ids, probs]
 
 
+def _pack_logprobs(logprobs: Logprobs | None) -> list[Any] | None:
+    if logprobs is None:
+        return None
+    return [logprobs.top, logprobs.chosen.astype("<f4").tobytes(),
+            logprobs.top_ids.astype("<u4").tobytes(),
+            logprobs.top_logprobs.astype("<f4").tobytes()]
+
+
+def _unpack_logprobs(value: list[Any] | None) -> Logprobs | None:
+    if value is None:
+        return None
+    top, chosen, ids, values = value
+    n = len(chosen) // 4
+    if top < 0 or len(chosen) % 4 or len(ids) != 4 * n * top or len(values) != 4 * n * top:
+        raise MalformedFrame("logprobs: the arrays' sizes do not match")
+    return Logprobs(np.frombuffer(chosen, dtype="<f4").astype(np.float32),
+                    np.frombuffer(ids, dtype="<u4").astype(np.int64).reshape(n, top),
+                    np.frombuffer(values, dtype="<f4").astype(np.float32).reshape(n, top))
+
+
 def _pack_ids(ids: tuple[int, ...]) -> list[int] | bytes:
     """Token ids as whichever is shorter: a msgpack list (1 byte per id under 128, 3 under
     65,536) or raw little-endian uint16 (2 bytes per id, 2 bytes of header)."""
@@ -237,16 +290,22 @@ def encode(message: Message) -> bytes:
                            _hash_bytes(fp.tokenizer_hash), message.mode,
                            _number(message.temperature), message.top_k,
                            _number(message.top_p), message.seed, message.auth_token]
-        extras, constraint = message.extras, message.constraint
-        if message.threshold or extras != SamplingExtras() or constraint is not None:
+        extras, constraint, ask = message.extras, message.constraint, message.logprobs
+        # Each optional field is sent when it or a later one is: None stands for absent.
+        later: list[list[Any] | None] = [
+            None if constraint is None else [constraint.kind, constraint.spec,
+                                             constraint.strict],
+            [ask.top, ask.prompt_top, ask.mode] if ask.asked else None]
+        while later and later[-1] is None:
+            later.pop()
+        if message.threshold or extras != SamplingExtras() or later:
             body.append(_number(message.threshold))
-        if extras != SamplingExtras() or constraint is not None:
+        if extras != SamplingExtras() or later:
             body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
                          _number(extras.frequency_penalty), _number(extras.min_p),
                          extras.prompt_len, [t for t, _ in extras.logit_bias],
                          [_number(b) for _, b in extras.logit_bias]])
-        if constraint is not None:
-            body.append([constraint.kind, constraint.spec, constraint.strict])
+        body.extend(later)
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
@@ -264,16 +323,22 @@ def encode(message: Message) -> bytes:
     elif isinstance(message, Verdict):
         body = [message.seq, message.num_accepted, message.next_token,
                 _ticks(message.verify_s)]
-        if message.path is not None:
-            body.append(list(message.path))
+        replied = message.logprobs is not None or message.prompt_logprobs is not None
+        if message.path is not None or replied:
+            body.append(list(message.path) if message.path is not None else None)
+        if replied:
+            body += [_pack_logprobs(message.logprobs), _pack_logprobs(message.prompt_logprobs)]
     elif isinstance(message, Generate):
         body = [message.seq, message.context_len, _pack_ids(message.prefix),
                 message.max_tokens, list(message.stop_token_ids)]
     elif isinstance(message, Tokens):
         body = [message.seq, _pack_ids(message.token_ids), message.done,
                 _ticks(message.compute_s)]
-        if message.drafted or message.accepted:
+        replied = message.logprobs is not None or message.prompt_logprobs is not None
+        if message.drafted or message.accepted or replied:
             body += [message.drafted, message.accepted]
+        if replied:
+            body += [_pack_logprobs(message.logprobs), _pack_logprobs(message.prompt_logprobs)]
     elif isinstance(message, Hint):
         body = [message.position, _pack_ids(message.tokens)]
         if message.alternatives:
@@ -288,21 +353,23 @@ def encode(message: Message) -> bytes:
 # Field types per message, for structural checks on decode.
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _NODES = "nodes"  # a list of node indices, -1 allowed
+_MAYBE_NODES = "nodes?"  # the same, or None
+_LOGPROBS = "logprobs"  # None or [top, chosen f4 bytes, ids u4 bytes, logprobs f4 bytes]
 _SCHEMA: dict[int, tuple[str, ...]] = {
     Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras",
-                 "constraint"),
+                 "constraint", "ask"),
     Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
-    Verdict.TYPE: (_INT, _INT, _INT, _INT, _NODES),
+    Verdict.TYPE: (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS, _LOGPROBS),
     Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
-    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT),
+    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT, _LOGPROBS, _LOGPROBS),
     Hint.TYPE: (_INT, _IDS, _NODES),
     Close.TYPE: (_STR,),
     Error.TYPE: (_STR, _STR, _INT, _BOOL),
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 3, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
+_OPTIONAL = {Hello.TYPE: 4, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 3, Tokens.TYPE: 4,
              Hint.TYPE: 1}
 
 
@@ -330,6 +397,16 @@ def _check(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == _BIN:
         return isinstance(value, (bytes, str))
+    if kind == _MAYBE_NODES:
+        return value is None or _check(_NODES, value)
+    if kind == _LOGPROBS:
+        return value is None or (
+            isinstance(value, list) and len(value) == 4 and _check(_INT, value[0])
+            and all(isinstance(v, bytes) for v in value[1:]))
+    if kind == "ask":  # [top, prompt top, mode], or None
+        return value is None or (isinstance(value, list) and len(value) == 3
+                                 and _check(_INT, value[0]) and _check(_INT, value[1])
+                                 and _check(_STR, value[2]))
     if kind == _NODES:
         return isinstance(value, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)
@@ -337,9 +414,10 @@ def _check(kind: str, value: Any) -> bool:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in value))
-    if kind == "constraint":  # [kind, spec, strict]
-        return (isinstance(value, list) and len(value) == 3 and _check(_STR, value[0])
-                and _check(_STR, value[1]) and _check(_BOOL, value[2]))
+    if kind == "constraint":  # [kind, spec, strict], or None when a later field is sent
+        return value is None or (isinstance(value, list) and len(value) == 3
+                                 and _check(_STR, value[0]) and _check(_STR, value[1])
+                                 and _check(_BOOL, value[2]))
     if kind == "extras":  # [4 numbers, prompt_len, bias ids, bias values]
         return (isinstance(value, list) and len(value) == 7
                 and all(_check(_NUM, v) for v in value[:4]) and _check(_INT, value[4])
@@ -391,14 +469,15 @@ def decode(frame: bytes) -> Message:
                                     float(min_p), prompt_len,
                                     tuple(zip(ids, map(float, biases), strict=True)))
         constraint = None
-        if len(body) > 11:
+        if len(body) > 11 and body[11] is not None:
             try:
                 constraint = Constraint(*body[11])
             except ValueError as exc:  # an unknown kind, a malformed choice list
                 raise MalformedFrame(f"constraint: {exc}") from None
+        ask = LogprobsAsk(*body[12]) if len(body) > 12 and body[12] else LogprobsAsk()
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
                      float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
-                     extras, constraint)
+                     extras, constraint, ask)
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
@@ -413,11 +492,13 @@ def decode(frame: bytes) -> Message:
                      _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)), parents)
     if kind == Verdict.TYPE:
         return Verdict(body[0], body[1], body[2], body[3] * TICK,
-                       tuple(body[4]) if len(body) > 4 else None)
+                       tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
+                       *(_unpack_logprobs(v) for v in body[5:7]))
     if kind == Generate.TYPE:
         return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
     if kind == Tokens.TYPE:
-        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6])
+        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6],
+                      *(_unpack_logprobs(v) for v in body[6:8]))
     if kind == Hint.TYPE:
         tokens = _unpack_ids(body[1])
         flat = body[2] if len(body) > 2 else []
@@ -441,6 +522,7 @@ __all__ = [
     "Generate",
     "Hello",
     "Hint",
+    "LogprobsAsk",
     "Message",
     "SamplingExtras",
     "Tokens",
