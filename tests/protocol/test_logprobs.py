@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spececd.core.logprobs import Logprobs
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.sampling import Constraint, Mode, SamplingParams
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession
@@ -30,9 +30,19 @@ def same(a: Logprobs | None, b: Logprobs | None) -> bool:
                 and np.array_equal(a.top_logprobs, b.top_logprobs))
 
 
+@pytest.mark.parametrize("constraint,ask", [
+    (Constraint("regex", "[ab]+"), m.LogprobsAsk(2)),
+    (None, m.LogprobsAsk(2)),  # the constraint's place is sent as nil
+    (Constraint("choice", '["yes", "no"]'), m.LogprobsAsk())])
+def test_a_hellos_constraint_and_logprobs_travel_together_or_alone(
+        constraint: Constraint | None, ask: m.LogprobsAsk) -> None:
+    greeting = m.Hello(6, FP, "match", 0.7, 0, 1.0, 3, constraint=constraint, logprobs=ask)
+    assert m.decode(m.encode(greeting)) == greeting
+
+
 def test_logprobs_round_trip_exactly_in_verdicts_and_tokens() -> None:
     ask = m.LogprobsAsk(5, 2, "processed_logprobs")
-    greeting = m.Hello(6, FP, "match", 0.7, 0, 1.0, 3, "", 0.0, m.SamplingExtras(), ask)
+    greeting = m.Hello(6, FP, "match", 0.7, 0, 1.0, 3, "", 0.0, m.SamplingExtras(), logprobs=ask)
     assert m.decode(m.encode(greeting)) == greeting
     for verdict in (m.Verdict(3, 2, 77, 0.01, None, rows(3, 5), rows(9, 2, 1)),
                     m.Verdict(3, 1, 77, 0.01, (0, 2), rows(2, 0), None)):
