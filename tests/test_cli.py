@@ -48,6 +48,18 @@ def test_generate_json_has_the_documented_fields(capsys: pytest.CaptureFixture[s
                                                    temperature=0).token_ids
 
 
+def test_generate_json_carries_logprobs_when_asked(capsys: pytest.CaptureFixture[str],
+                                                  pair: list[str]) -> None:
+    code, out, _ = run(capsys, "generate", *pair, "--prompt", "def f(x):", "--max-tokens", "5",
+                       "--temperature", "0", "--json", "--logprobs", "2")
+    assert code == 0
+    (completion,) = json.loads(out)["completions"]
+    entries = completion["logprobs"]
+    assert [e["token_id"] for e in entries] == completion["token_ids"]
+    for entry in entries:  # greedy, raw: the chosen token is the likeliest
+        assert len(entry["top"]) == 2 and entry["top"][0] == [entry["token_id"], entry["logprob"]]
+
+
 def test_generate_n_draws_independent_completions(capsys: pytest.CaptureFixture[str],
                                                   pair: list[str]) -> None:
     code, out, _ = run(capsys, "generate", *pair, "--prompt-ids", "5,6,7", "--max-tokens", "6",
@@ -112,6 +124,8 @@ def bad_cases(tiny_models: dict[str, Path], tmp_path: Path) -> dict[str, list[st
         "logit bias outside the vocabulary": [*ok, "--prompt", "x", "--logit-bias", "99999:1"],
         "a threshold above 1": [*ok, "--prompt", "x", "--mode", "threshold",
                                 "--threshold", "1.5"],
+        "logprobs without json": [*ok, "--prompt", "x", "--logprobs", "2"],
+        "logprobs above 20": [*ok, "--prompt", "x", "--logprobs", "21", "--json"],
     }
 
 
@@ -121,7 +135,7 @@ def bad_cases(tiny_models: dict[str, Path], tmp_path: Path) -> dict[str, list[st
     "prompt longer than the context", "out-of-vocabulary ids", "malformed ids",
     "threshold mode without a threshold", "a threshold above 1", "repetition penalty zero",
     "presence penalty above 2", "min-p above 1", "malformed logit bias",
-    "logit bias outside the vocabulary"])
+    "logit bias outside the vocabulary", "logprobs without json", "logprobs above 20"])
 def test_bad_input_is_one_line_and_exit_2(case: str, bad_cases: dict[str, list[str]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "generate", *bad_cases[case])

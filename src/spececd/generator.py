@@ -297,7 +297,10 @@ class Generator:
         each left out taking its default there; a fresh random ``seed``
         and the tokenizer's end-of-sequence tokens as stop tokens when none are given.
         ``logit_bias``: token id -> a number added to its logit, in [-100, 100] (-100 in
-        effect bans the token)."""
+        effect bans the token). Reported, not sampled from: ``logprobs`` (the target's
+        log-probability of each generated token with this many alternatives, 0 to 20),
+        ``prompt_logprobs`` (the prompt's too) and ``logprobs_mode`` (``raw_logprobs`` or
+        ``processed_logprobs``; :mod:`spececd.core.logprobs`)."""
         return sampling_params(sampling, self.site)
 
     def resolve(self, prompt_len: int, options: EdgeOptions | None = None,

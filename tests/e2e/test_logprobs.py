@@ -94,3 +94,41 @@ def test_sampled_logprobs_raw_and_processed(cloud: Cloud, tiny_models: dict[str,
     with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="off") as gen:
         plain = gen.generate(ids, **sampling)
     assert plain.logprobs is None and plain.prompt_logprobs is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proactive", ["on", "stream"])
+def test_logprobs_survive_a_server_restart(proactive: str,
+                                          tiny_models: dict[str, Path]) -> None:
+    """The server is killed and restarted mid-generation: the edge re-sends its history,
+    and the log-probabilities (the prompt's, asked once, and every generated token's) are
+    still the target alone's."""
+    from spececd.edge.options import Reconnect
+    from tests.e2e.server import ServerProcess
+
+    proc = ServerProcess(tiny_models["llama"])
+    try:
+        killed = Cloud("websocket", tiny_models["llama"], proc)
+        reconnect = Reconnect(attempts=60, delay=0.1, max_delay=0.5)
+        with killed.generator(tiny_models["draft"], reconnect=reconnect, k=FIXED_K,
+                              proactive=proactive) as gen:
+            ids = gen.prompt_ids(PROMPTS[2])
+            tokens: list[int] = []
+            entries: list[TokenLogprob] = []
+            prompt: tuple[TokenLogprob | None, ...] | None = None
+            for i, chunk in enumerate(gen.stream(ids, max_tokens=40, temperature=0,
+                                                 stop_token_ids=[], logprobs=TOP,
+                                                 prompt_logprobs=TOP)):
+                tokens.extend(chunk.token_ids)
+                entries.extend(chunk.logprobs or ())
+                prompt = chunk.prompt_logprobs or prompt
+                if i == 3:
+                    proc.kill()
+                    proc.start()
+    finally:
+        proc.stop()
+    assert len(tokens) == 40 and [e.token_id for e in entries] == tokens
+    reference = hf_logprobs(tiny_models["llama"], ids + tokens)
+    check_against_reference(reference, ids, entries)
+    assert prompt is not None and len(prompt) == len(ids)
+    check_against_reference(reference, ids[:1], [e for e in prompt[1:] if e is not None])

@@ -15,6 +15,7 @@ from spececd.cli.options import (
     sampling_kwargs,
 )
 from spececd.cli.output import stream_completion, summary_line, use_colour
+from spececd.core.logprobs import LOGPROBS_MODES, RAW, TokenLogprob
 from spececd.core.stats import GenerationStats
 from spececd.errors import InputError
 
@@ -28,6 +29,12 @@ def add_parser(sub: Any) -> None:
     add_edge_options(p)
     p.add_argument("--n", type=int, default=1, help="independent completions to draw")
     p.add_argument("--json", action="store_true", help="print one JSON object, no streaming")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each generated token's log-probability under the "
+                   "target and its N most likely alternatives (0-20)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=RAW,
+                   help="which distribution --logprobs reports: the raw logits' (default) "
+                   "or the one sampled from, after penalties, temperature and filters")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(run=run)
 
@@ -48,21 +55,34 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
                          f"{args.prompt_ids!r}") from None
 
 
+def logprob_json(entry: TokenLogprob) -> dict[str, Any]:
+    """One token's log-probabilities as JSON (``-inf``, which JSON lacks, as -9999)."""
+    return {"token_id": entry.token_id, "logprob": max(entry.logprob, -9999.0),
+            "top": [[token, max(value, -9999.0)] for token, value in entry.top]}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise InputError(f"--n must be >= 1, got {args.n}")
+    if args.logprobs is not None and not args.json:
+        raise InputError("--logprobs is printed in the JSON output only: add --json")
     prompt = parse_prompt(args)
     cfg = edge_config(args)
     with load_generator(cfg) as gen:
         kwargs = sampling_kwargs(cfg, args.seed, args.stop)
         if args.json:
+            if args.logprobs is not None:
+                kwargs.update(logprobs=args.logprobs, logprobs_mode=args.logprobs_mode)
             completions = gen.generate_n(prompt, args.n, **kwargs)
             total = GenerationStats()
             for c in completions:
                 total.merge(c.stats)
             print(json.dumps({
                 "completions": [{"token_ids": c.token_ids, "text": c.text,
-                                 "finish_reason": c.finish_reason} for c in completions],
+                                 "finish_reason": c.finish_reason,
+                                 **({"logprobs": [logprob_json(e) for e in c.logprobs]}
+                                    if c.logprobs is not None else {})}
+                                for c in completions],
                 "stats": total.as_dict(),
             }))
             return 0
