@@ -1,7 +1,8 @@
 """Greedy output under every constraint kind is identical to transformers' on the target
 alone with xgrammar's own transformers logits processor, in process, whatever the
 speculation: rounds in exact and match mode, token trees, stream drafting, cloud-only
-generation. (Over every transport: ``tests/e2e/test_transports.py``; on vLLM:
+generation, and a draft of another tokenizer, which drafts unconstrained. (Over every
+transport: ``tests/e2e/test_transports.py``; on vLLM:
 ``tests/e2e/test_vllm.py``.)"""
 
 from __future__ import annotations
