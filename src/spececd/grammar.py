@@ -5,8 +5,8 @@ EBNF/GBNF and Lark grammars compiled to a token-level pushdown automaton with ro
 the rest of SpecECD sees :class:`Grammars` (a tokenizer's compiler and cache),
 :class:`CompiledConstraint` and :class:`ConstraintMatcher`, and numpy arrays.
 
-- JSON (``json_object``, ``json_schema``) is generated compact, as ``json.dumps`` writes
-  it: no free whitespace between tokens, which small models otherwise fill.
+- JSON (``json_object``, ``json_schema``) is generated as ``json.dumps`` writes it
+  (``", "`` and ``": "``, no other whitespace, which small models otherwise fill).
 - :meth:`Grammars.compile` turns a :class:`~spececd.core.sampling.Constraint` into a
   compiled grammar, cached by a hash of (kind, spec, strict) for this tokenizer, within a
   time limit. What cannot compile (an invalid schema, an unsupported keyword, a grammar

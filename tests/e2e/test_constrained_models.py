@@ -1,7 +1,8 @@
 """Greedy output under every constraint kind is identical to transformers' on the target
 alone with xgrammar's own transformers logits processor, in process, whatever the
 speculation: rounds in exact and match mode, token trees, stream drafting, cloud-only
-generation. (Over every transport: ``tests/e2e/test_transports.py``; on vLLM:
+generation, and a draft of another tokenizer, which drafts unconstrained. (Over every
+transport: ``tests/e2e/test_transports.py``; on vLLM:
 ``tests/e2e/test_vllm.py``.)"""
 
 from __future__ import annotations
@@ -111,3 +112,17 @@ def test_forced_tokens_are_drafted_without_the_draft_model(gen: Generator) -> No
     # drafted token took a draft model step or was forced (plain rounds draft nothing ahead).
     assert out.stats.forced_tokens >= 4
     assert out.stats.draft_steps + out.stats.forced_tokens == out.stats.drafted
+
+
+def test_a_draft_of_another_tokenizer_drafts_unconstrained_and_the_mask_keeps_it_valid(
+        tiny_models: dict[str, Path], other_tokenizer_model: Path) -> None:
+    with Generator.load(str(other_tokenizer_model), str(tiny_models["llama"]), device="cpu",
+                        dtype="float32", k=4, proactive="off") as cross:
+        assert cross.cross
+        ids = cross.prompt_ids(PROMPTS[0])
+        for kind in ("json_schema", "regex"):
+            constraint = CONSTRAINTS[kind]
+            out = cross.generate(ids, max_tokens=N, temperature=0, constraint=constraint)
+            assert out.token_ids == hf_constrained_greedy(tiny_models["llama"], ids,
+                                                          constraint, N)
+            assert out.stats.forced_tokens == 0  # the draft's own tokens are not matched

@@ -361,8 +361,8 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
         "max_model_len": max_context, "max_num_seqs": policy.max_batch,
         "enable_prefix_caching": True,
-        # Compact JSON under a constraint, as the built-in engine writes it (roughly: see
-        # the module docstring).
+        # No free whitespace in constrained JSON, as on the built-in engine (its separators
+        # differ: see the module docstring).
         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         "speculative_config": {"method": "custom_class", "model": PROPOSER,
                                "num_speculative_tokens": min(limits.max_draft, MAX_PROPOSED)},
