@@ -29,9 +29,10 @@ the target's distribution allows (a planted draft token drawn with probability 0
 emitted after 104 of 129 rejections; chi-square p < 1e-100), which breaks losslessness.
 Whether vLLM's CUDA sampler has the same fault was not measured (no GPU here).
 
-Threshold mode (lossy) and the presence and frequency penalties are refused at the hello
-with an ``unsupported`` error. vLLM applies those penalties to a request's output only, and
-a round's request has what was generated before in its prompt. Exact mode is served as
+Threshold mode (lossy), the presence and frequency penalties and token healing are refused
+at the hello with an ``unsupported`` error. vLLM applies those penalties to a request's
+output only, and a round's request has what was generated before in its prompt; it has no
+mask for one position of a request. Exact mode is served as
 match mode: the edge's draft distributions are not used.
 
 vLLM draws its own random numbers. For a seed, output is reproducible on this engine, but
@@ -148,6 +149,11 @@ class VllmRunner:
             return ("logit_bias and min_p are not served by this server's engine (vLLM "
                     "ignores them when it runs speculative decoding): leave them out, or use "
                     "a server with the built-in engine")
+        if params.heal_ids:
+            return ("token healing is not served by this server's engine (vLLM cannot mask "
+                    "the first generated position alone): turn it off (--no-token-healing, "
+                    "token_healing = false in config.toml, token_healing=False in Python or "
+                    "in the request), or use a server with the built-in engine")
         if 0 < params.temperature < 0.01:
             return ("temperatures between 0 and 0.01 are not served by this server's engine "
                     "(vLLM raises them to 0.01): use 0 (greedy) or at least 0.01")

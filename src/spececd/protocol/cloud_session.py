@@ -217,7 +217,8 @@ class CloudSession:
 
     def _hello(self, hello: m.Hello) -> bytes:
         if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
-                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()):
+                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
+                hello.protocol_version < 6 and hello.heal_ids):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
         if self._auth_token and not hmac.compare_digest(
@@ -241,9 +242,13 @@ class CloudSession:
                 seed=hello.seed, repetition_penalty=extras.repetition_penalty,
                 presence_penalty=extras.presence_penalty,
                 frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
-                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len)
+                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len,
+                heal_ids=hello.heal_ids)
             if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
                 raise ValueError(f"logit_bias names token ids the vocabulary of "
+                                 f"{self.fingerprint.vocab_size} does not have")
+            if any(token >= self.fingerprint.vocab_size for token in params.heal_ids):
+                raise ValueError(f"heal_ids names token ids the vocabulary of "
                                  f"{self.fingerprint.vocab_size} does not have")
             requested = Mode(hello.mode)
         except ValueError as exc:

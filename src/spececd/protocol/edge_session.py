@@ -40,15 +40,20 @@ class EdgeSession:
         the server verifies them)."""
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
-        counts_output = bool(params.presence_penalty or params.frequency_penalty)
+        # The server needs the prompt's length where the output is counted, and where
+        # token healing masks the position after it.
+        counts_output = bool(params.presence_penalty or params.frequency_penalty
+                             or params.heal_ids)
         extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
                                   params.frequency_penalty, params.min_p,
                                   params.prompt_len if counts_output else 0, params.logit_bias)
         # The lowest version that carries what is asked, so that older servers still serve.
-        version = 4 if trees else 3 if extras != m.SamplingExtras() else 2
+        version = (6 if params.heal_ids else 4 if trees
+                   else 3 if extras != m.SamplingExtras() else 2)
         self.hello_message = m.Hello(version, fingerprint, mode.value,
                                      params.temperature, params.top_k, params.top_p,
-                                     params.seed, auth_token, threshold, extras)
+                                     params.seed, auth_token, threshold, extras,
+                                     params.heal_ids)
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0

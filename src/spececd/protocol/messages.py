@@ -14,7 +14,7 @@ machines, which know the vocabulary and the limits.
 Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
-    Hello(version, fingerprint, sampling, mode, auth, threshold, extras)  ->
+    Hello(version, fingerprint, sampling, mode, auth, threshold, extras, heal_ids)  ->
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s, path)
@@ -55,13 +55,14 @@ from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
-PROTOCOL_VERSION = 5  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints
+PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
+# 6: token healing (the Hello's heal_ids)
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
 # version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
 # with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
-COMPATIBLE_VERSIONS = (2, 3, 4, 5)
+COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class Hello:
     auth_token: str = ""
     threshold: float = 0.0  # threshold mode (lossy) only; left off the wire when 0
     extras: SamplingExtras = SamplingExtras()
+    # Protocol 6, token healing: the only tokens the first generated position (after the
+    # extras' prompt_len tokens) may take; empty: any. Left off the wire when empty.
+    heal_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -234,13 +238,15 @@ def encode(message: Message) -> bytes:
                            _number(message.temperature), message.top_k,
                            _number(message.top_p), message.seed, message.auth_token]
         extras = message.extras
-        if message.threshold or extras != SamplingExtras():
+        if message.threshold or extras != SamplingExtras() or message.heal_ids:
             body.append(_number(message.threshold))
-        if extras != SamplingExtras():
+        if extras != SamplingExtras() or message.heal_ids:
             body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
                          _number(extras.frequency_penalty), _number(extras.min_p),
                          extras.prompt_len, [t for t, _ in extras.logit_bias],
                          [_number(b) for _, b in extras.logit_bias]])
+        if message.heal_ids:
+            body.append(_pack_ids(message.heal_ids))
     elif isinstance(message, Welcome):
         body = [message.session_id, message.protocol_version, message.max_draft,
                 message.max_context]
@@ -283,7 +289,7 @@ def encode(message: Message) -> bytes:
 _INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
 _NODES = "nodes"  # a list of node indices, -1 allowed
 _SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras"),
+    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras", _IDS),
     Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
     Verdict.TYPE: (_INT, _INT, _INT, _INT, _NODES),
@@ -295,7 +301,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 2, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
+_OPTIONAL = {Hello.TYPE: 3, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 1, Tokens.TYPE: 2,
              Hint.TYPE: 1}
 
 
@@ -382,7 +388,7 @@ def decode(frame: bytes) -> Message:
                                     tuple(zip(ids, map(float, biases), strict=True)))
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
                      float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
-                     extras)
+                     extras, _unpack_ids(body[11]) if len(body) > 11 else ())
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
