@@ -114,6 +114,8 @@ class EdgeConfig:
     presence_penalty: float = _SAMPLING.presence_penalty
     frequency_penalty: float = _SAMPLING.frequency_penalty
     logit_bias: str = ""  # "ID:BIAS,ID:BIAS"
+    # Heal text prompts' last token (spececd.healing); the Python API's default is off.
+    token_healing: bool = True
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True

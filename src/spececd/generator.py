@@ -18,7 +18,8 @@ a stream shows comes from :mod:`spececd.text`. (This module was ``spececd.api``,
 still re-exports it.)
 
 ``token_healing=True`` (off by default here; on by default in the CLI, ``config.toml`` and
-the OpenAI API) heals the prompt's boundary (:mod:`spececd.healing`): the output is then
+the OpenAI API) heals a text prompt's boundary (:mod:`spececd.healing`; a prompt of token
+ids is the model's input as given, never healed): the output is then
 the target's own for the prompt without its last token, with the first generated token
 restricted to those whose text starts with that token's text, and the text shown starts
 after the prompt as given.
@@ -312,10 +313,11 @@ class Generator:
     def healed(self, prompt: str | Sequence[int], token_healing: bool
                ) -> tuple[list[int], Healing | None]:
         """The prompt's ids as generation starts from them, and its healing: with
-        ``token_healing``, the prompt without its last token where :func:`~spececd.healing.
-        heal` heals it, else the prompt as given."""
+        ``token_healing`` and a text prompt, the prompt without its last token where
+        :func:`~spececd.healing.heal` heals it, else the prompt as given."""
         ids = self.prompt_ids(prompt)
-        healing = heal(ids, self.tokenizer, self.vocab_size) if token_healing else None
+        healing = (heal(ids, self.tokenizer, self.vocab_size)
+                   if token_healing and isinstance(prompt, str) else None)
         return (list(healing.prompt_ids), healing) if healing else (ids, None)
 
     def _resolved(self, ids: list[int], healing: Healing | None, options: EdgeOptions | None,
@@ -379,7 +381,7 @@ class Generator:
         generation goes. ``cloud_only``: no drafting, the verifier generates every token
         itself (a baseline). ``stop``: strings that end the completion, matched on the
         text across token boundaries and left out of it. ``options``: this generation's
-        edge options, instead of :attr:`options`. ``token_healing``: heal the prompt's
+        edge options, instead of :attr:`options`. ``token_healing``: heal a text prompt's
         boundary (:mod:`spececd.healing`; the text starts after the prompt as given)."""
         ids, healing = self.healed(prompt, token_healing)
         yield from self._stream(ids, self._resolved(ids, healing, options, sampling),

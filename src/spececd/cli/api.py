@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
     with load_generator(cfg) as gen:
-        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)
+        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
+                  cfg.token_healing)
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"

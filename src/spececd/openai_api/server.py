@@ -111,6 +111,9 @@ class Choice:
     index: int
     prompt_ids: list[int]
     seed: int
+    # What generation starts from: the text of a completion's text prompt that is healed
+    # (Generator.stream heals text), else the ids.
+    prompt: str | list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     text: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -166,9 +169,11 @@ class Api:
     """The routes' state: the generator, the served model's name and the API key."""
 
     def __init__(self, gen: Generator, model: str, api_key: str = "",
-                 cloud_only: bool = False, max_concurrency: int = 64) -> None:
+                 cloud_only: bool = False, max_concurrency: int = 64,
+                 token_healing: bool = True) -> None:
         self.gen, self.model, self.api_key = gen, model, api_key
         self.cloud_only = cloud_only
+        self.token_healing = token_healing  # a completion's text prompts, unless it says
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
 
@@ -186,7 +191,8 @@ class Api:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
 
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
-              kind: str) -> Run:
+              kind: str, texts: list[str | None] | None = None) -> Run:
+        """``texts``: each prompt's text where it is to be healed."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         longest = max(len(ids) for ids in prompts)
@@ -203,7 +209,9 @@ class Api:
         # Checked before streaming; the first choice's seed (drawn when none was given).
         base = self.gen.params(seed=body.seed, **sampling).seed
         assert base is not None
-        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63)
+        healed = texts or [None] * len(prompts)
+        choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
+                          prompt=healed[p] or ids)
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = self.cloud_only if body.cloud_only is None else body.cloud_only
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
@@ -217,7 +225,8 @@ class Api:
         async def pump(choice: Choice) -> None:
             try:
                 async for chunk in self.agen.stream(
-                        choice.prompt_ids, choice.stats, seed=choice.seed,
+                        choice.prompt, choice.stats, seed=choice.seed,
+                        token_healing=isinstance(choice.prompt, str),
                         cloud_only=run.cloud_only, stop=run.stop, options=run.options,
                         **run.sampling):
                     await queue.put((choice, chunk))
@@ -356,8 +365,12 @@ def create_app(api: Api) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check(request, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
-        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl"), False,
-                                 request)
+        # Healing by default, but not where the prompt's own tokens are asked back (echo).
+        heal = (api.token_healing and not body.echo if body.token_healing is None
+                else body.token_healing)
+        texts = [p if heal and isinstance(p, str) else None for p in prompt_list(body)]
+        return await api.respond(api.start(body, prompts, body.max_tokens, "cmpl", texts),
+                                 False, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -381,10 +394,15 @@ def guard(api: Api, request: Request) -> None:
                            "`Authorization: Bearer <key>`", code="invalid_api_key")
 
 
-def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int]]:
+def prompt_list(body: CompletionRequest) -> list[Any]:
+    """A completion request's prompts: texts or lists of token ids."""
     prompt = body.prompt
-    many: list[Any] = [prompt] if isinstance(prompt, str) or (
+    return [prompt] if isinstance(prompt, str) or (
         prompt and isinstance(prompt[0], int)) else list(prompt)
+
+
+def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int]]:
+    many = prompt_list(body)
     if not many:
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")
