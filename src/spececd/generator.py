@@ -320,13 +320,18 @@ class Generator:
                    if token_healing and isinstance(prompt, str) else None)
         return (list(healing.prompt_ids), healing) if healing else (ids, None)
 
-    def _resolved(self, ids: list[int], healing: Healing | None, options: EdgeOptions | None,
-             sampling: dict[str, Any]) -> Resolved:
+    def prepare(self, prompt: str | Sequence[int], *, token_healing: bool = False,
+                options: EdgeOptions | None = None, **sampling: Any
+                ) -> tuple[list[int], Resolved, Healing | None]:
+        """What a generation of :meth:`stream` with these arguments starts from: the
+        prompt's ids (healed: :meth:`healed`), what it runs with (:meth:`resolve`, with
+        healing's mask), and the healing (None: none)."""
+        ids, healing = self.healed(prompt, token_healing)
         run = self.resolve(len(ids), options, **sampling)
-        if healing is None:
-            return run
-        return dataclasses.replace(run, params=dataclasses.replace(
-            run.params, heal_ids=healing.allowed))
+        if healing is not None:
+            run = dataclasses.replace(run, params=dataclasses.replace(
+                run.params, heal_ids=healing.allowed))
+        return ids, run, healing
 
     def _stream(self, ids: list[int], run: Resolved, stats: GenerationStats,
                 cloud_only: bool = False, stop: Sequence[str] = (), dropped: str = ""
@@ -383,9 +388,9 @@ class Generator:
         text across token boundaries and left out of it. ``options``: this generation's
         edge options, instead of :attr:`options`. ``token_healing``: heal a text prompt's
         boundary (:mod:`spececd.healing`; the text starts after the prompt as given)."""
-        ids, healing = self.healed(prompt, token_healing)
-        yield from self._stream(ids, self._resolved(ids, healing, options, sampling),
-                                stats or GenerationStats(), cloud_only, stop,
+        ids, run, healing = self.prepare(prompt, token_healing=token_healing, options=options,
+                                         **sampling)
+        yield from self._stream(ids, run, stats or GenerationStats(), cloud_only, stop,
                                 healing.dropped if healing else "")
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
@@ -401,8 +406,8 @@ class Generator:
         are :meth:`stream`'s. A completion's text leaves out a stop token's text and a stop
         string; its token ids keep the stop token, and the ids that spelled a stop
         string. With healing, the first id also spells the prompt's dropped last token."""
-        ids, healing = self.healed(prompt, token_healing)
-        base = self._resolved(ids, healing, options, sampling)
+        ids, base, healing = self.prepare(prompt, token_healing=token_healing,
+                                          options=options, **sampling)
         seed = base.params.seed
         assert seed is not None
         completions = []
