@@ -214,3 +214,44 @@ def test_token_id_prompts_are_never_healed(gen) -> None:  # type: ignore[no-unty
     ids = gen.prompt_ids(PROMPTS[0])
     assert gen.healed(ids, True) == (ids, None)
     assert gen.healed(PROMPTS[0], True)[1] is not None
+
+
+# -- sampled: the target's own distribution under the mask (slow) --------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,where", [("exact", "memory"), ("match", "memory"),
+                                        ("exact", "websocket")])
+def test_sampled_healing_keeps_the_target_distribution(
+        mode: str, where: str, tiny_vocab_pair: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first generated token drawn from the target's distribution restricted to the
+    mask and renormalised, the second from the target's own (chi-square over the pair).
+    Words of a 10-word vocabulary never start one another, so the healing itself is given
+    (``heal`` replaced): what is tested is the mask through drafter, wire and verifier."""
+    from spececd import generator
+    from spececd.generator import Generator
+    from spececd.healing import Healing
+    from tests.chisq import chi_square_p
+    from tests.e2e.server import ServerProcess
+    from tests.reference import exact_pair_distribution
+
+    allowed, vocab, draws = (2, 5, 7), 10, 3000
+    monkeypatch.setattr(generator, "heal", lambda ids, tokenizer, size: Healing(
+        tuple(ids[:-1]), allowed, ""))
+    server = ServerProcess(tiny_vocab_pair["target"]) if where == "websocket" else None
+    try:
+        target = {"server": server.url} if server else {"target": str(tiny_vocab_pair["target"])}
+        with Generator.load(str(tiny_vocab_pair["draft"]), device="cpu", dtype="float32", k=3,
+                            mode=mode, proactive="off", **target) as gen:
+            completions = gen.generate_n("a b b c", draws, max_tokens=2, temperature=1.0,
+                                         seed=99, stop_token_ids=[], token_healing=True)
+    finally:
+        if server:
+            server.stop()
+    pairs = [c.token_ids for c in completions]
+    assert all(len(p) == 2 for p in pairs) and {p[0] for p in pairs} <= set(allowed)
+    observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
+    expected = exact_pair_distribution(
+        tiny_vocab_pair["target"], [1, 2, 2],
+        SamplingParams(temperature=1.0, heal_ids=allowed)) * draws
+    assert chi_square_p(observed, expected) > 0.001
