@@ -3,9 +3,9 @@
 - acceptance rate = accepted / drafted over all rounds (a round's drafts all count, also
   the first position: it is never assumed accepted);
 - mean accepted length = (accepted + own) / rounds, the tokens gained per target pass, where
-  ``own`` counts the rounds whose own token (correction or bonus) is in the output: every
-  round's but one whose text ended at an accepted draft (a stop token), which is
-  (accepted + rounds) / rounds otherwise.
+  ``own`` counts the rounds whose own token (correction or bonus) is in the output: all of
+  them but a last round whose text ended at an accepted draft (a stop token); without such
+  a round, (accepted + rounds) / rounds.
 
 Counts are the verifier's verdicts up to the end of the text: a round in which the text
 ended (at a stop token) counts its drafted and accepted tokens up to that token only
