@@ -237,7 +237,7 @@ def test_sampled_healing_keeps_the_target_distribution(
 
     allowed, vocab, draws = (2, 5, 7), 10, 3000
     monkeypatch.setattr(generator, "heal", lambda ids, tokenizer, size: Healing(
-        tuple(ids[:-1]), allowed, ""))
+        tuple(ids[:-1]), allowed, "", ids[-1]))
     server = ServerProcess(tiny_vocab_pair["target"]) if where == "websocket" else None
     try:
         target = {"server": server.url} if server else {"target": str(tiny_vocab_pair["target"])}

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
@@ -55,6 +56,7 @@ from spececd.edge.options import (
 from spececd.edge.retokenize import CrossDrafter
 from spececd.errors import InputError
 from spececd.healing import HealedText, Healing, heal
+from spececd.protocol.errors import Unsupported
 from spececd.text import IncrementalDecoder, StopStrings
 from spececd.transports.base import Transport
 
@@ -62,6 +64,8 @@ if TYPE_CHECKING:
     from spececd.transports.memory import LocalServer
 
 __all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -333,6 +337,31 @@ class Generator:
                 run.params, heal_ids=healing.allowed))
         return ids, run, healing
 
+    def _stream_healed(self, ids: list[int], run: Resolved, healing: Healing | None,
+                       stats: GenerationStats, cloud_only: bool, stop: Sequence[str]
+                       ) -> Iterator[StreamChunk]:
+        """:meth:`_stream` of a prompt ``healing`` healed (None: not healed). A server
+        whose engine cannot apply healing's mask (vLLM) refuses it at the hello, before any
+        token: the prompt then runs as given, with a warning."""
+        if healing is None:
+            yield from self._stream(ids, run, stats, cloud_only, stop)
+            return
+        started = False
+        try:
+            for chunk in self._stream(ids, run, stats, cloud_only, stop, healing.dropped):
+                started = True
+                yield chunk
+        except Unsupported:
+            if started:
+                raise
+            log.warning("the server's engine does not serve token healing: generating from "
+                        "the prompt as given (--no-token-healing, token_healing = false or "
+                        "token_healing=False skips this try)")
+            ids = [*ids, healing.last]
+            params = dataclasses.replace(run.params, heal_ids=(), prompt_len=len(ids))
+            yield from self._stream(ids, dataclasses.replace(run, params=params), stats,
+                                    cloud_only, stop)
+
     def _stream(self, ids: list[int], run: Resolved, stats: GenerationStats,
                 cloud_only: bool = False, stop: Sequence[str] = (), dropped: str = ""
                 ) -> Iterator[StreamChunk]:
@@ -390,8 +419,8 @@ class Generator:
         boundary (:mod:`spececd.healing`; the text starts after the prompt as given)."""
         ids, run, healing = self.prepare(prompt, token_healing=token_healing, options=options,
                                          **sampling)
-        yield from self._stream(ids, run, stats or GenerationStats(), cloud_only, stop,
-                                healing.dropped if healing else "")
+        yield from self._stream_healed(ids, run, healing, stats or GenerationStats(),
+                                       cloud_only, stop)
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
                  stop: Sequence[str] = (), options: EdgeOptions | None = None,
@@ -415,8 +444,8 @@ class Generator:
             stats = GenerationStats()
             token_ids: list[int] = []
             texts: list[str] = []
-            for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop,
-                                      healing.dropped if healing else ""):
+            for chunk in self._stream_healed(ids, base.with_seed(seed + i), healing, stats,
+                                             cloud_only, stop):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 finish = chunk.finish_reason

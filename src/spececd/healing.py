@@ -64,12 +64,13 @@ def token_texts(tokenizer: Tokenizer, vocab_size: int) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Healing:
     """A healed prompt: ``prompt_ids`` (the prompt without its last token), ``allowed``
-    (sorted: the ids the first generated token may take) and ``dropped`` (the last token's
-    text, which the first generated token's text starts with)."""
+    (sorted: the ids the first generated token may take), ``dropped`` (the last token's
+    text, which the first generated token's text starts with) and ``last`` (its id)."""
 
     prompt_ids: tuple[int, ...]
     allowed: tuple[int, ...]
     dropped: str
+    last: int
 
 
 def heal(ids: Sequence[int], tokenizer: Tokenizer, vocab_size: int) -> Healing | None:
@@ -86,7 +87,7 @@ def heal(ids: Sequence[int], tokenizer: Tokenizer, vocab_size: int) -> Healing |
                     if text.startswith(dropped) and t not in stops)
     if allowed == (ids[-1],) or len(allowed) > MAX_HEAL_IDS:
         return None
-    return Healing(tuple(ids[:-1]), allowed, dropped)
+    return Healing(tuple(ids[:-1]), allowed, dropped, ids[-1])
 
 
 class HealedText:
