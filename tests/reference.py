@@ -58,6 +58,21 @@ def _greedy(model_dir: Path, written: int, ids: tuple[int, ...], max_new_tokens:
     return tuple(out[0, len(ids):].tolist())
 
 
+def hf_greedy_healed(model_dir: Path, ids: list[int], allowed: tuple[int, ...],
+                     max_new_tokens: int) -> list[int]:
+    """The reference for a healed prompt (:mod:`spececd.healing`): transformers' own greedy
+    generation after ``ids`` (the prompt without its last token), the first token the most
+    likely of ``allowed`` alone, no stop token."""
+    import torch
+
+    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
+    model = _reference_model(Path(model_dir), written)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    first = max(allowed, key=lambda token: float(logits[token]))
+    return [first, *hf_greedy(model_dir, [*ids, first], max_new_tokens - 1)]
+
+
 def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams
                             ) -> np.ndarray:  # [V * V]: P(first = a, second = b)
     import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -164,7 +165,13 @@ def test_demo_runs_on_a_models_folder(capsys: pytest.CaptureFixture[str], tmp_pa
     assert code == 0
     # the default draft in the form this folder has: transformers' alone
     assert out.splitlines()[0] == f"SpecECD demo: draft {tmp_path / 'draft'} (transformers)"
-    assert out.count("tokens/s") == 3  # one summary per prompt and one overall
+    # Per prompt and overall: SpecECD beside the target alone, measured in this run, and
+    # (greedy by default) the target alone's very tokens.
+    compared = [line for line in out.splitlines() if re.fullmatch(
+        r"(--- |all prompts: )SpecECD [\d.]+ tokens/s · target alone [\d.]+ tokens/s · "
+        r"[\d.]+x( · the same tokens)?", line)]
+    assert len(compared) == 3 and out.count(" · the same tokens") == 2
+    assert out.count("acceptance ") == 3  # each with its statistics
     assert "\033[32m" in out or "\033[1;33m" in out
 
 

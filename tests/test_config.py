@@ -106,7 +106,7 @@ def test_the_edge_sections_sampling_defaults_are_sampling_params_own() -> None:
     sampling = EdgeConfig().sampling()
     assert SamplingParams(**{**sampling, "logit_bias": ()}) == SamplingParams()
     assert set(sampling) == {f.name for f in dataclasses.fields(SamplingParams)} - {
-        "seed", "stop_token_ids", "prompt_len",
+        "seed", "stop_token_ids", "prompt_len", "heal_ids",
         "logprobs", "prompt_logprobs", "logprobs_mode"}  # asked per generation, not configured
     assert config.load(EdgeConfig, None, {"logit_bias": "5:-100, 7:2.5"}, {}).sampling()[
         "logit_bias"] == {5: -100.0, 7: 2.5}

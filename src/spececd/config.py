@@ -120,6 +120,8 @@ class EdgeConfig:
     regex: str = ""
     choice: tuple[str, ...] = ()
     grammar: str = ""
+    # Heal text prompts' last token (spececd.healing); the Python API's default is off.
+    token_healing: bool = True
     auth_token_file: str = ""
     tls_ca: str = ""
     tls_verify: bool = True

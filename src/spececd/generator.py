@@ -24,13 +24,22 @@ What a generation runs with is decided once, by :meth:`Generator.resolve`
 sampling keywords, with :class:`~spececd.core.sampling.SamplingParams`' defaults. The text
 a stream shows comes from :mod:`spececd.text`. (This module was ``spececd.api``, which
 still re-exports it.)
+
+``token_healing=True`` (off by default here; on by default in the CLI, ``config.toml`` and
+the OpenAI API) heals a text prompt's boundary (:mod:`spececd.healing`; a prompt of token
+ids is the model's input as given, never healed): the output is then
+the target's own for the prompt without its last token, with the first generated token
+restricted to those whose text starts with that token's text, and the text shown starts
+after the prompt as given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
@@ -56,6 +65,8 @@ from spececd.edge.options import (
 from spececd.edge.retokenize import CrossDrafter
 from spececd.errors import InputError
 from spececd.grammar import grammars_for
+from spececd.healing import HealedText, Healing, heal
+from spececd.protocol.errors import Unsupported
 from spececd.text import IncrementalDecoder, StopStrings
 from spececd.transports.base import Transport
 
@@ -63,6 +74,8 @@ if TYPE_CHECKING:
     from spececd.transports.memory import LocalServer
 
 __all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk", "TokenLogprob"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -339,10 +352,61 @@ class Generator:
             ids = self.tokenizer.encode(text + "Assistant:")
         return self.prompt_ids(list(ids))
 
+    def healed(self, prompt: str | Sequence[int], token_healing: bool
+               ) -> tuple[list[int], Healing | None]:
+        """The prompt's ids as generation starts from them, and its healing: with
+        ``token_healing`` and a text prompt, the prompt without its last token where
+        :func:`~spececd.healing.heal` heals it, else the prompt as given."""
+        ids = self.prompt_ids(prompt)
+        healing = (heal(ids, self.tokenizer, self.vocab_size)
+                   if token_healing and isinstance(prompt, str) else None)
+        return (list(healing.prompt_ids), healing) if healing else (ids, None)
+
+    def prepare(self, prompt: str | Sequence[int], *, token_healing: bool = False,
+                options: EdgeOptions | None = None, **sampling: Any
+                ) -> tuple[list[int], Resolved, Healing | None]:
+        """What a generation of :meth:`stream` with these arguments starts from: the
+        prompt's ids (healed: :meth:`healed`), what it runs with (:meth:`resolve`, with
+        healing's mask), and the healing (None: none)."""
+        ids, healing = self.healed(prompt, token_healing)
+        run = self.resolve(len(ids), options, **sampling)
+        if healing is not None:
+            run = dataclasses.replace(run, params=dataclasses.replace(
+                run.params, heal_ids=healing.allowed))
+        return ids, run, healing
+
+    def _stream_healed(self, ids: list[int], run: Resolved, healing: Healing | None,
+                       stats: GenerationStats, cloud_only: bool, stop: Sequence[str]
+                       ) -> Iterator[StreamChunk]:
+        """:meth:`_stream` of a prompt ``healing`` healed (None: not healed). A server
+        whose engine cannot apply healing's mask (vLLM) refuses it at the hello, before any
+        token: the prompt then runs as given, with a warning."""
+        if healing is None:
+            yield from self._stream(ids, run, stats, cloud_only, stop)
+            return
+        started = False
+        try:
+            for chunk in self._stream(ids, run, stats, cloud_only, stop, healing.dropped):
+                started = True
+                yield chunk
+        except Unsupported:
+            if started:
+                raise
+            log.warning("the server's engine does not serve token healing: generating from "
+                        "the prompt as given (--no-token-healing, token_healing = false or "
+                        "token_healing=False skips this try)")
+            ids = [*ids, healing.last]
+            params = dataclasses.replace(run.params, heal_ids=(), prompt_len=len(ids))
+            yield from self._stream(ids, dataclasses.replace(run, params=params), stats,
+                                    cloud_only, stop)
+
     def _stream(self, ids: list[int], run: Resolved, stats: GenerationStats,
-                cloud_only: bool = False, stop: Sequence[str] = ()) -> Iterator[StreamChunk]:
+                cloud_only: bool = False, stop: Sequence[str] = (), dropped: str = ""
+                ) -> Iterator[StreamChunk]:
+        """``dropped``: the text healing dropped from the prompt, left out of the text."""
         params = run.params
         decoder, stops = IncrementalDecoder(self.tokenizer), StopStrings(stop)
+        healed = HealedText(dropped)
         emitted: list[int] = []
         source = "target"
         prompt: tuple[TokenLogprob | None, ...] | None = None  # handed on with the next chunk
@@ -373,9 +437,9 @@ class Generator:
                         continue
                     # A stop token ends the completion: its id is kept, its text is not.
                     ends = part[-1] in params.stop_token_ids
-                    text = stops.push(decoder.push(part[:-1] if ends else part))
+                    text = stops.push(healed.push(decoder.push(part[:-1] if ends else part)))
                     if stops.found:  # the ids up to the stop string, no further
-                        part = self._through_stop(emitted, part, stops.stops)
+                        part = self._through_stop(emitted, part, stops.stops, dropped)
                         yield chunk(part, text, source, part_lp)
                         rounds.close()  # at once, not when the caller takes the last chunk
                         yield StreamChunk((), "", source, "stop")
@@ -383,47 +447,50 @@ class Generator:
                     emitted.extend(part)
                     yield chunk(part, text, source, part_lp)
         stopped = bool(emitted) and emitted[-1] in params.stop_token_ids
-        yield StreamChunk((), stops.push(decoder.flush()) + stops.flush(), source,
+        yield StreamChunk((), stops.push(healed.push(decoder.flush())) + stops.flush(), source,
                           "stop" if stopped else "length", None, prompt)
 
     def _through_stop(self, emitted: Sequence[int], part: tuple[int, ...],
-                      stops: Sequence[str]) -> tuple[int, ...]:
-        """The shortest head of ``part`` whose text, after ``emitted``'s, spells a stop."""
+                      stops: Sequence[str], dropped: str = "") -> tuple[int, ...]:
+        """The shortest head of ``part`` whose text, after ``emitted``'s (less the text
+        healing ``dropped``), spells a stop."""
         for n in range(1, len(part)):
-            text = self.tokenizer.decode([*emitted, *part[:n]])
+            text = self.tokenizer.decode([*emitted, *part[:n]])[len(dropped):]
             if any(stop in text for stop in stops):
                 return part[:n]
         return part
 
     def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
                cloud_only: bool = False, stop: Sequence[str] = (),
-               options: EdgeOptions | None = None, **sampling: Any
-               ) -> PyGenerator[StreamChunk, None, None]:
+               options: EdgeOptions | None = None, token_healing: bool = False,
+               **sampling: Any) -> PyGenerator[StreamChunk, None, None]:
         """Yield the completion as it is verified (see :meth:`params` for the sampling
         options); the last chunk says why it ended. ``stats``, when given, is filled in as
         generation goes. ``cloud_only``: no drafting, the verifier generates every token
         itself (a baseline). ``stop``: strings that end the completion, matched on the
         text across token boundaries and left out of it. ``options``: this generation's
-        edge options, instead of :attr:`options`."""
-        ids = self.prompt_ids(prompt)
-        yield from self._stream(ids, self.resolve(len(ids), options, **sampling),
-                                stats or GenerationStats(), cloud_only, stop)
+        edge options, instead of :attr:`options`. ``token_healing``: heal a text prompt's
+        boundary (:mod:`spececd.healing`; the text starts after the prompt as given)."""
+        ids, run, healing = self.prepare(prompt, token_healing=token_healing, options=options,
+                                         **sampling)
+        yield from self._stream_healed(ids, run, healing, stats or GenerationStats(),
+                                       cloud_only, stop)
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
                  stop: Sequence[str] = (), options: EdgeOptions | None = None,
-                 **sampling: Any) -> Completion:
+                 token_healing: bool = False, **sampling: Any) -> Completion:
         return self.generate_n(prompt, 1, cloud_only=cloud_only, stop=stop, options=options,
-                               **sampling)[0]
+                               token_healing=token_healing, **sampling)[0]
 
     def generate_n(self, prompt: str | Sequence[int], n: int, *, cloud_only: bool = False,
                    stop: Sequence[str] = (), options: EdgeOptions | None = None,
-                   **sampling: Any) -> list[Completion]:
+                   token_healing: bool = False, **sampling: Any) -> list[Completion]:
         """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...); the keywords
         are :meth:`stream`'s. A completion's text leaves out a stop token's text and a stop
         string; its token ids keep the stop token, and the ids that spelled a stop
-        string."""
-        ids = self.prompt_ids(prompt)
-        base = self.resolve(len(ids), options, **sampling)
+        string. With healing, the first id also spells the prompt's dropped last token."""
+        ids, base, healing = self.prepare(prompt, token_healing=token_healing,
+                                          options=options, **sampling)
         seed = base.params.seed
         assert seed is not None
         completions = []
@@ -434,7 +501,8 @@ class Generator:
             logprobs: list[TokenLogprob] | None = [] if base.params.logprobs is not None \
                 else None
             scored: list[TokenLogprob | None] | None = None  # the prompt's
-            for chunk in self._stream(ids, base.with_seed(seed + i), stats, cloud_only, stop):
+            for chunk in self._stream_healed(ids, base.with_seed(seed + i), healing, stats,
+                                             cloud_only, stop):
                 token_ids.extend(chunk.token_ids)
                 texts.append(chunk.text)
                 finish = chunk.finish_reason

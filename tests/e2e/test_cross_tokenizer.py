@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import Mode, SamplingParams  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
+from spececd.healing import heal  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
 from spececd.protocol.messages import Fingerprint  # noqa: E402
 from tests.builders import MODELS, requires_default_pair, word_tokenizer  # noqa: E402
@@ -28,6 +29,7 @@ from tests.reference import (  # noqa: E402
     PROMPTS,
     exact_pair_distribution,
     hf_greedy,
+    hf_greedy_healed,
 )
 
 WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
@@ -95,6 +97,23 @@ def test_greedy_is_the_target_alone(where: str, k: int | str, proactive: str,
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
             drafted += out.stats.drafted
         assert drafted > 0  # the draft's text came through as target ids
+
+
+@pytest.mark.parametrize("where", ["memory", pytest.param("websocket", marks=pytest.mark.slow)])
+def test_healing_across_tokenizers_is_the_target_alone_on_the_healed_prompt(
+        where: str, tiny_models: dict[str, Path], other_tokenizer_model: Path,
+        request: pytest.FixtureRequest) -> None:
+    """The mask names target ids: the edge heals with the target's tokenizer, the draft
+    drafts without the mask, and the verifier keeps only what the mask allows."""
+    server = request.getfixturevalue("servers")["bpe"] if where == "websocket" else None
+    with generator(other_tokenizer_model, tiny_models["llama"], server, k=4) as gen:
+        for prompt in ("def parse(line):\n", "class B:\n"):
+            healing = heal(gen.prompt_ids(prompt), gen.tokenizer, gen.vocab_size)
+            assert healing is not None
+            out = gen.generate(prompt, max_tokens=20, temperature=0, stop_token_ids=[],
+                               token_healing=True)
+            assert out.token_ids == hf_greedy_healed(
+                tiny_models["llama"], list(healing.prompt_ids), healing.allowed, 20)
 
 
 def test_stop_strings_across_token_boundaries(tiny_models: dict[str, Path],

@@ -71,7 +71,7 @@ def test_stream_equals_generate_and_marks_sources(tiny_gen: Generator) -> None:
     whole = tiny_gen.generate(PROMPTS[1], max_tokens=30, temperature=0.8, seed=11)
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert {c.source for c in chunks} <= {"draft", "target"}
-    assert sum(len(c.token_ids) for c in chunks if c.source == "target") == whole.stats.rounds
+    assert sum(len(c.token_ids) for c in chunks if c.source == "target") == whole.stats.own
 
 
 def test_sampled_stream_drafting_in_process_is_the_targets_own_output(

@@ -160,6 +160,26 @@ def test_what_the_engine_cannot_serve_is_refused_at_the_hello(
         gen.generate([1, 2], max_tokens=4, temperature=1.0, stop_token_ids=[], **sampling)
 
 
+def test_token_healing_is_refused_and_the_prompt_runs_as_given(
+        server: ServerProcess, pair: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM has no mask for one position of a request: it refuses a healed prompt at the
+    hello, saying how to turn healing off, and the edge then runs the prompt as given,
+    with a warning. (Words never start one another, so the healing is given.)"""
+    from spececd import generator
+    from spececd.healing import Healing
+
+    with remote(pair["draft"], server.url, proactive="off") as gen:
+        plain = gen.generate("a b c", max_tokens=4, temperature=0, stop_token_ids=[])
+        monkeypatch.setattr(generator, "heal", lambda ids, tokenizer, size: Healing(
+            tuple(ids[:-1]), (2, 5), "", ids[-1]))
+        with caplog.at_level("WARNING"):
+            healed = gen.generate("a b c", max_tokens=4, temperature=0, stop_token_ids=[],
+                                  token_healing=True)
+    assert healed.token_ids == plain.token_ids
+    assert "does not serve token healing" in caplog.text
+
+
 def test_vllm_metrics_and_ours_and_acceptance_per_session(
         server: ServerProcess, pair: dict[str, Path]) -> None:
     seen: list[dict[str, object]] = []

@@ -114,6 +114,31 @@ def test_a_draft_equal_to_the_target_is_always_accepted() -> None:
         server.close()
 
 
+@pytest.mark.parametrize("end", [0, 2, 4])
+def test_statistics_count_no_token_past_the_end_of_the_text(end: int) -> None:
+    """A stop token at position ``end`` of a round's 4 accepted drafts (4: the bonus, the
+    verifier's own token): the drafts after it are no part of the text, so they count as
+    neither drafted nor accepted, and the round gains the tokens it emitted (the issue's
+    "acceptance 25.0% · mean accepted length 2.00 · 1 tokens" counted them)."""
+    draft, target = toy_pair(agreement=1.0)
+    reference = greedy(target, PROMPTS[2], 5)
+    stop = reference[end]
+    if reference.index(stop) != end:
+        pytest.skip("the toy's text repeats this token earlier")
+    server = local_verifier(target)
+    try:
+        edge = client(draft, server, k=4, proactive="off")
+        stats = GenerationStats()
+        assert generate(edge, PROMPTS[2], stats, stop_token_ids=[stop]) == reference[:end + 1]
+        drafted = min(end + 1, 4)
+        assert (stats.rounds, stats.drafted, stats.accepted) == (1, drafted, drafted)
+        assert stats.acceptance_rate == 1.0
+        assert stats.mean_accepted_len == stats.generated == end + 1
+        assert stats.drafted_by_position == stats.accepted_by_position == [1] * drafted
+    finally:
+        server.close()
+
+
 def test_block_ahead_rounds_hit_when_the_draft_is_the_target() -> None:
     """Drafting the next block while the verdict is in flight: with every token accepted
     and the bonus guessed right, every round after the first sends the block drafted

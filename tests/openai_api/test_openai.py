@@ -18,9 +18,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
 from spececd.cli.options import choose_draft  # noqa: E402
+from spececd.healing import heal  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
-from tests.reference import hf_greedy  # noqa: E402
+from tests.reference import hf_greedy, hf_greedy_healed  # noqa: E402
 
 pytestmark = requires_default_pair
 
@@ -60,11 +61,21 @@ def tokenizer() -> Any:
 
 
 def target_text(tokenizer: Any, prompt: str | list[int], n: int) -> str:
+    """The target alone's greedy reply: for a text prompt, healed as the API heals it by
+    default (the target's own for the prompt without its last token, the first token one
+    whose text starts with that token's; the reply's text starts after the whole prompt)."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    out = hf_greedy(MODELS / "target", list(ids), n)
+    vocab = len(tokenizer.vocab_tokens())
+    healing = heal(ids, tokenizer, vocab) if isinstance(prompt, str) else None
+    out = (hf_greedy_healed(MODELS / "target", list(healing.prompt_ids), healing.allowed, n)
+           if healing else hf_greedy(MODELS / "target", list(ids), n))
     if set(out) & set(tokenizer.eos_token_ids):  # the end: its text is no part of the reply
         out = out[:min(out.index(t) for t in tokenizer.eos_token_ids if t in out)]
-    return str(tokenizer.decode(out))
+    text = str(tokenizer.decode(out))
+    if healing:
+        assert text.startswith(healing.dropped)
+        text = text[len(healing.dropped):]
+    return text
 
 
 def test_models_lists_the_served_model(client: Any) -> None:
@@ -95,6 +106,32 @@ def test_greedy_completion_is_the_target_alone_streamed_or_not(client: Any,
     assert {"draft", "target"} <= sources  # accepted drafts and the target's own tokens
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_text_prompts_are_healed_unless_the_request_says_not(client: Any,
+                                                            tokenizer: Any) -> None:
+    """A prompt that ends in a newline gets code (healed: the target's own on the prompt
+    without its newline, the first token one that starts with a newline), not the
+    end-of-text token the unhealed prompt gets; token ids are never healed."""
+    prompt = "def main():\n"
+
+    def text(**extra: Any) -> str:
+        return str(client.completions.create(model="spececd", prompt=prompt, max_tokens=16,
+                                             temperature=0, extra_body=extra or None)
+                   .choices[0].text)
+
+    healed = text()
+    assert healed == target_text(tokenizer, prompt, 16) and healed.startswith("    ")
+    assert text(token_healing=True) == healed
+    unhealed = text(token_healing=False)
+    assert unhealed == target_text(tokenizer, tokenizer.encode(prompt), 16) != healed
+    ids = client.completions.create(model="spececd", prompt=tokenizer.encode(prompt),
+                                    max_tokens=16, temperature=0).choices[0].text
+    assert ids == unhealed
+    with pytest.raises(openai.BadRequestError, match="token_healing"):  # completions' own
+        client.chat.completions.create(model="spececd", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"token_healing": True})
 
 
 def test_chat_streams_with_the_async_client(api: ServerProcess, tokenizer: Any) -> None:
@@ -180,7 +217,7 @@ def test_penalties_and_logit_bias_reach_both_sides(client: Any, tokenizer: Any) 
     with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
                         dtype="float32") as gen:
         expected = gen.generate(prompt, max_tokens=24, temperature=0, stop_token_ids=[],
-                                **sampling, **extras)
+                                token_healing=True, **sampling, **extras)  # the API's default
     assert penalized.choices[0].text == expected.text != plain
 
 
@@ -205,9 +242,11 @@ def test_ignore_eos_and_stop_token_ids_as_vllm_takes_them(client: Any, tokenizer
     reference = hf_greedy(MODELS / "target", tokenizer.encode(prompt), 24)  # no stop at all
 
     def ids(**extra: Any) -> tuple[list[int], str | None]:
+        # The prompt's own tokens, unhealed: a healed first position admits no
+        # end-of-sequence token.
         chunks = [c for c in client.completions.create(
             model="spececd", prompt=prompt, max_tokens=24, temperature=0, stream=True,
-            extra_body=extra) if c.choices]
+            extra_body={"token_healing": False, **extra}) if c.choices]
         return ([t for c in chunks for t in c.choices[0].model_extra["spececd"]["token_ids"]],
                 chunks[-1].choices[0].finish_reason)
 

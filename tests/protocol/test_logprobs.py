@@ -30,13 +30,15 @@ def same(a: Logprobs | None, b: Logprobs | None) -> bool:
                 and np.array_equal(a.top_logprobs, b.top_logprobs))
 
 
-@pytest.mark.parametrize("constraint,ask", [
-    (Constraint("regex", "[ab]+"), m.LogprobsAsk(2)),
-    (None, m.LogprobsAsk(2)),  # the constraint's place is sent as nil
-    (Constraint("choice", '["yes", "no"]'), m.LogprobsAsk())])
-def test_a_hellos_constraint_and_logprobs_travel_together_or_alone(
-        constraint: Constraint | None, ask: m.LogprobsAsk) -> None:
-    greeting = m.Hello(6, FP, "match", 0.7, 0, 1.0, 3, constraint=constraint, logprobs=ask)
+@pytest.mark.parametrize("constraint,ask,heal", [
+    (Constraint("regex", "[ab]+"), m.LogprobsAsk(2), (4, 9)),
+    (None, m.LogprobsAsk(2), ()),  # the constraint's place is sent as nil
+    (None, m.LogprobsAsk(), (7,)),  # ... and the ask's
+    (Constraint("choice", '["yes", "no"]'), m.LogprobsAsk(), ())])
+def test_a_hellos_version_6_fields_travel_together_or_alone(
+        constraint: Constraint | None, ask: m.LogprobsAsk, heal: tuple[int, ...]) -> None:
+    greeting = m.Hello(6, FP, "match", 0.7, 0, 1.0, 3, constraint=constraint, logprobs=ask,
+                       heal_ids=heal)
     assert m.decode(m.encode(greeting)) == greeting
 
 

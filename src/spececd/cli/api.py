@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         parser(cfg.tool_call_parser)  # a name config.toml misspells is refused before loading
     with load_generator(cfg) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
-                  tool_parser=cfg.tool_call_parser or None)
+                  tool_parser=cfg.tool_call_parser or None, token_healing=cfg.token_healing)
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
             }))
             return 0
         colour = use_colour(args.color, sys.stdout)
-        sampling = {k: v for k, v in kwargs.items() if k != "stop"}  # params' own keywords
+        sampling = {k: v for k, v in kwargs.items()  # params' own keywords
+                    if k not in ("stop", "token_healing")}
         base_seed = gen.params(**sampling).seed
         assert base_seed is not None
         for i in range(args.n):

@@ -163,6 +163,17 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
                    "(EBNF/GBNF with a root rule, or Lark)")
 
 
+def add_prompt_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt")
+    g.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=None,
+                   help="heal a text prompt's last token: drop it and let the first generated "
+                   "token spell it, so a prompt cut inside what the tokenizer writes as one "
+                   "token (a newline before indentation) continues as the model would; the "
+                   "output is the target's own for the prompt without that token, the first "
+                   "token restricted to those whose text starts with it (default: "
+                   f"{'on' if CONFIG.token_healing else 'off'})")
+
+
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
@@ -224,6 +235,7 @@ def add_edge_options(p: argparse.ArgumentParser, temperature: float = CONFIG.tem
     ``sampling`` is False: the requests bring theirs) and, unless ``network`` is False, the
     link to a server."""
     add_model_options(p)
+    add_prompt_options(p)
     if sampling:
         add_sampling_options(p, temperature, max_tokens, repetition_penalty)
     add_speculation_options(p)
@@ -263,5 +275,7 @@ def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = 
 
 def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None
                     ) -> dict[str, Any]:
-    """What ``Generator.stream`` takes for a generation with ``cfg``'s sampling settings."""
-    return {**cfg.sampling(), "seed": seed, "stop": stop or []}
+    """What ``Generator.stream`` takes for a generation with ``cfg``'s sampling settings
+    (and its token healing, which applies to text prompts)."""
+    return {**cfg.sampling(), "seed": seed, "stop": stop or [],
+            "token_healing": cfg.token_healing}

@@ -28,12 +28,15 @@ def use_colour(choice: str, stream: TextIO) -> bool:
 
 
 def stream_completion(gen: Generator, prompt: str | Sequence[int], kwargs: dict[str, Any],
-                      colour: bool, out: TextIO) -> GenerationStats:
+                      colour: bool, out: TextIO, token_ids: list[int] | None = None
+                      ) -> GenerationStats:
     """Print one completion as it is verified, accepted drafts and target tokens told apart
-    by colour; return its statistics."""
+    by colour; return its statistics. ``token_ids``, when given, gets the completion's."""
     stats = GenerationStats()
     warned = False
     for chunk in gen.stream(prompt, stats, **kwargs):
+        if token_ids is not None:
+            token_ids.extend(chunk.token_ids)
         if chunk.source == "fallback" and not warned:
             warned = True
             print("\nspececd: the verifier is unreachable; the rest is the draft model's "

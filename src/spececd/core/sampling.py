@@ -4,7 +4,9 @@
 penalties, which depend on the tokens so far (:func:`penalize`): the repetition penalty
 (transformers' ``RepetitionPenaltyLogitsProcessor``, over the prompt and the generated
 tokens), the presence and frequency penalties (OpenAI's definition, as vLLM applies it:
-over the generated tokens only), then ``logit_bias`` (added to the logits). Then
+over the generated tokens only), then ``logit_bias`` (added to the logits), then token
+healing's mask (``heal_ids``: at the first generated position, the position
+``prompt_len``, every other token is removed; :mod:`spececd.healing`). Then
 temperature, top-k, top-p and min-p, with the semantics of transformers'
 ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` (ties with the k-th score are kept),
 ``TopPLogitsWarper`` (the smallest set whose mass exceeds ``top_p``, at least one token)
@@ -170,6 +172,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str = RAW
+    # Token healing (spececd.healing): the only tokens the first generated position (the
+    # one after the prompt's ``prompt_len`` tokens) may take; empty: any.
+    heal_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -206,6 +211,8 @@ class SamplingParams:
                              f"{type(self.constraint).__name__}")
         check_logprobs(self.logprobs, self.logprobs_mode)
         check_logprobs(self.prompt_logprobs, self.logprobs_mode, "prompt_logprobs")
+        if any(token < 0 for token in self.heal_ids):
+            raise InputError("heal_ids takes token ids >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -213,9 +220,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the distribution depends on the tokens so far (see :func:`penalize`)."""
+        """Whether the distribution depends on the tokens so far or on the position (see
+        :func:`penalize`)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias)
+                or bool(self.heal_ids))
 
 
 def round_rng(seed: int, stream: int, position: int) -> np.random.Generator:
@@ -233,7 +242,8 @@ def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
              start: int) -> np.ndarray:
     """The penalties and biases of ``params`` applied to ``logits`` ``[n, vocab]``, where
     row ``i`` is the distribution after ``history[:start + i]`` (a block's rows follow
-    its drafted tokens). Returns float64 logits (the input when nothing applies)."""
+    its drafted tokens), and token healing's mask at row ``params.prompt_len - start``.
+    Returns float64 logits (the input when nothing applies)."""
     if not params.penalized:
         return logits
     scores = logits.astype(np.float64)
@@ -263,6 +273,12 @@ def penalize(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
         if params.presence_penalty or params.frequency_penalty:
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         row += bias
+    healed = params.prompt_len - start  # the row of the first generated position
+    if params.heal_ids and 0 <= healed < n:
+        allowed = np.asarray([t for t in params.heal_ids if t < vocab], dtype=np.int64)
+        kept = scores[healed, allowed]
+        scores[healed] = -np.inf
+        scores[healed, allowed] = kept
     return scores
 
 

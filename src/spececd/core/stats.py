@@ -2,10 +2,14 @@
 
 - acceptance rate = accepted / drafted over all rounds (a round's drafts all count, also
   the first position: it is never assumed accepted);
-- mean accepted length = (accepted + rounds) / rounds, the tokens gained per target pass.
+- mean accepted length = (accepted + own) / rounds, the tokens gained per target pass, where
+  ``own`` counts the rounds whose own token (correction or bonus) is in the output: all of
+  them but a last round whose text ended at an accepted draft (a stop token); without such
+  a round, (accepted + rounds) / rounds.
 
-Counts are the verifier's raw verdicts, before stop tokens or ``max_tokens`` clip the
-output; ``generated`` counts what was actually emitted.
+Counts are the verifier's verdicts up to the end of the text: a round in which the text
+ended (at a stop token) counts its drafted and accepted tokens up to that token only
+(:class:`~spececd.edge.emit.Emitter`); ``generated`` counts what was actually emitted.
 
 ``lossy`` marks statistics of a lossy verification mode (``threshold``): its output is not
 the target's, so its acceptance is not comparable with a lossless run's.
@@ -22,6 +26,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    own: int = 0  # rounds whose own token (correction or bonus) was emitted
     generated: int = 0
     wall_s: float = 0.0
     draft_s: float = 0.0
@@ -53,8 +58,11 @@ class GenerationStats:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, own: bool = True) -> None:
+        """One round: ``drafted`` tokens verified, ``accepted`` of them kept; ``own``: the
+        verifier's own token was emitted after them."""
         self.rounds += 1
+        self.own += int(own)
         self.drafted += drafted
         self.accepted += accepted
         for counts, n in ((self.drafted_by_position, drafted),
@@ -71,7 +79,7 @@ class GenerationStats:
         self.verify_s += seconds
 
     def merge(self, other: GenerationStats) -> None:
-        for name in ("drafted", "accepted", "rounds", "generated", "wall_s", "draft_s",
+        for name in ("drafted", "accepted", "rounds", "own", "generated", "wall_s", "draft_s",
                      "draft_steps", "verify_s", "prefill_s", "network_s", "bytes_sent",
                      "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits",
@@ -92,7 +100,7 @@ class GenerationStats:
 
     @property
     def mean_accepted_len(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return (self.accepted + self.own) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -4,10 +4,12 @@ The strategies (:mod:`spececd.edge.strategies`) bring tokens back from the verif
 from the draft model alone; the :class:`Emitter` owns what happens to them next. It holds
 the authoritative token history, applies stop tokens and ``max_tokens`` exactly
 (:func:`~spececd.core.stopping.clip_emitted`), ends the generation at the context limit
-or when the server says it is done, counts what was emitted, and marks output that was
-never verified. Log-probabilities, where asked, follow their tokens through the same
-clipping; the prompt's are handed on once, the first time a reply brings them.
-Strategies read the history and the budget from it and never emit themselves.
+or when the server says it is done, counts what was emitted, records each verified round's
+acceptance up to the end of the text (drafted tokens past a stop token are no part of the
+output, so they count neither as drafted nor as accepted), and marks output that was never
+verified. Log-probabilities, where asked, follow their tokens through the same clipping;
+the prompt's are handed on once, the first time a reply brings them. Strategies read the
+history and the budget from it and never emit themselves.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from spececd.core.stopping import clip_emitted
 @dataclass(frozen=True)
 class Piece:
     """Tokens one exchange brought, in order: the first ``from_draft`` were drafted and
-    accepted, the rest came from the target; ``done``: the server ended the generation."""
+    accepted, the rest came from the target; ``done``: the server ended the generation;
+    ``drafted``: the drafted tokens the exchange verified, as a round (None: no round, e.g.
+    a cloud-only step without hints)."""
 
     tokens: Sequence[int]
     from_draft: int = 0
     done: bool = False
     logprobs: Logprobs | None = None  # of ``tokens``, where asked
     prompt_logprobs: Logprobs | None = None  # of the request's context after its first token
+    drafted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,13 @@ class Emitter:
         out, finished = clip_emitted(piece.tokens, self.params.stop_token_ids, self.remaining)
         self.generated += len(out)
         self.stats.generated += len(out)
+        if piece.drafted is not None:
+            # Where the text ended inside this round, only its drafted positions up to the
+            # end count, and the verifier's own token only if it was emitted.
+            ended = len(out) < len(piece.tokens)
+            self.stats.record_round(min(piece.drafted, len(out)) if ended else piece.drafted,
+                                    min(piece.from_draft, len(out)),
+                                    own=len(out) > piece.from_draft)
         if self.unverified:
             self.stats.fallback_tokens += len(out)
         finished = finished or piece.done or len(self.history) >= self.max_context

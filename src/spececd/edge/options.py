@@ -281,8 +281,9 @@ class Resolved:
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed))
 
 
+# The prompt's length and healing's mask are the edge's (token_healing asks for the mask).
 SAMPLING_SETTINGS = tuple(f.name for f in dataclasses.fields(SamplingParams)
-                          if f.name != "prompt_len")  # the prompt's length is the edge's
+                          if f.name not in ("prompt_len", "heal_ids"))
 
 
 def sampling_params(settings: Mapping[str, object], site: Site) -> SamplingParams:

@@ -49,12 +49,12 @@ class CrossDrafter:
         where the draft's text does not realign with the target's token boundaries."""
         own_tokenizer = self.backend.tokenizer
         own = own_tokenizer.encode(self.target.decode(history))
-        # Penalties and biases name target ids and count target tokens: they stay with the
-        # verifier. The draft samples with the rest, which is all a good guess needs.
-        # So does a constraint: the verifier's mask alone keeps the output valid.
+        # Penalties, biases and healing's mask name target ids and count target tokens:
+        # they stay with the verifier. The draft samples with the rest, which is all a good
+        # guess needs. So does a constraint: the verifier's mask alone keeps the output valid.
         guess = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0,
                                     frequency_penalty=0.0, logit_bias=(), prompt_len=0,
-                                    constraint=None)
+                                    constraint=None, heal_ids=())
         drafted, _ = self.drafter.draft(own, k, Mode.MATCH, guess, seed, max_support)
         before = own_tokenizer.decode(own)
         text = own_tokenizer.decode([*own, *drafted]).rstrip("\ufffd")  # no cut character

@@ -127,7 +127,6 @@ class Rounds:
         verdict, hidden_s = self.send(out, tree)
         round_s = time.perf_counter() - round_start
         stats.draft_s += draft_s
-        stats.record_round(len(tree.chain), verdict.num_accepted)
         stats.tree_siblings += len(tree.tokens) - len(tree.chain)
         stats.record_pass(verdict.verify_s)
         self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s, verdict.verify_s,
@@ -135,7 +134,8 @@ class Rounds:
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n,
-                      logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs)]
+                      logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs,
+                      drafted=len(tree.chain))]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
         tree = self.work.tree(history, self.choose(limit), room, self.policy)
@@ -260,10 +260,10 @@ class CloudOnly:
     def received(self, reply: Reply) -> Piece:
         assert isinstance(reply, m.Tokens)
         self.work.stats.record_pass(reply.compute_s)
-        if reply.drafted:  # the server verified hints in this step
-            self.work.stats.record_round(reply.drafted, reply.accepted)
+        # drafted: the hinted tokens the server verified in this step (a round, recorded as
+        # it is emitted)
         return Piece(reply.token_ids, reply.accepted, reply.done, reply.logprobs,
-                     reply.prompt_logprobs)
+                     reply.prompt_logprobs, drafted=reply.drafted or None)
 
 
 class StreamDrafting(CloudOnly):

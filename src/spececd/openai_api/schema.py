@@ -3,7 +3,8 @@
 Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ``logprobs_mode``,
 per request here, where vLLM sets it for the whole engine) and SpecECD's own
-(``k``, ``mode``, ``proactive``, ``cloud_only``) sit beside them in the body, the way vLLM
+(``k``, ``mode``, ``proactive``, ``cloud_only``; for completions, ``token_healing``) sit
+beside them in the body, the way vLLM
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
 
@@ -199,6 +200,10 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]]
+    # SpecECD's own: heal a text prompt's last token (spececd.healing); default: the
+    # server's (on unless `spececd api --no-token-healing`), off with echo. Token-id
+    # prompts are never healed.
+    token_healing: bool | None = None
     # 0: nothing generated (with echo: the prompt's log-probabilities alone, for scoring)
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False  # the prompt before the completion (and its logprobs, if asked)

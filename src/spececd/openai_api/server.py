@@ -143,6 +143,9 @@ class Choice:
     index: int
     prompt_ids: list[int]
     seed: int
+    # What generation starts from: the text of a completion's text prompt that is healed
+    # (Generator.stream heals text), else the ids.
+    prompt: str | list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     text: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -215,12 +218,13 @@ class Api:
 
     def __init__(self, gen: Generator, model: str, api_key: str = "",
                  cloud_only: bool = False, max_concurrency: int = 64,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, token_healing: bool = True) -> None:
         self.gen, self.model, self.api_key = gen, model, api_key
         self.cloud_only = cloud_only
         if tool_parser is not None:
             parser(tool_parser)  # a known name, or the error that lists them
         self.tool_parser = tool_parser  # the format calls are parsed in (None: no tools)
+        self.token_healing = token_healing  # a completion's text prompts, unless it says
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
         self._token_texts: dict[int, str] = {}
@@ -251,9 +255,12 @@ class Api:
 
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
               kind: str, tools: ToolPlan | None = None,
-              prompt_texts: Sequence[str] = ()) -> Run:
+              prompt_texts: Sequence[str] = (),
+              heal_texts: list[str | None] | None = None) -> Run:
         """A request's run. ``max_tokens`` 0 (completions) generates nothing: the
-        verifier's one step (cloud-only) scores the prompt, and its token is dropped."""
+        verifier's one step (cloud-only) scores the prompt, and its token is dropped.
+        ``prompt_texts``: what echo puts before each prompt's completions; ``heal_texts``:
+        each prompt's text where it is to be healed."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         longest = max(len(ids) for ids in prompts)
@@ -282,10 +289,11 @@ class Api:
         assert base is not None
         parser = tools.parser if tools is not None else None
         texts = list(prompt_texts) or [""] * len(prompts)
+        healed = heal_texts or [None] * len(prompts)
         choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
                           tools=parser.stream() if parser else None,
                           max_calls=tools.max_calls if tools is not None else None,
-                          prompt_text=texts[p] if echo else "")
+                          prompt_text=texts[p] if echo else "", prompt=healed[p] or ids)
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = score_only or (self.cloud_only if body.cloud_only is None
                                     else body.cloud_only)
@@ -301,7 +309,8 @@ class Api:
         async def pump(choice: Choice) -> None:
             try:
                 async for chunk in self.agen.stream(
-                        choice.prompt_ids, choice.stats, seed=choice.seed,
+                        choice.prompt, choice.stats, seed=choice.seed,
+                        token_healing=isinstance(choice.prompt, str),
                         cloud_only=run.cloud_only, stop=run.stop, options=run.options,
                         **run.sampling):
                     await queue.put((choice, chunk))
@@ -574,8 +583,13 @@ def create_app(api: Api) -> FastAPI:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
+        # Healing by default, but not where the prompt's own tokens are asked back (echo).
+        heal = (api.token_healing and not body.echo if body.token_healing is None
+                else body.token_healing)
+        heal_texts = [p if heal and isinstance(p, str) else None for p in prompt_list(body)]
         texts = await asyncio.to_thread(echoed_prompts, api.gen, body, prompts)
-        run = api.start(body, prompts, body.max_tokens, "cmpl", prompt_texts=texts)
+        run = api.start(body, prompts, body.max_tokens, "cmpl", prompt_texts=texts,
+                        heal_texts=heal_texts)
         return await api.respond(run, False, request)
 
     @app.post("/v1/chat/completions")
@@ -602,10 +616,15 @@ def guard(api: Api, request: Request) -> None:
                            "`Authorization: Bearer <key>`", code="invalid_api_key")
 
 
-def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int]]:
+def prompt_list(body: CompletionRequest) -> list[Any]:
+    """A completion request's prompts: texts or lists of token ids."""
     prompt = body.prompt
-    many: list[Any] = [prompt] if isinstance(prompt, str) or (
+    return [prompt] if isinstance(prompt, str) or (
         prompt and isinstance(prompt[0], int)) else list(prompt)
+
+
+def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int]]:
+    many = prompt_list(body)
     if not many:
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")

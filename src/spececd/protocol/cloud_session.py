@@ -228,7 +228,7 @@ class CloudSession:
         if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
                 hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
                 hello.protocol_version < 6 and (
-                    hello.constraint is not None or hello.logprobs.asked)):
+                    hello.constraint is not None or hello.logprobs.asked or hello.heal_ids)):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
         if self._auth_token and not hmac.compare_digest(
@@ -256,9 +256,12 @@ class CloudSession:
                 constraint=hello.constraint,
                 logprobs=ask.top if ask.top >= 0 else None,
                 prompt_logprobs=ask.prompt_top if ask.prompt_top >= 0 else None,
-                logprobs_mode=ask.mode)
+                logprobs_mode=ask.mode, heal_ids=hello.heal_ids)
             if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
                 raise ValueError(f"logit_bias names token ids the vocabulary of "
+                                 f"{self.fingerprint.vocab_size} does not have")
+            if any(token >= self.fingerprint.vocab_size for token in params.heal_ids):
+                raise ValueError(f"heal_ids names token ids the vocabulary of "
                                  f"{self.fingerprint.vocab_size} does not have")
             requested = Mode(hello.mode)
         except ValueError as exc:

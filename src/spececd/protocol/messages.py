@@ -15,7 +15,7 @@ Exchange (ARCHITECTURE §5)::
 
     edge                                   cloud
     Hello(version, fingerprint, sampling, mode, auth, threshold, extras, constraint,
-          logprobs)  ->
+          logprobs, heal_ids)  ->
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s, path,
@@ -67,8 +67,8 @@ from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 
 PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
-# 6: the Hello's constraint (a schema, regex, choice or grammar the output must match) and
-# log-probabilities
+# 6: the Hello's constraint (a schema, regex, choice or grammar the output must match),
+# log-probabilities and token healing (heal_ids)
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
@@ -136,6 +136,9 @@ class Hello:
     # position with it); the extras then carry the prompt's length.
     constraint: Constraint | None = None
     logprobs: LogprobsAsk = LogprobsAsk()  # protocol 6
+    # Protocol 6, token healing: the only tokens the first generated position (after the
+    # extras' prompt_len tokens) may take; empty: any. Left off the wire when empty.
+    heal_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -292,10 +295,11 @@ def encode(message: Message) -> bytes:
                            _number(message.top_p), message.seed, message.auth_token]
         extras, constraint, ask = message.extras, message.constraint, message.logprobs
         # Each optional field is sent when it or a later one is: None stands for absent.
-        later: list[list[Any] | None] = [
+        later: list[Any] = [
             None if constraint is None else [constraint.kind, constraint.spec,
                                              constraint.strict],
-            [ask.top, ask.prompt_top, ask.mode] if ask.asked else None]
+            [ask.top, ask.prompt_top, ask.mode] if ask.asked else None,
+            _pack_ids(message.heal_ids) if message.heal_ids else None]
         while later and later[-1] is None:
             later.pop()
         if message.threshold or extras != SamplingExtras() or later:
@@ -357,7 +361,7 @@ _MAYBE_NODES = "nodes?"  # the same, or None
 _LOGPROBS = "logprobs"  # None or [top, chosen f4 bytes, ids u4 bytes, logprobs f4 bytes]
 _SCHEMA: dict[int, tuple[str, ...]] = {
     Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras",
-                 "constraint", "ask"),
+                 "constraint", "ask", _IDS),
     Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
     Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
     Verdict.TYPE: (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS, _LOGPROBS),
@@ -369,7 +373,7 @@ _SCHEMA: dict[int, tuple[str, ...]] = {
 }
 # Trailing fields that may be left out (each added after the first release of its message,
 # so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 4, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 3, Tokens.TYPE: 4,
+_OPTIONAL = {Hello.TYPE: 5, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 3, Tokens.TYPE: 4,
              Hint.TYPE: 1}
 
 
@@ -477,7 +481,7 @@ def decode(frame: bytes) -> Message:
         ask = LogprobsAsk(*body[12]) if len(body) > 12 and body[12] else LogprobsAsk()
         return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
                      float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
-                     extras, constraint, ask)
+                     extras, constraint, ask, _unpack_ids(body[13]) if len(body) > 13 else ())
     if kind == Welcome.TYPE:
         return Welcome(*body)
     if kind == Draft.TYPE:
