@@ -216,6 +216,19 @@ def test_token_id_prompts_are_never_healed(gen) -> None:  # type: ignore[no-unty
     assert gen.healed(PROMPTS[0], True)[1] is not None
 
 
+def test_constrained_generations_are_never_healed(gen) -> None:  # type: ignore[no-untyped-def]
+    """A constraint starts where the prompt ends; healing's mask there could leave none of
+    the tokens it allows (an OpenAI completion with a choice, healed by default, drew a
+    token both masks refused)."""
+    from spececd.core.sampling import Constraint
+
+    constraint = Constraint("regex", "[a-z ]+")
+    ids, run, healing = gen.prepare(PROMPTS[0], token_healing=True, constraint=constraint,
+                                    max_tokens=N, temperature=0, seed=3)
+    assert healing is None and ids == gen.prompt_ids(PROMPTS[0])
+    assert run.params.heal_ids == () and run.params.prompt_len == len(ids)
+
+
 # -- sampled: the target's own distribution under the mask (slow) --------------------------
 
 @pytest.mark.slow

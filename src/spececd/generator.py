@@ -370,6 +370,11 @@ class Generator:
         healing's mask), and the healing (None: none)."""
         ids, healing = self.healed(prompt, token_healing)
         run = self.resolve(len(ids), options, **sampling)
+        if healing is not None and run.params.constraint is not None:
+            # A constraint starts where the prompt ends, and healing's mask may leave none
+            # of the tokens it allows there: a constrained generation is never healed.
+            ids, healing = self.prompt_ids(prompt), None
+            run = self.resolve(len(ids), options, **sampling)
         if healing is not None:
             run = dataclasses.replace(run, params=dataclasses.replace(
                 run.params, heal_ids=healing.allowed))
