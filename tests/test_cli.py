@@ -178,3 +178,25 @@ def test_bad_engine_and_load_options_are_one_line(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("spececd: error: "), err
     assert said in lines[0] and out == ""
+
+
+def test_serve_checks_the_engine_before_it_says_serving(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tiny_models: dict[str, Path]) -> None:
+    """A target that loads but cannot run (every pass fails) exits with status 1 and the
+    cause, and never prints "serving"."""
+    from spececd.backends import registry
+    from spececd.backends.registry import load_backend
+    from tests.cloud.test_engine import FailingBackend
+
+    def broken(*args: object, **kw: object) -> FailingBackend:
+        backend = load_backend(*args, **kw)  # type: ignore[arg-type]
+        prompt = backend.tokenizer.encode("Hello")[:4] or [0]
+        return FailingBackend(backend, prompt[0])
+
+    monkeypatch.setattr(registry, "load_backend", broken)
+    code, _, err = run(capsys, "serve", "--target-model", str(tiny_models["llama"]),
+                       "--device", "cpu", "--port", "0")
+    assert code == 1
+    assert "serving" not in err
+    assert "device lost" in err and "engine cannot generate" in err

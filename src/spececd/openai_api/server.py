@@ -47,7 +47,7 @@ from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
 from spececd.generator import AsyncGenerator, Generator, StreamChunk
 from spececd.openai_api.schema import ChatRequest, CompletionRequest, Sampling, unsupported
-from spececd.protocol.errors import ProtocolError, ServerBusy, Unsupported
+from spececd.protocol.errors import EngineFailed, ProtocolError, ServerBusy, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, CloudUnreachable):
         return ApiError(503, f"the verifier is unreachable: {exc}", "server_error",
                         code="cloud_unreachable")
+    if isinstance(exc, EngineFailed):
+        return ApiError(503, f"the verifier's engine failed: {exc}", "server_error",
+                        code=exc.code)
     if isinstance(exc, ServerBusy):
         return ApiError(503, f"the verifier is full: {exc}", "server_error", code=exc.code)
     if isinstance(exc, Unsupported):  # a sampling setting the verifier's engine lacks
