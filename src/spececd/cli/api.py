@@ -12,6 +12,7 @@ from typing import Any
 from spececd import config
 from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
+from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +31,12 @@ def add_parser(sub: Any) -> None:
                    "(no drafting), for comparison; a request may still set cloud_only")
     g.add_argument("--max-concurrency", type=int, default=64,
                    help="sessions generating at once; more requests wait (default: 64)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="a request body over this is answered 413 "
+                   f"(default: {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds a client has to send a whole request; a slower one is "
+                   f"answered 408 (default: {DEFAULT_REQUEST_TIMEOUT:g})")
     p.set_defaults(run=run)
 
 
@@ -39,11 +46,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_request_bytes < 1:
+        raise InputError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.request_timeout <= 0:
+        raise InputError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
     with load_generator(cfg) as gen:
-        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency)
+        api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
+                  args.max_request_bytes)
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"
@@ -52,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
         try:
-            asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready))
+            asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready,
+                                  request_timeout=args.request_timeout))
         except OSError as exc:
             raise InputError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}; "
                              f"pick another --port") from None

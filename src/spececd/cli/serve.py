@@ -62,6 +62,9 @@ def add_parser(sub: Any) -> None:
                    "their next round (default: 0 = no cap)")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {d.idle_timeout})")
+    g.add_argument("--request-timeout", type=float, help="seconds a client has to send a "
+                   "whole HTTP request or WebSocket handshake; a slower one is answered 408 "
+                   f"(HTTP) or disconnected (default: {d.request_timeout:g})")
     g.add_argument("--drain-timeout", type=float, help="on SIGTERM: refuse new sessions and "
                    "rounds with a `draining` error (edges reconnect elsewhere at once), mark "
                    "/readyz not ready, let passes under way finish, and exit within this many "

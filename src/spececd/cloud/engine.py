@@ -88,6 +88,8 @@ class EnginePolicy:
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
     max_batch: int = 32  # sessions verified in one forward pass at most
     max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
+    # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
+    request_timeout: float = 10.0
 
 
 def draining_error() -> Draining:

@@ -131,3 +131,18 @@ def unsupported(request: Sampling) -> tuple[str, str] | None:
         if is_set:
             return name, f"{why}; leave {name} out"
     return None
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what was wrong and what to do")
+    type: str = Field(description="invalid_request_error (the request's fault) or "
+                      "server_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None = Field(description="a stable code, e.g. model_not_found, "
+                             "invalid_api_key, request_too_large, cloud_unreachable")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every status but 200 carries it."""
+
+    error: ErrorDetail

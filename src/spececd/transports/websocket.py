@@ -87,8 +87,11 @@ async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str]
     the port bound (``port`` 0: any free one)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
+    # open_timeout: a handshake not done within the request timeout (a client sending it
+    # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
-                        compression=None, process_request=_http_handler(engine)) as ws_server:
+                        compression=None, process_request=_http_handler(engine),
+                        open_timeout=engine.policy.request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
         await asyncio.get_running_loop().create_future()
