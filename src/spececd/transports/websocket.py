@@ -114,6 +114,7 @@ class WebSocketTransport:
         self.recv_timeout = recv_timeout
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._last_words: bytes | None = None  # see send()
         options: dict[str, Any] = dict(open_timeout=open_timeout, max_size=max_size,
                                        compression=None, proxy=None, legacy=True)
         if url.startswith("wss://"):
@@ -130,13 +131,22 @@ class WebSocketTransport:
             raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
 
     def send(self, frame: bytes) -> None:
+        """Send ``frame``. A server that answered and closed before it could be sent (a
+        fatal error: the server is full, draining or its engine failed) has its answer
+        taken instead, for :meth:`recv` to return: the error, not a lost connection."""
         try:
             self._ws.send(frame)
         except (ConnectionClosed, OSError) as exc:
-            raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+            try:
+                self._last_words = self._ws.recv(timeout=0)  # type: ignore[assignment]
+            except (ConnectionClosed, OSError, TimeoutError):
+                raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+            return
         self.bytes_sent += frame_bytes(len(frame), masked=True)
 
     def recv(self) -> bytes:
+        if self._last_words is not None:
+            return self._received(self._last_words)
         try:
             frame = self._ws.recv(timeout=self.recv_timeout)
         except (ConnectionClosed, OSError, TimeoutError) as exc:
@@ -145,6 +155,8 @@ class WebSocketTransport:
 
     def poll(self) -> bytes | None:
         """A frame that has already arrived, or None; never waits."""
+        if self._last_words is not None:
+            return self._received(self._last_words)
         try:
             frame = self._ws.recv(timeout=0)
         except TimeoutError:
@@ -154,6 +166,7 @@ class WebSocketTransport:
         return self._received(frame)
 
     def _received(self, frame: str | bytes) -> bytes:
+        self._last_words = None
         data = frame if isinstance(frame, bytes) else frame.encode()
         self.bytes_received += frame_bytes(len(data), masked=False)
         return data
