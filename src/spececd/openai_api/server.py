@@ -226,8 +226,15 @@ class Api:
               kind: str) -> Run:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
+        context = self.gen.max_context
+        if max_tokens is not None and max_tokens > context:  # never possible: say so
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
+                else "max_tokens"
+            raise ApiError(400, f"{param} is {max_tokens}, past the model's context of "
+                           f"{context} tokens: ask for at most {context} (a completion also "
+                           f"ends where it and the prompt fill the context)", param=param)
         longest = max(len(ids) for ids in prompts)
-        room = self.gen.max_context - longest
+        room = context - longest
         # The body's sampling fields by their SamplingParams names, and what OpenAI's
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
