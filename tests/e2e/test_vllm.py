@@ -220,9 +220,10 @@ def test_an_engine_that_cannot_run_the_model_exits_before_serving(
         env={**os.environ, "OMP_NUM_THREADS": "1", **VLLM_ENV})
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "serving" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("spececd: error:") and "vllm engine cannot generate" in last
-    print(last)
+    error = next(line for line in proc.stderr.splitlines()
+                 if line.startswith("spececd: error:"))
+    assert "vllm engine cannot generate" in error and "head_dim=24" in error, error
+    print(error)
 
 
 @pytest.mark.slow

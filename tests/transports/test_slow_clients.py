@@ -137,3 +137,39 @@ def test_the_websocket_listener_drops_a_slow_handshake(
     assert took < TIMEOUT + 2.5  # closed, long before the handshake was sent
     assert not answer.startswith(b"HTTP/1.1 101"), answer[:200]
     beside.check()
+
+
+@pytest.mark.slow
+def test_a_websocket_client_stalling_mid_frame_is_cut_off_by_the_keepalive(
+        served: tuple[Served, ToyBackend]) -> None:
+    server, target = served
+    port = int(server.urls["ws"].rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                 b"Sec-WebSocket-Version: 13\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 101")
+    frame = bytes([0x82, 0xFE, 0x10, 0x00, 1, 2, 3, 4]) + bytes(4096)  # masked, 4 KiB
+    started, closed = time.monotonic(), False
+    with Beside(server.urls["http"], target) as beside:
+        sock.setblocking(False)
+        for byte in frame:
+            if time.monotonic() - started > 90:
+                break
+            try:
+                sock.sendall(bytes([byte]))
+                while True:  # pings and, at the end, the close: never answered
+                    if not sock.recv(65536):
+                        closed = True
+                        break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+            if closed:
+                break
+            time.sleep(1.0)
+    sock.close()
+    took = time.monotonic() - started
+    assert closed and took < 60, took
+    beside.check()
