@@ -137,7 +137,8 @@ def check_refusal(status: int, answer: Any) -> None:
     if status != 200:
         assert answer is not None and set(answer["error"]) == {"message", "type", "param",
                                                                "code"}, answer
-        assert answer["error"]["message"] and "`None`" not in answer["error"]["message"]
+        assert answer["error"]["message"]
+        assert "the `None` parameter" not in answer["error"]["message"]
 
 
 class Legitimate:

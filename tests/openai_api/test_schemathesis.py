@@ -81,7 +81,7 @@ def check_openai_error(response: Any) -> None:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"]
-        assert "`None`" not in error["message"], error["message"]
+        assert "the `None` parameter" not in error["message"], error["message"]
 
 
 def run(case: Any) -> None:
@@ -129,5 +129,5 @@ def test_a_missing_or_non_json_body_is_a_400_that_says_what_to_send(
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["type"] == "invalid_request_error"
-            assert "`None`" not in error["message"]
+            assert "the `None` parameter" not in error["message"]
             assert "JSON" in error["message"], error["message"]
