@@ -12,6 +12,7 @@ slow) that leaves legitimate sessions' output unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -362,6 +363,17 @@ def answer_within(link: Transport, seconds: float) -> bytes | None:
     return frame
 
 
+def late_errors(link: Transport) -> int:
+    """Error frames still to come on ``link`` before it is left: a refused hint's error
+    that missed its window (over HTTP it rides on the next request's answer), which then
+    shifted every later answer by one."""
+    late = 0
+    with contextlib.suppress(ConnectionError):
+        while (frame := answer_within(link, 0.3)) is not None:
+            late += isinstance(m.decode(frame), m.Error)
+    return late
+
+
 @pytest.mark.parametrize("count", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
 def test_fuzzing_leaves_legitimate_sessions_unchanged(
         cloud: Cloud, tiny_models: dict[str, Path], count: int) -> None:
@@ -411,7 +423,7 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
         try:
             link.send(frame)
             if is_hint(frame):  # a hint gets no answer of its own, unless it is refused
-                answer = answer_within(link, 1.0)
+                answer = answer_within(link, 5.0)  # a refusal may be slow under load
                 if answer is None:
                     counts["hints"] += 1
                     continue
@@ -425,8 +437,11 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
             continue
         counts["errors" if isinstance(reply, m.Error) else "answers"] += 1
         if isinstance(reply, m.Error) and reply.fatal:
+            counts["errors"] += late_errors(link)
             link.close()
             link = None
+    if link is not None:
+        counts["errors"] += late_errors(link)
     fuzzing.clear()
     for thread in threads:
         thread.join(timeout=180)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Annotated, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spececd.core.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
+from spececd.core.sampling import (
+    LOGIT_BIAS_LIMIT,
+    PENALTY_LIMIT,
+    TOP_K_LIMIT,
+    Mode,
+    SamplingParams,
+)
 from spececd.edge.options import Proactive
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
@@ -59,7 +65,7 @@ class Sampling(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
                                                  le=LOGIT_BIAS_LIMIT)]] | None = None
     # Beyond OpenAI's, as vLLM accepts them.
-    top_k: Annotated[int, Field(ge=-1)] = DEFAULT.top_k  # 0 or -1 (vLLM's): off
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_LIMIT)] = DEFAULT.top_k  # 0 or -1: off
     min_p: Annotated[float, Field(ge=0, le=1)] = DEFAULT.min_p
     repetition_penalty: Annotated[float, Field(gt=0)] = DEFAULT.repetition_penalty
     ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
