@@ -18,6 +18,7 @@ import random
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,12 @@ class Cloud:
     def errors_sent(self) -> int:
         """How many error frames the verifier behind :meth:`link` has answered, by its own
         count."""
+        return sum(self.errors_by_code().values())
+
+    def errors_by_code(self) -> dict[str, int]:
         if self.proc is not None:
-            return sum(self.proc.status()["errors"].values())
-        return sum(self._local.engine.status()["errors"].values()) if self._local else 0
+            return dict(self.proc.status()["errors"])
+        return dict(self._local.engine.status()["errors"]) if self._local else {}
 
     def close(self) -> None:
         if self._local is not None:
@@ -409,6 +413,7 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
     seeds: list[bytes] = []
     counts = {"frames": 0, "errors": 0, "answers": 0, "closes": 0, "hints": 0}
     errors_before = cloud.errors_sent()
+    codes: Counter[str] = Counter()
     while counts["frames"] < count:
         if link is None:
             link = cloud.link()
@@ -436,6 +441,8 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
             link = None
             continue
         counts["errors" if isinstance(reply, m.Error) else "answers"] += 1
+        if isinstance(reply, m.Error):
+            codes[reply.code] += 1
         if isinstance(reply, m.Error) and reply.fatal:
             counts["errors"] += late_errors(link)
             link.close()
@@ -449,7 +456,8 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
           f"{ {kind: len(outs) for kind, outs in legit.items()} }")
     # Every error the server counted reached the fuzzer as a typed frame, and nothing else
     # did: the legitimate sessions made none.
-    assert cloud.errors_sent() - errors_before == counts["errors"] > count // 2
+    assert cloud.errors_sent() - errors_before == counts["errors"] > count // 2, \
+        (cloud.errors_by_code(), codes)
     assert cloud.proc is None or cloud.proc.alive()
     assert legit["sampled"] and all(out == reference for out in legit["sampled"])
     assert legit["greedy"] and all(out == alone for out in legit["greedy"])
