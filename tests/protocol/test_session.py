@@ -454,9 +454,6 @@ def test_an_engine_that_drafts_from_the_hint_itself_reports_what_it_kept() -> No
     receive(session, m.encode(m.Hint(7, (1, 2))))
     out = session.engine_tokens((1,), 0.001)  # a hint the step did not use: none kept
     assert (out.drafted, out.accepted) == (2, 0)
-    receive(session, m.encode(m.Hint(8, (3, 4))))
-    out = session.engine_tokens((3, 4), 0.001, proposed=False)  # the engine had no hint
-    assert (out.drafted, out.accepted, out.emitted) == (0, 0, 2)
 
 
 def test_a_mode_or_setting_the_engine_cannot_serve_is_refused_at_the_hello() -> None:

