@@ -211,3 +211,25 @@ def test_api_refuses_an_unknown_tool_call_parser_before_loading(
     assert err.strip().splitlines() == [
         "spececd: error: unknown tool-call parser 'mistral': choose one of hermes, "
         "llama3_json"]
+
+
+def test_serve_checks_the_engine_before_it_says_serving(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tiny_models: dict[str, Path]) -> None:
+    """A target that loads but cannot run (every pass fails) exits with status 1 and the
+    cause, and never prints "serving"."""
+    from spececd.backends import registry
+    from spececd.backends.registry import load_backend
+    from tests.cloud.test_engine import FailingBackend
+
+    def broken(*args: object, **kw: object) -> FailingBackend:
+        backend = load_backend(*args, **kw)  # type: ignore[arg-type]
+        prompt = backend.tokenizer.encode("Hello")[:4] or [0]
+        return FailingBackend(backend, prompt[0])
+
+    monkeypatch.setattr(registry, "load_backend", broken)
+    code, _, err = run(capsys, "serve", "--target-model", str(tiny_models["llama"]),
+                       "--device", "cpu", "--port", "0")
+    assert code == 1
+    assert "serving" not in err
+    assert "device lost" in err and "engine cannot generate" in err

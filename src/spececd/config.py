@@ -71,6 +71,7 @@ class ServerConfig:
     max_kv_bytes: int = _POLICY.max_kv_bytes
     max_message_bytes: int = _LIMITS.max_message_bytes
     idle_timeout: float = _POLICY.idle_timeout
+    request_timeout: float = _POLICY.request_timeout
     drain_timeout: float = 30.0  # SIGTERM: seconds to let sessions move on before exiting
     auth_token_file: str = ""
     tls_cert: str = ""

@@ -15,9 +15,10 @@ import pytest
 
 from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
 from spececd.cloud.builtin import BuiltinRunner
-from spececd.cloud.engine import CloudService, Ending, Engine, EnginePolicy
+from spececd.cloud.engine import CloudService, Ending, Engine, EnginePolicy, Send
 from spececd.cloud.metrics import Metrics
 from spececd.protocol import messages as m
+from spececd.protocol.errors import EngineFailed
 from tests.toy import ToyBackend, ToyModel, greedy
 
 PROMPT = (5, 17, 42, 99, 3)
@@ -276,3 +277,79 @@ def test_a_continuous_step_is_abandoned_when_the_client_leaves_or_the_server_dra
     else:
         assert ending is Ending.DRAINED or isinstance(replies[-1], m.Error)
         assert isinstance(replies[-1], m.Error) and replies[-1].code == "draining"
+
+
+class DyingRunner(BuiltinRunner):
+    """The built-in runner over a :class:`FailingBackend`, gone for good once a pass failed
+    (as vLLM's engine is once its worker dies): what makes the service fail."""
+
+    def alive(self) -> bool:
+        return not self.backend.failed  # type: ignore[attr-defined]
+
+
+class RecordingFailingBackend(FailingBackend):
+    failed = False
+
+    def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
+        try:
+            return super().extend_batch(items)
+        except RuntimeError:
+            self.failed = True
+            raise
+
+
+def check_prompt(backend: Backend) -> tuple[int, ...]:
+    return tuple(backend.tokenizer.encode("Hello")[:4]) or (0,)
+
+
+def test_the_engine_check_generates_and_names_the_cause_when_it_cannot(
+        target: ToyBackend) -> None:
+    asyncio.run(Engine(target).check())  # a healthy engine passes
+    broken = Engine(FailingBackend(target, check_prompt(target)[0]))
+    with pytest.raises(EngineFailed, match="device lost") as caught:
+        asyncio.run(broken.check())
+    assert "builtin engine cannot generate" in str(caught.value)
+    assert not broken.links  # the check's session is released
+
+
+def test_a_runner_gone_for_good_fails_every_session_with_the_cause(
+        target: ToyBackend) -> None:
+    """An idle session, the one whose request killed the runner, and a late one each get a
+    fatal ``engine_failed`` naming the cause, and :attr:`failed` is set (the server
+    drains and exits non-zero)."""
+    expected = greedy(target, PROMPT, 3)
+    poison = next(t for t in range(target.vocab_size) if t not in (*expected, *PROMPT))
+    backend = RecordingFailingBackend(target, poison)
+    metrics = Metrics()
+    engine = CloudService(DyingRunner(backend, metrics), metrics=metrics)  # type: ignore[arg-type]
+
+    async def main() -> tuple[list[m.Message], list[m.Message], list[m.Message]]:
+        idle_seen: list[m.Message] = []
+        killer_seen: list[m.Message] = []
+        late_seen: list[m.Message] = []
+        idle, killer = engine.open(), engine.open()
+        idle.put(hello(target))
+
+        def into(seen: list[m.Message]) -> Send:
+            async def send(frame: bytes) -> None:
+                seen.append(m.decode(frame))
+            return send
+
+        idle_task = asyncio.ensure_future(engine.serve(idle, into(idle_seen)))
+        while not idle_seen:
+            await asyncio.sleep(0.01)
+        killer.put(hello(target))
+        killer.put(m.encode(m.Draft(1, 0, PROMPT, (poison, poison))))
+        ending = await asyncio.wait_for(engine.serve(killer, into(killer_seen)), 5)
+        assert ending is Ending.CLOSED  # the fatal error closed it
+        assert await asyncio.wait_for(idle_task, 5) is Ending.DRAINED
+        await engine.serve(engine.open(), into(late_seen))
+        return idle_seen, killer_seen, late_seen
+
+    idle_seen, killer_seen, late_seen = asyncio.run(main())
+    for error in (idle_seen[-1], killer_seen[-1], late_seen[0]):
+        assert isinstance(error, m.Error) and error.code == "engine_failed" and error.fatal
+        assert "device lost" in error.message and "builtin engine failed" in error.message
+    assert killer_seen[-1].seq == 1  # type: ignore[union-attr]
+    assert engine.failed.is_set() and not engine.ready() and not engine.alive()
+    assert not engine.links

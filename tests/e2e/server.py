@@ -69,7 +69,8 @@ class ServerProcess:
                                  daemon=True).start()
                 return
             if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}: "
+                                   f"{''.join(self.log[-10:])}")
         raise RuntimeError("server did not start in time")
 
     def _drain(self, stream: Any) -> None:

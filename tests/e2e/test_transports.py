@@ -6,17 +6,19 @@ to a real ``spececd serve`` subprocess on loopback that opens all three listener
 What every transport must show: greedy output identical to the target alone (a tiny
 Llama, a tiny Qwen2, the default pair), the target's exact distribution when sampling
 (chi-square, exact and match mode), resume after the server is killed, auth and TLS,
-limits answered with typed errors, and a fuzzer of 2,000 hostile frames that leaves a
-legitimate session's output unchanged.
+limits answered with typed errors, and a fuzzer of 2,000 hostile frames (10,000 when
+slow) that leaves legitimate sessions' output unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,9 +86,12 @@ class Cloud:
     def errors_sent(self) -> int:
         """How many error frames the verifier behind :meth:`link` has answered, by its own
         count."""
+        return sum(self.errors_by_code().values())
+
+    def errors_by_code(self) -> dict[str, int]:
         if self.proc is not None:
-            return sum(self.proc.status()["errors"].values())
-        return sum(self._local.engine.status()["errors"].values()) if self._local else 0
+            return dict(self.proc.status()["errors"])
+        return dict(self._local.engine.status()["errors"]) if self._local else {}
 
     def close(self) -> None:
         if self._local is not None:
@@ -376,30 +381,54 @@ def answer_within(link: Transport, seconds: float) -> bytes | None:
     return frame
 
 
-def test_fuzzing_leaves_a_legitimate_session_unchanged(
-        cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+def late_errors(link: Transport) -> int:
+    """Error frames still to come on ``link`` before it is left: a refused hint's error
+    that missed its window (over HTTP it rides on the next request's answer), which then
+    shifted every later answer by one."""
+    late = 0
+    with contextlib.suppress(ConnectionError):
+        while (frame := answer_within(link, 0.3)) is not None:
+            late += isinstance(m.decode(frame), m.Error)
+    return late
+
+
+@pytest.mark.parametrize("count", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_fuzzing_leaves_legitimate_sessions_unchanged(
+        cloud: Cloud, tiny_models: dict[str, Path], count: int) -> None:
+    """``count`` hostile frames, while two legitimate sessions generate again and again
+    beside them: a sampled one, whose output must equal the same request's before the
+    fuzzing, and a greedy one, whose output must equal the target alone's; the server
+    serves the same after."""
     sampling: dict[str, Any] = dict(max_tokens=60, temperature=0.8, seed=3, stop_token_ids=[])
+    greedy: dict[str, Any] = dict(max_tokens=40, temperature=0, stop_token_ids=[])
     with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="on") as gen:
         reference = gen.generate(PROMPTS[2], **sampling).token_ids
-    legit: dict[str, list[int]] = {}
+        alone = hf_greedy(tiny_models["llama"], gen.prompt_ids(PROMPTS[0]), 40)
+    legit: dict[str, list[list[int]]] = {"sampled": [], "greedy": []}
+    fuzzing = threading.Event()
+    fuzzing.set()
 
-    def legitimate() -> None:
+    def legitimate(kind: str) -> None:
+        prompt, settings = (PROMPTS[2], sampling) if kind == "sampled" else (PROMPTS[0], greedy)
         with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="on") as g:
-            out: list[int] = []
-            for chunk in g.stream(PROMPTS[2], **sampling):
-                out.extend(chunk.token_ids)
-                time.sleep(0.02)  # keep the session alive across the fuzzing
-            legit["tokens"] = out
+            while fuzzing.is_set() or not legit[kind]:
+                out: list[int] = []
+                for chunk in g.stream(prompt, **settings):
+                    out.extend(chunk.token_ids)
+                    time.sleep(0.02)  # keep the session alive across the fuzzing
+                legit[kind].append(out)
 
-    thread = threading.Thread(target=legitimate)
-    thread.start()
-    rng = random.Random(0)
+    threads = [threading.Thread(target=legitimate, args=(kind,)) for kind in legit]
+    for thread in threads:
+        thread.start()
+    rng = random.Random(count)
     link: Transport | None = None
     hello = b""
     seeds: list[bytes] = []
     counts = {"frames": 0, "errors": 0, "answers": 0, "closes": 0, "hints": 0}
     errors_before = cloud.errors_sent()
-    while counts["frames"] < 2000:
+    codes: Counter[str] = Counter()
+    while counts["frames"] < count:
         if link is None:
             link = cloud.link()
             if not seeds or rng.random() < 0.5:  # fuzz a greeted session half of the time
@@ -413,7 +442,7 @@ def test_fuzzing_leaves_a_legitimate_session_unchanged(
         try:
             link.send(frame)
             if is_hint(frame):  # a hint gets no answer of its own, unless it is refused
-                answer = answer_within(link, 1.0)
+                answer = answer_within(link, 5.0)  # a refusal may be slow under load
                 if answer is None:
                     counts["hints"] += 1
                     continue
@@ -426,13 +455,25 @@ def test_fuzzing_leaves_a_legitimate_session_unchanged(
             link = None
             continue
         counts["errors" if isinstance(reply, m.Error) else "answers"] += 1
+        if isinstance(reply, m.Error):
+            codes[reply.code] += 1
         if isinstance(reply, m.Error) and reply.fatal:
+            counts["errors"] += late_errors(link)
             link.close()
             link = None
-    thread.join(timeout=180)
-    print(f"fuzz over {cloud.transport}: {counts}")
+    if link is not None:
+        counts["errors"] += late_errors(link)
+    fuzzing.clear()
+    for thread in threads:
+        thread.join(timeout=180)
+    print(f"fuzz over {cloud.transport}: {counts}; legitimate generations, all unchanged: "
+          f"{ {kind: len(outs) for kind, outs in legit.items()} }")
     # Every error the server counted reached the fuzzer as a typed frame, and nothing else
-    # did: the legitimate session made none.
-    assert cloud.errors_sent() - errors_before == counts["errors"] > 1000
+    # did: the legitimate sessions made none.
+    assert cloud.errors_sent() - errors_before == counts["errors"] > count // 2, \
+        (cloud.errors_by_code(), codes)
     assert cloud.proc is None or cloud.proc.alive()
-    assert legit["tokens"] == reference
+    assert legit["sampled"] and all(out == reference for out in legit["sampled"])
+    assert legit["greedy"] and all(out == alone for out in legit["greedy"])
+    with cloud.generator(tiny_models["draft"], k=FIXED_K, proactive="on") as gen:
+        assert gen.generate(PROMPTS[0], **greedy).token_ids == alone  # still serving

@@ -5,7 +5,9 @@ module: an engine takes 30-70 s to start. Greedy output equals the target alone 
 way of drafting; sampled output keeps the target's distribution (chi-square, rounds and
 stream drafting, drafts verified by vLLM's rejection sampler); what
 the engine cannot serve is refused at the hello; vLLM's own metrics and ours are on
-/metrics, acceptance per session on /status; a failed engine is reported."""
+/metrics, acceptance per session on /status; an engine that fails is reported to
+every edge with its cause and ends the server (status 1); one that cannot run the model
+stops the server before it serves."""
 
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import SamplingParams  # noqa: E402
-from spececd.edge.options import Reconnect  # noqa: E402
-from spececd.protocol.errors import Unsupported  # noqa: E402
+from spececd.protocol.errors import EngineFailed, Unsupported  # noqa: E402
 from tests.builders import MODELS, requires_default_pair, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
@@ -209,9 +210,11 @@ def test_vllm_metrics_and_ours_and_acceptance_per_session(
         assert name in text, name
 
 
-def test_a_failed_engine_sends_edges_elsewhere_and_fails_the_health_check(
+def test_a_failed_engine_fails_the_edge_with_the_cause_and_the_server_exits(
         server: ServerProcess, pair: dict[str, Path]) -> None:
-    """The module's last test: it kills vLLM's engine processes under the server."""
+    """The module's last test: it kills vLLM's engine processes under the server. The
+    edge gets a fatal ``engine_failed`` error at once (no reconnection for its 60-second
+    window), and the server drains and exits non-zero for its supervisor to restart it."""
     import psutil
 
     health = server.urls["http"] + "/healthz"
@@ -219,16 +222,43 @@ def test_a_failed_engine_sends_edges_elsewhere_and_fails_the_health_check(
     assert server.proc is not None
     engine = [child for child in psutil.Process(server.proc.pid).children(recursive=True)]
     assert engine, "vLLM's engine runs in processes of its own"
-    for child in engine:
-        child.kill()
-    with (remote(pair["draft"], server.url, k=4, proactive="off",
-                 reconnect=Reconnect(attempts=1, timeout=5)) as gen,
-          pytest.raises(Exception, match=r"shutting down|engine")):
-        gen.generate([1, 2, 3], max_tokens=8, temperature=0, stop_token_ids=[])
-    with pytest.raises(urllib.error.HTTPError) as failed:
-        urllib.request.urlopen(health, timeout=5)
-    assert failed.value.code == 503
-    assert server.alive()  # it answers; the operator's supervisor restarts it
+    with remote(pair["draft"], server.url, k=4, proactive="off") as gen:
+        gen.generate([1, 2, 3], max_tokens=8, temperature=0, stop_token_ids=[])  # connected
+        for child in engine:
+            child.kill()
+        time.sleep(3)  # the server notices (its health check) and tells every edge
+        started = time.monotonic()
+        with pytest.raises(EngineFailed, match="vllm engine failed") as caught:
+            gen.generate([1, 2, 3], max_tokens=8, temperature=0, stop_token_ids=[])
+    assert time.monotonic() - started < 5  # not the reconnection window of 60 s
+    assert "restart" in str(caught.value)
+    assert server.proc.wait(60) == 1
+    log = "".join(server.log)
+    assert "draining (the engine failed" in log and "spececd: error:" in log
+
+
+@pytest.mark.slow
+def test_an_engine_that_cannot_run_the_model_exits_before_serving(
+        tmp_path: Path) -> None:
+    """A head size vLLM's CPU attention refuses (24) loads, then fails at the first
+    request: the server's check finds it before it says "serving", and exits 1 with vLLM's
+    reason."""
+    import os
+    import subprocess
+    import sys
+
+    bad = vocab_pair(tmp_path, head_dim=24)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spececd", "serve", "--target-model", str(bad["target"]),
+         "--engine", "vllm", "--dtype", "float32", "--device", "cpu", "--port", "0"],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **VLLM_ENV})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "serving" not in proc.stderr
+    error = next(line for line in proc.stderr.splitlines()
+                 if line.startswith("spececd: error:"))
+    assert "vllm engine cannot generate" in error and "head_dim=24" in error, error
+    print(error)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from typing import Any
 from spececd import config
 from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
+from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT
 from spececd.openai_api.tool_parsers import PARSERS, parser
 
 
@@ -36,6 +37,12 @@ def add_parser(sub: Any) -> None:
                    "into tool_calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3/Hermes) or "
                    "llama3_json (Llama 3.1's JSON); without it, requests with tools are "
                    "refused unless tool_choice is none (config: [edge] tool_call_parser)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="a request body over this is answered 413 "
+                   f"(default: {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds a client has to send a whole request; a slower one is "
+                   f"answered 408 (default: {DEFAULT_REQUEST_TIMEOUT:g})")
     p.set_defaults(run=run)
 
 
@@ -45,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_request_bytes < 1:
+        raise InputError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.request_timeout <= 0:
+        raise InputError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     api_key = (config.auth_token(args.api_key_file) if args.api_key_file
                else os.environ.get("SPECECD_API_KEY", "").strip())
     cfg = edge_config(args)
@@ -52,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         parser(cfg.tool_call_parser)  # a name config.toml misspells is refused before loading
     with load_generator(cfg) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
-                  tool_parser=cfg.tool_call_parser or None, token_healing=cfg.token_healing)
+                  tool_parser=cfg.tool_call_parser or None, token_healing=cfg.token_healing,
+                  max_request_bytes=args.max_request_bytes)
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"
@@ -61,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
         try:
-            asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready))
+            asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready,
+                                  request_timeout=args.request_timeout))
         except OSError as exc:
             raise InputError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}; "
                              f"pick another --port") from None

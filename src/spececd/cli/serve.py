@@ -2,6 +2,10 @@
 
 :func:`serve` is the wiring, in one place: the target backend, the engine with its limits
 and policy, and the listeners (WebSocket, gRPC, HTTP) in front of it.
+
+It fails loudly: the engine generates two tokens before the server says it is serving (an
+engine that cannot exits with status 1 and the cause), and an engine that fails later
+makes the server drain and exit with status 1, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from spececd import config
 from spececd.cli.options import add_model_options, default_model
 from spececd.config import ServerConfig
 from spececd.errors import InputError
+from spececd.protocol.errors import EngineFailed
 
 DEFAULTS = ServerConfig()
 
@@ -57,6 +62,9 @@ def add_parser(sub: Any) -> None:
                    "their next round (default: 0 = no cap)")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {d.idle_timeout})")
+    g.add_argument("--request-timeout", type=float, help="seconds a client has to send a "
+                   "whole HTTP request or WebSocket handshake; a slower one is answered 408 "
+                   f"(HTTP) or disconnected (default: {d.request_timeout:g})")
     g.add_argument("--drain-timeout", type=float, help="on SIGTERM: refuse new sessions and "
                    "rounds with a `draining` error (edges reconnect elsewhere at once), mark "
                    "/readyz not ready, let passes under way finish, and exit within this many "
@@ -109,21 +117,39 @@ def serve(cfg: ServerConfig, token: str) -> int:
               f"{' (auth required)' if token else ''}", file=sys.stderr, flush=True)
 
     async def main() -> None:
+        # One short generation before "serving": an engine that loads a model it cannot
+        # run fails here, with the cause, rather than on the first edge's request.
+        await engine.check()
         serving = asyncio.ensure_future(registry.serve(
             engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None, ready))
 
-        async def drain() -> None:
+        async def drain(why: str) -> None:
             try:
                 with contextlib.suppress(OSError):  # stderr may be gone (its reader left)
-                    print("spececd: draining (SIGTERM)", file=sys.stderr, flush=True)
+                    print(f"spececd: draining ({why})", file=sys.stderr, flush=True)
                 await engine.drain(cfg.drain_timeout)
             finally:  # whatever happens, SIGTERM ends the server
                 serving.cancel()
 
+        async def on_failure() -> None:
+            # A request that fails on a dead runner fails the service at once; a runner
+            # that dies while idle is noticed by its health check here.
+            while not engine.failed.is_set():
+                if not engine.alive():
+                    engine.fail("the engine stopped (its health check failed)")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(engine.failed.wait(), 1.0)
+            await drain(f"the engine failed: {engine.failure}")
+
+        watch = asyncio.ensure_future(on_failure())
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(drain()))
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
+        loop.add_signal_handler(signal.SIGTERM,
+                                lambda: asyncio.ensure_future(drain("SIGTERM")))
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+        finally:
+            watch.cancel()
 
     try:
         asyncio.run(main())
@@ -131,4 +157,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
         raise InputError(f"cannot listen on {cfg.host}: {exc.strerror}") from None
     finally:
         engine.close()
+    if engine.failure:  # non-zero, so that a supervisor restarts the server
+        raise EngineFailed(f"the {engine.name} engine failed ({engine.failure}); the "
+                           f"server drained and exits for its supervisor to restart it")
     return 0

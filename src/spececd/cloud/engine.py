@@ -15,9 +15,15 @@ things and nothing else::
 ``serve`` handles the link's frames in order until the client leaves, the session closes
 or it idles out, and says which (:class:`Ending`). The in-process transport drives the
 same loop on a background event loop, so in-process runs batch and stream-draft like
-networked ones. A failed model request answers a typed ``verification_failed`` error (a
-runner that is gone for good: ``draining``); nothing here raises at a transport for
-anything a client sent.
+networked ones. A failed model request answers a typed ``verification_failed`` error;
+nothing here raises at a transport for anything a client sent.
+
+A runner that is gone for good (:meth:`ModelRunner.alive` false after a failure) fails
+the service: every connected edge gets a fatal ``engine_failed`` error naming the cause,
+new ones are refused the same way, :attr:`CloudService.failed` is set and the server
+exits non-zero after its drain (``spececd serve``), for a supervisor to restart it.
+:meth:`CloudService.check` runs one short generation, so that a server whose engine
+cannot generate says so before it says it is serving.
 """
 
 from __future__ import annotations
@@ -51,7 +57,13 @@ from spececd.protocol.cloud_session import (
     StepOut,
     VerifyRequest,
 )
-from spececd.protocol.errors import Draining, ProtocolError, ServerBusy, VerificationFailed
+from spececd.protocol.errors import (
+    Draining,
+    EngineFailed,
+    ProtocolError,
+    ServerBusy,
+    VerificationFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +91,8 @@ class EnginePolicy:
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
     max_batch: int = 32  # sessions verified in one forward pass at most
     max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
+    # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
+    request_timeout: float = 10.0
 
 
 def draining_error() -> Draining:
@@ -154,6 +168,9 @@ class CloudService:
         self.fingerprint = tokenizer_fingerprint(self.target.tokenizer, self.target.vocab_size)
         self._bundle: bytes | None = None
         self.draining = False  # shutting down: no new sessions or rounds (drain())
+        self.failure = ""  # why the runner is gone for good ("": it is not); see fail()
+        self.failed = asyncio.Event()  # set with failure: the server drains and exits
+        self._last_error = ""  # the last failed model request's cause, for check()
         self.auth_token = auth_token
         self.metrics = metrics or Metrics()
         self.links: set[Link] = set()
@@ -177,6 +194,62 @@ class CloudService:
         """The runner's name, as ``spececd serve --engine`` gives it."""
         return self.runner.name
 
+    def refusal(self) -> ProtocolError:
+        """What a server that is shutting down answers new sessions, new rounds and streams
+        under way: ``engine_failed`` naming the cause when the runner failed, else
+        ``draining``."""
+        if self.failure:
+            return EngineFailed(
+                f"the server's {self.name} engine failed ({self.failure}); the server is "
+                f"exiting for its supervisor to restart it, so this session cannot go on "
+                f"here: report this to the server's operator")
+        return draining_error()
+
+    def fail(self, cause: str) -> None:
+        """The runner is gone for good: refuse everything with ``engine_failed`` naming
+        ``cause``, wake every link so that each gets it now, and set :attr:`failed`."""
+        if self.failure:
+            return
+        self.failure = cause or "no cause given"
+        self.draining = True
+        log.critical("the %s runner has failed (%s): every session gets an engine_failed "
+                     "error, /healthz and /readyz answer 503; restart the server",
+                     self.runner.name, self.failure)
+        for link in list(self.links):
+            link.inbox.wake()
+        self.failed.set()
+
+    async def check(self, timeout: float = 600.0) -> None:
+        """One short generation through the runner, the way an edge's runs; raises
+        :class:`~spececd.protocol.errors.EngineFailed` naming the cause when it fails
+        (a model the engine loads but cannot run, e.g. a head size its attention
+        refuses) or takes longer than ``timeout`` seconds."""
+        prompt = tuple(self.target.tokenizer.encode("Hello")[:4]) or (0,)
+        hello = m.Hello(m.PROTOCOL_VERSION, self.fingerprint, "match", 0.0, 0, 1.0, 0)
+        replies: list[m.Message] = []
+        link = self.open(authorized=True)
+        link.put(m.encode(hello))
+        link.put(m.encode(m.Generate(1, 0, prompt, 2)))
+
+        async def send(frame: bytes) -> None:
+            reply = m.decode(frame)
+            replies.append(reply)
+            if isinstance(reply, m.Error) or (isinstance(reply, m.Tokens) and reply.done):
+                link.end()
+
+        try:
+            await asyncio.wait_for(self.serve(link, send), timeout)
+        except asyncio.TimeoutError:  # not TimeoutError itself before Python 3.11
+            raise EngineFailed(f"the {self.name} engine did not generate 2 tokens within "
+                               f"{timeout:g} s") from None
+        errors = [reply for reply in replies if isinstance(reply, m.Error)]
+        if errors or not any(isinstance(r, m.Tokens) and r.done for r in replies):
+            cause = self.failure or self._last_error or (
+                errors[0].message if errors else "it ended the generation early")
+            raise EngineFailed(f"the {self.name} engine cannot generate with "
+                               f"{self.target.description}: {cause}")
+        log.info("engine check passed: the %s engine generated", self.name)
+
     # -- what transports call ------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
         """Shut down gracefully: refuse new sessions and new rounds with a ``draining``
@@ -195,7 +268,7 @@ class CloudService:
         answers with a ``server_busy`` error and closes. ``authorized``: the transport
         checked the client's token itself (gRPC metadata), so its hello needs none."""
         if self.draining:
-            error: ProtocolError = draining_error()
+            error: ProtocolError = self.refusal()
             return Link(self, m.encode(m.Error(error.code, str(error), -1, True)))
         if len(self.links) >= self.policy.max_sessions:
             error = ServerBusy(f"the server holds its maximum of {self.policy.max_sessions} "
@@ -240,7 +313,7 @@ class CloudService:
                 if frame is None:
                     return ending
                 if self.draining:  # new work goes to another replica
-                    link.error(draining_error())
+                    link.error(self.refusal())
                     await link.flush(send)
                     ending = Ending.DRAINED
                     return ending
@@ -350,7 +423,7 @@ class CloudService:
                     return  # nobody is listening any more
                 if self.draining:
                     session.stream = None
-                    link.error(draining_error())
+                    link.error(self.refusal())
                     return
                 if (not generation.continuous and dry_since is not None
                         and turnaround.seen and step_s.seen
@@ -403,15 +476,14 @@ class CloudService:
 
     def _failed(self, link: Link, seq: int, exc: BaseException) -> None:
         """Answer a failed model request: the session stays open unless the runner is
-        gone, in which case the service drains (edges go elsewhere, operators restart)."""
+        gone, in which case the service fails (:meth:`fail`)."""
         # The runner logged the failure's traceback where it caught it (the scheduler, vLLM's
         # request); this line ties it to the session.
         log.error("a model request failed: %s", exc, extra={"session": link.key})
+        self._last_error = str(exc)
         if not self.runner.alive():
-            self.draining = True
-            log.critical("the %s runner has failed: /healthz and /readyz answer 503; "
-                         "restart the server", self.runner.name)
-            link.error(draining_error(), seq)
+            self.fail(str(exc))
+            link.error(self.refusal(), seq)
             return
         link.error(VerificationFailed(
             f"the server could not run this request ({exc}); the session is still open, so "

@@ -138,10 +138,15 @@ class VllmRunner:
 
     name = "vllm"
 
-    def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel) -> None:
+    def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel,
+                 known_issue: str = "") -> None:
         self.llm = llm
         self.target = target
         self.hints = hints
+        # What vLLM is known to refuse of this model only once it runs it (its engine
+        # process logs the reason; this process gets a bare EngineDeadError): said with
+        # every failure, so that the engine check names the cause.
+        self.known_issue = known_issue
         self._requests = 0
 
     def unsupported(self, mode: Mode, params: SamplingParams) -> str:
@@ -226,7 +231,7 @@ class VllmRunner:
                 if common_prefix(emitted, draft) < len(emitted) or len(emitted) > len(draft):
                     break  # the round is decided
         except Exception as exc:  # answered as a typed error
-            raise _failure(exc) from exc
+            raise _failure(exc, self.known_issue) from exc
         finally:
             await outputs.aclose()  # aborts the request if it is still running
             self.hints.forget(request_id)
@@ -271,9 +276,29 @@ def _structured(constraint: Constraint) -> Any:
     return StructuredOutputsParams(grammar=spec)
 
 
-def _failure(exc: BaseException) -> RunnerError:
+def _failure(exc: BaseException, known_issue: str = "") -> RunnerError:
     log.error("vLLM failed a request: %s", exc, exc_info=exc)
-    return RunnerError(f"the server's vLLM engine failed: {exc}")
+    return RunnerError(f"the server's vLLM engine failed: {exc}"
+                       f"{f' (likely: {known_issue})' if known_issue else ''}")
+
+
+def known_issue(llm: Any) -> str:
+    """What vLLM is known to refuse of ``llm``'s model at its first request rather than at
+    load ("" when nothing): on CPU, a head size its attention does not take."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        if not current_platform.is_cpu():
+            return ""
+        head_size = llm.model_config.get_head_size()
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # another vLLM: nothing known
+        return ""
+    if head_size in supported:
+        return ""
+    return (f"vLLM's CPU attention does not support head_dim={head_size} (it takes "
+            f"{', '.join(map(str, supported))}): serve this model with --engine builtin")
 
 
 class _Request:
@@ -287,6 +312,7 @@ class _Request:
         assert stream is not None, "no generation under way"
         request = stream.request
         self._session, self._hints = session, runner.hints
+        self._known_issue = runner.known_issue
         self._id = runner.request_id(key, "g", request.seq)
         self._published = (stream.hint_start, stream.hint)
         self._refused: RunnerError | None = None
@@ -311,7 +337,7 @@ class _Request:
         except StopAsyncIteration:
             raise RunnerError("vLLM ended the generation before its tokens were out") from None
         except Exception as exc:
-            raise _failure(exc) from exc
+            raise _failure(exc, self._known_issue) from exc
         now = time.perf_counter()
         result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last)
         self._last = now
@@ -387,4 +413,8 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
 
     metrics = Metrics()
     metrics.also.append(REGISTRY)  # vLLM's metrics (vllm:*), in this process
-    return CloudService(VllmRunner(llm, target, hints), limits, policy, auth_token, metrics)
+    issue = known_issue(llm)
+    if issue:
+        log.warning("%s", issue)
+    return CloudService(VllmRunner(llm, target, hints, issue), limits, policy, auth_token,
+                        metrics)

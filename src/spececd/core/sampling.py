@@ -46,6 +46,7 @@ from spececd.errors import InputError
 # The widest bias ``logit_bias`` may add to a logit (-100 in effect bans a token), and the
 # widest presence or frequency penalty (OpenAI's ranges): the request schemas publish these.
 LOGIT_BIAS_LIMIT = 100  # ints: the OpenAPI document shows them as written
+TOP_K_LIMIT = 2**31 - 1  # a top-k past this is past every vocabulary
 PENALTY_LIMIT = 2
 
 # Streams of `round_rng`: the verifier's and the drafter's randomness must be independent.
@@ -183,6 +184,9 @@ class SamplingParams:
             )
         if self.top_k < 0:
             raise InputError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.top_k > TOP_K_LIMIT:  # past any vocabulary, and past what the wire carries
+            raise InputError(f"top-k must be at most {TOP_K_LIMIT} (0 disables it), got "
+                             f"{self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InputError(f"top-p must be in (0, 1] (1 disables it), got {self.top_p}")
         if self.max_tokens < 1:

@@ -7,6 +7,9 @@ connection. When the transport raises ``ConnectionError`` the link drops it, wai
 again and asks the caller for the frame anew: the session then re-sends the whole history
 as the draft's prefix, and since randomness depends only on (seed, position) the reply is
 that of an uninterrupted run. After the last attempt it raises :class:`CloudUnreachable`.
+A ``draining`` server is reconnected to at once (a balancer sends the edge to another
+replica); every other error the server answers is raised at once, ``engine_failed`` (the
+server's engine is gone and the server is exiting) among them: no retry loop.
 
 Bytes moved and the part of each round trip that nothing hid are added to the
 generation's statistics here. The link knows nothing about drafting or emitting.

@@ -33,6 +33,7 @@ from spececd.core.logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from spececd.core.sampling import (
     LOGIT_BIAS_LIMIT,
     PENALTY_LIMIT,
+    TOP_K_LIMIT,
     Constraint,
     Mode,
     SamplingParams,
@@ -120,7 +121,7 @@ class Sampling(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
                                                  le=LOGIT_BIAS_LIMIT)]] | None = None
     # Beyond OpenAI's, as vLLM accepts them.
-    top_k: Annotated[int, Field(ge=-1)] = DEFAULT.top_k  # 0 or -1 (vLLM's): off
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_LIMIT)] = DEFAULT.top_k  # 0 or -1: off
     min_p: Annotated[float, Field(ge=0, le=1)] = DEFAULT.min_p
     repetition_penalty: Annotated[float, Field(gt=0)] = DEFAULT.repetition_penalty
     ignore_eos: bool = False  # go on past the model's end-of-sequence tokens
@@ -338,3 +339,18 @@ def unsupported(request: Sampling) -> tuple[str, str] | None:
         if is_set:
             return name, f"{why}; leave {name} out"
     return None
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what was wrong and what to do")
+    type: str = Field(description="invalid_request_error (the request's fault) or "
+                      "server_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None = Field(description="a stable code, e.g. model_not_found, "
+                             "invalid_api_key, request_too_large, cloud_unreachable")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every status but 200 carries it."""
+
+    error: ErrorDetail

@@ -30,10 +30,14 @@ Each request runs its choices as sessions of their own on a worker thread each
 (:attr:`Api.executor`), so concurrent requests overlap their round trips; the draft
 model runs one forward pass at a time (:class:`~spececd.generator.Generator`).
 
-Failures: a bad request is a 400 naming the field, a wrong key 401, an unknown model
-404; a verifier that cannot be reached is a 503 (unless the generator falls back to the
-draft model, which the response then says), and one that refuses the edge a 502. Once a
-stream has begun, a failure arrives as an ``error`` event before ``[DONE]``.
+Failures, each in OpenAI's error shape and each listed in the OpenAPI document
+(``/openapi.json``): a bad request is a 400 naming the field (a missing or non-JSON body
+says what to send), a wrong key 401, an unknown model or path 404, a request not sent
+whole within the request timeout 408 (:mod:`spececd.transports.http.deadline`), a body
+over ``max_request_bytes`` 413; a verifier that cannot be reached, is full or whose engine
+failed is a 503 (unless the generator falls back to the draft model, which the response
+then says), and one that refuses the edge a 502. Once a stream has begun, a failure
+arrives as an ``error`` event before ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from spececd.core.logprobs import TokenLogprob
 from spececd.core.sampling import Constraint
@@ -65,21 +70,49 @@ from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
 from spececd.generator import AsyncGenerator, Generator, StreamChunk
 from spececd.grammar import grammars_for
+from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES
 from spececd.openai_api.schema import (
     ChatRequest,
     CompletionRequest,
+    ErrorResponse,
     FieldError,
     Sampling,
     unsupported,
 )
 from spececd.openai_api.tool_parsers import ToolCall, ToolStream, parser
 from spececd.openai_api.tools import ToolPlan, plan, template_messages
-from spececd.protocol.errors import InvalidConstraint, ProtocolError, ServerBusy, Unsupported
+from spececd.protocol.errors import (
+    EngineFailed,
+    InvalidConstraint,
+    ProtocolError,
+    ServerBusy,
+    Unsupported,
+)
+from spececd.transports.http.common import BodyLimit
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming client is still there
 NO_LOGPROB = -9999.0  # how -inf is written (JSON has no infinity), as vLLM writes it
+
+# The error answers the OpenAPI document lists, by route kind.
+_ERROR_STATUSES = {
+    400: "a bad request: a field out of range, unknown or unsupported, a missing or non-JSON "
+         "body, a prompt longer than the context (`param` names the field)",
+    401: "a missing or wrong API key (`invalid_api_key`)",
+    404: "an unknown model (`model_not_found`)",
+    408: "the request was not sent whole within the server's request timeout "
+         "(`request_timeout`)",
+    413: "a body over the server's limit (`request_too_large`)",
+    502: "the verifier refused this edge",
+    503: "the verifier is unreachable (`cloud_unreachable`), full (`server_busy`) or its "
+         "engine failed (`engine_failed`)",
+}
+GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in _ERROR_STATUSES.items()}
+LISTING_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: GENERATION_ERRORS[status] for status in (401, 408)}
 
 
 class ApiError(Exception):
@@ -106,6 +139,9 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, CloudUnreachable):
         return ApiError(503, f"the verifier is unreachable: {exc}", "server_error",
                         code="cloud_unreachable")
+    if isinstance(exc, EngineFailed):
+        return ApiError(503, f"the verifier's engine failed: {exc}", "server_error",
+                        code=exc.code)
     if isinstance(exc, ServerBusy):
         return ApiError(503, f"the verifier is full: {exc}", "server_error", code=exc.code)
     if isinstance(exc, InvalidConstraint):  # the verifier could not compile it
@@ -218,13 +254,15 @@ class Api:
 
     def __init__(self, gen: Generator, model: str, api_key: str = "",
                  cloud_only: bool = False, max_concurrency: int = 64,
-                 tool_parser: str | None = None, token_healing: bool = True) -> None:
+                 tool_parser: str | None = None, token_healing: bool = True,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.gen, self.model, self.api_key = gen, model, api_key
         self.cloud_only = cloud_only
         if tool_parser is not None:
             parser(tool_parser)  # a known name, or the error that lists them
         self.tool_parser = tool_parser  # the format calls are parsed in (None: no tools)
         self.token_healing = token_healing  # a completion's text prompts, unless it says
+        self.max_request_bytes = max_request_bytes
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
         self.agen = AsyncGenerator(gen, self.executor)
         self._token_texts: dict[int, str] = {}
@@ -263,8 +301,15 @@ class Api:
         each prompt's text where it is to be healed."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
+        context = self.gen.max_context
+        if max_tokens is not None and max_tokens > context:  # never possible: say so
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
+                else "max_tokens"
+            raise ApiError(400, f"{param} is {max_tokens}, past the model's context of "
+                           f"{context} tokens: ask for at most {context} (a completion also "
+                           f"ends where it and the prompt fill the context)", param=param)
         longest = max(len(ids) for ids in prompts)
-        room = self.gen.max_context - longest
+        room = context - longest
         # The body's sampling fields by their SamplingParams names, and what OpenAI's
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
@@ -559,6 +604,16 @@ def create_app(api: Api) -> FastAPI:
     for kind in (ApiError, SpecECDError, Exception):
         app.add_exception_handler(kind, answer)
 
+    @app.exception_handler(HTTPException)
+    async def on_http(_: Request, exc: HTTPException) -> JSONResponse:  # routing: 404, 405
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    app.add_middleware(
+        BodyLimit, limit=api.max_request_bytes,
+        refuse=lambda message: JSONResponse(too_large(message).body(), 413),
+        error=too_large)
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return on_validation(exc)
@@ -572,13 +627,13 @@ def create_app(api: Api) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=LISTING_ERRORS)
     async def models(request: Request) -> dict[str, Any]:
         guard(api, request)
         return {"object": "list", "data": [{"id": api.model, "object": "model",
                                             "created": 0, "owned_by": "spececd"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
@@ -592,7 +647,7 @@ def create_app(api: Api) -> FastAPI:
                         heal_texts=heal_texts)
         return await api.respond(run, False, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat(body: ChatRequest, request: Request) -> Response:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
@@ -603,7 +658,25 @@ def create_app(api: Api) -> FastAPI:
         return await api.respond(api.start(body, [ids], limit, "chatcmpl", tools), True,
                                  request)
 
+    schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, less the 422 it lists by default: a request that fails
+        validation is answered 400 here, in OpenAI's shape."""
+        if app.openapi_schema is None:
+            for operations in schema()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                app.openapi_schema["components"]["schemas"].pop(name, None)  # type: ignore[index]
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def too_large(message: str) -> ApiError:
+    return ApiError(413, f"{message}: send a shorter request", code="request_too_large")
 
 
 def guard(api: Api, request: Request) -> None:
@@ -650,7 +723,11 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
     error = exc.errors()[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None  # the request's field; the rest is pydantic's path
-    if error.get("type") == "extra_forbidden":
+    if param is None and error.get("type") != "json_invalid":  # no body, or not an object
+        message = ("the request needs a JSON object as its body, sent with the header "
+                   "`Content-Type: application/json`, e.g. {\"model\": \"...\", "
+                   "\"prompt\": \"...\"} (chat: \"messages\" instead of \"prompt\")")
+    elif error.get("type") == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
     elif error.get("type") == "json_invalid":
         message = "We could not parse the JSON body of your request: send valid JSON"

@@ -25,6 +25,9 @@ back into the same class (:func:`error_for_code`). ``fatal`` errors end the sess
     ├── ServerBusy            no capacity for another session                    (fatal)
     ├── Draining              the server is shutting down: reconnect (through the
     │                         balancer, to another replica) and re-send the history (fatal)
+    ├── EngineFailed          the server's engine (what runs the target) has failed; the
+    │                         message names the cause. The server exits for its supervisor
+    │                         to restart it: the edge stops instead of retrying     (fatal)
     └── VerificationFailed    the server could not run the target pass; the session stays
                               usable (a new draft builds on what the server held before)
 """
@@ -102,6 +105,11 @@ class Draining(ProtocolError):
     fatal = True
 
 
+class EngineFailed(ProtocolError):
+    code = "engine_failed"
+    fatal = True
+
+
 class VerificationFailed(ProtocolError):
     code = "verification_failed"
 
@@ -111,7 +119,7 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
     for cls in (ProtocolError, MalformedFrame, UnexpectedMessage, VersionMismatch,
                 IncompatibleModels, AuthFailed, Unsupported, InvalidConstraint, InvalidTokens,
                 InvalidProbabilities, LimitExceeded, OutOfOrder, UnknownSession, ServerBusy,
-                Draining, VerificationFailed)
+                Draining, EngineFailed, VerificationFailed)
 }
 
 

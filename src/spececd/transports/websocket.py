@@ -87,8 +87,11 @@ async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str]
     the port bound (``port`` 0: any free one)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
+    # open_timeout: a handshake not done within the request timeout (a client sending it
+    # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
-                        compression=None, process_request=_http_handler(engine)) as ws_server:
+                        compression=None, process_request=_http_handler(engine),
+                        open_timeout=engine.policy.request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
         await asyncio.get_running_loop().create_future()
@@ -111,6 +114,7 @@ class WebSocketTransport:
         self.recv_timeout = recv_timeout
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._last_words: bytes | None = None  # see send()
         options: dict[str, Any] = dict(open_timeout=open_timeout, max_size=max_size,
                                        compression=None, proxy=None, legacy=True)
         if url.startswith("wss://"):
@@ -127,13 +131,22 @@ class WebSocketTransport:
             raise ConnectionError(f"cannot connect to {url}: {exc}") from exc
 
     def send(self, frame: bytes) -> None:
+        """Send ``frame``. A server that answered and closed before it could be sent (a
+        fatal error: the server is full, draining or its engine failed) has its answer
+        taken instead, for :meth:`recv` to return: the error, not a lost connection."""
         try:
             self._ws.send(frame)
         except (ConnectionClosed, OSError) as exc:
-            raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+            try:
+                self._last_words = self._ws.recv(timeout=0)  # type: ignore[assignment]
+            except (ConnectionClosed, OSError, TimeoutError):
+                raise ConnectionError(f"connection to {self.url} lost: {exc}") from exc
+            return
         self.bytes_sent += frame_bytes(len(frame), masked=True)
 
     def recv(self) -> bytes:
+        if self._last_words is not None:
+            return self._received(self._last_words)
         try:
             frame = self._ws.recv(timeout=self.recv_timeout)
         except (ConnectionClosed, OSError, TimeoutError) as exc:
@@ -142,6 +155,8 @@ class WebSocketTransport:
 
     def poll(self) -> bytes | None:
         """A frame that has already arrived, or None; never waits."""
+        if self._last_words is not None:
+            return self._received(self._last_words)
         try:
             frame = self._ws.recv(timeout=0)
         except TimeoutError:
@@ -151,6 +166,7 @@ class WebSocketTransport:
         return self._received(frame)
 
     def _received(self, frame: str | bytes) -> bytes:
+        self._last_words = None
         data = frame if isinstance(frame, bytes) else frame.encode()
         self.bytes_received += frame_bytes(len(data), masked=False)
         return data

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (
     AuthFailed,
+    EngineFailed,
     LimitExceeded,
     ProtocolError,
     ServerBusy,
@@ -96,7 +97,7 @@ def unpack_replies(body: bytes) -> list[bytes]:
 
 
 CLOSE_TIMEOUT = 2.0  # seconds close() spends telling the server, at most
-_DELIVERED = (AuthFailed.code, ServerBusy.code, LimitExceeded.code)
+_DELIVERED = (AuthFailed.code, ServerBusy.code, LimitExceeded.code, EngineFailed.code)
 
 
 class HttpTransport:

@@ -3,8 +3,9 @@
 Every error is ``{"error": {"code": ..., "message": ...}}`` with a code from
 :mod:`spececd.protocol.errors` and a status for its kind: 400 malformed or invalid, 401
 auth, 404 unknown session or link, 409 out of order, 413 over a limit, 500 verification
-failed, 503 busy. A body that is not what an endpoint takes (bad JSON, a wrong type, a
-missing field) is ``malformed_frame``, the protocol's code for an undecodable message.
+failed, 503 busy, draining or failed (``engine_failed``). A body that is not what an
+endpoint takes (bad JSON, a wrong type, a missing field) is ``malformed_frame``, the
+protocol's code for an undecodable message.
 Errors found here are counted in the engine's ``spececd_errors_total``; those the engine
 answered itself were counted by it.
 """
@@ -12,6 +13,7 @@ answered itself were counted by it.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -25,6 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from spececd.cloud.engine import CloudService
 from spececd.protocol.errors import (
     AuthFailed,
+    Draining,
+    EngineFailed,
     LimitExceeded,
     MalformedFrame,
     OutOfOrder,
@@ -35,7 +39,8 @@ from spececd.protocol.errors import (
 )
 
 _STATUS = {AuthFailed.code: 401, UnknownSession.code: 404, OutOfOrder.code: 409,
-           LimitExceeded.code: 413, VerificationFailed.code: 500, ServerBusy.code: 503}
+           LimitExceeded.code: 413, VerificationFailed.code: 500, ServerBusy.code: 503,
+           Draining.code: 503, EngineFailed.code: 503}
 
 
 def status_for(code: str) -> int:
@@ -66,7 +71,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "malformed or invalid: malformed_frame, invalid_tokens, invalid_probabilities,"
               " unexpected_message"),
         (401, "auth_failed"), (404, "unknown_session"), (409, "out_of_order"),
-        (413, "limit_exceeded"), (500, "verification_failed"), (503, "server_busy"))}
+        (413, "limit_exceeded"), (500, "verification_failed"),
+        (503, "server_busy, draining, engine_failed"))}
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -104,12 +110,24 @@ def _explain(request: Request, exc: RequestValidationError) -> str:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered 413 with a typed
-    ``limit_exceeded`` error, unread when it declares its length, else as soon as it has
-    grown past the limit."""
+    """ASGI middleware: a request body over ``limit`` bytes is refused, unread when it
+    declares its length (``refuse(message)``: the response), else as soon as it has grown
+    past the limit (``error(message)``: raised in the route's body read, for the app's
+    handler to answer). Without ``refuse``/``error``: a 413 with a typed
+    ``limit_exceeded`` error, counted in ``engine``'s metrics."""
 
-    def __init__(self, app: ASGIApp, limit: int, engine: CloudService) -> None:
-        self.app, self.limit, self.engine = app, limit, engine
+    def __init__(self, app: ASGIApp, limit: int, engine: CloudService | None = None,
+                 refuse: Callable[[str], Response] | None = None,
+                 error: Callable[[str], Exception] | None = None) -> None:
+        self.app, self.limit = app, limit
+
+        def refused(message: str) -> Response:
+            if engine is not None:
+                engine.metrics.errors.labels(LimitExceeded.code).inc()
+            return error_response(413, LimitExceeded.code, message)
+
+        self.refuse = refuse or refused
+        self.error = error or (lambda message: HttpError(LimitExceeded(message)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,9 +135,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.limit:
-            self.engine.metrics.errors.labels(LimitExceeded.code).inc()
-            await error_response(413, LimitExceeded.code, self._message(declared))(
-                scope, receive, send)
+            await self.refuse(self._message(declared))(scope, receive, send)
             return
         seen = 0
 
@@ -128,7 +144,7 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:  # raised in the route's body read: answered typed
-                raise HttpError(LimitExceeded(self._message(b"more")))
+                raise self.error(self._message(b"more"))
             return message
 
         await self.app(scope, limited, send)

@@ -19,11 +19,12 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Response
 
-from spececd.cloud.engine import CloudService
+from spececd.cloud.engine import CloudService, EnginePolicy
 from spececd.protocol import messages as m
 from spececd.transports import ops
 from spececd.transports.http import links, sessions
 from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors
+from spececd.transports.http.deadline import protocol
 from spececd.transports.tls import server_ssl_context
 
 KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
@@ -112,18 +113,21 @@ async def serve(engine: CloudService, host: str, port: int,
         app.state.links.close_all()  # ends every link: its long polls answer at once
         app.state.sessions.close_all()
 
-    await serve_app(app, host, port, tls, ready, stopping)
+    await serve_app(app, host, port, tls, ready, stopping, engine.policy.request_timeout)
 
 
 async def serve_app(app: FastAPI, host: str, port: int,
                     tls: tuple[str, str] | ssl.SSLContext | None = None,
                     ready: Callable[[int], None] | None = None,
-                    stopping: Callable[[], None] | None = None) -> None:
+                    stopping: Callable[[], None] | None = None,
+                    request_timeout: float = EnginePolicy.request_timeout) -> None:
     """Run ``app`` with uvicorn on the caller's event loop until cancelled; ``stopping``
-    runs first when it is (long requests end before uvicorn waits for them)."""
+    runs first when it is (long requests end before uvicorn waits for them). A request not
+    read whole within ``request_timeout`` seconds is answered 408 (:mod:`.deadline`)."""
     ssl_context = server_ssl_context(*tls) if isinstance(tls, tuple) else tls
     config = uvicorn.Config(
         app, lifespan="off", ws="none", log_config=None, access_log=False,
+        http=protocol(request_timeout),
         server_header=False, date_header=False, timeout_keep_alive=KEEP_ALIVE,
         timeout_graceful_shutdown=2,
         ssl_context_factory=(lambda _config, _default: ssl_context) if ssl_context else None)

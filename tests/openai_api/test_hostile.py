@@ -1,0 +1,316 @@
+"""`spececd api` under hostile traffic, on a real loopback socket (uvicorn in a background
+thread, the tiny pair in process):
+
+- mutated JSON bodies (the frame fuzzer's edits, junk field values, random bytes): never a
+  server error, every refusal in OpenAI's shape, and legitimate requests sent beside them
+  (greedy, checked against the target alone; seeded sampling, checked against the same
+  request before the fuzzing) unchanged, and the server serving after;
+- oversized and slow requests: a 1 MB prompt, ``n`` and ``max_tokens`` at and past their
+  limits, a body over ``max_request_bytes``, a client sending one byte a second
+  (slowloris): each answered with a typed error (400, 413, 408), while a legitimate request
+  beside them finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from spececd.generator import Generator
+from spececd.openai_api.server import Api, create_app
+from spececd.transports.http.server import serve_app
+from tests.fuzz import mutate
+from tests.reference import PROMPTS, hf_greedy
+
+MODEL = "spececd"
+REQUEST_TIMEOUT = 2.0  # the server's, short here so that a slow client is cut off quickly
+MAX_REQUEST_BYTES = 1 << 20  # the default
+JUNK: list[Any] = [0, -1, 2**40, 2**70, 1.5, -0.0, 1e308, "x", "", "spececd", None, True,
+                   [], [1, 2], [-5, 10**6], [[1], [2**33]], {"a": 1}, "\u0000\ud7ff",
+                   [{"role": "user", "content": "x"}], [{"role": "tool"}], "a" * 300]
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
+          "temperature", "top_p", "top_k", "stop", "seed", "stream", "logit_bias", "k",
+          "mode", "proactive", "stream_options", "echo", "logprobs", "ignore_eos", "other"]
+
+
+class ApiThread:
+    """``spececd api`` for ``api`` on 127.0.0.1, on an event loop in a background thread."""
+
+    def __init__(self, api: Api) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        bound = threading.Event()
+
+        def ready(port: int) -> None:
+            self.port = port
+            bound.set()
+
+        async def start() -> asyncio.Task[None]:
+            return asyncio.get_running_loop().create_task(serve_app(
+                create_app(api), "127.0.0.1", 0, ready=ready, request_timeout=REQUEST_TIMEOUT))
+
+        self.task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        assert bound.wait(10), "the API did not start"
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def post(self, path: str, body: bytes | dict[str, Any],
+             conn: http.client.HTTPConnection | None = None) -> tuple[int, Any]:
+        """The status and the decoded JSON answer (None when it is not JSON)."""
+        own = conn is None
+        conn = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            data = json.dumps(body).encode() if isinstance(body, dict) else body
+            conn.request("POST", path, data, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+            try:
+                return response.status, json.loads(raw)
+            except ValueError:
+                return response.status, None
+        finally:
+            if own:
+                conn.close()
+
+
+@pytest.fixture(scope="module")
+def api_server(tiny_models: dict[str, Path]) -> Iterator[ApiThread]:
+    gen = Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
+                         dtype="float32")
+    api = Api(gen, MODEL, max_concurrency=16, max_request_bytes=MAX_REQUEST_BYTES)
+    server = ApiThread(api)
+    yield server
+    server.stop()
+    api.executor.shutdown(wait=True, cancel_futures=True)
+    gen.close()
+
+
+GREEDY = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+          "ignore_eos": True}
+SAMPLED = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.9,
+           "seed": 11, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def references(api_server: ApiThread, tiny_models: dict[str, Path]) -> dict[str, str]:
+    """The legitimate requests' answers before any hostile traffic; the greedy one checked
+    against the target alone."""
+    from spececd.backends.registry import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(str(tiny_models["llama"]))
+    alone = hf_greedy(tiny_models["llama"], tokenizer.encode(PROMPTS[0]), 24)
+    answers = {}
+    for name, body in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        status, answer = api_server.post("/v1/completions", body)
+        assert status == 200, answer
+        answers[name] = answer["choices"][0]["text"]
+    assert answers["greedy"] == tokenizer.decode(alone)
+    return answers
+
+
+def check_refusal(status: int, answer: Any) -> None:
+    """Not a server error, and in OpenAI's shape."""
+    assert status < 500, answer
+    if status != 200:
+        assert answer is not None and set(answer["error"]) == {"message", "type", "param",
+                                                               "code"}, answer
+        assert answer["error"]["message"]
+        assert "the `None` parameter" not in answer["error"]["message"]
+
+
+class Legitimate:
+    """Threads that send the legitimate requests again and again until stopped, keeping
+    every answer."""
+
+    def __init__(self, server: ApiThread) -> None:
+        self.server, self.running = server, threading.Event()
+        self.answers: dict[str, list[Any]] = {"greedy": [], "sampled": []}
+        self.threads = [threading.Thread(target=self._run, args=(name, body)) for name, body
+                        in (("greedy", GREEDY), ("sampled", SAMPLED))]
+
+    def __enter__(self) -> Legitimate:
+        self.running.set()
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.running.clear()
+        for thread in self.threads:
+            thread.join(120)
+
+    def _run(self, name: str, body: dict[str, Any]) -> None:
+        while self.running.is_set() or not self.answers[name]:
+            status, answer = self.server.post("/v1/completions", body)
+            self.answers[name].append(answer["choices"][0]["text"] if status == 200
+                                      else (status, answer))
+
+    def check(self, references: dict[str, str]) -> dict[str, int]:
+        for name, answers in self.answers.items():
+            assert answers and all(answer == references[name] for answer in answers), name
+        return {name: len(answers) for name, answers in self.answers.items()}
+
+
+def hostile_body(rng: random.Random) -> bytes:
+    seeds = [{"model": MODEL, "prompt": "x = ", "max_tokens": 2},
+             {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 2}]
+    kind = rng.random()
+    if kind < 0.15:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+    body = dict(rng.choice(seeds))
+    if kind < 0.6:
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(FIELDS)] = rng.choice(JUNK)
+        text = json.dumps(body).encode()
+        return mutate(text, rng) if rng.random() < 0.3 else text
+    return mutate(json.dumps(body).encode(), rng)
+
+
+@pytest.mark.parametrize("count", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_mutated_json_bodies_leave_legitimate_requests_unchanged(
+        api_server: ApiThread, references: dict[str, str], count: int) -> None:
+    rng = random.Random(count)
+    statuses: Counter[int] = Counter()
+    conn = http.client.HTTPConnection("127.0.0.1", api_server.port, timeout=60)
+    with Legitimate(api_server) as legitimate:
+        for _ in range(count):
+            path = rng.choice(("/v1/completions", "/v1/chat/completions"))
+            try:
+                status, answer = api_server.post(path, hostile_body(rng), conn)
+            except (http.client.HTTPException, OSError):
+                conn.close()  # the server closed it: a new connection for the next
+                conn = http.client.HTTPConnection("127.0.0.1", api_server.port, timeout=60)
+                statuses[0] += 1
+                continue
+            check_refusal(status, answer)
+            statuses[status] += 1
+    conn.close()
+    served = legitimate.check(references)
+    status, answer = api_server.post("/v1/completions", GREEDY)  # still serving
+    assert status == 200 and answer["choices"][0]["text"] == references["greedy"]
+    print(f"API fuzz: {count} bodies, statuses {dict(sorted(statuses.items()))}, "
+          f"legitimate requests answered unchanged: {served}")
+    assert statuses[0] == 0  # the server never dropped a connection
+    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > count // 2
+
+
+def test_oversized_requests_are_typed_errors_and_starve_nobody(
+        api_server: ApiThread, references: dict[str, str]) -> None:
+    megabyte = "ab " * 333_334  # 1 MB of prompt: far past the context
+    cases: list[tuple[dict[str, Any] | bytes, int, str | None]] = [
+        ({"model": MODEL, "prompt": megabyte[:1_000_000], "max_tokens": 2}, 400, None),
+        ({"model": MODEL, "prompt": "x" * (MAX_REQUEST_BYTES + 1)}, 413, None),
+        (b"{" * (MAX_REQUEST_BYTES + 10), 413, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 129}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 257}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+          "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
+        ({"model": MODEL, "prompt": [1] * 300, "max_tokens": 2}, 400, None),
+        # Past what the wire's integers carry (found by the 10,000-body fuzzing: a 500).
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 2**70}, 400, "top_k"),
+    ]
+    with Legitimate(api_server) as legitimate:
+        for body, status, param in cases:
+            got, answer = api_server.post("/v1/completions" if isinstance(body, bytes) or
+                                          "prompt" in body else "/v1/chat/completions", body)
+            check_refusal(got, answer)
+            assert got == status, (str(body)[:80], answer)
+            if param is not None:
+                assert answer["error"]["param"] == param and param in answer["error"]["message"]
+        # At the limits: n of 128 choices, max_tokens of the whole context (cut where the
+        # prompt and the completion fill it).
+        got, answer = api_server.post("/v1/completions", {
+            "model": MODEL, "prompt": "x", "max_tokens": 1, "n": 128, "ignore_eos": True})
+        assert got == 200 and len(answer["choices"]) == 128
+        prompt = [5] * 250
+        got, answer = api_server.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 256, "ignore_eos": True})
+        assert got == 200 and answer["usage"]["completion_tokens"] == 256 - len(prompt)
+        assert answer["choices"][0]["finish_reason"] == "length"
+    legitimate.check(references)
+
+
+def slow_client(port: int, head: bytes, seconds: float) -> tuple[float, bytes]:
+    """Send ``head`` one byte a second (slowloris) for at most ``seconds``; how long the
+    server let it, and what it answered."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=seconds + 5)
+    started = time.monotonic()
+    answer = b""
+    try:
+        for byte in head:
+            if time.monotonic() - started > seconds:
+                break
+            sock.sendall(bytes([byte]))
+            time.sleep(1.0)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                answer += sock.recv(65536)
+            sock.setblocking(True)
+            if answer:
+                break
+        sock.settimeout(seconds)
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    except OSError:
+        pass  # the server closed it mid-send
+    finally:
+        sock.close()
+    return time.monotonic() - started, answer
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+def test_a_client_sending_one_byte_a_second_is_cut_off_with_a_408(
+        api_server: ApiThread, references: dict[str, str], part: str) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    with Legitimate(api_server) as legitimate:
+        if part == "head":
+            took, answer = slow_client(api_server.port, head + body, 30)
+        else:  # the head at once, then the body one byte a second
+            sock = socket.create_connection(("127.0.0.1", api_server.port), timeout=30)
+            sock.sendall(head)
+            started = time.monotonic()
+            answer = b""
+            with contextlib.suppress(OSError):
+                for byte in body:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(1.0)
+                    sock.setblocking(False)
+                    with contextlib.suppress(BlockingIOError):
+                        answer += sock.recv(65536)
+                    sock.setblocking(True)
+                    if answer:
+                        break
+            took = time.monotonic() - started
+            sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert REQUEST_TIMEOUT <= took < REQUEST_TIMEOUT + 3
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_timeout" and "request timeout" in error["message"]
+    legitimate.check(references)
