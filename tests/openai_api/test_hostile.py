@@ -108,10 +108,11 @@ def api_server(tiny_models: dict[str, Path]) -> Iterator[ApiThread]:
     gen.close()
 
 
+# Unhealed, so that the greedy answer is the target alone's on the prompt's own tokens.
 GREEDY = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
-          "ignore_eos": True}
+          "ignore_eos": True, "token_healing": False}
 SAMPLED = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0.9,
-           "seed": 11, "ignore_eos": True}
+           "seed": 11, "ignore_eos": True, "token_healing": False}
 
 
 @pytest.fixture(scope="module")
