@@ -723,7 +723,8 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
     error = exc.errors()[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None  # the request's field; the rest is pydantic's path
-    if param is None and error.get("type") != "json_invalid":  # no body, or not an object
+    if param is None and error.get("type") in (  # no body, or not an object
+            "missing", "model_attributes_type", "model_type", "dict_type"):
         message = ("the request needs a JSON object as its body, sent with the header "
                    "`Content-Type: application/json`, e.g. {\"model\": \"...\", "
                    "\"prompt\": \"...\"} (chat: \"messages\" instead of \"prompt\")")
@@ -733,7 +734,7 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
         message = "We could not parse the JSON body of your request: send valid JSON"
     elif error.get("type") == "missing":
         message = f"you must provide the `{param}` parameter"
-    else:
+    else:  # a field's value, or the body's as a whole (a check across fields)
         where = ".".join(loc)
         message = f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
     return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
