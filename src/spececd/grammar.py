@@ -100,8 +100,9 @@ class Grammars:
     def compile(self, constraint: Constraint, timeout: float = COMPILE_TIMEOUT
                 ) -> CompiledConstraint:
         """``constraint`` compiled (from the cache when it was before); raises
-        :class:`InvalidConstraint` when it cannot be, or not within ``timeout`` seconds
-        (the refusal is cached too: a schema that failed is not compiled again)."""
+        :class:`InvalidConstraint` when it cannot be (cached too: a schema that failed is
+        not compiled again), or not within ``timeout`` seconds (not cached: the compile
+        goes on, and its result is cached when it comes)."""
         key = self.key(constraint)
         with self._lock:
             hit = self._cache.get(key)
@@ -111,18 +112,25 @@ class Grammars:
             try:
                 hit = future.result(timeout)
             except concurrent.futures.TimeoutError:
-                hit = InvalidConstraint(
+                # Not cached: the wait may have been another compile's queue. The result is
+                # cached when it comes.
+                future.add_done_callback(lambda done: self._store(key, done.result()))
+                raise InvalidConstraint(
                     f"the {constraint.kind} constraint took longer than {timeout:g} s to "
-                    f"compile; simplify it (fewer alternatives, bounded repetitions)")
+                    f"compile; simplify it (fewer alternatives, bounded repetitions)"
+                ) from None
             log.info("compiled a %s constraint in %.1f ms", constraint.kind,
                      1e3 * (time.perf_counter() - began))
-            with self._lock:
-                if len(self._cache) >= _CACHE_SIZE:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[key] = hit
+            self._store(key, hit)
         if isinstance(hit, InvalidConstraint):
             raise hit
         return hit
+
+    def _store(self, key: str, hit: CompiledConstraint | InvalidConstraint) -> None:
+        with self._lock:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = hit
 
     def _compile(self, constraint: Constraint) -> CompiledConstraint | InvalidConstraint:
         kind, spec = constraint.kind, constraint.spec

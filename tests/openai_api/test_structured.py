@@ -96,3 +96,13 @@ def test_a_bad_constraint_is_a_400_and_the_server_goes_on(
     fine = http.post("/v1/completions", json={"model": "spececd", "prompt": "x",
                                               "max_tokens": 3})
     assert fine.status_code == 200
+
+
+def test_echo_with_healing_asked_is_a_400_naming_token_healing(http: TestClient) -> None:
+    """Echo returns the prompt's own tokens, which healing would change (the prompt's
+    log-probabilities would then be one short of its tokens: a 500 before this check)."""
+    reply = http.post("/v1/completions", json={
+        "model": "spececd", "prompt": "def main():\n", "echo": True, "logprobs": 1,
+        "max_tokens": 0, "token_healing": True})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "token_healing"

@@ -7,7 +7,8 @@ chosen with the same processing the verifier uses (:func:`~spececd.core.sampling
 greedy_tokens`, or :func:`~spececd.core.sampling.process_logits` and a draw from the
 verifier's random stream at each position). At temperature 0 its tokens are what
 speculative generation gives for the same resolved parameters; sampled, they follow the
-same distribution. It stops at the parameters' stop tokens and ``max_tokens``, as a
+same distribution. A constraint masks every position as the verifier masks it
+(:mod:`spececd.grammar`). It stops at the parameters' stop tokens and ``max_tokens``, as a
 generation does, so both count the same tokens.
 """
 
@@ -51,8 +52,17 @@ def generate_alone(backend: Backend, prompt_ids: Sequence[int], params: Sampling
     tokens: list[int] = []
     start = time.perf_counter()
     logits = sequence.extend(history, keep=1)  # [1, vocab]
+    matcher = None
+    if params.constraint is not None:
+        from spececd.grammar import grammars_for, mask_logits
+
+        compiled = grammars_for(backend.tokenizer, backend.vocab_size).compile(params.constraint)
+        matcher = compiled.matcher()
     while True:
         position = len(history)
+        if matcher is not None:
+            matcher.sync(history[params.prompt_len:])
+            logits = mask_logits(logits, matcher.allowed_now()[None, :])
         if params.greedy:
             token = int(greedy_tokens(logits, params, history, position)[0])
         else:

@@ -317,7 +317,7 @@ class CloudService:
                     await link.flush(send)
                     ending = Ending.DRAINED
                     return ending
-                await self._precompile(frame)
+                await self._precompile(link, frame)
                 link.receive(frame)
                 await self._answer(link, send)
                 if link.closed:
@@ -336,9 +336,10 @@ class CloudService:
             return str(exc)
         return ""
 
-    async def _precompile(self, frame: bytes) -> None:
-        """Compile a hello's constraint off the event loop (within the compile time limit),
-        so that the session's check of it finds it cached and other sessions go on."""
+    async def _precompile(self, link: Link, frame: bytes) -> None:
+        """Compile an authorized hello's constraint off the event loop (within the compile
+        time limit), so that the session's check of it finds it cached and other sessions
+        go on. An unauthorized one costs nothing: its session refuses it."""
         # A hello is a msgpack array of at most 15 fields whose first is its type.
         if len(frame) < 2 or frame[0] & 0xF0 != 0x90 or frame[1] != m.Hello.TYPE:
             return
@@ -346,7 +347,8 @@ class CloudService:
             hello = m.decode(frame)
         except ProtocolError:
             return  # the session answers it
-        if isinstance(hello, m.Hello) and hello.constraint is not None:
+        if (isinstance(hello, m.Hello) and hello.constraint is not None
+                and link.session.authorizes(hello.auth_token)):
             await asyncio.get_running_loop().run_in_executor(
                 None, self.constraint_error, hello.constraint)
 

@@ -192,7 +192,8 @@ class Drafter:
                 self.forced += 1
                 context.append(token)
                 feed.append(token)
-                assert matcher is not None and matcher.accept(token)
+                ok = matcher is not None and matcher.accept(token)
+                assert ok, "a forced token is one the constraint allows"
                 continue
             logits = self.sequence.extend(feed, keep=1)[0]  # [vocab]
             if matcher is not None:

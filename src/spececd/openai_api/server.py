@@ -88,7 +88,7 @@ from spececd.protocol.errors import (
     ServerBusy,
     Unsupported,
 )
-from spececd.transports.http.common import BodyLimit
+from spececd.transports.http.common import BodyLimit, without_422
 
 log = logging.getLogger(__name__)
 
@@ -639,6 +639,10 @@ def create_app(api: Api) -> FastAPI:
         await asyncio.to_thread(api.compile, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
         # Healing by default, but not where the prompt's own tokens are asked back (echo).
+        if body.echo and body.token_healing:
+            raise FieldError("token_healing", "echo returns the prompt's own tokens (and "
+                             "their log-probabilities), which healing changes: leave "
+                             "token_healing out with echo, or set it to false")
         heal = (api.token_healing and not body.echo if body.token_healing is None
                 else body.token_healing)
         heal_texts = [p if heal and isinstance(p, str) else None for p in prompt_list(body)]
@@ -658,20 +662,7 @@ def create_app(api: Api) -> FastAPI:
         return await api.respond(api.start(body, [ids], limit, "chatcmpl", tools), True,
                                  request)
 
-    schema = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        """FastAPI's document, less the 422 it lists by default: a request that fails
-        validation is answered 400 here, in OpenAI's shape."""
-        if app.openapi_schema is None:
-            for operations in schema()["paths"].values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                app.openapi_schema["components"]["schemas"].pop(name, None)  # type: ignore[index]
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    without_422(app)
     return app
 
 

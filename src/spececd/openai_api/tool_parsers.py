@@ -55,7 +55,7 @@ def _call(text: str, arguments_key: str) -> ToolCall | None:
     text = text.strip()
     try:
         obj, end = _DECODER.raw_decode(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # deeper than Python parses
         return None
     if end != len(text) or not isinstance(obj, dict):
         return None
@@ -78,7 +78,7 @@ def _raw_arguments(text: str, key: str) -> str | None:
         return None
     try:
         _, end = _DECODER.raw_decode(text, match.end())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # deeper than Python parses
         return None
     return text[match.end():end]
 
@@ -212,7 +212,7 @@ class _Llama3Stream(ToolStream):
                 pos += 1
             try:
                 obj, end = _DECODER.raw_decode(self.buffer, pos)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # deeper than Python parses
                 return calls
             call = None
             if isinstance(obj, dict):

@@ -224,6 +224,11 @@ class CloudSession:
         else:
             raise UnexpectedMessage(f"expected a draft, got {type(message).__name__}")
 
+    def authorizes(self, token: str) -> bool:
+        """Whether a hello with ``token`` passes this session's auth check."""
+        return not self._auth_token or hmac.compare_digest(token.encode(),
+                                                           self._auth_token.encode())
+
     def _hello(self, hello: m.Hello) -> bytes:
         if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
                 hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
@@ -231,8 +236,7 @@ class CloudSession:
                     hello.constraint is not None or hello.logprobs.asked or hello.heal_ids)):
             raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
                                   f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
-        if self._auth_token and not hmac.compare_digest(
-                hello.auth_token.encode(), self._auth_token.encode()):
+        if not self.authorizes(hello.auth_token):
             raise AuthFailed("missing or wrong auth token")
         if hello.fingerprint == m.SAME_FINGERPRINT and self._checked:
             pass  # a later hello on this connection: the models were checked by the first

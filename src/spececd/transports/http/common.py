@@ -100,6 +100,23 @@ def answer_errors(app: FastAPI, engine: CloudService) -> None:
         app.add_exception_handler(kind, typed)
 
 
+def without_422(app: FastAPI) -> None:
+    """Serve ``app``'s OpenAPI document less the 422 FastAPI lists by default: a request
+    that fails validation is answered 400 here (in the transport's shape, or OpenAI's)."""
+    schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for operations in schema()["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                app.openapi_schema["components"]["schemas"].pop(name, None)  # type: ignore[index]
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _explain(request: Request, exc: RequestValidationError) -> str:
     if "json" not in request.headers.get("content-type", "") and any(
             tuple(error.get("loc", ())) == ("body",) for error in exc.errors()):

@@ -15,8 +15,9 @@ up to ``wait`` seconds for one when there is none, so a draft costs one exchange
 are numbered from 0 (``n``) and replies acknowledged (``ack``), so a request retried on a
 new connection is neither applied nor answered twice; without ``n`` a frame is simply the
 next, without ``ack`` the replies handed out before are acknowledged. A link that ended
-(closed, idle) answers 404 ``unknown_session`` once its last replies are fetched: the edge
-opens a new one and re-sends its history.
+(closed, idle, a fatal error) answers its last replies to any request, applying no frame,
+and 404 ``unknown_session`` once they are fetched: the edge opens a new one and re-sends its
+history.
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ class Links:
             frame_link.wake()
             asyncio.get_running_loop().call_later(GRACE, self.links.pop, link_id, None)
 
-    def get(self, link_id: str, sending: bool = False) -> FrameLink:
+    def get(self, link_id: str) -> FrameLink:
         frame_link = self.links.get(link_id)
-        if frame_link is None or (sending and frame_link.ended):
+        if frame_link is None:
             raise _gone()
         return frame_link
 
@@ -180,8 +181,12 @@ async def create_link(links: LinksDep, _: TokenDep) -> LinkCreated:
              openapi_extra={"requestBody": {"required": True, "content": _FRAMES}})
 async def post_frame(link_id: str, request: Request, links: LinksDep, _: TokenDep,
                      wait: Wait = 0.0, ack: Ack = None, n: FrameNumber = None) -> Response:
-    """Send one frame; answer every reply queued so far."""
-    frame_link = links.get(link_id, sending=True)
+    """Send one frame; answer every reply queued so far. To a link that has ended, the
+    frame is not applied: its last replies are answered while any are left (a fatal error
+    that ended it among them), then 404."""
+    frame_link = links.get(link_id)
+    if frame_link.ended:
+        return _replies(*await frame_link.answer(ack, 0.0))
     frame_link.put(await request.body(), n)
     return _replies(*await frame_link.answer(ack, wait))
 

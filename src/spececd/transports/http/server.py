@@ -23,7 +23,7 @@ from spececd.cloud.engine import CloudService, EnginePolicy
 from spececd.protocol import messages as m
 from spececd.transports import ops
 from spececd.transports.http import links, sessions
-from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors
+from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors, without_422
 from spececd.transports.http.deadline import protocol
 from spececd.transports.tls import server_ssl_context
 
@@ -60,20 +60,7 @@ def create_app(engine: CloudService) -> FastAPI:
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=engine.limits.max_message_bytes, engine=engine)
     answer_errors(app, engine)
-    schema = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        """FastAPI's schema, less the 422 answers it documents by default: a request
-        that fails validation is answered 400 ``malformed_frame`` here."""
-        if app.openapi_schema is None:
-            for operations in schema()["paths"].values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                app.openapi_schema["components"]["schemas"].pop(name, None)  # type: ignore[index]
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    without_422(app)
     return app
 
 
