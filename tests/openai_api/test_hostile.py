@@ -242,6 +242,18 @@ def test_oversized_requests_are_typed_errors_and_starve_nobody(
             assert got == status, (str(body)[:80], answer)
             if param is not None:
                 assert answer["error"]["param"] == param and param in answer["error"]["message"]
+        # A chunked body declares no length: refused as it grows past the limit, still a 413.
+        conn = http.client.HTTPConnection("127.0.0.1", api_server.port, timeout=60)
+        try:
+            chunks = (b"{" * 65_536 for _ in range(MAX_REQUEST_BYTES // 65_536 + 2))
+            conn.request("POST", "/v1/completions", chunks,
+                         {"Content-Type": "application/json"}, encode_chunked=True)
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+        check_refusal(response.status, answer)
+        assert response.status == 413 and answer["error"]["code"] == "request_too_large"
         # At the limits: n of 128 choices, max_tokens of the whole context (cut where the
         # prompt and the completion fill it).
         got, answer = api_server.post("/v1/completions", {

@@ -606,13 +606,15 @@ def create_app(api: Api) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def on_http(_: Request, exc: HTTPException) -> JSONResponse:  # routing: 404, 405
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(),
+        code = "request_too_large" if exc.status_code == 413 else None  # a chunked body's
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code=code).body(),
                             status_code=exc.status_code, headers=exc.headers)
 
     app.add_middleware(
         BodyLimit, limit=api.max_request_bytes,
         refuse=lambda message: JSONResponse(too_large(message).body(), 413),
-        error=too_large)
+        # Raised inside FastAPI's body read, which answers only an HTTPException as itself.
+        error=lambda message: HTTPException(413, str(too_large(message))))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
