@@ -13,7 +13,6 @@ thread, the tiny pair in process):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import json
@@ -34,6 +33,7 @@ from spececd.generator import Generator
 from spececd.openai_api.server import Api, create_app
 from spececd.transports.http.server import serve_app
 from tests.fuzz import mutate
+from tests.loop import LoopTask
 from tests.reference import PROMPTS, hf_greedy
 
 MODEL = "spececd"
@@ -51,31 +51,18 @@ class ApiThread:
     """``spececd api`` for ``api`` on 127.0.0.1, on an event loop in a background thread."""
 
     def __init__(self, api: Api) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         bound = threading.Event()
 
         def ready(port: int) -> None:
             self.port = port
             bound.set()
 
-        async def start() -> asyncio.Task[None]:
-            return asyncio.get_running_loop().create_task(serve_app(
-                create_app(api), "127.0.0.1", 0, ready=ready, request_timeout=REQUEST_TIMEOUT))
-
-        self.task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.server = LoopTask(lambda: serve_app(create_app(api), "127.0.0.1", 0, ready=ready,
+                                                 request_timeout=REQUEST_TIMEOUT))
         assert bound.wait(10), "the API did not start"
 
     def stop(self) -> None:
-        async def stop() -> None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.stop()
 
     def post(self, path: str, body: bytes | dict[str, Any],
              conn: http.client.HTTPConnection | None = None) -> tuple[int, Any]:

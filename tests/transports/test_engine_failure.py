@@ -8,8 +8,6 @@ worker dies.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from spececd.protocol import messages as m
 from spececd.protocol.errors import EngineFailed
 from spececd.transports import registry
 from tests.cloud.test_engine import DyingRunner, RecordingFailingBackend, hello
+from tests.loop import LoopTask
 from tests.toy import ToyBackend, ToyModel, greedy
 
 pytest.importorskip("grpc")
@@ -35,9 +34,6 @@ class Served:
     """``engine`` on every networked listener, on an event loop in a background thread."""
 
     def __init__(self, engine: CloudService) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         bound = threading.Event()
         self.urls: dict[str, str] = {}
 
@@ -46,23 +42,11 @@ class Served:
             bound.set()
 
         listeners = [registry.Listener(name, "127.0.0.1", 0) for name in registry.TRANSPORTS]
-
-        async def start() -> asyncio.Task[None]:
-            return asyncio.get_running_loop().create_task(
-                registry.serve(engine, listeners, None, ready))
-
-        self.task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.server = LoopTask(lambda: registry.serve(engine, listeners, None, ready))
         assert bound.wait(10), "the server did not start"
 
     def stop(self) -> None:
-        async def stop() -> None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.stop()
 
 
 @pytest.fixture()

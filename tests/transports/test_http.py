@@ -10,7 +10,6 @@ fuzzer. The JSON shape: create, prefill, verify, close, with the target's KV cac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import random
@@ -47,6 +46,7 @@ from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
 from tests.fuzz import mutate  # noqa: E402
+from tests.loop import LoopTask  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
 
@@ -56,34 +56,22 @@ class ThreadServer:
     def __init__(self, engine: Engine, port: int = 0,
                  tls: tuple[str, str] | ssl.SSLContext | None = None) -> None:
         self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         bound = threading.Event()
 
         def ready(port: int) -> None:
             self.port = port
             bound.set()
 
-        async def start() -> asyncio.Task[None]:
-            return asyncio.get_running_loop().create_task(
-                serve(engine, "127.0.0.1", port, tls, ready))
-
-        self.task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        self.server = LoopTask(lambda: serve(engine, "127.0.0.1", port, tls, ready))
         assert bound.wait(10), "the server did not start"
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        async def stop() -> None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        async def close() -> None:
             self.engine.close()  # on its loop, like the CLI's
             await asyncio.sleep(0.01)  # lets the tasks it cancelled finish
 
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.stop(close)
 
     def request(self, method: str, path: str, body: bytes | dict[str, Any] | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
