@@ -96,8 +96,8 @@ def _named(section: object, cls: type) -> dict[str, Any]:
 class EdgeConfig:
     """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
     edge's options (``mode``, ``threshold``, ``k``, ``proactive``, ``max_support``,
-    ``tree_width``, ``fallback``, ``reconnect_attempts``, ``reconnect_delay``,
-    ``reconnect_timeout``), parsed into ``options``."""
+    ``tree_width``, ``constrained_drafting``, ``fallback``, ``reconnect_attempts``,
+    ``reconnect_delay``, ``reconnect_timeout``), parsed into ``options``."""
 
     server: str = ""
     draft_model: str = ""

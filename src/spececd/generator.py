@@ -54,6 +54,7 @@ from spececd.core.sampling import SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter, DraftSource
+from spececd.edge.emit import RoundOutput
 from spececd.edge.options import (
     ROUND_TIMEOUT,
     EdgeOptions,
@@ -82,8 +83,10 @@ log = logging.getLogger(__name__)
 class StreamChunk:
     token_ids: tuple[int, ...]
     text: str
-    # "draft": drafted and accepted; "target": supplied by the verifier; "fallback": the
-    # draft model's, unverified (the verifier was unreachable and fallback="draft")
+    # "draft": drafted and accepted; "forced": drafted because a constraint allowed no other
+    # token (no draft model step), and accepted; "target": supplied by the verifier;
+    # "fallback": the draft model's, unverified (the verifier was unreachable and
+    # fallback="draft")
     source: str
     # On the last chunk only: "stop" (a stop token or stop string) or "length" (max_tokens
     # or the context). That chunk may carry no tokens: text held back, or nothing.
@@ -106,6 +109,18 @@ class Completion:
     # draft model's alone), and per prompt token.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def _runs(out: RoundOutput, verified: str) -> Iterator[tuple[str, int, int]]:
+    """``out``'s tokens as runs of one source, ``(source, start, end)`` in order: accepted
+    drafts are ``draft`` or ``forced``, the rest ``verified``."""
+    sources = ["forced" if i in out.forced else "draft" for i in range(out.from_draft)]
+    sources += [verified] * (len(out.token_ids) - out.from_draft)
+    start = 0
+    for i in range(1, len(sources) + 1):
+        if i == len(sources) or sources[i] != sources[start]:
+            yield sources[start], start, i
+            start = i
 
 
 class Generator:
@@ -433,13 +448,8 @@ class Generator:
                 if out.prompt_logprobs is not None:
                     prompt = (None, *out.prompt_logprobs.entries(ids[1:]))
                 lp = out.logprobs
-                for source, part, part_lp in (
-                        ("draft", out.token_ids[:out.from_draft],
-                         lp.rows(0, out.from_draft) if lp else None),
-                        (verified, out.token_ids[out.from_draft:],
-                         lp.rows(out.from_draft) if lp else None)):
-                    if not part:
-                        continue
+                for source, start, end in _runs(out, verified):
+                    part, part_lp = out.token_ids[start:end], lp.rows(start, end) if lp else None
                     # A stop token ends the completion: its id is kept, its text is not.
                     ends = part[-1] in params.stop_token_ids
                     text = stops.push(healed.push(decoder.push(part[:-1] if ends else part)))

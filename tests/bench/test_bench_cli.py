@@ -24,10 +24,14 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n---\nclass A:\n")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4}, "n": {"type": "integer"}},
+        "required": ["name", "n"], "additionalProperties": False}))
     result = run("bench", "--draft-model", str(tiny_models["draft"]), "--target-model",
                  str(tiny_models["llama"]), "--prompts-file", str(prompts), "--iterations",
-                 "1", "--max-tokens", "8", "--rtt-ms", "0,10", "--k", "2,auto", "--out",
-                 str(tmp_path / "out"))
+                 "1", "--max-tokens", "8", "--rtt-ms", "0,10", "--k", "2,auto",
+                 "--json-schema", str(schema), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     out = tmp_path / "out"
     for name in ("bench.json", "bench.csv", "bench.md", "speedup_vs_rtt.png",
@@ -35,8 +39,25 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
         assert (out / name).is_file(), name
     summary = json.loads((out / "bench.json").read_text())["summary"]
     kinds = {row["kind"] for row in summary}
-    assert kinds == {"target", "assisted", "cloud", "spececd"}
-    spec = [row for row in summary if row["kind"] == "spececd"]
+    assert kinds == {"target", "assisted", "cloud", "spececd", "alone"}
+    # Under the schema: the target alone, and at each RTT cloud-only and the first k and
+    # setting (k=2, plain) drafting under the schema and unconstrained, each against the
+    # baselines under the same schema.
+    constrained = [row for row in summary if row["constraint"]]
+    assert sorted((r["kind"], r["rtt_ms"], r["constrained_drafting"]) for r in constrained
+                  ) == sorted([("alone", None, None)] + [
+                      (kind, rtt, drafting) for rtt in (0, 10)
+                      for kind, drafting in (("cloud", None), ("spececd", True),
+                                             ("spececd", False))])
+    for row in constrained:
+        if row["kind"] == "spececd":
+            assert row["k"] == 2 and row["proactive"] == "off"
+            # the opening brace and the first key are forced; unconstrained, nothing is
+            assert (row["forced_per_round"] > 0) == row["constrained_drafting"]
+            assert row["speedup_vs_cloud"] > 0 and row["speedup_vs_target"] > 0
+    assert "| configuration | tokens/s | × target (schema) | × cloud-only (schema) |" in (
+        out / "bench.md").read_text()
+    spec = [row for row in summary if row["kind"] == "spececd" and not row["constraint"]]
     # RTTs x (k=2 plain, k=auto plain, proactive, stream and auto)
     assert len(spec) == 2 * 5
     for row in spec:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +19,7 @@ xgr = pytest.importorskip("xgrammar")
 
 from spececd.api import Generator  # noqa: E402
 from spececd.core.sampling import Constraint  # noqa: E402
+from spececd.core.stats import GenerationStats  # noqa: E402
 from tests.reference import PROMPTS, _reference_model  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
@@ -105,13 +107,47 @@ def test_trees_streams_and_cloud_only_generation_are_masked_too(
         assert out.token_ids == hf_constrained_greedy(tiny_models["llama"], ids, constraint, N)
 
 
-def test_forced_tokens_are_drafted_without_the_draft_model(gen: Generator) -> None:
-    out = gen.generate(gen.prompt_ids(PROMPTS[2]), max_tokens=N, temperature=0,
-                       constraint=CONSTRAINTS["json_schema"])
-    # '{"name": "' is forced outright, and so are the keys and punctuation after it; each
-    # drafted token took a draft model step or was forced (plain rounds draft nothing ahead).
-    assert out.stats.forced_tokens >= 4
-    assert out.stats.draft_steps + out.stats.forced_tokens == out.stats.drafted
+def forced_positions(model_dir: Path, tokens: list[int], constraint: Constraint) -> set[int]:
+    """The positions of ``tokens`` where xgrammar's own matcher allows a single token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(xgrammar_of(constraint, xgr.GrammarCompiler(info)))
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    forced = set()
+    for i, token in enumerate(tokens):
+        matcher.fill_next_token_bitmask(bitmask)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        if bits[:info.vocab_size].sum() == 1:  # one token allowed
+            forced.add(i)
+        assert matcher.accept_token(token)
+    return forced
+
+
+@pytest.mark.parametrize("settings", [{}, {"proactive": "stream"}, {"proactive": "on"}])
+def test_forced_tokens_are_drafted_without_the_draft_model_and_shown_as_such(
+        settings: dict[str, Any], tiny_models: dict[str, Path]) -> None:
+    constraint = CONSTRAINTS["json_schema"]
+    stats = GenerationStats()
+    sources: list[str] = []
+    tokens: list[int] = []
+    # A generator of its own: stream drafting's gate starts open (no link measured yet).
+    with Generator.load(str(tiny_models["draft"]), str(tiny_models["llama"]), device="cpu",
+                        dtype="float32", k=4, **{"proactive": "off", **settings}) as gen:
+        for chunk in gen.stream(gen.prompt_ids(PROMPTS[2]), stats, max_tokens=N,
+                                temperature=0, constraint=constraint):
+            sources += [chunk.source] * len(chunk.token_ids)
+            tokens += chunk.token_ids
+    # '{"name": "' is forced outright, and so are the keys and punctuation after it: the
+    # output marks exactly the accepted drafts that were (xgrammar's matcher says which
+    # positions allow one token; the verifier's own tokens there are the target's).
+    marked = {i for i, source in enumerate(sources) if source == "forced"}
+    assert stats.forced_tokens == len(marked)
+    assert marked <= forced_positions(tiny_models["llama"], tokens, constraint)
+    assert len(marked) >= 4
+    if not settings:  # plain rounds: a drafted token took a draft model step or was forced
+        assert stats.draft_steps + stats.forced_tokens <= stats.drafted
 
 
 def test_a_draft_of_another_tokenizer_drafts_unconstrained_and_the_mask_keeps_it_valid(

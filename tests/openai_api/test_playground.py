@@ -1,7 +1,8 @@
 """The playground (`GET /` of `spececd api`) in a real headless Chromium, against a real
 `spececd api` on loopback: the page loads with nothing from outside, streams a greedy
 completion coloured by source whose text is the non-streamed completion's, fills in its
-statistics, compares with cloud-only, and shows the server's message on a bad request.
+statistics, compares with cloud-only, follows a JSON schema (its forced tokens in their own
+colour), and shows the server's message on a bad request.
 
 Chromium is Debian's (/usr/lib/chromium/chromium), driven by Playwright; set
 SPECECD_SCREENSHOT to a path to keep a screenshot of the comparison (docs/playground.png).
@@ -156,6 +157,24 @@ def test_compare_with_cloud_only_sets_both_speeds_side_by_side(
         keep = Path(os.environ["SPECECD_SCREENSHOT"])
         keep.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, keep)
+
+
+def test_a_json_schema_is_followed_and_its_forced_tokens_have_their_own_colour(
+        page: Page, api: ServerProcess) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"}},
+        "required": ["name", "size"], "additionalProperties": False}
+    page.tab.click("#constraint summary")
+    page.tab.fill("#json-schema", json.dumps(schema))
+    page.generate()
+
+    # The keys and punctuation the schema fixes are proposed without the draft model.
+    assert page.tab.locator("#out-spec .tok.forced").count() > 0
+    whole = completion(api, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                       structured_outputs={"json": schema})
+    assert page.text("#out-spec .tok") == whole["choices"][0]["text"]
+    assert "forced by the schema" in page.tab.text_content("#details")
+    assert page.console_errors == []
 
 
 def test_a_bad_request_shows_the_servers_message(page: Page) -> None:

@@ -268,14 +268,19 @@ def contiguous(n: int, positions: Sequence[int]) -> bool:
     return all(position == n + i for i, position in enumerate(positions))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = min(len(a), len(b))
+    if list(a[:n]) != list(b[:n]):  # rare: a rollback past a verdict or a new history
+        n = int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
+    return n
+
+
 def sync(sequence: CachedSequence, context: Sequence[int]) -> list[int]:
     """Cut ``sequence`` to the longest cached prefix of ``context`` shorter than it; return
     the tokens of ``context`` still to be fed (never empty when ``context`` is not)."""
     cached = sequence.tokens
-    n = min(len(cached), len(context) - 1)
-    if cached[:n] != list(context[:n]):  # rare: a rollback past a verdict or a new history
-        differs = np.asarray(cached[:n]) != np.asarray(context[:n])
-        n = int(np.argmax(differs))
+    n = common_prefix(cached, context[:len(context) - 1])
     if n < len(cached):
         sequence.truncate(n)
     return list(context[n:])

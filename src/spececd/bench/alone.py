@@ -35,6 +35,7 @@ __all__ = ["AloneRun", "generate_alone"]
 class AloneRun:
     token_ids: tuple[int, ...]
     wall_s: float  # from the prompt's pass to the last token, the prompt's pass included
+    first_s: float  # from the prompt's pass to the first token
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,6 +52,7 @@ def generate_alone(backend: Backend, prompt_ids: Sequence[int], params: Sampling
     history = list(prompt_ids)
     tokens: list[int] = []
     start = time.perf_counter()
+    first = 0.0
     logits = sequence.extend(history, keep=1)  # [1, vocab]
     matcher = None
     if params.constraint is not None:
@@ -70,8 +72,9 @@ def generate_alone(backend: Backend, prompt_ids: Sequence[int], params: Sampling
             token = sample(probs, round_rng(params.seed, VERIFIER_STREAM, position))
         tokens.append(token)
         history.append(token)
+        first = first or time.perf_counter()
         if (token in params.stop_token_ids or len(tokens) >= params.max_tokens
                 or len(history) >= backend.max_context):
             break
         logits = sequence.extend([token], keep=1)
-    return AloneRun(tuple(tokens), time.perf_counter() - start)
+    return AloneRun(tuple(tokens), time.perf_counter() - start, first - start)

@@ -6,7 +6,8 @@ For a SpecECD configuration drafting ``k`` tokens per round:
 - tokens per round ``E = (1 - alpha^(k+1)) / (1 - alpha)`` for Leviathan et al.'s alpha,
   the probability that a token is accepted *given that it is reached*. That is not the
   acceptance rate reported (accepted / drafted, which also counts tokens after a
-  rejection), so E is taken as measured (accepted + rounds) / rounds, and the report gives
+  rejection), so E is taken as measured (accepted + own) / rounds (own: the rounds whose
+  verifier token the output kept), and the report gives
   the alpha it implies (``alpha_iid``);
 - ``c`` = one draft step / one target step (every draft step counts, also those drafted
   ahead and discarded); ``v`` = one verify pass / one target step,
@@ -75,49 +76,59 @@ def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return total
 
 
+def _work(c: dict[str, Any]) -> tuple[Any, Any]:
+    """What a configuration generates: its target, and the constraint it runs under (rows
+    compare with the baselines of the same work)."""
+    return c.get("target"), c.get("constraint")
+
+
 def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
     configs = raw["configs"]
     rows: list[dict[str, Any]] = []
-    cloud_tps = {(c["rtt_ms"], c.get("target")): statistics.median(_tps(c["passes"]))
+    cloud_tps = {(c["rtt_ms"], _work(c)): statistics.median(_tps(c["passes"]))
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
     # Each target's own autoregressive speed: the target alone in-process (transformers or
-    # llama.cpp) where it ran, else the server generating alone at the lowest RTT.
-    alone = {c.get("target"): statistics.median(_tps(c["passes"]))
+    # llama.cpp; under a constraint, SpecECD's backend masked) where it ran, else the
+    # server generating alone at the lowest RTT.
+    alone = {_work(c): statistics.median(_tps(c["passes"]))
              for c in configs.values()
-             if c["kind"] in ("target", "llama_alone") and c["passes"]}
+             if c["kind"] in ("target", "llama_alone", "alone") and c["passes"]}
     lowest = min((c["rtt_ms"] for c in configs.values() if c["kind"] == "cloud"), default=None)
-    for (rtt, target), speed in cloud_tps.items():
+    for (rtt, work), speed in cloud_tps.items():
         if rtt == lowest:
-            alone.setdefault(target, speed)
+            alone.setdefault(work, speed)
     # One target step, measured on the server while it generated alone (cloud-only), for
-    # each target of the run.
+    # each target (and constraint) of the run.
     cloud_stats: dict[Any, list[dict[str, Any]]] = {}
     for c in configs.values():
         if c["kind"] == "cloud":
-            cloud_stats.setdefault(c.get("target"), []).append(_sum_stats(c["passes"]))
+            cloud_stats.setdefault(_work(c), []).append(_sum_stats(c["passes"]))
     # Each generation's first pass also reads its prompt: left out of steps and rounds.
-    steps = {target: (sum(s.get("verify_s", 0) - s.get("prefill_s", 0) for s in stats)
+    steps = {work: (sum(s.get("verify_s", 0) - s.get("prefill_s", 0) for s in stats)
                       / max(1, sum(s.get("generated", 0) - s["generations"] for s in stats))
                       ) or None
-             for target, stats in cloud_stats.items()}
+             for work, stats in cloud_stats.items()}
     bare = {c.get("target"): _bare(c["passes"]) for c in configs.values()
             if c["kind"] == "bare" and c["passes"]}
     for name, c in configs.items():
         tps = _tps(c["passes"])
         if not tps or c["kind"] == "bare":
             continue
-        target_tps = alone.get(c.get("target")) or next(iter(alone.values()), None)
+        target_tps = alone.get(_work(c)) or (None if c.get("constraint") else
+                                             next(iter(alone.values()), None))
         results = [r for p in c["passes"] for r in p]
         row: dict[str, Any] = {
             "config": name, "kind": c["kind"], "rtt_ms": c.get("rtt_ms"), "k": c.get("k"),
             "proactive": c.get("proactive"), "tree": c.get("tree"),
+            "constraint": c.get("constraint"),
+            "constrained_drafting": c.get("constrained_drafting"),
             "tokens_per_s": round(statistics.median(tps), 2),
             "tokens_per_s_min": round(min(tps), 2), "tokens_per_s_max": round(max(tps), 2),
             "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in results), 2),
             "speedup_vs_target": (round(statistics.median(tps) / target_tps, 3)
                                   if target_tps else None),
         }
-        cloud = cloud_tps.get((c.get("rtt_ms"), c.get("target")))
+        cloud = cloud_tps.get((c.get("rtt_ms"), _work(c)))
         if cloud:
             row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
         if c["kind"] == "llama_speculative":  # what llama.cpp itself counted
@@ -149,20 +160,26 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 row["time_per_token_ms"] = split
         if c["kind"] == "spececd":
             drafted, accepted, rounds = s["drafted"], s["accepted"], s["rounds"]
+            # Tokens per round: the accepted drafts and the verifier's own token, where the
+            # output kept it (a round cut by the end of the text may not).
+            tokens_per_round = (accepted + s.get("own", rounds)) / rounds if rounds else 0.0
             alpha = accepted / drafted if drafted else 0.0
             k = c.get("k")
             if not isinstance(k, int):  # adaptive: the bound at the mean draft length
                 k = drafted / rounds if rounds else 0
             row.update({
                 "acceptance_rate": round(alpha, 4),
-                "mean_accepted_len": round((accepted + rounds) / rounds, 3) if rounds else 0,
+                "mean_accepted_len": round(tokens_per_round, 3),
                 "acceptance_by_position": [
                     round(a / d, 4) if d else 0.0 for a, d in
                     zip(s.get("accepted_by_position", []), s.get("drafted_by_position", []),
                         strict=False)],
                 "label": label(alpha),
             })
-            step_s = steps.get(c.get("target"))
+            if c.get("constraint") and rounds:  # jump-forward drafting, per round
+                row["forced_per_round"] = round(s.get("forced_tokens", 0) / rounds, 3)
+                row["draft_steps_per_round"] = round(s.get("draft_steps", 0) / rounds, 3)
+            step_s = steps.get(_work(c))
             if c.get("proactive") == "auto":  # what share each arm generated
                 for arm in ("stream", "plain"):
                     row[f"auto_{arm}_share"] = round(s.get(f"auto_{arm}_tokens", 0)
@@ -172,7 +189,6 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                     c.get("proactive") not in ("stream", "auto"):
                 c_ratio = (s["draft_s"] / max(1, s.get("draft_steps") or drafted)) / step_s
                 v_ratio = ((s["verify_s"] - s.get("prefill_s", 0.0)) / later) / step_s
-                tokens_per_round = (accepted + rounds) / rounds
                 bound = tokens_per_round / (k * c_ratio + v_ratio)
                 row.update({"c": round(c_ratio, 4), "v": round(v_ratio, 4),
                             "alpha_iid": round(iid_alpha(tokens_per_round, k), 4),
@@ -186,7 +202,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                     bare_v = _interpolate(forward, positions) / forward[0]
                     row.update({"bare_v": round(bare_v, 4), "tax": round(v_ratio / bare_v, 3),
                                 "positions_per_pass": round(positions, 2)})
-        step_s, forward = steps.get(c.get("target")), bare.get(c.get("target"))
+        step_s, forward = steps.get(_work(c)), bare.get(c.get("target"))
         if c["kind"] == "cloud" and step_s and forward:  # a step against one position's
             row["tax"] = round(step_s / forward[0], 3)
         rows.append(row)
@@ -247,7 +263,8 @@ COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
            "speedup_vs_target", "speedup_vs_cloud", "acceptance_rate", "mean_accepted_len",
            "alpha_iid", "c", "v", "bare_v", "tax", "positions_per_pass", "bound",
            "achieved_over_bound", "tokens_per_pass",
-           "positions_per_token", "edge_wait_share", "bytes_per_token", "ttft_ms", "label"]
+           "positions_per_token", "edge_wait_share", "bytes_per_token", "ttft_ms", "label",
+           "constraint", "constrained_drafting", "forced_per_round", "draft_steps_per_round"]
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
@@ -334,6 +351,20 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "|---|" + "---|" * len(parts)]
         lines += ["| " + r["config"] + " | " + " | ".join(
             _cell(r["budget_us"].get(part)) for part in parts) + " |" for r in budgets]
+    constrained = [r for r in rows if r.get("constraint")]
+    if constrained:
+        lines += ["", "Under the JSON schema (`--json-schema`): each row against the target "
+                  "alone and cloud-only under the same schema (the same text, greedy), "
+                  "drafting under the schema (its forced tokens proposed without a draft "
+                  "step) and unconstrained (the verifier's mask alone):", "",
+                  "| configuration | tokens/s | × target (schema) | × cloud-only (schema) | "
+                  "acceptance | tokens/round | forced tokens/round | draft steps/round |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {_cell(r['tokens_per_s'])} | "
+                  f"{_cell(r.get('speedup_vs_target'))} | {_cell(r.get('speedup_vs_cloud'))} | "
+                  f"{_cell(r.get('acceptance_rate'))} | {_cell(r.get('mean_accepted_len'))} | "
+                  f"{_cell(r.get('forced_per_round'))} | "
+                  f"{_cell(r.get('draft_steps_per_round'))} |" for r in constrained]
     auto = [r for r in rows if "auto_stream_share" in r]
     if auto:
         lines += ["", "Share of the tokens `auto` generated by each strategy:", ""]
@@ -358,15 +389,19 @@ def plots(rows: list[dict[str, Any]], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     def line_of(r: dict[str, Any]) -> tuple[Any, ...]:
-        return r["kind"], r.get("k"), r.get("proactive"), r.get("tree")
+        return (r["kind"], r.get("k"), r.get("proactive"), r.get("tree"), r.get("constraint"),
+                r.get("constrained_drafting"))
 
     for line in sorted({line_of(r) for r in rows if r["rtt_ms"] is not None}, key=str):
         series = sorted((r["rtt_ms"], r["speedup_vs_target"]) for r in rows
                         if line_of(r) == line and r.get("speedup_vs_target"))
         if series:
-            kind, k, proactive, tree = line
+            kind, k, proactive, tree, constraint, drafting = line
             name = "cloud-only" if kind == "cloud" else f"SpecECD k={k}" + (
                 f" {proactive}" if proactive else "") + (f" tree {tree}" if tree else "")
+            if constraint:
+                name += " · JSON schema" + ("" if drafting in (None, True) else
+                                            ", unconstrained drafting")
             ax.plot(*zip(*series, strict=True), marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("round-trip time (ms)")

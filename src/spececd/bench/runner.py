@@ -56,11 +56,15 @@ class BenchConfig:
     transports: list[str] = field(default_factory=lambda: ["websocket"])  # edge-cloud links
     trees: list[int] = field(default_factory=lambda: [1])  # tree widths (1: chains)
     engine: str = "builtin"  # the server's engine: builtin or vllm
+    # A JSON schema (its text): rows of constrained generation beside the others (the
+    # target alone, cloud-only, and SpecECD drafting under it and unconstrained)
+    json_schema: str | None = None
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
                 proactive: str | None = None, tree: int | None = None) -> str:
-    name = {"target": "target alone", "assisted": "HF assisted", "cloud": "cloud-only",
+    name = {"target": "target alone", "alone": "target alone", "assisted": "HF assisted",
+            "cloud": "cloud-only",
             "spececd": "SpecECD", "bare": "target's bare forward",
             "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative",
@@ -75,6 +79,10 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name
+
+
+SCHEMA_TAG = " · JSON schema"
+UNCONSTRAINED_TAG = ", unconstrained drafting"
 
 
 class Worker:
@@ -212,7 +220,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     proxies: dict[tuple[int, float, str], DelayProxy] = {}
     workers: dict[str, Worker] = {}
     common = dict(prompts=cfg.prompts, seed=cfg.seed, max_tokens=cfg.max_tokens,
-                  temperature=cfg.temperature, mode=cfg.mode, threads=1)
+                  temperature=cfg.temperature, mode=cfg.mode, threads=1,
+                  json_schema=cfg.json_schema)  # for the rows that name a constraint
     try:
         urls: dict[tuple[int, float, str], str] = {}
         direct: dict[tuple[int, str], str] = {}  # each target's server, by transport
@@ -255,6 +264,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                         plan.append({"kind": "assisted", "worker": key,
                                      "tag": f" [{label(draft)} → {label(target)}]" if pairs
                                      else ""})
+            if cfg.json_schema and cfg.engine == "builtin":  # the server's backend, masked
+                workers[f"alone{t}"] = Worker({**common, "kind": "alone", "target": target,
+                                               "device": cfg.device})
+                plan.append({"kind": "alone", "worker": f"alone{t}", "target": label(target),
+                             "constraint": "json_schema", "tag": tag + SCHEMA_TAG})
             if cfg.baselines and model_format(target) == "llama.cpp":
                 for kind in ("llama_alone", "llama_lookup"):
                     key = f"{kind}{t}"
@@ -280,10 +294,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             over = f" over {transport}" if len(cfg.transports) > 1 else ""
             # The server's own metrics, read straight from it (not through the delay proxy)
             metrics_url = direct.get((t, "websocket")) or direct.get((t, "http"))
-            plan.append({"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
-                         "metrics": metrics_url,
-                         "target": label(target), "transport": transport,
-                         "tag": (f" [{label(target)}]" if pairs else "") + over})
+            cloud = {"kind": "cloud", "rtt_ms": rtt, "server": url, "worker": "spececd0",
+                     "metrics": metrics_url, "target": label(target), "transport": transport,
+                     "tag": (f" [{label(target)}]" if pairs else "") + over}
+            plan.append(cloud)
+            if cfg.json_schema:
+                plan.append({**cloud, "constraint": "json_schema",
+                             "tag": cloud["tag"] + SCHEMA_TAG})
             for d, draft in enumerate(drafts):
                 # Every proactive setting for k=auto; fixed k values with the first one
                 # only (the comparison that matters there is against the policy). Trees
@@ -298,6 +315,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          for k in cfg.ks for proactive in
                          (cfg.proactive if k == "auto" else cfg.proactive[:1])
                          for width in cfg.trees]
+                if cfg.json_schema:  # the first k and setting, drafting under it or not
+                    plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url,
+                              "k": cfg.ks[0], "proactive": cfg.proactive[0],
+                              "metrics": metrics_url, "worker": f"spececd{d}",
+                              "target": label(target), "transport": transport,
+                              "constraint": "json_schema", "constrained_drafting": drafting,
+                              "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "")
+                              + over + SCHEMA_TAG + ("" if drafting else UNCONSTRAINED_TAG)}
+                             for drafting in (True, False)]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": [], "server": []}
                                               for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
@@ -327,6 +353,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
                          "proactive": cfg.proactive, "trees": cfg.trees,
+                         "json_schema": cfg.json_schema,
                          "mode": cfg.mode, "temperature": cfg.temperature,
                          "max_tokens": cfg.max_tokens, "iterations": cfg.iterations,
                          "num_prompts": len(cfg.prompts), "machine": machine(),

@@ -16,6 +16,9 @@ Kinds:
   draft GGUF in one process (``llama-speculative-simple``, built by
   ``scripts/build-llama-speculative.sh``), run once per prompt; its times are the ones it
   prints (the prompt's encoding and the decoding, not the models' loading);
+- ``alone``: the target alone through SpecECD's own backend, in this process
+  (:func:`~spececd.bench.alone.generate_alone`), masked by the job's JSON schema as the
+  verifier masks: the constrained rows' baseline;
 - ``bare``: the target's bare forward pass on the server's backend, timed over 1 to
   ``positions`` new positions after the prompt and half the generation's tokens (what a
   verify pass of that many positions costs without the server around it);
@@ -24,7 +27,9 @@ Kinds:
   reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
 
 Every kind generates exactly ``max_tokens`` tokens per prompt (end-of-sequence tokens do
-not stop it), so tokens/s compare like with like.
+not stop it), so tokens/s compare like with like; except under a JSON schema (a pass or a
+job naming ``constraint``), whose text ends at the end-of-sequence token its grammar ends
+with, at the same place in every such row (greedy: the same tokens).
 """
 
 from __future__ import annotations
@@ -218,6 +223,30 @@ class BareRunner:
                 "bare_s": [statistics.median(times[n]) for n in counts]}
 
 
+class AloneRunner:
+    """The target alone, through SpecECD's backend, under the job's JSON schema."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from spececd.backends.registry import load_backend
+
+        self.backend = load_backend(job["target"], device=job.get("device", "cpu"),
+                                    dtype="float32", threads=int(job.get("threads", 1)))
+        self.job = job
+
+    def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        from spececd.bench.alone import generate_alone
+        from spececd.core.sampling import Constraint, SamplingParams
+
+        job, tokenizer = self.job, self.backend.tokenizer
+        ids = tokenizer.encode(prompt)
+        params = SamplingParams(max_tokens=job["max_tokens"], temperature=job["temperature"],
+                                seed=seed, stop_token_ids=tuple(tokenizer.eos_token_ids),
+                                prompt_len=len(ids),
+                                constraint=Constraint("json_schema", job["json_schema"]))
+        done = generate_alone(self.backend, ids, params)
+        return {"tokens": len(done.token_ids), "wall_s": done.wall_s, "ttft_s": done.first_s}
+
+
 class SpecRunner:
     """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
 
@@ -241,21 +270,28 @@ class SpecRunner:
         # A cloud-only pass names no k, proactive setting or tree width: none applies.
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k"), proactive=request.get("proactive"),
-            tree_width=request.get("tree"))
+            tree_width=request.get("tree"),
+            constrained_drafting=request.get("constrained_drafting"))
         self.kind = request["kind"]
+        self.constrained = bool(request.get("constraint"))
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
+        from spececd.core.sampling import Constraint
         from spececd.core.stats import GenerationStats
 
         job = self.job
         stats = GenerationStats()
+        # Under the schema, the text ends where its grammar ends: at the end of sequence.
+        ending: dict[str, Any] = (
+            {"constraint": Constraint("json_schema", job["json_schema"])}
+            if self.constrained else {"stop_token_ids": []})
         start = time.perf_counter()
         first: float | None = None
         tokens = 0
         for chunk in self.generator.stream(prompt, stats, cloud_only=self.kind == "cloud",
                                            max_tokens=job["max_tokens"],
                                            temperature=job["temperature"], seed=seed,
-                                           stop_token_ids=[]):
+                                           **ending):
             if first is None:
                 first = time.perf_counter()
             tokens += len(chunk.token_ids)
@@ -273,9 +309,12 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    runner: HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | SpecRunner
+    runner: (HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | AloneRunner
+             | SpecRunner)
     if job["kind"] in ("target", "assisted"):
         runner = HFRunner(job)
+    elif job["kind"] == "alone":
+        runner = AloneRunner(job)
     elif job["kind"] == "bare":
         runner = BareRunner(job)
     elif job["kind"] in ("llama_alone", "llama_lookup"):

@@ -13,6 +13,7 @@ from typing import Any
 
 from spececd.bench.runner import BenchConfig
 from spececd.cli.options import default_model, demo_prompts
+from spececd.config import EdgeConfig
 from spececd.core.sampling import Mode
 from spececd.edge.options import Proactive, parse_k
 from spececd.errors import InputError
@@ -64,6 +65,10 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
     bench.add_argument("--port", type=int, default=0, help="port for the server (0: any free)")
     bench.add_argument("--device", default="cpu", help="device for every model (default: cpu)")
+    bench.add_argument("--json-schema", type=Path, metavar="FILE",
+                       help="also generate under this JSON schema (a JSON file): the target "
+                       "alone, cloud-only, and SpecECD with the first --k and --proactive "
+                       "values drafting under the schema and unconstrained, at every RTT")
     bench.add_argument("--no-baselines", action="store_true",
                        help="skip the target alone and transformers' assisted generation")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
@@ -230,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
     prompts = (load_prompts(args.prompts_file) if args.prompts_file
                else demo_prompts()[:args.num_prompts])
+    # The file read and checked as generate's --json-schema is (InputError if not a schema).
+    schema = EdgeConfig(json_schema=str(args.json_schema or "")).constraint()
     drafts = (args.draft_model or default_model("draft")).split(",")
     targets = (args.target_model or default_model("target")).split(",")
     cfg = BenchConfig(draft=drafts[0], target=targets[0], drafts=drafts, targets=targets,
@@ -239,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
                       max_tokens=args.max_tokens, temperature=args.temperature,
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,
                       device=args.device, jitter_ms=args.jitter_ms,
-                      baselines=not args.no_baselines, transports=transports, trees=trees)
+                      baselines=not args.no_baselines, transports=transports, trees=trees,
+                      json_schema=schema.spec if schema else None)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
     save(raw, args.out)
     print((args.out / "bench.md").read_text())

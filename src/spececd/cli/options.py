@@ -197,6 +197,11 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    "candidates where the draft is unsure (a server whose target has tree "
                    f"attention verifies them in one pass; default: {OPTIONS.tree_width}, "
                    "chains)")
+    g.add_argument("--constrained-drafting", action=argparse.BooleanOptionalAction,
+                   default=None, help="under a constraint, draft under it too: the draft "
+                   "stays valid and the tokens it forces are proposed without the draft "
+                   "model; --no-constrained-drafting drafts unconstrained and leaves the "
+                   "constraint to the verifier (default: on)")
 
 
 def add_network_options(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ from spececd.core.stats import GenerationStats
 if TYPE_CHECKING:
     from spececd.generator import Generator
 
-COLOURS = {"draft": "\033[32m", "target": "\033[1;33m", "fallback": "\033[2;31m"}
+COLOURS = {"draft": "\033[32m", "forced": "\033[36m", "target": "\033[1;33m",
+           "fallback": "\033[2;31m"}
 RESET = "\033[0m"
 
 

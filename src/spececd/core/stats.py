@@ -50,8 +50,8 @@ class GenerationStats:
     # tokens, one per position, so that acceptance stays per position)
     tree_siblings: int = 0
     target_passes: int = 0  # verifier passes this generation took: verdicts and streamed steps
-    # drafted tokens a constraint forced (the only ones it allowed), proposed without a draft
-    # model step (jump-forward drafting; ``draft_steps`` does not count them)
+    # emitted tokens that were drafted because a constraint allowed no other, proposed
+    # without a draft model step (jump-forward drafting; ``draft_steps`` does not count them)
     forced_tokens: int = 0
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
@@ -111,6 +111,7 @@ class GenerationStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "rounds": self.rounds,
+            "own": self.own,
             "generated": self.generated,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_len": round(self.mean_accepted_len, 4),

@@ -81,7 +81,8 @@ class EdgeClient:
         what each exchange emits. ``cloud_only``: the verifier generates every token (a
         baseline)."""
         params = run.params
-        out = Emitter(prompt_ids, params, stats, self.max_context)
+        out = Emitter(prompt_ids, params, stats, self.max_context,
+                      self.drafter.forced_among if params.constraint is not None else None)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting
         strategy: Strategy | None = None
@@ -163,7 +164,11 @@ class EdgeClient:
             out.verified_again()
         stats.lossy = stats.lossy or welcome.lossy
         out.max_context = min(out.max_context, welcome.max_context)
-        work = Work(self.drafter, self.link, session, mode, params, stats,
+        # The drafter drafts under the constraint unless told not to; the session's
+        # hello carries it either way (the verifier masks).
+        drafting = params if options.constrained_drafting else dataclasses.replace(
+            params, constraint=None)
+        work = Work(self.drafter, self.link, session, mode, drafting, stats,
                     options.max_support, options.tree_width)
         k_max = options.draft_limit(welcome.max_draft)
         if cloud_only:

@@ -33,7 +33,9 @@ constraint allows (a history the constraint refuses, which only a verifier that 
 enforce it would produce, is drafted after unconstrained). Where the constraint allows a
 single token, that token is proposed
 without running the draft model (jump-forward drafting), with a point-mass distribution in
-``exact`` mode; :attr:`Drafter.forced` counts them.
+``exact`` mode; :attr:`Drafter.forced` counts them, and :meth:`Drafter.forced_among` says
+which tokens of an output were such (the verifier, masking with the same constraint, can
+only have kept them: a forced token is a property of the history before it).
 
 The drafter knows nothing about the network or the verifier.
 """
@@ -48,7 +50,7 @@ from typing import Protocol
 
 import numpy as np
 
-from spececd.backends.base import Backend, sync
+from spececd.backends.base import Backend, common_prefix, sync
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import (
     DRAFTER_STREAM,
@@ -115,6 +117,9 @@ class DraftSource(Protocol):
 
     forced: int
 
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]: ...
+
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]: ...
@@ -134,6 +139,10 @@ class Drafter:
         self.forced = 0
         self._matcher: ConstraintMatcher | None = None
         self._warned = False  # about a history the constraint refuses (said once)
+        # Under a constraint: the last call's history and chain, and the positions in
+        # them whose token the constraint forced.
+        self._lineage: list[int] = []
+        self._forced_at: set[int] = set()
 
     def _constraint(self, constraint: Constraint | None) -> ConstraintMatcher | None:
         if constraint is None:
@@ -143,6 +152,19 @@ class Drafter:
             self._matcher = grammars.compile(constraint).matcher()
             self._warned = False
         return self._matcher
+
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) whose token this drafter
+        proposed because the constraint allowed no other, after the same history."""
+        with self.lock:
+            if not self._forced_at:
+                return ()
+            start, lineage = len(history), self._lineage
+            if common_prefix(lineage, history) < start:
+                return ()
+            same = common_prefix(lineage[start:], tokens)
+            return tuple(i for i in range(same) if start + i in self._forced_at)
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
@@ -178,6 +200,9 @@ class Drafter:
                     log.warning("drafting without the constraint: %s", exc)
                     self._warned = True
                 matcher = None
+        # Forced positions the history still shares stay known; the rest are gone.
+        kept = common_prefix(self._lineage, history) if matcher is not None else 0
+        self._forced_at = {p for p in self._forced_at if p < kept}
         for i in range(k):
             parent = chain[-1] if chain else -1
             forced = matcher.forced(1) if matcher is not None else []
@@ -190,6 +215,7 @@ class Drafter:
                 if report:
                     dists.append(point)
                 self.forced += 1
+                self._forced_at.add(len(context))
                 context.append(token)
                 feed.append(token)
                 ok = matcher is not None and matcher.accept(token)
@@ -232,6 +258,7 @@ class Drafter:
             if matcher is not None and not matcher.accept(token):
                 raise RuntimeError(f"the drafter drew token {token}, which its constraint "
                                    f"masked out")
+        self._lineage = context if matcher is not None else []
         return Tree(tuple(tokens), tuple(parents), tuple(dists) if report else None,
                     tuple(chain))
 

@@ -7,14 +7,16 @@ the authoritative token history, applies stop tokens and ``max_tokens`` exactly
 or when the server says it is done, counts what was emitted, records each verified round's
 acceptance up to the end of the text (drafted tokens past a stop token are no part of the
 output, so they count neither as drafted nor as accepted), and marks output that was never
-verified. Log-probabilities, where asked, follow their tokens through the same clipping;
-the prompt's are handed on once, the first time a reply brings them. Strategies read the
-history and the budget from it and never emit themselves.
+verified, and which accepted drafts a constraint forced (the drafter knows:
+:meth:`~spececd.edge.drafter.Drafter.forced_among`). Log-probabilities, where asked,
+follow their tokens through the same clipping; the prompt's are handed on once, the first
+time a reply brings them. Strategies read the history and the budget from it and never
+emit themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spececd.core.logprobs import Logprobs
@@ -50,12 +52,20 @@ class RoundOutput:
     logprobs: Logprobs | None = None  # of ``token_ids``, where asked (never for fallback)
     # Of the prompt's tokens after the first (echo), on the first output that has them.
     prompt_logprobs: Logprobs | None = None
+    # The indices of the accepted drafts that a constraint forced (no draft model step).
+    forced: tuple[int, ...] = ()
+
+
+# The indices of ``tokens``, emitted after ``history``, that a constraint forced as drafted.
+ForcedAmong = Callable[[Sequence[int], Sequence[int]], tuple[int, ...]]
 
 
 class Emitter:
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 stats: GenerationStats, max_context: int) -> None:
+                 stats: GenerationStats, max_context: int,
+                 forced_among: ForcedAmong | None = None) -> None:
         self.history = list(prompt_ids)
+        self.forced_among = forced_among
         self.prompt_len = len(self.history)
         self.prompt_logprobs_sent = False
         self.params, self.stats = params, stats
@@ -86,8 +96,12 @@ class Emitter:
         self.unverified, self.max_context = False, self.verified_context
 
     def emit(self, piece: Piece) -> RoundOutput:
-        self.history.extend(piece.tokens)
         out, finished = clip_emitted(piece.tokens, self.params.stop_token_ids, self.remaining)
+        from_draft = min(piece.from_draft, len(out))
+        forced = (self.forced_among(self.history, out[:from_draft])
+                  if from_draft and self.forced_among is not None else ())
+        self.stats.forced_tokens += len(forced)
+        self.history.extend(piece.tokens)
         self.generated += len(out)
         self.stats.generated += len(out)
         if piece.drafted is not None:
@@ -95,7 +109,7 @@ class Emitter:
             # end count, and the verifier's own token only if it was emitted.
             ended = len(out) < len(piece.tokens)
             self.stats.record_round(min(piece.drafted, len(out)) if ended else piece.drafted,
-                                    min(piece.from_draft, len(out)),
+                                    from_draft,
                                     own=len(out) > piece.from_draft)
         if self.unverified:
             self.stats.fallback_tokens += len(out)
@@ -106,5 +120,5 @@ class Emitter:
             prompt = piece.prompt_logprobs.rows(0, self.prompt_len - 1)
             self.prompt_logprobs_sent = True
         logprobs = piece.logprobs.rows(0, len(out)) if piece.logprobs is not None else None
-        return RoundOutput(tuple(out), min(piece.from_draft, len(out)), finished,
-                           self.unverified, logprobs, prompt)
+        return RoundOutput(tuple(out), from_draft, finished, self.unverified, logprobs, prompt,
+                           forced)

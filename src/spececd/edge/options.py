@@ -78,10 +78,13 @@ class EdgeOptions:
     reconnect: Reconnect = Reconnect()
     threshold: float = 0.0  # threshold mode (LOSSY) only, in (0, 1]; 0 otherwise
     tree_width: int = 1  # candidates per drafted position (1: chains; > 1: token trees)
+    # Under a constraint, draft under it too (its forced tokens cost no draft step); off,
+    # the draft runs unconstrained and the verifier's mask alone keeps the output valid.
+    constrained_drafting: bool = True
 
     def __post_init__(self) -> None:  # options built directly get the settings' checks
         for name in ("mode", "k", "proactive", "max_support", "fallback", "threshold",
-                     "tree_width"):
+                     "tree_width", "constrained_drafting"):
             parse_setting(name, getattr(self, name))
         parse_setting("reconnect_attempts", self.reconnect.attempts)
         parse_setting("reconnect_delay", self.reconnect.delay)
@@ -216,6 +219,18 @@ def _threshold(value: object) -> object:
     return number
 
 
+def _switch(what: str) -> Callable[[object], object]:
+    def parse(value: object) -> object:
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text in (True, "true", "on", "yes", "1"):
+            return True
+        if text in (False, "false", "off", "no", "0"):
+            return False
+        raise InputError(f"{what} must be true or false, got {value!r}")
+
+    return parse
+
+
 def _reconnect(value: object) -> object:
     if not isinstance(value, Reconnect):
         raise InputError(f"reconnect must be a Reconnect(attempts, delay, max_delay, "
@@ -233,6 +248,7 @@ SETTINGS: dict[str, Callable[[object], object]] = {
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),
     "tree_width": _number(int, "tree-width", low=1),
+    "constrained_drafting": _switch("constrained-drafting"),
     "fallback": _choice(Fallback, "fallback"),
     "reconnect_attempts": lambda value: None if value is None or (
         isinstance(value, str) and value.strip().lower() == "unlimited") else _number(

@@ -42,6 +42,10 @@ class CrossDrafter:
         self.target = target
         self.drafter = Drafter(backend, lock)
 
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        return ()
+
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:

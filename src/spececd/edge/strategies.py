@@ -78,11 +78,10 @@ class Work:
         return block
 
     def count_forced(self, before: int) -> None:
-        """Count the tokens a constraint forced since the drafter had forced ``before``
-        (callers count every drafted token as a draft step: these were none)."""
-        forced = self.drafter.forced - before
-        self.stats.forced_tokens += forced
-        self.stats.draft_steps -= forced
+        """Uncount the tokens a constraint forced since the drafter had forced ``before``:
+        callers count every drafted token as a draft step, and these were none (the
+        emitter counts those the output kept)."""
+        self.stats.draft_steps -= self.drafter.forced - before
 
     def tree(self, history: Sequence[int], k: int, room: int, policy: DraftLengthPolicy
              ) -> Tree:

@@ -169,6 +169,7 @@ def speculative(stats: GenerationStats, cloud_only: bool) -> dict[str, Any]:
         "acceptance_by_position": d["acceptance_by_position"],
         "rounds": stats.rounds, "network_s": d["network_s"], "verify_s": d["verify_s"],
         "draft_s": d["draft_s"], "tokens_per_s": d["tokens_per_s"],
+        "forced_tokens": stats.forced_tokens,
         "fallback": stats.fallback, "fallback_tokens": stats.fallback_tokens,
         "lossy": stats.lossy, "cloud_only": cloud_only,
     }
@@ -383,7 +384,8 @@ class Api:
                     choice.tokens += len(item.token_ids)
                     choice.token_ids.extend(item.token_ids)
                     choice.logprobs.extend(item.logprobs or (None,) * len(item.token_ids))
-                    choice.from_draft += len(item.token_ids) if item.source == "draft" else 0
+                    choice.from_draft += (len(item.token_ids)
+                                          if item.source in ("draft", "forced") else 0)
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item
         finally:
