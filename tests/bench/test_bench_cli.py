@@ -107,3 +107,25 @@ def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path
     assert all(r["passes_per_token"] < 0.5 for r in replay)
     assert cloud[0]["passes_per_token"] == pytest.approx(1.0, abs=0.01)
     assert (tmp_path / "load_curve.png").is_file() and (tmp_path / "load.md").is_file()
+    # Replay's acceptance as measured: near the 0.9 it replays at, greedy
+    assert all(0.6 < r["acceptance"] <= 1 for r in replay)
+    assert all(r["acceptance"] is None for r in cloud)
+
+
+@pytest.mark.slow  # a server of its own, for plumbing the load test above runs greedy
+def test_bench_load_samples_at_a_temperature(tiny_models: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    result = run("bench", "load", "--draft-model", str(tiny_models["draft"]),
+                 "--target-model", str(tiny_models["llama"]), "--clients", "2",
+                 "--duration", "1", "--num-prompts", "2", "--max-tokens", "16",
+                 "--kind", "replay,cloud-only", "--temperature", "1.5",
+                 "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    load = json.loads((tmp_path / "load.json").read_text())
+    assert load["meta"]["temperature"] == 1.5
+    replay, cloud = load["rows"]
+    assert replay["temperature"] == cloud["temperature"] == 1.5
+    # The greedy continuation, replayed at 0.8, against the random model's flat sampled
+    # distribution: few of its tokens are the target's draws.
+    assert 0 <= replay["acceptance"] < 0.5 and replay["tokens"] > 0
+    assert "temperature 1.5" in (tmp_path / "load.md").read_text()

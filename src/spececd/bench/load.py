@@ -5,8 +5,9 @@ Client kinds, labelled in every report:
 - ``replay``: clients that run no model. Each knows the target's greedy continuation of its
   prompt (asked once from the server, cloud-only) and proposes it, replacing each token by
   a wrong one with probability ``1 - acceptance``: greedy verification then accepts each
-  position with that probability. Drafting costs nothing, so the server alone bounds the
-  load (a capacity run).
+  position with that probability (sampled, ``temperature`` > 0, less: the target's
+  sampled tokens leave its greedy ones; the rows give the acceptance measured). Drafting
+  costs nothing, so the server alone bounds the load (a capacity run).
 - ``replay-stream``: replay clients that stream-draft: the server generates and the client
   sends its (corrupted) continuation ahead as hints, which the server verifies as they
   arrive (on vLLM, the engine's proposer takes them).
@@ -77,6 +78,8 @@ class ClientResult:
     token_latencies: list[float] = field(default_factory=list)  # a round's seconds over
     # its tokens, once for each of them
     seconds: float = 0.0  # time spent generating (model loading excluded)
+    drafted: int = 0  # drafted tokens verified, and accepted, over the client's generations
+    accepted: int = 0
 
     def record(self, seconds: float, tokens: int) -> None:
         self.latencies.append(seconds)
@@ -100,19 +103,20 @@ def metrics(*urls: str) -> dict[str, float]:
 
 def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k: int,
           max_tokens: int, cloud_only: bool, deadline: float, seed: int,
-          stream: bool = False) -> ClientResult:
-    """One edge session generating greedily, again and again, until ``deadline``."""
+          stream: bool = False, temperature: float = 0.0) -> ClientResult:
+    """One edge session generating, again and again, until ``deadline``: greedily, or
+    sampled at ``temperature`` (verified by match, as stream drafting verifies)."""
     from spececd.edge.client import EdgeClient
     from spececd.edge.options import EdgeOptions, Proactive, Resolved
     from spececd.transports.registry import connector
 
     client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30)
     # Plain rounds, as the load figures are defined (a verify pass per round), or stream
-    # drafting; not the default "auto", which chooses between them. Greedy, no stop tokens:
-    # every generation runs to max_tokens.
-    run = Resolved(EdgeOptions(mode=Mode.GREEDY, k=k, proactive=Proactive.STREAM if stream
-                               else Proactive.OFF),
-                   SamplingParams(temperature=0.0, seed=seed, max_tokens=max_tokens))
+    # drafting; not the default "auto", which chooses between them. No stop tokens: every
+    # generation runs to max_tokens.
+    run = Resolved(EdgeOptions(mode=Mode.MATCH if temperature else Mode.GREEDY, k=k,
+                               proactive=Proactive.STREAM if stream else Proactive.OFF),
+                   SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens))
     result = ClientResult()
     start = time.perf_counter()
     try:
@@ -125,6 +129,8 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
                 last = now
                 if now >= deadline:
                     break
+            result.drafted += stats.drafted
+            result.accepted += stats.accepted
     finally:
         client.close()
     result.seconds = time.perf_counter() - start
@@ -132,9 +138,9 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
 
 
 def drive_openai(url: str, model: str, prompt: list[int], max_tokens: int,
-                 deadline: float) -> ClientResult:
-    """One client of an OpenAI-compatible server (vLLM's) completing greedily, again and
-    again, until ``deadline``."""
+                 deadline: float, temperature: float = 0.0) -> ClientResult:
+    """One client of an OpenAI-compatible server (vLLM's) completing, again and again,
+    until ``deadline`` (greedily, or sampled at ``temperature``)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
@@ -143,7 +149,8 @@ def drive_openai(url: str, model: str, prompt: list[int], max_tokens: int,
     while time.perf_counter() < deadline:
         last = time.perf_counter()
         done = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                         temperature=0.0, extra_body={"ignore_eos": True})
+                                         temperature=temperature,
+                                         extra_body={"ignore_eos": True})
         result.record(time.perf_counter() - last,
                       done.usage.completion_tokens if done.usage else 0)
     result.seconds = time.perf_counter() - start
@@ -159,7 +166,8 @@ def engine_steps(counters: dict[str, float]) -> float:
 
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
-                   seconds: float, seed: int, stream: bool = False) -> ClientResult:
+                   seconds: float, seed: int, stream: bool = False,
+                   temperature: float = 0.0) -> ClientResult:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -171,7 +179,7 @@ def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_to
     backend = load_backend(draft_model, device="cpu", dtype="float32")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     return drive(url, Drafter(backend), fingerprint, prompt, k, max_tokens, False,
-                 time.perf_counter() + seconds, seed, stream)
+                 time.perf_counter() + seconds, seed, stream, temperature)
 
 
 def target_traces(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
@@ -197,7 +205,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
              duration: float, kind: str, acceptance: float = 0.8, k: int = 4,
              max_tokens: int = 64, draft_model: str | None = None,
              traces: list[list[int]] | None = None,
-             replicas: Sequence[str] = (), model: str = "") -> dict[str, Any]:
+             replicas: Sequence[str] = (), model: str = "",
+             temperature: float = 0.0) -> dict[str, Any]:
     """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``cloud-only``, or
     ``vllm-spec``: clients of the OpenAI server at ``url`` serving ``model``) for
     ``duration`` seconds; return the measured figures. ``replicas``: where the server
@@ -210,14 +219,14 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     if kind == "vllm-spec":
         with multiprocessing.pool.ThreadPool(clients) as openai_clients:
             results = openai_clients.starmap(drive_openai, [
-                (url, model, prompts[i % len(prompts)], max_tokens, deadline)
+                (url, model, prompts[i % len(prompts)], max_tokens, deadline, temperature)
                 for i in range(clients)])
     elif kind.startswith("draft"):
         assert draft_model is not None
         with multiprocessing.get_context("spawn").Pool(clients) as pool:
             results = pool.starmap(_draft_process, [
                 (url, draft_model, prompts[i % len(prompts)], k, max_tokens, duration, i,
-                 kind == "draft-stream") for i in range(clients)])
+                 kind == "draft-stream", temperature) for i in range(clients)])
     else:
         results = [ClientResult() for _ in range(clients)]
 
@@ -226,7 +235,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
             drafter = (ReplayDrafter(prompt, traces[i % len(prompts)], acceptance,
                                      fingerprint.vocab_size, seed=i) if traces else None)
             results[i] = drive(url, drafter, fingerprint, prompt, k, max_tokens,
-                               kind == "cloud-only", deadline, i, kind == "replay-stream")
+                               kind == "cloud-only", deadline, i, kind == "replay-stream",
+                               temperature)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
         for thread in threads:
@@ -238,6 +248,7 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     wall = max(r.seconds for r in results) or (time.perf_counter() - start)
     after = metrics(*(replicas or [url]))
     tokens = sum(r.tokens for r in results)
+    drafted = sum(r.drafted for r in results)
     latencies = sorted(x for r in results for x in r.latencies)
     token_latencies = sorted(x for r in results for x in r.token_latencies)
     passes = engine_steps(after) - engine_steps(before)
@@ -255,6 +266,9 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     return {
         "clients": clients, "kind": kind,
         "acceptance_target": acceptance if kind.startswith("replay") else None,
+        "temperature": temperature,
+        # what the verifier accepted of the clients' drafts (vllm-spec: not seen here)
+        "acceptance": round(sum(r.accepted for r in results) / drafted, 4) if drafted else None,
         "duration_s": round(wall, 2),
         "server_tokens_per_s": round(tokens / wall, 2),
         "client_tokens_per_s": round(statistics.median(r.tokens / wall for r in results), 2),
@@ -274,7 +288,7 @@ def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
               clients: list[int], duration: float, kinds: list[str], acceptance: float,
               k: int, max_tokens: int, draft_model: str | None,
               progress: Any = None, replicas: Sequence[str] = (),
-              model: str = "") -> list[dict[str, Any]]:
+              model: str = "", temperature: float = 0.0) -> list[dict[str, Any]]:
     """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them.
     ``model``: the model name an OpenAI server (``vllm-spec``) serves."""
     traces = (target_traces(url, fingerprint, prompts, max_tokens)
@@ -283,7 +297,8 @@ def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
     for n in clients:
         for kind in kinds:
             rows.append(run_load(url, fingerprint, prompts, n, duration, kind, acceptance, k,
-                                 max_tokens, draft_model, traces, replicas, model))
+                                 max_tokens, draft_model, traces, replicas, model,
+                                 temperature))
             if progress is not None:
                 progress(rows[-1])
     return rows
@@ -297,8 +312,9 @@ def _engine(row: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per row; each row's ratio is against cloud-only on the same engine."""
     lines = ["| clients | engine | kind | server tokens/s | per client | × cloud-only | "
-             "p50 / p95 / p99 round ms | p50 / p95 ms per token | passes/token | mean batch |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "acceptance | p50 / p95 / p99 round ms | p50 / p95 ms per token | passes/token | "
+             "mean batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     baseline = {(_engine(r), r["clients"]): r["server_tokens_per_s"] for r in rows
                 if r["kind"] == "cloud-only"}
     for r in rows:
@@ -306,10 +322,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         base = baseline.get((_engine(r), r["clients"]))
         ratio = (f"{r['server_tokens_per_s'] / base:.2f}"
                  if base and r["kind"] != "cloud-only" else "–")
-        label = r["kind"] + (f" (acceptance {r['acceptance_target']})"
+        label = r["kind"] + (f" (replaying at {r['acceptance_target']})"
                              if r["acceptance_target"] is not None else "")
+        if r.get("temperature"):
+            label += f", temperature {r['temperature']:g}"
         lines.append(f"| {r['clients']} | {_engine(r)} | {label} | "
                      f"{r['server_tokens_per_s']} | {r['client_tokens_per_s']} | {ratio} | "
+                     f"{r.get('acceptance') if r.get('acceptance') is not None else '–'} | "
                      f"{lat['p50']} / {lat['p95']} / {lat['p99']} | "
                      f"{per_token.get('p50', '–')} / {per_token.get('p95', '–')} | "
                      f"{r['passes_per_token']} | {r['mean_batch']} |")

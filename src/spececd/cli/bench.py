@@ -100,6 +100,10 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--acceptance", type=float, default=0.8,
                       help="replay clients: acceptance per position (default: 0.8)")
     load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
+    load.add_argument("--temperature", type=float, default=0.0,
+                      help="0: greedy (default); above: sampled, verified by match (replay "
+                      "clients still propose the target's greedy tokens, so they are "
+                      "accepted less; the table gives the acceptance measured)")
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--num-prompts", type=int, default=10)
     load.add_argument("--max-batch", type=int, default=32,
@@ -152,6 +156,8 @@ def run_load(args: argparse.Namespace) -> int:
     if args.server and (len(engines) > 1 or "vllm-spec" in kinds):
         raise InputError("with --server, the bench runs against that one server: give one "
                          "--engine (what it runs, for the report) and no vllm-spec")
+    if args.temperature < 0:
+        raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if "vllm-spec" in kinds and "vllm" not in engines:
         raise InputError("vllm-spec is a vLLM row: add vllm to --engine")
     draft_model = args.draft_model or default_model("draft")
@@ -182,7 +188,8 @@ def run_load(args: argparse.Namespace) -> int:
             ours = [k for k in kinds if k != "vllm-spec"]
             for row in load.run_curve(url, fingerprint, prompts, clients, args.duration, ours,
                                       args.acceptance, args.k, args.max_tokens, draft_model,
-                                      progress=progress, replicas=replicas):
+                                      progress=progress, replicas=replicas,
+                                      temperature=args.temperature):
                 rows.append({**row, "engine": engine})
         finally:
             if server is not None:
@@ -195,7 +202,7 @@ def run_load(args: argparse.Namespace) -> int:
             for row in load.run_curve(url, fingerprint, prompts, clients, args.duration,
                                       ["vllm-spec"], args.acceptance, args.k,
                                       args.max_tokens, draft_model, progress=progress,
-                                      model=target_model):
+                                      model=target_model, temperature=args.temperature):
                 rows.append({**row, "engine": "vllm"})
         finally:
             server.terminate()
@@ -204,7 +211,8 @@ def run_load(args: argparse.Namespace) -> int:
     (args.out / "load.json").write_text(json.dumps(
         {"meta": {"servers": urls, "replicas": replicas or urls, "draft": draft_model,
                   "target": target_model, "engines": engines, "duration_s": args.duration,
-                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance},
+                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance,
+                  "temperature": args.temperature},
          "rows": rows}, indent=1))
     markdown = load.table(rows)
     (args.out / "load.md").write_text(markdown)
