@@ -125,7 +125,7 @@ def test_bench_load_samples_at_a_temperature(tiny_models: dict[str, Path],
     assert load["meta"]["temperature"] == 1.5
     replay, cloud = load["rows"]
     assert replay["temperature"] == cloud["temperature"] == 1.5
-    # The greedy continuation, replayed at 0.8, against the random model's flat sampled
-    # distribution: few of its tokens are the target's draws.
-    assert 0 <= replay["acceptance"] < 0.5 and replay["tokens"] > 0
+    # Each client replays (at 0.8) the target's own sampled continuation for its seed,
+    # which the built-in engine draws again position by position: kept as greedy is.
+    assert 0.4 < replay["acceptance"] <= 1 and replay["tokens"] > 0
     assert "temperature 1.5" in (tmp_path / "load.md").read_text()

@@ -359,38 +359,38 @@ def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:
 # -- the hint gate (stream drafting) ----------------------------------------------------
 
 
-def test_hints_that_never_arrive_in_time_stop_for_ever_longer() -> None:
+def test_hints_the_server_never_keeps_stop_for_ever_longer() -> None:
     gate = HintGate(patience=4, first_pause=10, max_pause=40)
     pauses = []
     for _ in range(4):
         for _ in range(4):
             assert gate.open
-            gate.step(1, verified=False, hinted=True)
+            gate.step(1, kept=False, hinted=True)
         closed = 0
         while not gate.open:
-            gate.step(1, verified=False, hinted=False)  # the edge only reads
+            gate.step(1, kept=False, hinted=False)  # the edge only reads
             closed += 1
         pauses.append(closed)
     assert pauses == [10, 20, 40, 40]
 
 
-def test_a_verified_hint_keeps_the_gate_open_and_resets_the_pause() -> None:
+def test_a_kept_hint_keeps_the_gate_open_and_resets_the_pause() -> None:
     gate = HintGate(patience=4, first_pause=10)
-    for i in range(100):  # one step in four verifies a hint: never four fruitless in a row
-        gate.step(1, verified=i % 4 == 0, hinted=True)
+    for i in range(100):  # one step in four keeps a hint: never four fruitless in a row
+        gate.step(1, kept=i % 4 == 0, hinted=True)
         assert gate.open
     for _ in range(4):
-        gate.step(1, verified=False, hinted=True)
+        gate.step(1, kept=False, hinted=True)
     assert not gate.open
-    gate.step(10, verified=False, hinted=False)
+    gate.step(10, kept=False, hinted=False)
     assert gate.open
     for _ in range(3):  # steps without hints out do not count against them
-        gate.step(1, verified=False, hinted=False)
-    gate.step(1, verified=True, hinted=True)
+        gate.step(1, kept=False, hinted=False)
+    gate.step(1, kept=True, hinted=True)
     for _ in range(4):
-        gate.step(1, verified=False, hinted=True)
+        gate.step(1, kept=False, hinted=True)
     closed = 0
     while not gate.open:
-        gate.step(1, verified=False, hinted=False)
+        gate.step(1, kept=False, hinted=False)
         closed += 1
     assert closed == 10  # the verified hint reset the pause to its first length

@@ -102,8 +102,8 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
     load.add_argument("--temperature", type=float, default=0.0,
                       help="0: greedy (default); above: sampled, verified by match (replay "
-                      "clients still propose the target's greedy tokens, so they are "
-                      "accepted less; the table gives the acceptance measured)")
+                      "clients propose the target's own sampled continuation for their seed; "
+                      "the table gives the acceptance measured)")
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--num-prompts", type=int, default=10)
     load.add_argument("--max-batch", type=int, default=32,

@@ -267,19 +267,22 @@ class StrategyChooser:
 class HintGate:
     """Stream drafting: whether hints are worth sending on this link.
 
-    A hint helps only if it reaches the server before the server has generated past it.
-    When the round trip is longer than the server takes to generate as many tokens as
-    the edge drafts ahead, every hint arrives late: drafting then costs the edge's time
-    and the link's bytes for nothing. After ``patience`` steps in a row in which the
-    server verified no hint, the gate closes for ``pause`` tokens (the edge only reads,
-    as in cloud-only generation), then opens to try again; each fruitless try doubles the
-    pause (up to ``max_pause``), and a verified hint resets it. Pure: the caller counts.
+    A hint helps only if it reaches the server before the server has generated past it,
+    and the server keeps some of it. When the round trip is longer than the server takes
+    to generate as many tokens as the edge drafts ahead, every hint arrives late; when the
+    draft does not predict the target (a sampled text it cannot follow), every hint is
+    verified and thrown away. Either way drafting costs the edge's time, the link's bytes
+    and the server's verified positions (on a loaded server, its batch) for nothing. After
+    ``patience`` steps in a row in which the server kept no hinted token, the gate closes
+    for ``pause`` tokens (the edge only reads, as in cloud-only generation), then opens to
+    try again; each fruitless try doubles the pause (up to ``max_pause``), and a kept hint
+    resets it. Pure: the caller counts.
     """
 
     patience: int = 16
     first_pause: int = 32
     max_pause: int = 1024
-    _fruitless: int = 0  # steps in a row that verified no hint, while hints were sent
+    _fruitless: int = 0  # steps in a row that kept no hinted token, while hints were sent
     _pause: int = 0  # the current pause's length in tokens
     _closed_for: int = 0  # tokens still to receive before the gate opens
 
@@ -290,13 +293,13 @@ class HintGate:
     def open(self) -> bool:
         return self._closed_for <= 0
 
-    def step(self, tokens: int, verified: bool, hinted: bool) -> None:
-        """Feed one server step: the ``tokens`` it brought, whether it verified hints, and
-        whether hints were out when it ran."""
+    def step(self, tokens: int, kept: bool, hinted: bool) -> None:
+        """Feed one server step: the ``tokens`` it brought, whether it kept a hinted token,
+        and whether hints were out when it ran."""
         if not self.open:
             self._closed_for -= tokens
             return
-        if verified:
+        if kept:
             self._fruitless, self._pause = 0, self.first_pause
         elif hinted:
             self._fruitless += 1

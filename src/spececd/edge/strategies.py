@@ -277,8 +277,9 @@ class StreamDrafting(CloudOnly):
 
     A hint goes out after every half server step's worth of drafting (measured: the
     server's lone steps against this drafter's), so a fast drafter sends fuller hints and
-    a slow one sends them early. When hints keep arriving after the server has generated
-    past them (a round trip longer than the lookahead), the ``gate`` stops drafting for a
+    a slow one sends them early. When the server keeps none of the hints for a while
+    (they arrive after it has generated past them, on a round trip longer than the
+    lookahead, or the draft does not follow the target), the ``gate`` stops drafting for a
     while: the edge then costs what cloud-only generation costs.
 
     With token trees (``tree_width`` > 1, a server that takes them in hints) a hint also
@@ -315,7 +316,7 @@ class StreamDrafting(CloudOnly):
         if self.estimate is not None and not self.prefill:
             self.estimate.step(reply.drafted, reply.accepted, reply.compute_s)
         self.prefill = False
-        self.gate.step(len(reply.token_ids), verified=reply.drafted > 0, hinted=self.sent > 0)
+        self.gate.step(len(reply.token_ids), kept=reply.accepted > 0, hinted=self.sent > 0)
         ids = list(reply.token_ids)
         if self.draft[:len(ids)] == ids:  # the target agreed with the draft so far
             del self.draft[:len(ids)]
