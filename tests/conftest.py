@@ -62,7 +62,6 @@ SLOW_VARIANTS = frozenset({
     # (the default pair over every transport on 4 prompts: test_transports.py)
     "tests/e2e/test_network.py::test_default_pair_over_the_wire_on_20_heldout_prompts",
     "tests/e2e/test_network.py::test_default_pair_20_concurrent_sessions_identical_to_alone",
-    "tests/e2e/test_vllm.py::test_sampling_keeps_the_target_distribution",
     "tests/e2e/test_balancer.py::test_replicas_behind_nginx_lose_no_session[http]",
     "tests/bench/test_bench_cli.py::test_bench_load_reports_a_curve",
     "tests/backends/test_onnx_openvino.py::test_lossless_against_a_server",

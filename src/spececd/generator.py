@@ -186,7 +186,9 @@ class Generator:
         block while a verdict is in flight; ``"stream"``: the server generates without
         waiting and the edge sends it drafts as hints; ``"off"``; ``"auto"``: on with a
         server, off in-process), ``max_support``, ``tree_width`` (candidates per drafted
-        position: token trees where the draft is unsure), ``fallback`` (``"draft"``: finish with
+        position: token trees where the draft is unsure), ``constrained_drafting`` (False:
+        draft unconstrained under a constraint, which the verifier alone enforces then),
+        ``fallback`` (``"draft"``: finish with
         the draft model alone when the server is unreachable), ``reconnect``
         (a :class:`~spececd.edge.options.Reconnect`).
 

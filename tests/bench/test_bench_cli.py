@@ -49,12 +49,18 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
                       (kind, rtt, drafting) for rtt in (0, 10)
                       for kind, drafting in (("cloud", None), ("spececd", True),
                                              ("spececd", False))])
+    alone = next(r for r in constrained if r["kind"] == "alone")["tokens_per_s"]
+    cloud = {r["rtt_ms"]: r["tokens_per_s"] for r in constrained if r["kind"] == "cloud"}
     for row in constrained:
         if row["kind"] == "spececd":
             assert row["k"] == 2 and row["proactive"] == "off"
             # the opening brace and the first key are forced; unconstrained, nothing is
             assert (row["forced_per_round"] > 0) == row["constrained_drafting"]
-            assert row["speedup_vs_cloud"] > 0 and row["speedup_vs_target"] > 0
+            # against the baselines under the same schema, not the unconstrained ones
+            assert row["speedup_vs_target"] == pytest.approx(row["tokens_per_s"] / alone,
+                                                             rel=0.01, abs=0.002)
+            assert row["speedup_vs_cloud"] == pytest.approx(
+                row["tokens_per_s"] / cloud[row["rtt_ms"]], rel=0.01, abs=0.002)
     assert "| configuration | tokens/s | × target (schema) | × cloud-only (schema) |" in (
         out / "bench.md").read_text()
     spec = [row for row in summary if row["kind"] == "spececd" and not row["constraint"]]

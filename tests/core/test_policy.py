@@ -393,4 +393,4 @@ def test_a_kept_hint_keeps_the_gate_open_and_resets_the_pause() -> None:
     while not gate.open:
         gate.step(1, kept=False, hinted=False)
         closed += 1
-    assert closed == 10  # the verified hint reset the pause to its first length
+    assert closed == 10  # the kept hint reset the pause to its first length

@@ -165,3 +165,24 @@ def test_every_sampled_completion_under_a_nested_schema_validates() -> None:
         valid += 1
     assert valid == 200
     assert drafter.forced > 200  # the keys and punctuation the schema fixes
+
+
+def test_the_drafter_says_which_tokens_of_an_output_it_forced() -> None:
+    draft, _ = toy_pair(agreement=0.5)
+    drafter = Drafter(draft)
+    constraint = Constraint.of_choices(["abcd", "abxy"])
+    params = SamplingParams(temperature=0, seed=0, prompt_len=len(PROMPT),
+                            constraint=constraint)
+    tokens, _ = drafter.draft(PROMPT, 4, Mode.MATCH, params, 0, 8)
+    # "a" and "b" forced, the third the draft's choice (c or x), the fourth forced by it
+    assert bytes(tokens[:2]) == b"ab" and drafter.forced_among(PROMPT, tokens) == (0, 1, 3)
+    # An output that leaves the draft (the verifier chose the other): no mark from there
+    other = ord("x") if tokens[2] == ord("c") else ord("c")
+    assert drafter.forced_among(PROMPT, [*tokens[:2], other]) == (0, 1)
+    assert drafter.forced_among(PROMPT[:-1], tokens) == ()  # another history: nothing known
+    # Drafted again after that output: its marks are the new draft's; the old branch's,
+    # past where the histories part, are gone.
+    history = [*PROMPT, *tokens[:2], other]
+    more, _ = drafter.draft(history, 2, Mode.MATCH, params, 0, 8)
+    assert drafter.forced_among(history, more) == (0, 1)  # its last letter, then the end
+    assert drafter.forced_among(PROMPT, tokens) == (0, 1)

@@ -170,17 +170,15 @@ def test_auth_token_is_enforced(tiny_models: dict[str, Path], tmp_path: Path) ->
     token_file.write_text("correct horse battery staple\n")
     proc = ServerProcess(tiny_models["llama"], "--auth-token-file", str(token_file))
     try:
-        # The CLI reads the token from the environment, and says why it was refused.
-        wrong = cli("generate", "--server", proc.url, "--draft-model", str(tiny_models["draft"]),
+        for token in ("", "wrong"):  # refused, and said why
+            with remote(tiny_models["draft"], proc.url, auth_token=token) as gen, \
+                    pytest.raises(AuthFailed, match="auth"):
+                gen.generate("x", max_tokens=4)
+        # The CLI reads the token from the environment.
+        right = cli("generate", "--server", proc.url, "--draft-model", str(tiny_models["draft"]),
                     "--device", "cpu", "--prompt", "x", "--max-tokens", "4", "--json",
-                    env={"SPECECD_AUTH_TOKEN": "wrong"})
-        assert wrong.returncode == 2 and "auth" in wrong.stderr
-        with remote(tiny_models["draft"], proc.url) as gen, \
-                pytest.raises(AuthFailed, match="auth"):
-            gen.generate("x", max_tokens=4)  # no token
-        with remote(tiny_models["draft"], proc.url,
-                    auth_token="correct horse battery staple") as gen:
-            assert len(gen.generate("x", max_tokens=4, stop_token_ids=[]).token_ids) == 4
+                    env={"SPECECD_AUTH_TOKEN": "correct horse battery staple"})
+        assert right.returncode == 0, right.stderr
         assert proc.status()["errors"] == {"auth_failed": 2}
     finally:
         proc.stop()
@@ -280,13 +278,18 @@ def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None
             # the tokens the target generates alone, whatever the drafts were and however
             # they arrived.
             ids = gen.prompt_ids(prompts[0])
+            siblings = 0
             for seed in (1, 2, 3):
                 streamed = gen.generate(ids, max_tokens=40, temperature=1.0, top_p=0.9,
                                         seed=seed, stop_token_ids=[])
                 alone = gen.generate(ids, cloud_only=True, max_tokens=40, temperature=1.0,
                                      top_p=0.9, seed=seed, stop_token_ids=[])
                 assert streamed.token_ids == alone.token_ids
-                assert streamed.stats.tree_siblings > 0
+                siblings += streamed.stats.tree_siblings
+            # Hints were out (the first generation's at least: where the server keeps none
+            # of them for a while, the edge stops sending them, and a later one may send
+            # none).
+            assert siblings > 0
     finally:
         proc.stop()
 

@@ -6,7 +6,7 @@ to a real ``spececd serve`` subprocess on loopback that opens all three listener
 What every transport must show: greedy output identical to the target alone (a tiny
 Llama, a tiny Qwen2, the default pair), the target's exact distribution when sampling
 (chi-square, exact and match mode), resume after the server is killed, auth and TLS,
-limits answered with typed errors, and a fuzzer of 2,000 hostile frames (10,000 when
+limits answered with typed errors, and a fuzzer of 1,000 hostile frames (10,000 when
 slow) that leaves legitimate sessions' output unchanged.
 """
 

@@ -50,6 +50,7 @@ import numpy as np
 
 from spececd.core.verify import check_tree
 from spececd.errors import InputError
+from spececd.protocol.cloud_session import common_prefix
 from spececd.protocol.messages import Fingerprint
 
 
@@ -266,14 +267,6 @@ def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 def contiguous(n: int, positions: Sequence[int]) -> bool:
     """Whether ``positions`` are ``n, n + 1, ...``: a ``select`` that is a ``truncate``."""
     return all(position == n + i for i, position in enumerate(positions))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from their start."""
-    n = min(len(a), len(b))
-    if list(a[:n]) != list(b[:n]):  # rare: a rollback past a verdict or a new history
-        n = int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
-    return n
 
 
 def sync(sequence: CachedSequence, context: Sequence[int]) -> list[int]:

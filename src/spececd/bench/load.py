@@ -50,7 +50,8 @@ from spececd.protocol.messages import Fingerprint
 
 
 class ReplayDrafter:
-    """Proposes the target's own greedy continuation, corrupted position by position."""
+    """Proposes the target's own continuation (greedy, or sampled for the client's seed),
+    corrupted position by position."""
 
     forced = 0  # no constraint forces anything here
 

@@ -33,6 +33,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from spececd.bench.runner import SCHEMA_TAG, UNCONSTRAINED_TAG
+
 
 def label(acceptance: float) -> str:
     """The SpecECD seed's assessment of an acceptance rate."""
@@ -358,7 +360,7 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "drafting under the schema (its forced tokens proposed without a draft "
                   "step) and unconstrained (the verifier's mask alone):", "",
                   "| configuration | tokens/s | × target (schema) | × cloud-only (schema) | "
-                  "acceptance | tokens/round | forced tokens/round | draft steps/round |",
+                  "acceptance | tokens/round | forced tokens kept/round | draft steps/round |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['config']} | {_cell(r['tokens_per_s'])} | "
                   f"{_cell(r.get('speedup_vs_target'))} | {_cell(r.get('speedup_vs_cloud'))} | "
@@ -399,9 +401,8 @@ def plots(rows: list[dict[str, Any]], out: Path) -> None:
             kind, k, proactive, tree, constraint, drafting = line
             name = "cloud-only" if kind == "cloud" else f"SpecECD k={k}" + (
                 f" {proactive}" if proactive else "") + (f" tree {tree}" if tree else "")
-            if constraint:
-                name += " · JSON schema" + ("" if drafting in (None, True) else
-                                            ", unconstrained drafting")
+            if constraint:  # (its speed-up against the target alone under the schema)
+                name += SCHEMA_TAG + ("" if drafting in (None, True) else UNCONSTRAINED_TAG)
             ax.plot(*zip(*series, strict=True), marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("round-trip time (ms)")

@@ -70,7 +70,8 @@ def add_parser(sub: Any) -> None:
                        "alone, cloud-only, and SpecECD with the first --k and --proactive "
                        "values drafting under the schema and unconstrained, at every RTT")
     bench.add_argument("--no-baselines", action="store_true",
-                       help="skip the target alone and transformers' assisted generation")
+                       help="skip the target alone and transformers' assisted generation "
+                       "(with --json-schema, the target alone under the schema still runs)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for bench.json, bench.csv, bench.md and plots")
     bench_sub = bench.add_subparsers(dest="bench_command")

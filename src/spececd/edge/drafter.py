@@ -50,7 +50,7 @@ from typing import Protocol
 
 import numpy as np
 
-from spececd.backends.base import Backend, common_prefix, sync
+from spececd.backends.base import Backend, sync
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import (
     DRAFTER_STREAM,
@@ -67,6 +67,7 @@ from spececd.core.sampling import (
 )
 from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for, mask_logits
+from spececd.protocol.session import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +157,16 @@ class Drafter:
     def forced_among(self, history: Sequence[int], tokens: Sequence[int]
                      ) -> tuple[int, ...]:
         """The indices of ``tokens`` (emitted after ``history``) whose token this drafter
-        proposed because the constraint allowed no other, after the same history."""
-        with self.lock:
-            if not self._forced_at:
-                return ()
-            start, lineage = len(history), self._lineage
-            if common_prefix(lineage, history) < start:
-                return ()
-            same = common_prefix(lineage[start:], tokens)
-            return tuple(i for i in range(same) if start + i in self._forced_at)
+        proposed because the constraint allowed no other, after the same history. (Its
+        session's thread alone drafts with it and asks: no lock, which every session of
+        the draft model shares.)"""
+        if not self._forced_at:
+            return ()
+        start, lineage = len(history), self._lineage
+        if common_prefix(lineage, history) < start:
+            return ()
+        same = common_prefix(lineage[start:], tokens)
+        return tuple(i for i in range(same) if start + i in self._forced_at)
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int

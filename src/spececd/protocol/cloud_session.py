@@ -510,11 +510,9 @@ class CloudSession:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
+    n = min(len(a), len(b))
+    if list(a[:n]) != list(b[:n]):  # compared whole first: they mostly agree
+        n = int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
     return n
 
 

@@ -25,6 +25,7 @@ from spececd.cloud.engine import CloudService, Link
 from spececd.core.sampling import SparseProbs
 from spececd.protocol import messages as m
 from spececd.protocol.errors import UnexpectedMessage, error_for_code
+from spececd.protocol.session import common_prefix
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class UnarySessions:
                     if not isinstance(reply, m.Welcome):
                         raise UnexpectedMessage(f"expected a welcome, got {reply}")
                     entry.params, entry.history, entry.lossy = params, (), reply.lossy
-                held = _common_prefix(entry.history, prefix)
+                # What the new prefix keeps of it (at least one of its tokens is sent).
+                held = common_prefix(entry.history, prefix[:len(prefix) - 1])
                 entry.seq += 1
                 reply = await self._exchange(entry, m.encode(m.Draft(
                     entry.seq, held, tuple(prefix[held:]), tuple(draft),
@@ -145,10 +147,3 @@ class UnarySessions:
             self._drop(key)
 
 
-def _common_prefix(held: Sequence[int], prefix: Sequence[int]) -> int:
-    """How much of ``held`` the new ``prefix`` keeps (at least one token of it is sent)."""
-    n = min(len(held), len(prefix) - 1)
-    for i in range(n):
-        if held[i] != prefix[i]:
-            return i
-    return max(0, n)
