@@ -89,10 +89,13 @@ def run(args: argparse.Namespace) -> int:
               f"mode {gen.options.mode.value}, k={gen.options.k or 'auto'}, "
               f"temperature {cfg.temperature:g}, repetition penalty "
               f"{cfg.repetition_penalty:g}, token healing "
-              f"{'on' if cfg.token_healing else 'off'}; each prompt also runs as the "
+              f"{'on' if cfg.token_healing and kwargs.get('constraint') is None else 'off'}"
+              f"; each prompt also runs as the "
               f"{name}, for comparison"
               + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
-                 f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
+                 + (f"{COLOURS['forced']}forced by the constraint{RESET} · "
+                    if kwargs.get("constraint") is not None else "")
+                 + f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))
         prompts = demo_prompts()[:args.num_prompts]
         if prompts:  # unmeasured: the runtimes' first calls
             warm = {**kwargs, "max_tokens": min(WARM_UP_TOKENS, cfg.max_tokens)}
