@@ -13,13 +13,10 @@ thread, the tiny pair in process):
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import random
-import socket
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +32,7 @@ from spececd.transports.http.server import serve_app
 from tests.fuzz import mutate
 from tests.loop import LoopTask
 from tests.reference import PROMPTS, hf_greedy
+from tests.trickle import trickle
 
 MODEL = "spececd"
 REQUEST_TIMEOUT = 2.0  # the server's, short here so that a slow client is cut off quickly
@@ -254,35 +252,6 @@ def test_oversized_requests_are_typed_errors_and_starve_nobody(
     legitimate.check(references)
 
 
-def slow_client(port: int, head: bytes, seconds: float) -> tuple[float, bytes]:
-    """Send ``head`` one byte a second (slowloris) for at most ``seconds``; how long the
-    server let it, and what it answered."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=seconds + 5)
-    started = time.monotonic()
-    answer = b""
-    try:
-        for byte in head:
-            if time.monotonic() - started > seconds:
-                break
-            sock.sendall(bytes([byte]))
-            time.sleep(1.0)
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                answer += sock.recv(65536)
-            sock.setblocking(True)
-            if answer:
-                break
-        sock.settimeout(seconds)
-        with contextlib.suppress(OSError):
-            while chunk := sock.recv(65536):
-                answer += chunk
-    except OSError:
-        pass  # the server closed it mid-send
-    finally:
-        sock.close()
-    return time.monotonic() - started, answer
-
-
 @pytest.mark.parametrize("part", ["head", "body"])
 def test_a_client_sending_one_byte_a_second_is_cut_off_with_a_408(
         api_server: ApiThread, references: dict[str, str], part: str) -> None:
@@ -291,24 +260,9 @@ def test_a_client_sending_one_byte_a_second_is_cut_off_with_a_408(
             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
     with Legitimate(api_server) as legitimate:
         if part == "head":
-            took, answer = slow_client(api_server.port, head + body, 30)
+            took, answer = trickle(api_server.port, head + body, 30)
         else:  # the head at once, then the body one byte a second
-            sock = socket.create_connection(("127.0.0.1", api_server.port), timeout=30)
-            sock.sendall(head)
-            started = time.monotonic()
-            answer = b""
-            with contextlib.suppress(OSError):
-                for byte in body:
-                    sock.sendall(bytes([byte]))
-                    time.sleep(1.0)
-                    sock.setblocking(False)
-                    with contextlib.suppress(BlockingIOError):
-                        answer += sock.recv(65536)
-                    sock.setblocking(True)
-                    if answer:
-                        break
-            took = time.monotonic() - started
-            sock.close()
+            took, answer = trickle(api_server.port, body, 30, lead=head)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert REQUEST_TIMEOUT <= took < REQUEST_TIMEOUT + 3
     error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]

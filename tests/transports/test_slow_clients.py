@@ -12,7 +12,6 @@ the slow-marked test shows it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import threading
@@ -27,6 +26,7 @@ from spececd.generator import Generator
 from spececd.transports import registry
 from tests.toy import ToyBackend, ToyModel, greedy
 from tests.transports.test_engine_failure import Served
+from tests.trickle import trickle
 
 pytest.importorskip("grpc")
 
@@ -42,31 +42,6 @@ def served() -> Iterator[tuple[Served, ToyBackend]]:
     yield server, target
     server.stop()
     engine.close()
-
-
-def trickle(port: int, data: bytes, limit: float) -> tuple[float, bytes]:
-    """Send ``data`` one byte a second for at most ``limit`` seconds; how long the server
-    let it go on, and what it answered (b"" when it closed without a word)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=limit + 5)
-    started, answer = time.monotonic(), b""
-    with contextlib.suppress(OSError):
-        for byte in data:
-            if time.monotonic() - started > limit:
-                break
-            sock.sendall(bytes([byte]))
-            time.sleep(1.0)
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break  # closed
-                answer += chunk
-            sock.setblocking(True)
-            if answer:
-                break
-    took = time.monotonic() - started
-    sock.close()
-    return took, answer
 
 
 class Beside:
