@@ -33,7 +33,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from spececd.bench.runner import SCHEMA_TAG, UNCONSTRAINED_TAG
+# How the rows generated under a JSON schema are named (``spececd bench --json-schema``).
+SCHEMA_TAG = " · JSON schema"
+UNCONSTRAINED_TAG = ", unconstrained drafting"
 
 
 def label(acceptance: float) -> str:

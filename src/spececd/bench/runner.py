@@ -27,6 +27,7 @@ from typing import Any
 from spececd.backends.registry import model_format
 from spececd.bench.load import metrics
 from spececd.bench.netem import DelayProxy
+from spececd.bench.report import SCHEMA_TAG, UNCONSTRAINED_TAG
 from spececd.edge.options import EdgeOptions
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,6 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name
-
-
-SCHEMA_TAG = " · JSON schema"
-UNCONSTRAINED_TAG = ", unconstrained drafting"
 
 
 class Worker:
@@ -305,24 +302,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                 # Every proactive setting for k=auto; fixed k values with the first one
                 # only (the comparison that matters there is against the policy). Trees
                 # for every setting (stream drafting's hints carry them too).
-                plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url, "k": k,
-                          "metrics": metrics_url,
-                          "proactive": proactive, "worker": f"spececd{d}",
-                          "target": label(target), "transport": transport,
-                          "tree": width if width > 1 else None,
-                          "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "")
-                          + over}
+                spec = {"kind": "spececd", "rtt_ms": rtt, "server": url,
+                        "metrics": metrics_url, "worker": f"spececd{d}",
+                        "target": label(target), "transport": transport,
+                        "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "") + over}
+                plan += [{**spec, "k": k, "proactive": proactive,
+                          "tree": width if width > 1 else None}
                          for k in cfg.ks for proactive in
                          (cfg.proactive if k == "auto" else cfg.proactive[:1])
                          for width in cfg.trees]
                 if cfg.json_schema:  # the first k and setting, drafting under it or not
-                    plan += [{"kind": "spececd", "rtt_ms": rtt, "server": url,
-                              "k": cfg.ks[0], "proactive": cfg.proactive[0],
-                              "metrics": metrics_url, "worker": f"spececd{d}",
-                              "target": label(target), "transport": transport,
+                    plan += [{**spec, "k": cfg.ks[0], "proactive": cfg.proactive[0],
                               "constraint": "json_schema", "constrained_drafting": drafting,
-                              "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "")
-                              + over + SCHEMA_TAG + ("" if drafting else UNCONSTRAINED_TAG)}
+                              "tag": spec["tag"] + SCHEMA_TAG
+                              + ("" if drafting else UNCONSTRAINED_TAG)}
                              for drafting in (True, False)]
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": [], "server": []}
                                               for p in plan}

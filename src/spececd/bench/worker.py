@@ -38,7 +38,10 @@ import json
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spececd.backends.base import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -189,16 +192,21 @@ class SpeculativeBinaryRunner:
                 "ttft_s": encode_s + decode_s / max(1, tokens), "llama_stats": stats}
 
 
+def target_backend(job: dict[str, Any]) -> Backend:
+    """The job's target on SpecECD's own backend, as the server loads it."""
+    from spececd.backends.registry import load_backend
+
+    return load_backend(job["target"], device=job.get("device", "cpu"), dtype="float32",
+                        threads=int(job.get("threads", 1)))
+
+
 class BareRunner:
     """The target's bare forward (``kind: bare``): for each prompt, a cache of the prompt's
     tokens and ``max_tokens / 2`` more, then ``extend`` of 1, 2, ... ``positions`` tokens,
     each rolled back, ``repeat`` times interleaved; the median seconds for each count."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        from spececd.backends.registry import load_backend
-
-        self.backend = load_backend(job["target"], device=job.get("device", "cpu"),
-                                    dtype="float32", threads=int(job.get("threads", 1)))
+        self.backend = target_backend(job)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
@@ -227,10 +235,7 @@ class AloneRunner:
     """The target alone, through SpecECD's backend, under the job's JSON schema."""
 
     def __init__(self, job: dict[str, Any]) -> None:
-        from spececd.backends.registry import load_backend
-
-        self.backend = load_backend(job["target"], device=job.get("device", "cpu"),
-                                    dtype="float32", threads=int(job.get("threads", 1)))
+        self.backend = target_backend(job)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
