@@ -116,10 +116,18 @@ def test_unreachable_cloud_is_a_clear_error_or_a_marked_fallback(
     assert out["stats"]["fallback"] is True and out["stats"]["fallback_tokens"] == 12
     assert len(out["completions"][0]["token_ids"]) == 12
     assert "draft model alone" in fallback.stderr
-    streamed = cli(*args, "--fallback", "draft", "--proactive", "stream")
-    assert streamed.returncode == 0, streamed.stderr
-    assert json.loads(streamed.stdout)["completions"][0]["token_ids"] == \
-        out["completions"][0]["token_ids"]  # the draft alone, whichever loop fell back
+    # Each loop falls back to the draft alone (through the Python API: no third process).
+    unreachable = Reconnect(attempts=2, delay=0.05, max_delay=0.05)
+    outputs = []
+    for proactive in ("on", "stream"):
+        with remote(tiny_models["draft"], url, fallback="draft", proactive=proactive,
+                    reconnect=unreachable) as gen:
+            stats = GenerationStats()
+            outputs.append([t for chunk in gen.stream("def f():", stats, max_tokens=12,
+                                                       temperature=0, stop_token_ids=[])
+                            for t in chunk.token_ids])
+            assert stats.fallback and stats.fallback_tokens == 12
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
 
 
 def raw_session(url: str, draft_dir: Path) -> tuple[object, bytes]:
