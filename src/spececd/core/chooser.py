@@ -85,24 +85,40 @@ class _Speed:
 
 def relative_speed(a: _Speed, b: _Speed, least: float) -> tuple[float, bool]:
     """How much faster ``a`` is than ``b`` (a ratio of speeds), and whether it was
-    measured over the same stages of generations.
+    measured over some same stages of generations.
 
     Text grows more predictable along a generation (at its start the continuation of the
-    prompt is least certain), so an arm measured only at the start of generations looks
-    slower than one measured over their rest. Each is timed on the token mix the two saw
-    together, stage by stage: the seconds per token of ``b`` over those of ``a``, over the
-    stages where both have measured at least ``least`` tokens, each weighted by the fewer
-    of the two (faded). With no such stage, the arms' overall speeds."""
-    weights = [min(na, nb) if min(ca, cb) >= least else 0.0 for na, nb, ca, cb in zip(
-        a.tokens, b.tokens, a.measured, b.measured, strict=True)]
-    if any(weights):
-        def per_token(s: _Speed) -> float:
-            return sum(w * t / n for w, t, n in zip(weights, s.seconds, s.tokens, strict=True)
-                       if w)
-        return per_token(b) / max(per_token(a), 1e-12), True
-    va, vb = a.value, b.value
-    assert va is not None and vb is not None
-    return va / vb, False
+    prompt is least certain), and not every arm gains alike: rounds, whose tokens per
+    round follow the draft's acceptance, gain more than streaming, which brings the
+    server's own token per step whatever the draft does. So each arm is timed stage by
+    stage, where it measured at least ``least`` tokens, and the two are compared on the
+    time a generation of the recent mix of stages would take (each stage weighted by the
+    tokens both arms generated there, faded). Where only one arm measured a stage, the
+    other's time there is its own over the measured one's at the nearest stage both
+    measured (the earlier of two as near). With no such stage, the arms' overall speeds."""
+    stages = range(len(STAGES) + 1)
+    has_a = [n >= least for n in a.measured]
+    has_b = [n >= least for n in b.measured]
+    both = [i for i in stages if has_a[i] and has_b[i]]
+    if not both:
+        va, vb = a.value, b.value
+        assert va is not None and vb is not None
+        return va / vb, False
+
+    def per_token(s: _Speed, i: int) -> float:
+        return s.seconds[i] / s.tokens[i]
+
+    ratio = {i: per_token(a, i) / max(per_token(b, i), 1e-12) for i in both}
+    time_a = time_b = 0.0
+    for i in stages:
+        if not (has_a[i] or has_b[i]):
+            continue
+        near = ratio[min(both, key=lambda j: (abs(j - i), j))]
+        ta = per_token(a, i) if has_a[i] else per_token(b, i) * near
+        tb = per_token(b, i) if has_b[i] else per_token(a, i) / max(near, 1e-12)
+        weight = a.tokens[i] + b.tokens[i]
+        time_a, time_b = time_a + weight * ta, time_b + weight * tb
+    return time_b / max(time_a, 1e-12), True
 
 
 @dataclass
@@ -123,16 +139,18 @@ class StrategyChooser:
     the arms differ in), and how far into its generation it began; every ``segment``
     tokens an arm's speed is updated, as tokens over seconds with older segments fading
     (``decay``), since one segment's speed depends as much on how predictable its text was
-    as on the link. For the same reason the arms are compared over the same stages of
-    generations where both measured half a segment or more (:func:`relative_speed`):
-    streaming runs a generation to its end, so the rounds it is compared with are measured
-    at the start of generations, where text is least predictable.
+    as on the link. For the same reason the arms are compared stage by stage of
+    generations (:func:`relative_speed`): streaming runs a generation to its end, so the
+    rounds it is compared with are measured at the start of generations, where text is
+    least predictable and rounds fare worst; so an arm, once switched to, runs
+    ``probe_segments`` segments at least, which takes a probe of rounds past a
+    generation's first stage.
 
     A session starts with the first arm and measures the second next, then keeps the
     faster arm (the other must be faster by ``margin`` to take over) and measures the other
     again after ``probe_after`` tokens: a spacing that doubles each time the other arm
     loses again, up to ``max_probe``, and goes straight there when the other was far behind
-    (under ``close`` times the leader, over the same stages, from the second comparison
+    (under ``close`` times the leader, over some same stages, from the second comparison
     on). A change of link is noticed late; an arm that is clearly worse costs little.
 
     What the caller knows without running an arm spares measuring it: an arm whose
@@ -154,7 +172,13 @@ class StrategyChooser:
     close: float = 0.75
     margin: float = 0.05  # a wider one keeps a leader up to that much slower than the other
     decay: float = 0.85
+    # Segments an arm runs at least, once switched to: a probe of rounds, which begins a
+    # generation, reaches past the generation's first stage, where rounds fare worst.
+    probe_segments: int = 2
     _speed: dict[Arm, _Speed] = field(default_factory=dict)
+    _last: Arm | None = None  # the arm of the last segment completed
+    _run: int = 0  # segments completed by it in a row
+    _behind: bool = True  # whether it was behind (or unmeasured) when its run began
     _spacing: int = 0
     _since_probe: int = 0  # tokens generated by the leader since the arm behind was measured
     _probes: int = 0  # comparisons made
@@ -237,10 +261,17 @@ class StrategyChooser:
         if not completed:
             return arm
         self._speed[other].fade()
+        if self._last is arm:
+            self._run += 1
+        else:  # a new run: the arm behind (or not yet measured) runs as a probe of it
+            self._last, self._run, self._behind = arm, 1, before is not arm
         if self.speed(other) is None:  # measure the other arm as well, if it might win
-            return arm if self.beaten(other) else other
-        if before is not arm:  # the arm behind ran: it is measured again
-            if self._since_probe >= self._spacing:  # once per probe (a stream runs on)
+            return arm if self.beaten(other) or self._run < self.probe_segments else other
+        if self._run < self.probe_segments:
+            return arm
+        if self._behind:  # the end of a probe: the arm behind was measured again
+            self._behind = False  # (a stream that lost runs on to its generation's end)
+            if self._since_probe >= self._spacing:
                 self._probed()
             return self.leader()
         if self.leader() is not arm:  # the leader fell behind
