@@ -19,6 +19,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 torch = pytest.importorskip("torch")
 
 from spececd.api import Generator  # noqa: E402
+from spececd.backends import llamacpp  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
@@ -76,6 +77,26 @@ def test_extend_truncate_conformance(gguf: dict[str, Path],
         worst_hf = max(worst_hf, float(np.abs(logits - hf).max()))
     print(f"llama.cpp: vs itself {worst_self:.2e}, vs transformers {worst_hf:.2e}")
     assert worst_self <= SELF_TOLERANCE and worst_hf <= HF_TOLERANCE
+
+
+def test_evaluations_longer_than_a_batch_return_the_positions_asked_for(
+        gguf: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sequence asks llama.cpp for the logits of the positions it returns only, over
+    # evaluations of at most N_BATCH tokens each (here 8): positions asked for across two
+    # evaluations, within the last, and none.
+    monkeypatch.setattr(llamacpp, "N_BATCH", 8)
+    backend = load_backend(str(gguf["llama"]), threads=1)
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, backend.vocab_size, 30)]
+    stepwise = backend.new_sequence()
+    expected = np.concatenate([stepwise.extend([t], keep=1) for t in tokens])
+    seq = backend.new_sequence()
+    for keep in (12, 5, 0):
+        seq.truncate(0)
+        logits = seq.extend(tokens, keep=keep)
+        assert logits.shape == (keep, backend.vocab_size)
+        assert np.abs(logits - expected[len(tokens) - keep:]).max(initial=0.0) <= SELF_TOLERANCE
+    assert np.abs(seq.extend(tokens[:3], keep=1) - stepwise.extend(tokens[:3], keep=1)).max() \
+        <= SELF_TOLERANCE  # after the last evaluation's cells, as after one's per token
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -2,11 +2,13 @@
 (Metal, CUDA), at any quantization llama.cpp supports.
 
 Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); the weights are
-memory-mapped once by the operating system and shared by every context. Contexts are made
-with ``logits_all=True`` so that ``extend`` can return the logits of every new position
-(``scores``). Rollback sets ``n_tokens``: llama-cpp-python removes the rest of the KV
-cache before its next evaluation. Contexts are separate, so ``extend_batch`` is the
-interface's default: one evaluation per sequence.
+memory-mapped once by the operating system and shared by every context. A sequence
+evaluates through llama.cpp's batch API (``llama_decode``), asking for the logits of the
+positions ``extend`` returns only (not llama-cpp-python's ``logits_all``, which computes
+the output layer at every position, prompts included, and keeps a copy of every
+position's logits: ``n_ctx`` rows of the vocabulary). Rollback removes the KV cache's
+cells past the point kept. Contexts are separate, so ``extend_batch`` is the interface's
+default: one evaluation per sequence.
 
 llama.cpp reserves a context's whole KV cache when it makes the context (``n_ctx``
 positions, keys and values in f16, its default cache type), so a sequence occupies
@@ -34,6 +36,7 @@ import ctypes
 import json
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 KV_ELEMENT_BYTES = 2  # f16, llama.cpp's default KV cache type; contexts keep the default
 UNUSED = 1 << 1  # LLAMA_TOKEN_ATTR_UNUSED: a converter's padding, not a token
+N_BATCH = 512  # tokens per llama.cpp evaluation
 
 
 def _quiet_llama_logs() -> None:
@@ -136,20 +140,48 @@ def token_count(llm: Any) -> int:
 
 
 class LlamaCppSequence(ChainSequence):
+    """One llama.cpp context, evaluated through llama.cpp's own batch API: logits are
+    asked for the positions ``extend`` returns only, and read where llama.cpp wrote them."""
+
     runtime = "llama.cpp"
 
     def __init__(self, backend: LlamaCppBackend, llm: Any) -> None:
+        import llama_cpp
+
         super().__init__(backend.vocab_size, backend.max_context)
-        self._llm = llm
-        llm.reset()
+        self._llm, self._lib, self._n_batch = llm, llama_cpp, N_BATCH
+        self._width = int(llm.n_vocab())  # the rows llama.cpp writes: its whole vocabulary
+        self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
+        weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
+        self._rollback(0)  # a context starts empty
 
     def _run(self, ids: list[int], keep: int) -> np.ndarray:
-        self._llm.eval(ids)
-        end = len(self._tokens) + len(ids)
-        return np.asarray(self._llm.scores[end - keep:end])
+        lib, ctx, batch = self._lib, self._llm.ctx, self._batch
+        start, first = len(self._tokens), len(ids) - keep  # the first position returned
+        rows: list[np.ndarray] = []
+        for offset in range(0, len(ids), self._n_batch):
+            chunk = ids[offset:offset + self._n_batch]
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i], batch.pos[i] = token, start + offset + i
+                batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
+                batch.logits[i] = offset + i >= first
+            status = lib.llama_decode(ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama.cpp could not evaluate {len(chunk)} tokens after "
+                                   f"{start + offset} (llama_decode returned {status}: "
+                                   "1 means no room left in the context)")
+            outputs = offset + len(chunk) - max(first, offset)
+            if outputs > 0:  # the flagged rows, in order; valid until the next evaluation
+                view = np.ctypeslib.as_array(lib.llama_get_logits(ctx),
+                                             shape=(outputs, self._width))
+                rows.append(view if offset + len(chunk) == len(ids) else view.copy())
+        if len(rows) == 1:
+            return rows[0]
+        return np.concatenate(rows) if rows else np.zeros((0, self._width), np.float32)
 
     def _rollback(self, n: int) -> None:
-        self._llm.n_tokens = n
+        self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self._llm.ctx), -1, n, -1)
 
 
 class LlamaCppBackend(Backend):
@@ -168,8 +200,8 @@ class LlamaCppBackend(Backend):
         _quiet_llama_logs()
         threads = n_threads or min(4, os.cpu_count() or 1)
         self._kwargs: dict[str, Any] = dict(
-            model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=True,
-            n_threads=threads, n_threads_batch=threads, verbose=False, n_batch=512)
+            model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=False,
+            n_threads=threads, n_threads_batch=threads, verbose=False, n_batch=N_BATCH)
         try:
             self._spare: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
