@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -205,3 +206,42 @@ def test_a_long_prompts_logprobs_come_whole_from_a_cached_sequence() -> None:
                                                              draft], atol=1e-5)
     again = dataclasses.replace(asked, seq=2, prompt_logprobs=False)
     assert run_verifications(backend, [(sequence, again)]).logprobs[0][1] is None
+
+
+class Threads(Recording):
+    """The toy target, recording the thread each pass ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        self.threads.append(threading.current_thread().name)
+        return super().extend_batch(items)
+
+
+def test_a_lone_short_pass_runs_on_the_loops_thread_and_a_batch_on_the_executor() -> None:
+    # inline: a backend with no thread of its own. A lone session's passes after a short
+    # one run on the loop's thread (no hand-off); the first, and a batch of several, run
+    # on the executor, so that the loop reads what arrives meanwhile. The results are the
+    # same either way.
+    backend, pool = Threads(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    scheduler = BatchScheduler(backend, pool, Metrics(), inline=True)
+    work = jobs(backend)
+
+    async def main() -> list[Pass]:
+        try:
+            lone = [await scheduler.verify(sequence, req) for sequence, req, _ in work[:3]]
+            together = await asyncio.gather(*(scheduler.verify(sequence, req)
+                                              for sequence, req, _ in work[3:]))
+            return [*lone, *together]
+        finally:
+            scheduler.close()
+
+    loop_thread = threading.current_thread().name  # asyncio.run's loop runs on this thread
+    results = asyncio.run(main())
+    pool.shutdown()
+    assert [name == loop_thread for name in backend.threads] == [False, True, True, False]
+    assert [len(batch) for batch in backend.batches] == [1, 1, 1, 2]
+    for (_, _, expected), result in zip(work, results, strict=True):
+        assert result.result.num_accepted == 3 and result.result.next_token == expected[3]

@@ -49,7 +49,8 @@ class BuiltinRunner:
         self._own_executor = backend.thread is None
         self.executor: Executor = backend.thread.executor if backend.thread is not None else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
-        self.scheduler = BatchScheduler(backend, self.executor, metrics, max_batch)
+        self.scheduler = BatchScheduler(backend, self.executor, metrics, max_batch,
+                                        inline=self._own_executor)
         self._caches: dict[str, CachedSequence] = {}
         self._matchers: dict[str, ConstraintMatcher] = {}
         self._busy: set[str] = set()  # sessions with a verification queued or running
