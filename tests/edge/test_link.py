@@ -72,6 +72,9 @@ def generate(client: tuple[EdgeClient, EdgeOptions], stats: GenerationStats) -> 
 def test_a_reconnection_re_sends_the_history_and_changes_nothing(
         toy: tuple[ToyBackend, ToyBackend], servers: list[LocalServer], proactive: str) -> None:
     draft, target = toy
+    # A target as slow as a real one: an instant one can stream the whole generation
+    # before the edge has sent the frame the link is to fail at.
+    target.pass_s = 0.002
     transports = [Scripted(servers[0], fail_at=4), Scripted(servers[1])]
     opened: list[Scripted] = []
 
