@@ -21,6 +21,14 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def bench_load(tiny_models: dict[str, Path], out: Path, *args: str
+               ) -> subprocess.CompletedProcess[str]:
+    """`spececd bench load` with the tiny pair, 2 prompts of 16 tokens, into ``out``."""
+    return run("bench", "load", "--draft-model", str(tiny_models["draft"]), "--target-model",
+               str(tiny_models["llama"]), "--num-prompts", "2", "--max-tokens", "16",
+               "--out", str(out), *args)
+
+
 def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n---\nclass A:\n")
@@ -93,11 +101,8 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
 
 
 def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    result = run("bench", "load", "--draft-model", str(tiny_models["draft"]),
-                 "--target-model", str(tiny_models["llama"]), "--clients", "1,3",
-                 "--duration", "2", "--num-prompts", "2", "--max-tokens", "16",
-                 "--acceptance", "0.9", "--kind", "replay,replay-stream,cloud-only",
-                 "--out", str(tmp_path))
+    result = bench_load(tiny_models, tmp_path, "--clients", "1,3", "--duration", "2",
+                        "--acceptance", "0.9", "--kind", "replay,replay-stream,cloud-only")
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "load.json").read_text())["rows"]
     assert [(r["clients"], r["kind"]) for r in rows] == [
@@ -121,11 +126,8 @@ def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path
 @pytest.mark.slow  # a server of its own, for plumbing the load test above runs greedy
 def test_bench_load_samples_at_a_temperature(tiny_models: dict[str, Path],
                                              tmp_path: Path) -> None:
-    result = run("bench", "load", "--draft-model", str(tiny_models["draft"]),
-                 "--target-model", str(tiny_models["llama"]), "--clients", "2",
-                 "--duration", "1", "--num-prompts", "2", "--max-tokens", "16",
-                 "--kind", "replay,cloud-only", "--temperature", "1.5",
-                 "--out", str(tmp_path))
+    result = bench_load(tiny_models, tmp_path, "--clients", "2", "--duration", "1",
+                        "--kind", "replay,cloud-only", "--temperature", "1.5")
     assert result.returncode == 0, result.stderr
     load = json.loads((tmp_path / "load.json").read_text())
     assert load["meta"]["temperature"] == 1.5

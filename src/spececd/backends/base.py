@@ -50,8 +50,8 @@ import numpy as np
 
 from spececd.core.verify import check_tree
 from spececd.errors import InputError
-from spececd.protocol.cloud_session import common_prefix
 from spececd.protocol.messages import Fingerprint
+from spececd.protocol.session import common_prefix
 
 
 class Tokenizer(Protocol):
