@@ -99,6 +99,26 @@ def test_evaluations_longer_than_a_batch_return_the_positions_asked_for(
         <= SELF_TOLERANCE  # after the last evaluation's cells, as after one's per token
 
 
+def test_an_ended_sequences_context_serves_the_next_one_empty(gguf: dict[str, Path]) -> None:
+    # A context costs milliseconds to make, so an ended sequence's is kept for the next
+    # sequence, which must see none of its cache: the same logits as a sequence of its own.
+    backend = load_backend(str(gguf["llama"]), threads=1)
+    tokens = [int(t) for t in np.random.default_rng(6).integers(0, backend.vocab_size, 12)]
+    alone = backend.new_sequence()  # holds the first context throughout
+    expected = alone.extend(tokens, keep=3).copy()
+    first = backend.new_sequence()
+    first.extend(tokens[::-1])
+    context = first._llm  # type: ignore[attr-defined]
+    del first
+    second = backend.new_sequence()
+    assert second._llm is context  # type: ignore[attr-defined]
+    assert second.tokens == []
+    assert np.abs(second.extend(tokens, keep=3) - expected).max() <= SELF_TOLERANCE
+    ended = [backend.new_sequence() for _ in range(llamacpp.IDLE_CONTEXTS + 2)]
+    del ended
+    assert len(backend._idle) == llamacpp.IDLE_CONTEXTS  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_govern_single_and_batch_evaluation(threads: int) -> None:
     # llama-cpp-python runs evaluations of several tokens (prefills, verification passes,

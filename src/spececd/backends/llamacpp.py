@@ -12,7 +12,11 @@ default: one evaluation per sequence.
 
 llama.cpp reserves a context's whole KV cache when it makes the context (``n_ctx``
 positions, keys and values in f16, its default cache type), so a sequence occupies
-``n_ctx * kv_bytes_per_token`` bytes from the start, however few tokens it holds.
+``n_ctx * kv_bytes_per_token`` bytes from the start, however few tokens it holds. Making a
+context costs milliseconds (16-19 ms for the default target in f16: the model's file read
+again, the cache allocated and cleared), so the contexts of ended sequences are kept, up to
+``IDLE_CONTEXTS``, and the next sequences take them emptied: a server's new session starts
+at once, and that many contexts' caches stay reserved while no session holds them.
 ``kv_bytes_per_token`` comes from the GGUF's metadata (layers, KV heads, key and value
 widths); a GGUF without attention metadata (a recurrent model) is refused. For models with
 sliding-window layers it is an upper bound.
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 KV_ELEMENT_BYTES = 2  # f16, llama.cpp's default KV cache type; contexts keep the default
 UNUSED = 1 << 1  # LLAMA_TOKEN_ATTR_UNUSED: a converter's padding, not a token
 N_BATCH = 512  # tokens per llama.cpp evaluation
+IDLE_CONTEXTS = 4  # contexts of ended sequences kept for new ones
 
 
 def _quiet_llama_logs() -> None:
@@ -153,7 +158,8 @@ class LlamaCppSequence(ChainSequence):
         self._width = int(llm.n_vocab())  # the rows llama.cpp writes: its whole vocabulary
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
-        self._rollback(0)  # a context starts empty
+        weakref.finalize(self, backend._release, llm)
+        self._rollback(0)  # a context starts empty (a kept one holds its last cache)
 
     def _run(self, ids: list[int], keep: int) -> np.ndarray:
         lib, ctx, batch = self._lib, self._llm.ctx, self._batch
@@ -203,26 +209,35 @@ class LlamaCppBackend(Backend):
             model_path=str(path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=False,
             n_threads=threads, n_threads_batch=threads, verbose=False, n_batch=N_BATCH)
         try:
-            self._spare: Any = Llama(**self._kwargs)
+            first: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
             raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
-        self.vocab_size = token_count(self._spare)
-        self.max_context = int(self._spare.n_ctx())
+        self._idle: list[Any] = [first]  # contexts no sequence holds
+        self.vocab_size = token_count(first)
+        self.max_context = int(first.n_ctx())
         try:
-            self.kv_bytes_per_token = kv_bytes_per_token(self._spare.metadata)
+            self.kv_bytes_per_token = kv_bytes_per_token(first.metadata)
         except (KeyError, ValueError) as exc:
             raise InputError(f"{model!r} does not describe an attention KV cache that "
                              f"llama.cpp would size per token ({exc})") from None
-        self.tokenizer = LlamaCppTokenizer(self._spare)
+        self.tokenizer = LlamaCppTokenizer(first)
         self.description = (f"{path.name} (llama.cpp, {threads} threads, "
                             f"{n_gpu_layers} GPU layers)")
 
     def new_sequence(self) -> LlamaCppSequence:
         from llama_cpp import Llama
 
-        llm, self._spare = (self._spare, None) if self._spare is not None else (
-            Llama(**self._kwargs), None)
+        try:
+            llm = self._idle.pop()  # atomic: sequences end on any thread
+        except IndexError:
+            llm = Llama(**self._kwargs)
         return LlamaCppSequence(self, llm)
+
+    def _release(self, llm: Any) -> None:
+        """A sequence's context, when the sequence is gone: kept for the next one (it
+        empties its cache when it starts), or freed past ``IDLE_CONTEXTS``."""
+        if len(self._idle) < IDLE_CONTEXTS:
+            self._idle.append(llm)
 
 
 def kv_bytes_per_token(metadata: Mapping[str, str]) -> int:

@@ -121,8 +121,10 @@ class LlamaRunner:
         _quiet_llama_logs()
         draft = (LlamaPromptLookupDecoding(num_pred_tokens=10)
                  if job["kind"] == "llama_lookup" else None)
-        self.llm = Llama(model_path=job["target"], n_ctx=0, n_threads=int(job.get("threads", 1)),
-                         draft_model=draft, verbose=False)
+        threads = int(job.get("threads", 1))  # prompts too: llama-cpp-python would
+        # evaluate several tokens on every core, where SpecECD's server has these threads
+        self.llm = Llama(model_path=job["target"], n_ctx=0, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, verbose=False)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
