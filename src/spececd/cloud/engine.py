@@ -452,9 +452,30 @@ class CloudService:
         generation, the client left or the server began draining (the step is then
         abandoned: the caller looks again)."""
         session = link.session
+        try:
+            # A step-on-demand runner's step is awaited here: a task a token would cost
+            # the loop an iteration.
+            out = await (self._continuous_step(link, generation, take)
+                         if generation.continuous else generation.step())
+        except RunnerError as exc:
+            seq = session.stream.request.seq if session.stream is not None else -1
+            session.stream = None
+            self._failed(link, seq, exc)
+            return None
+        if out is None:
+            return None
+        self._record(link, out.drafted, out.accepted, out.emitted - out.accepted, out.seconds,
+                     is_round=False)
+        return out
+
+    async def _continuous_step(self, link: Link, generation: Generation,
+                               take: Callable[[], bool]) -> StepOut | None:
+        """A continuous runner's step, run as a task while the frames arriving are taken
+        (hints reach the runner as they come); None when one ended the generation, the
+        client left or the server began draining."""
         step = asyncio.ensure_future(generation.step())
         try:
-            while generation.continuous and not step.done():
+            while not step.done():
                 arrival = asyncio.ensure_future(link.inbox.arrived())
                 await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
                 arrival.cancel()
@@ -462,19 +483,11 @@ class CloudService:
                     break  # recorded first; what arrived is taken before the next step
                 if not take() or link.inbox.ended or self.draining:
                     return None
-            out = await step
-        except RunnerError as exc:
-            seq = session.stream.request.seq if session.stream is not None else -1
-            session.stream = None
-            self._failed(link, seq, exc)
-            return None
+            return await step
         finally:
             if not step.done():
                 step.cancel()
                 await asyncio.gather(step, return_exceptions=True)
-        self._record(link, out.drafted, out.accepted, out.emitted - out.accepted, out.seconds,
-                     is_round=False)
-        return out
 
     def _failed(self, link: Link, seq: int, exc: BaseException) -> None:
         """Answer a failed model request: the session stays open unless the runner is
