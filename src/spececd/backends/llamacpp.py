@@ -13,10 +13,11 @@ default: one evaluation per sequence.
 llama.cpp reserves a context's whole KV cache when it makes the context (``n_ctx``
 positions, keys and values in f16, its default cache type), so a sequence occupies
 ``n_ctx * kv_bytes_per_token`` bytes from the start, however few tokens it holds. Making a
-context costs milliseconds (16-19 ms for the default target in f16: the model's file read
-again, the cache allocated and cleared), so the contexts of ended sequences are kept, up to
-``IDLE_CONTEXTS``, and the next sequences take them emptied: a server's new session starts
-at once, and that many contexts' caches stay reserved while no session holds them.
+context costs milliseconds (16-19 ms for the default target in f16: llama-cpp-python loads
+the model's file again for each, and the cache is allocated and cleared), so the contexts
+of ended sequences are kept, up to ``IDLE_CONTEXTS``, and the next sequences take them
+emptied: a server's new session starts at once, and that many contexts' caches stay
+reserved while no session holds them.
 ``kv_bytes_per_token`` comes from the GGUF's metadata (layers, KV heads, key and value
 widths); a GGUF without attention metadata (a recurrent model) is refused. For models with
 sliding-window layers it is an upper bound.

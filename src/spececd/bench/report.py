@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 # How the rows generated under a JSON schema are named (``spececd bench --json-schema``).
 SCHEMA_TAG = " · JSON schema"
 UNCONSTRAINED_TAG = ", unconstrained drafting"
+_AT_RTT = re.compile(r" @ RTT [0-9.]+ ms")  # in a configuration's name
 
 
 def label(acceptance: float) -> str:
@@ -391,25 +393,20 @@ def plots(rows: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    def line_of(r: dict[str, Any]) -> tuple[Any, ...]:
-        return (r["kind"], r.get("k"), r.get("proactive"), r.get("tree"), r.get("constraint"),
-                r.get("constrained_drafting"))
-
-    for line in sorted({line_of(r) for r in rows if r["rtt_ms"] is not None}, key=str):
-        series = sorted((r["rtt_ms"], r["speedup_vs_target"]) for r in rows
-                        if line_of(r) == line and r.get("speedup_vs_target"))
-        if series:
-            kind, k, proactive, tree, constraint, drafting = line
-            name = "cloud-only" if kind == "cloud" else f"SpecECD k={k}" + (
-                f" {proactive}" if proactive else "") + (f" tree {tree}" if tree else "")
-            if constraint:  # (its speed-up against the target alone under the schema)
-                name += SCHEMA_TAG + ("" if drafting in (None, True) else UNCONSTRAINED_TAG)
-            ax.plot(*zip(*series, strict=True), marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # One line per configuration across RTTs: its name without the RTT (which keeps a
+    # pair's tag, so that each pair of a comparison has lines of its own).
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["rtt_ms"] is not None and r.get("speedup_vs_target"):
+            lines.setdefault(_AT_RTT.sub("", r["config"]), []).append(
+                (r["rtt_ms"], r["speedup_vs_target"]))
+    for name, series in lines.items():
+        ax.plot(*zip(*sorted(series), strict=True), marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("round-trip time (ms)")
     ax.set_ylabel("speedup vs the target alone")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "speedup_vs_rtt.png", dpi=110)
