@@ -1,9 +1,9 @@
 """llama.cpp through llama-cpp-python: GGUF models, on the CPU or on a GPU the build has
 (Metal, CUDA), at any quantization llama.cpp supports.
 
-Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); the weights are
-memory-mapped once by the operating system and shared by every context. A sequence
-evaluates through llama.cpp's batch API (``llama_decode``), asking for the logits of the
+Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); on the CPU the
+weights are memory-mapped once by the operating system and shared by every context. A
+sequence evaluates through llama.cpp's batch API (``llama_decode``), asking for the logits of the
 positions ``extend`` returns only (not llama-cpp-python's ``logits_all``, which computes
 the output layer at every position, prompts included, and keeps a copy of every
 position's logits: ``n_ctx`` rows of the vocabulary). Rollback removes the KV cache's
@@ -16,8 +16,9 @@ positions, keys and values in f16, its default cache type), so a sequence occupi
 context costs milliseconds (16-19 ms for the default target in f16: llama-cpp-python loads
 the model's file again for each, and the cache is allocated and cleared), so the contexts
 of ended sequences are kept, up to ``IDLE_CONTEXTS``, and the next sequences take them
-emptied: a server's new session starts at once, and that many contexts' caches stay
-reserved while no session holds them.
+emptied: a server's new session starts at once. Kept contexts hold their caches (a session
+evicted under ``--max-kv-bytes`` frees its context's only past that many), and with GPU
+layers each holds its own copy of the offloaded weights on the GPU, so there one is kept.
 ``kv_bytes_per_token`` comes from the GGUF's metadata (layers, KV heads, key and value
 widths); a GGUF without attention metadata (a recurrent model) is refused. For models with
 sliding-window layers it is an upper bound.
@@ -42,6 +43,7 @@ import json
 import logging
 import os
 import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -151,7 +153,7 @@ class LlamaCppSequence(ChainSequence):
 
     runtime = "llama.cpp"
 
-    def __init__(self, backend: LlamaCppBackend, llm: Any) -> None:
+    def __init__(self, backend: LlamaCppBackend, llm: Any, idle: deque[Any]) -> None:
         import llama_cpp
 
         super().__init__(backend.vocab_size, backend.max_context)
@@ -159,7 +161,7 @@ class LlamaCppSequence(ChainSequence):
         self._width = int(llm.n_vocab())  # the rows llama.cpp writes: its whole vocabulary
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
-        weakref.finalize(self, backend._release, llm)
+        weakref.finalize(self, idle.append, llm).atexit = False  # kept for the next one
         self._rollback(0)  # a context starts empty (a kept one holds its last cache)
 
     def _run(self, ids: list[int], keep: int) -> np.ndarray:
@@ -213,7 +215,10 @@ class LlamaCppBackend(Backend):
             first: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
             raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
-        self._idle: list[Any] = [first]  # contexts no sequence holds
+        # Contexts no sequence holds. A sequence's finalizer appends its own, on whatever
+        # thread drops it: a bounded deque appends atomically, dropping the oldest.
+        self._idle: deque[Any] = deque([first], maxlen=IDLE_CONTEXTS if not n_gpu_layers
+                                       else 1)
         self.vocab_size = token_count(first)
         self.max_context = int(first.n_ctx())
         try:
@@ -229,16 +234,10 @@ class LlamaCppBackend(Backend):
         from llama_cpp import Llama
 
         try:
-            llm = self._idle.pop()  # atomic: sequences end on any thread
+            llm = self._idle.pop()  # emptied by the sequence when it starts
         except IndexError:
             llm = Llama(**self._kwargs)
-        return LlamaCppSequence(self, llm)
-
-    def _release(self, llm: Any) -> None:
-        """A sequence's context, when the sequence is gone: kept for the next one (it
-        empties its cache when it starts), or freed past ``IDLE_CONTEXTS``."""
-        if len(self._idle) < IDLE_CONTEXTS:
-            self._idle.append(llm)
+        return LlamaCppSequence(self, llm, self._idle)
 
 
 def kv_bytes_per_token(metadata: Mapping[str, str]) -> int:

@@ -453,8 +453,8 @@ class CloudService:
         abandoned: the caller looks again)."""
         session = link.session
         try:
-            # A step-on-demand runner's step is awaited here: a task a token would cost
-            # the loop an iteration.
+            # A step-on-demand runner's step is awaited here; a continuous runner's runs
+            # beside the frames arriving.
             out = await (self._continuous_step(link, generation, take)
                          if generation.continuous else generation.step())
         except RunnerError as exc:
