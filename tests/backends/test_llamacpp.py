@@ -126,7 +126,7 @@ def test_threads_govern_single_and_batch_evaluation(threads: int) -> None:
     # 2-core machine a 5-token pass took 1.1-1.5 s instead of 24-29 ms. threads=1 catches
     # that on any machine with more than one core.
     backend = load_backend(str(MODELS / "draft.gguf"), threads=threads)
-    first, later = backend.new_sequence(), backend.new_sequence()  # the spare, then a new one
+    first, later = backend.new_sequence(), backend.new_sequence()  # the first context, a new one
     for seq in (first, later):
         context = seq._llm._ctx.ctx  # type: ignore[attr-defined]
         assert llama_cpp.llama_n_threads(context) == threads

@@ -3,9 +3,9 @@
 
 Each :class:`LlamaCppSequence` owns one llama.cpp context (one KV cache); on the CPU the
 weights are memory-mapped once by the operating system and shared by every context. A
-sequence evaluates through llama.cpp's batch API (``llama_decode``), asking for the logits of the
-positions ``extend`` returns only (not llama-cpp-python's ``logits_all``, which computes
-the output layer at every position, prompts included, and keeps a copy of every
+sequence evaluates through llama.cpp's batch API (``llama_decode``), asking for the logits
+of the positions ``extend`` returns only (not llama-cpp-python's ``logits_all``, which
+computes the output layer at every position, prompts included, and keeps a copy of every
 position's logits: ``n_ctx`` rows of the vocabulary). Rollback removes the KV cache's
 cells past the point kept. Contexts are separate, so ``extend_batch`` is the interface's
 default: one evaluation per sequence.
@@ -153,7 +153,7 @@ class LlamaCppSequence(ChainSequence):
 
     runtime = "llama.cpp"
 
-    def __init__(self, backend: LlamaCppBackend, llm: Any, idle: deque[Any]) -> None:
+    def __init__(self, backend: LlamaCppBackend, llm: Any) -> None:
         import llama_cpp
 
         super().__init__(backend.vocab_size, backend.max_context)
@@ -161,7 +161,8 @@ class LlamaCppSequence(ChainSequence):
         self._width = int(llm.n_vocab())  # the rows llama.cpp writes: its whole vocabulary
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
-        weakref.finalize(self, idle.append, llm).atexit = False  # kept for the next one
+        # Kept for the next sequence (the finalizer holds the deque, not the backend)
+        weakref.finalize(self, backend._idle.append, llm).atexit = False
         self._rollback(0)  # a context starts empty (a kept one holds its last cache)
 
     def _run(self, ids: list[int], keep: int) -> np.ndarray:
@@ -237,7 +238,7 @@ class LlamaCppBackend(Backend):
             llm = self._idle.pop()  # emptied by the sequence when it starts
         except IndexError:
             llm = Llama(**self._kwargs)
-        return LlamaCppSequence(self, llm, self._idle)
+        return LlamaCppSequence(self, llm)
 
 
 def kv_bytes_per_token(metadata: Mapping[str, str]) -> int:
