@@ -32,7 +32,8 @@ a stage continues from the last one. The cache (``--cache``, default
 ``~/.cache/spececd/train``) lives outside the repository so that a fresh checkout resumes.
 
 Weights are saved as bfloat16 safetensors (sharded at 16 MB) next to a copy of the shared
-tokenizer, so ``AutoModelForCausalLM.from_pretrained(OUT/"target")`` loads each model.
+tokenizer and the chat template ``chat_template.jinja`` (a ``Role: text`` transcript, tools
+in the Hermes style Qwen2.5 uses, so that ``spececd api`` parses calls as ``hermes``), so ``AutoModelForCausalLM.from_pretrained(OUT/"target")`` loads each model.
 Everything is seeded; CPU kernels are not bit-deterministic across thread counts, so a
 rerun matches the committed weights closely, not bit for bit.
 """
@@ -61,6 +62,9 @@ import torch.nn.functional as F
 VOCAB_SIZE = 4096
 SEQ_LEN = 256
 EOS = "<|endoftext|>"
+# The pair's chat template, saved into each model folder; models/README.md says how the
+# converted drafts (draft-onnx, draft.gguf) carry it.
+CHAT_TEMPLATE = Path(__file__).resolve().parent / "chat_template.jinja"
 HELDOUT_PERCENT = 5
 
 # Architecture of each model (Llama). Parameter counts are printed by the script and
@@ -374,6 +378,9 @@ def save_model(model: Any, tokenizer: Any, path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size="16MB")
+    # The conversation format, tools included (saved as chat_template.jinja): see
+    # CHAT_TEMPLATE. The tokenizer's vocabulary, and so its fingerprint, is unchanged.
+    tokenizer.chat_template = CHAT_TEMPLATE.read_text()
     tokenizer.save_pretrained(path)
     model.float()
 

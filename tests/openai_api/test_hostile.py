@@ -242,16 +242,23 @@ def test_oversized_requests_are_typed_errors_and_starve_nobody(
             conn.close()
         check_refusal(response.status, answer)
         assert response.status == 413 and answer["error"]["code"] == "request_too_large"
-        # At the limits: n of 128 choices, max_tokens of the whole context (cut where the
-        # prompt and the completion fill it).
+        # At the limits: n of 128 choices; a prompt and max_tokens that fill the context
+        # exactly; one token more is a 400 naming both numbers, as OpenAI's and vLLM's.
         got, answer = api_server.post("/v1/completions", {
             "model": MODEL, "prompt": "x", "max_tokens": 1, "n": 128, "ignore_eos": True})
         assert got == 200 and len(answer["choices"]) == 128
         prompt = [5] * 250
         got, answer = api_server.post("/v1/completions", {
-            "model": MODEL, "prompt": prompt, "max_tokens": 256, "ignore_eos": True})
+            "model": MODEL, "prompt": prompt, "max_tokens": 256 - len(prompt),
+            "ignore_eos": True})
         assert got == 200 and answer["usage"]["completion_tokens"] == 256 - len(prompt)
         assert answer["choices"][0]["finish_reason"] == "length"
+        got, answer = api_server.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 257 - len(prompt)})
+        check_refusal(got, answer)
+        assert got == 400 and answer["error"]["param"] == "max_tokens"
+        assert "256 tokens" in answer["error"]["message"]
+        assert f"{len(prompt)} in the prompt" in answer["error"]["message"]
     legitimate.check(references)
 
 

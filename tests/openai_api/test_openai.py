@@ -60,13 +60,15 @@ def tokenizer() -> Any:
     return load_backend(str(MODELS / "draft"), device="cpu", dtype="float32").tokenizer
 
 
-def target_text(tokenizer: Any, prompt: str | list[int], n: int) -> str:
-    """The target alone's greedy reply: for a text prompt, healed as the API heals it by
-    default (the target's own for the prompt without its last token, the first token one
-    whose text starts with that token's; the reply's text starts after the whole prompt)."""
+def target_text(tokenizer: Any, prompt: str | list[int], n: int, healed: bool = False
+                ) -> str:
+    """The target alone's greedy reply to the prompt's own tokens (the API's default), or,
+    ``healed``, to a text prompt healed as the API heals it when asked (the target's own for
+    the prompt without its last token, the first token one whose text starts with that
+    token's; the reply's text starts after the whole prompt)."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     vocab = len(tokenizer.vocab_tokens())
-    healing = heal(ids, tokenizer, vocab) if isinstance(prompt, str) else None
+    healing = heal(ids, tokenizer, vocab) if healed and isinstance(prompt, str) else None
     out = (hf_greedy_healed(MODELS / "target", list(healing.prompt_ids), healing.allowed, n)
            if healing else hf_greedy(MODELS / "target", list(ids), n))
     if set(out) & set(tokenizer.eos_token_ids):  # the end: its text is no part of the reply
@@ -108,11 +110,13 @@ def test_greedy_completion_is_the_target_alone_streamed_or_not(client: Any,
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_text_prompts_are_healed_unless_the_request_says_not(client: Any,
-                                                            tokenizer: Any) -> None:
-    """A prompt that ends in a newline gets code (healed: the target's own on the prompt
-    without its newline, the first token one that starts with a newline), not the
-    end-of-text token the unhealed prompt gets; token ids are never healed."""
+def test_text_prompts_are_answered_as_given_and_healed_when_asked(client: Any,
+                                                                 tokenizer: Any) -> None:
+    """By default the reply continues the prompt's own tokens, as OpenAI's, vLLM's and the
+    target alone's do: a prompt that ends in a newline gets the end-of-text token the
+    target gives it. Asked (``token_healing: true``), the prompt is healed and gets code
+    (the target's own on the prompt without its newline, the first token one that starts
+    with a newline); token ids are never healed."""
     prompt = "def main():\n"
 
     def text(**extra: Any) -> str:
@@ -120,11 +124,12 @@ def test_text_prompts_are_healed_unless_the_request_says_not(client: Any,
                                              temperature=0, extra_body=extra or None)
                    .choices[0].text)
 
-    healed = text()
-    assert healed == target_text(tokenizer, prompt, 16) and healed.startswith("    ")
-    assert text(token_healing=True) == healed
-    unhealed = text(token_healing=False)
-    assert unhealed == target_text(tokenizer, tokenizer.encode(prompt), 16) != healed
+    unhealed = text()
+    assert unhealed == target_text(tokenizer, prompt, 16)
+    assert text(token_healing=False) == unhealed
+    healed = text(token_healing=True)
+    assert healed == target_text(tokenizer, prompt, 16, healed=True) != unhealed
+    assert healed.startswith("    ")
     ids = client.completions.create(model="spececd", prompt=tokenizer.encode(prompt),
                                     max_tokens=16, temperature=0).choices[0].text
     assert ids == unhealed
@@ -217,7 +222,7 @@ def test_penalties_and_logit_bias_reach_both_sides(client: Any, tokenizer: Any) 
     with Generator.load(str(MODELS / "draft"), str(MODELS / "target"), device="cpu",
                         dtype="float32") as gen:
         expected = gen.generate(prompt, max_tokens=24, temperature=0, stop_token_ids=[],
-                                token_healing=True, **sampling, **extras)  # the API's default
+                                token_healing=False, **sampling, **extras)  # the API's default
     assert penalized.choices[0].text == expected.text != plain
 
 
@@ -275,7 +280,7 @@ def test_ignore_eos_and_stop_token_ids_as_vllm_takes_them(client: Any, tokenizer
     ({"n": 0}, "n", 400),
     ({"model": "gpt-4o"}, "model", 404),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),
-    ({"prompt": ""}, None, 400),
+    ({"prompt": ""}, "prompt", 400),
 ])
 def test_bad_requests_get_openai_errors_that_name_the_field(
         client: Any, fields: dict[str, Any], param: str | None, status: int) -> None:

@@ -98,6 +98,60 @@ def test_a_bad_constraint_is_a_400_and_the_server_goes_on(
     assert fine.status_code == 200
 
 
+def test_a_schema_without_strict_is_compiled_strictly_as_vllm_does(http: TestClient) -> None:
+    """instructor's JSON_SCHEMA mode sends no ``strict``: as in vLLM, the object then holds
+    the schema's properties only, so it closes and the output ends. ``strict: false``
+    (OpenAI's meaning: other properties allowed) lets this model add keys until the
+    limit."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+    def choices(**strict: bool) -> list[dict[str, Any]]:
+        reply = http.post("/v1/chat/completions", json={
+            "model": "spececd", "messages": [{"role": "user", "content": "a"}], "n": 4,
+            "temperature": 1.0, "seed": 5, "max_tokens": 24, "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": schema, **strict}}})
+        assert reply.status_code == 200, reply.json()
+        return list(reply.json()["choices"])
+
+    for strict in ({}, {"strict": True}):
+        for choice in choices(**strict):
+            assert choice["finish_reason"] == "stop"
+            assert set(json.loads(choice["message"]["content"])) == {"a"}
+    assert any(c["finish_reason"] == "length" for c in choices(strict=False))
+
+
+def test_limits_are_400s_naming_the_field(http: TestClient) -> None:
+    """A prompt and max_tokens past the context, and a prompt past it alone, are refused
+    as OpenAI and vLLM refuse them (not shortened), with ``param`` set; a check across
+    fields reads as a sentence, without pydantic's "Value error, "."""
+    context = http.app.state.api.gen.max_context
+    prompt = [5] * (context // 2)
+    reply = http.post("/v1/completions", json={"model": "spececd", "prompt": prompt,
+                                               "max_tokens": context})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "max_tokens"
+    assert f"maximum context length is {context} tokens" in error["message"]
+    assert f"{len(prompt)} in the prompt, {context} for the completion" in error["message"]
+    fits = http.post("/v1/completions", json={"model": "spececd", "prompt": prompt,
+                                              "max_tokens": context - len(prompt)})
+    assert fits.status_code == 200
+    reply = http.post("/v1/chat/completions", json={
+        "model": "spececd", "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": context})
+    assert reply.json()["error"]["param"] == "max_completion_tokens"
+    reply = http.post("/v1/completions", json={"model": "spececd", "prompt": [5] * context})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+    reply = http.post("/v1/chat/completions", json={
+        "model": "spececd", "messages": [{"role": "user", "content": "x " * context}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    reply = http.post("/v1/chat/completions", json={
+        "model": "spececd", "messages": [{"role": "user"}]})
+    error = reply.json()["error"]
+    assert error["param"] == "messages" and "Value error" not in error["message"]
+    assert error["message"].startswith("messages.0: a user message needs content")
+
+
 def test_echo_with_healing_asked_is_a_400_naming_token_healing(http: TestClient) -> None:
     """Echo returns the prompt's own tokens, which healing would change (the prompt's
     log-probabilities would then be one short of its tokens: a 500 before this check)."""

@@ -135,6 +135,32 @@ def test_llama3_json_text_after_a_call_is_content() -> None:
     assert Llama3JsonParser().parse(LLAMA_CALL + " done")[0] == " done"
 
 
+@pytest.mark.parametrize("name,text,want", [
+    # Cut within the name: nothing to report yet (vLLM streams a call once its name is).
+    ("hermes", '<tool_call>\n{"name": "get_weath', []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     [("get_weather", '{"city": "Pa')]),
+    ("hermes", QWEN_TEXT_THEN_CALL[:-len("}\n</tool_call>")],
+     [("search", '{"q": "a \\"quoted\\" </tool> {brace}"}')]),
+    ("llama3_json", LLAMA_CALL + '; {"name": "get_time", "parameters": {"tz"',
+     [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"tz"')]),
+])
+@pytest.mark.parametrize("size", [1, 10_000])
+def test_a_call_cut_off_by_the_token_limit_is_a_call_never_content(
+        name: str, text: str, want: list[tuple[str, str]], size: int) -> None:
+    """At the token limit the unfinished call comes back as a call with the arguments
+    written so far, as OpenAI and vLLM report one; at a stop it would be content."""
+    stream = parser(name).stream()
+    content, calls = "", []
+    for piece in pieces(text, size):
+        more, new = stream.push(piece)
+        content, calls = content + more, calls + new
+    more, new = stream.flush(cut_off=True)
+    assert "<tool_call>" not in content + more and "get_" not in content + more
+    assert [(c.name, c.arguments) for c in calls + new] == want
+    assert parser(name).parse(text)[0]  # the same text, ended by a stop: content
+
+
 def test_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(InputError, match="hermes, llama3_json"):
         parser("mistral")
@@ -157,17 +183,20 @@ CALLS = {
 def test_the_call_grammar_takes_what_the_parser_parses(name: str) -> None:
     """The grammar that forces calls (tool_choice required or named) writes them in the
     parser's format: what it accepts parses back, and it refuses what breaks the schema,
-    a second call when calls are not parallel, and text around a call."""
+    a second call when calls are not parallel, a call past the bound when they are (so
+    the output ends), and text around a call."""
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string
 
     from spececd.openai_api.tools import call_grammar
 
     one, other, separator = CALLS[name]
-    parallel = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=True))
-    single = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], parallel=False))
+    parallel = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], max_calls=2))
+    single = xgrammar.Grammar.from_ebnf(call_grammar(name, [WEATHER, NOW], max_calls=1))
     both = one + separator + other
     assert _is_grammar_accept_string(parallel, both)
+    assert _is_grammar_accept_string(parallel, one)
+    assert not _is_grammar_accept_string(parallel, both + separator + one)
     assert [c.name for c in parser(name).parse(both)[1]] == ["get_weather", "now"]
     assert _is_grammar_accept_string(single, one) and _is_grammar_accept_string(single, other)
     assert not _is_grammar_accept_string(single, both)

@@ -39,6 +39,7 @@ from tests.builders import (  # noqa: E402
     llama31_tokenizer,
     llama_cpp_models,
     qwen25_tokenizer,
+    train_tokenizer,
 )
 
 WEATHER = {"type": "function", "function": {
@@ -200,13 +201,18 @@ def test_sampled_forced_calls_are_valid_in_every_choice(client: Any) -> None:
 def bad_request(client: Any, **request: Any) -> str:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="qwen", max_tokens=4, **request)
-    return str(caught.value)
+    return str(caught.value.body["message"])
 
 
-def test_bad_tool_requests_are_400s_that_say_why(client: Any, gen: Generator) -> None:
+def test_bad_tool_requests_are_400s_that_say_why(client: Any, tmp_path: Path) -> None:
     forced = {"type": "function", "function": {"name": "get_stock"}}
     assert "not among tools" in bad_request(client, messages=ASK, tools=[WEATHER],
                                             tool_choice=forced)
+    with pytest.raises(openai.BadRequestError) as caught:  # the field, in plain words
+        client.chat.completions.create(model="qwen", max_tokens=4, messages=ASK,
+                                       tools=[WEATHER], tool_choice=forced)
+    assert caught.value.body["param"] == "tool_choice"
+    assert caught.value.body["message"].startswith("tool_choice names the function")
     assert "tools is empty" in bad_request(client, messages=ASK, tool_choice="required")
     assert "tool_call_id" in bad_request(client, messages=[
         *ASK, {"role": "tool", "content": "21"}], tools=[WEATHER])
@@ -217,8 +223,23 @@ def test_bad_tool_requests_are_400s_that_say_why(client: Any, gen: Generator) ->
     assert "cannot be combined with response_format" in bad_request(
         client, messages=ASK, tools=[WEATHER], tool_choice="required",
         response_format={"type": "json_object"})
-    assert "--tool-call-parser" in bad_request(client_for(gen, None), messages=ASK,
-                                               tools=[WEATHER])
+    # A model without a chat template: no parser to read from it.
+    plain_model = build_model("llama", tmp_path / "plain", train_tokenizer(300), seed=5)
+    with Generator.load(str(plain_model), str(plain_model), device="cpu", dtype="float32",
+                        threads=1) as plain:
+        refused = client_for(plain, None)
+        assert "--tool-call-parser" in bad_request(refused, messages=ASK, tools=[WEATHER])
+        with pytest.raises(openai.BadRequestError) as caught:
+            refused.chat.completions.create(model="qwen", max_tokens=4, messages=ASK,
+                                            tools=[WEATHER])
+        assert caught.value.body["param"] == "tools"
+
+
+def test_the_parser_is_read_from_the_chat_template(gen: Generator) -> None:
+    """Without --tool-call-parser, the format the template writes an assistant's call in:
+    Qwen2.5's writes Hermes blocks."""
+    assert Api(gen, "qwen").tool_parser == "hermes"
+    assert Api(gen, "qwen", tool_parser="llama3_json").tool_parser == "llama3_json"
 
 
 def test_a_template_that_cannot_take_tools_is_refused(models: Path, tokenizer: Any) -> None:
@@ -316,6 +337,7 @@ def test_a_llama3_json_round_trip(models: Path, tmp_path: Path, stream: bool) ->
     with Generator.load(str(draft), str(target), device="cpu", dtype="float32",
                         threads=1) as llama:
         client = client_for(llama, "llama3_json")
+        assert Api(llama, "qwen").tool_parser == "llama3_json"  # read from the template
         forced = {"type": "function", "function": {"name": "get_weather"}}
         request: dict[str, Any] = dict(model="qwen", messages=ASK, tools=[WEATHER, TIME],
                                        tool_choice=forced, temperature=0, max_tokens=60)

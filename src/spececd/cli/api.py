@@ -19,7 +19,9 @@ from spececd.openai_api.tool_parsers import PARSERS, parser
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("api", help="serve an OpenAI-compatible API and a playground page, "
                        "generating through edge drafting")
-    add_edge_options(p, sampling=False)
+    # Healing is off unless asked for (per request, or for all with --token-healing), as
+    # other OpenAI-compatible servers answer the prompt they were given.
+    add_edge_options(p, sampling=False, healing=False)
     g = p.add_argument_group("API")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on "
                    "(default: 127.0.0.1)")
@@ -35,7 +37,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="the format the model writes tool calls in, parsed out of its output "
                    "into tool_calls: hermes (<tool_call> JSON, Qwen2.5/Qwen3/Hermes) or "
-                   "llama3_json (Llama 3.1's JSON); without it, requests with tools are "
+                   "llama3_json (Llama 3.1's JSON); default: the format the model's chat "
+                   "template writes calls in, else none, and requests with tools are "
                    "refused unless tool_choice is none (config: [edge] tool_call_parser)")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="a request body over this is answered 413 "
@@ -68,9 +71,12 @@ def run(args: argparse.Namespace) -> int:
 
         def ready(port: int) -> None:
             url = f"http://{args.host}:{port}"
+            tools = (f"tool calls parsed as {api.tool_parser} ({api.tool_parser_source})"
+                     if api.tool_parser else "no tool-call parser: requests with tools "
+                     "refused (--tool-call-parser)")
             print(f"spececd: serving the OpenAI API on {url}/v1 (model "
-                  f"{args.model_name!r}) and the playground on {url}/", file=sys.stderr,
-                  flush=True)
+                  f"{args.model_name!r}; {tools}) and the playground on {url}/",
+                  file=sys.stderr, flush=True)
 
         try:
             asyncio.run(serve_app(create_app(api), args.host, args.port, ready=ready,

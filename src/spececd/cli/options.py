@@ -163,7 +163,10 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float,
                    "(EBNF/GBNF with a root rule, or Lark)")
 
 
-def add_prompt_options(p: argparse.ArgumentParser) -> None:
+def add_prompt_options(p: argparse.ArgumentParser, healing: bool | None = None) -> None:
+    """``healing``: the command's own default for --token-healing, for its help (None: the
+    config's)."""
+    default = CONFIG.token_healing if healing is None else healing
     g = p.add_argument_group("prompt")
     g.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=None,
                    help="heal a text prompt's last token: drop it and let the first generated "
@@ -171,7 +174,7 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
                    "token (a newline before indentation) continues as the model would; the "
                    "output is the target's own for the prompt without that token, the first "
                    "token restricted to those whose text starts with it (default: "
-                   f"{'on' if CONFIG.token_healing else 'off'})")
+                   f"{'on' if default else 'off'})")
 
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
@@ -235,19 +238,23 @@ def add_network_options(p: argparse.ArgumentParser) -> None:
 def add_edge_options(p: argparse.ArgumentParser, temperature: float = CONFIG.temperature,
                      max_tokens: int = CONFIG.max_tokens,
                      repetition_penalty: float = CONFIG.repetition_penalty,
-                     network: bool = True, sampling: bool = True) -> None:
+                     network: bool = True, sampling: bool = True,
+                     healing: bool | None = None) -> None:
     """Everything an edge command takes: models, speculation, sampling (unless
     ``sampling`` is False: the requests bring theirs) and, unless ``network`` is False, the
-    link to a server."""
+    link to a server; ``healing``: the command's default for token healing (None: the
+    config's)."""
     add_model_options(p)
-    add_prompt_options(p)
+    add_prompt_options(p, healing)
     if sampling:
         add_sampling_options(p, temperature, max_tokens, repetition_penalty)
     add_speculation_options(p)
     if network:
         add_network_options(p)
-    defaults = {"temperature": temperature, "max_tokens": max_tokens,
-                "repetition_penalty": repetition_penalty}
+    defaults: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens,
+                                "repetition_penalty": repetition_penalty}
+    if healing is not None:  # config.toml, the environment and the flag still override it
+        defaults["token_healing"] = healing
     if any(getattr(CONFIG, name) != value for name, value in defaults.items()):
         p.set_defaults(edge_defaults=defaults)
 

@@ -47,7 +47,7 @@ from spececd.core.policy import Ema
 from spececd.core.sampling import Constraint
 from spececd.core.verify import tree_depth
 from spececd.errors import InputError
-from spececd.grammar import grammars_for
+from spececd.grammar import grammars_for, warm
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import (
     CloudSession,
@@ -180,6 +180,7 @@ class CloudService:
         self.metrics.active_sessions.set_function(lambda: len(self.links))
         self.metrics.kv_bytes.set_function(
             lambda: self.kv_tokens() * self.target.kv_bytes_per_token)
+        warm(self.target.tokenizer, self.target.vocab_size)  # the first constraint: no set-up
 
     @classmethod
     def builtin(cls, backend: Backend, limits: Limits | None = None,

@@ -8,8 +8,10 @@ beside them in the body, the way vLLM
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
 
-Constraints come as OpenAI's ``response_format`` (``json_object``; ``json_schema`` with
-``strict``: its default false lets objects carry properties the schema does not name), as
+Constraints come as OpenAI's ``response_format`` (``json_object``; ``json_schema``, compiled
+as vLLM compiles it: an object carries only the properties its schema names unless the
+schema allows more, with ``strict`` left out or true; ``strict: false`` alone lets objects
+carry others, OpenAI's meaning of it), as
 vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``; :meth:`Sampling.constraint` makes one
@@ -167,7 +169,7 @@ class Sampling(BaseModel):
                 raise FieldError("response_format", "response_format: type json_schema needs "
                                  "a json_schema object (name, schema, strict)")
             add("response_format", "json_schema", json.dumps(rf.json_schema.json_schema),
-                bool(rf.json_schema.strict))
+                rf.json_schema.strict is not False)
         so = self.structured_outputs
         if so is not None:
             given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
@@ -202,7 +204,7 @@ class Sampling(BaseModel):
 class CompletionRequest(Sampling):
     prompt: str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]]
     # SpecECD's own: heal a text prompt's last token (spececd.healing); default: the
-    # server's (on unless `spececd api --no-token-healing`), off with echo. Token-id
+    # server's (off unless `spececd api --token-healing`), off with echo. Token-id
     # prompts are never healed.
     token_healing: bool | None = None
     # 0: nothing generated (with echo: the prompt's log-probabilities alone, for scoring)
@@ -308,14 +310,17 @@ class ChatRequest(Sampling):
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatRequest:
+        # A FieldError here reaches the client as itself (param and message), not as
+        # pydantic's "Value error, ..." about the whole body.
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice asks for a tool call, but tools is empty: give "
-                             "tools, or leave tool_choice out")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
-                tool.function.name for tool in self.tools or ()}:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
-                             f"which is not among tools")
+            raise FieldError("tool_choice", "tool_choice asks for a tool call, but tools is "
+                             "empty: give tools, or leave tool_choice out")
+        names = [tool.function.name for tool in self.tools or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names the function "
+                             f"{choice.function.name!r}, which is not among tools "
+                             f"({', '.join(map(repr, names))}): name one of them")
         return self
 
 

@@ -13,7 +13,8 @@ in this process or on a server) behind FastAPI:
   and the statistics so far;
 - ``GET /`` the playground (``playground.html``), ``GET /healthz``;
 - tool calls (:mod:`spececd.openai_api.tools`): ``tools`` rendered by the chat template,
-  calls parsed out of the output in the format of ``tool_parser`` into
+  calls parsed out of the output in the format of ``tool_parser`` (by default the one the
+  chat template writes calls in) into
   ``message.tool_calls`` (``finish_reason: "tool_calls"``), or streamed as OpenAI's
   ``tool_calls`` deltas (a call's id and name, then its arguments) once each call is
   whole, the text before it as content; ``tool_choice`` ``required`` or a named function
@@ -69,7 +70,7 @@ from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
 from spececd.generator import AsyncGenerator, Generator, StreamChunk
-from spececd.grammar import grammars_for
+from spececd.grammar import grammars_for, warm
 from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES
 from spececd.openai_api.schema import (
     ChatRequest,
@@ -80,7 +81,7 @@ from spececd.openai_api.schema import (
     unsupported,
 )
 from spececd.openai_api.tool_parsers import ToolCall, ToolStream, parser
-from spececd.openai_api.tools import ToolPlan, plan, template_messages
+from spececd.openai_api.tools import ToolPlan, plan, template_messages, template_parser
 from spececd.protocol.errors import (
     EngineFailed,
     InvalidConstraint,
@@ -255,16 +256,23 @@ class Api:
 
     def __init__(self, gen: Generator, model: str, api_key: str = "",
                  cloud_only: bool = False, max_concurrency: int = 64,
-                 tool_parser: str | None = None, token_healing: bool = True,
+                 tool_parser: str | None = None, token_healing: bool = False,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.gen, self.model, self.api_key = gen, model, api_key
         self.cloud_only = cloud_only
         if tool_parser is not None:
             parser(tool_parser)  # a known name, or the error that lists them
-        self.tool_parser = tool_parser  # the format calls are parsed in (None: no tools)
-        self.token_healing = token_healing  # a completion's text prompts, unless it says
+        # The format calls are parsed in: the one given, else the one the model's chat
+        # template writes calls in (None: neither, and requests with tools are refused).
+        self.tool_parser = tool_parser or template_parser(gen.tokenizer)
+        self.tool_parser_source = "given" if tool_parser else "the chat template's"
+        # A completion's text prompts are healed when the request says so, or by this
+        # default: off, as in every other OpenAI-compatible server (the reply continues the
+        # prompt's own tokens).
+        self.token_healing = token_healing
         self.max_request_bytes = max_request_bytes
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
+        warm(gen.tokenizer, gen.vocab_size)  # the first constrained request: no set-up
         self.agen = AsyncGenerator(gen, self.executor)
         self._token_texts: dict[int, str] = {}
         self._vocab: list[str] | None = None  # the tokenizer's token strings, when needed
@@ -303,14 +311,15 @@ class Api:
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
                                                  proactive=body.proactive)
         context = self.gen.max_context
-        if max_tokens is not None and max_tokens > context:  # never possible: say so
-            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
-                else "max_tokens"
-            raise ApiError(400, f"{param} is {max_tokens}, past the model's context of "
-                           f"{context} tokens: ask for at most {context} (a completion also "
-                           f"ends where it and the prompt fill the context)", param=param)
         longest = max(len(ids) for ids in prompts)
         room = context - longest
+        if max_tokens is not None and max_tokens > room:  # as OpenAI and vLLM: refused
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
+                else "max_tokens"
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. "
+                           f"However, you requested {longest + max_tokens} tokens ({longest} "
+                           f"in the prompt, {max_tokens} for the completion). Reduce the "
+                           f"prompt, or {param} to at most {room}", param=param)
         # The body's sampling fields by their SamplingParams names, and what OpenAI's
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
@@ -324,7 +333,7 @@ class Api:
             constraint=body.constraint(),
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
-            max_tokens=1 if score_only else min(max_tokens, room) if max_tokens else room,
+            max_tokens=1 if score_only else max_tokens or room,
             top_k=max(body.top_k, 0), stop_token_ids=[
                 *(() if body.ignore_eos else self.gen.tokenizer.eos_token_ids),
                 *(body.stop_token_ids or ())])
@@ -424,7 +433,7 @@ class Api:
             finish = c.finish_reason
             if c.tools is not None:
                 content, calls = c.tools.push(text)
-                rest, more = c.tools.flush()
+                rest, more = c.tools.flush(cut_off=finish == "length")
                 calls = c.keep(calls + more)
                 body["message"]["content"] = (content + rest) or None
                 if calls:
@@ -529,7 +538,7 @@ class Api:
                 if choice.tools is not None:  # content as it is certain, calls once whole
                     text, calls = choice.tools.push(text)
                     if finish is not None:
-                        rest, more = choice.tools.flush()
+                        rest, more = choice.tools.flush(cut_off=finish == "length")
                         text, calls = text + rest, calls + more
                     calls = choice.keep(calls)
                 deltas: list[dict[str, Any]] = [{"content": text} if text else {}]
@@ -642,7 +651,8 @@ def create_app(api: Api) -> FastAPI:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
         prompts = await asyncio.to_thread(completion_prompts, api.gen, body)
-        # Healing by default, but not where the prompt's own tokens are asked back (echo).
+        # Healing when asked (or by the server's default), never where the prompt's own
+        # tokens are asked back (echo).
         if body.echo and body.token_healing:
             raise FieldError("token_healing", "echo returns the prompt's own tokens (and "
                              "their log-probabilities), which healing changes: leave "
@@ -660,8 +670,7 @@ def create_app(api: Api) -> FastAPI:
         api.check(request, body)
         await asyncio.to_thread(api.compile, body)
         tools = await asyncio.to_thread(plan, body, api.tool_parser)  # xgrammar builds
-        ids = await asyncio.to_thread(api.gen.chat_ids, template_messages(body.messages),
-                                      tools.tools)
+        ids = await asyncio.to_thread(chat_prompt, api.gen, body, tools)
         limit = body.max_completion_tokens or body.max_tokens
         return await api.respond(api.start(body, [ids], limit, "chatcmpl", tools), True,
                                  request)
@@ -696,7 +705,22 @@ def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int
     if not many:
         raise ApiError(400, "prompt is empty: give a string, a list of strings, or token ids",
                        param="prompt")
-    return [gen.prompt_ids(p) for p in many]
+    try:
+        return [gen.prompt_ids(p) for p in many]
+    except InputError as exc:  # empty, an id out of range, longer than the context
+        raise FieldError("prompt", str(exc)) from None
+
+
+def chat_prompt(gen: Generator, body: ChatRequest, tools: ToolPlan) -> list[int]:
+    """The conversation's prompt ids; the template's or the context's refusal names the
+    field at fault."""
+    try:
+        return gen.chat_ids(template_messages(body.messages), tools.tools)
+    except FieldError:
+        raise
+    except InputError as exc:  # a template that takes no tools, or refuses the messages
+        param = "tools" if tools.tools and "tools" in str(exc) else "messages"
+        raise FieldError(param, str(exc)) from None
 
 
 def echoed_prompts(gen: Generator, body: CompletionRequest, prompts: list[list[int]]
@@ -718,6 +742,10 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
     error = exc.errors()[0]
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None  # the request's field; the rest is pydantic's path
+    raised = (error.get("ctx") or {}).get("error")
+    if isinstance(raised, FieldError):  # a check across fields names its own
+        return JSONResponse(ApiError(400, str(raised), param=raised.param).body(),
+                            status_code=400)
     if param is None and error.get("type") in (  # no body, or not an object
             "missing", "model_attributes_type", "model_type", "dict_type"):
         message = ("the request needs a JSON object as its body, sent with the header "
@@ -731,6 +759,8 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
         message = f"you must provide the `{param}` parameter"
     else:  # a field's value, or the body's as a whole (a check across fields)
         where = ".".join(loc)
-        message = f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
+        # pydantic's prefix to a validator's own message says nothing to a client
+        said = re.sub(r"^(Value|Assertion) error, ", "", str(error.get("msg")))
+        message = f"{where}: {said}" if where else said
     return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 

@@ -17,6 +17,10 @@ and parses, so a malformed one is never half-sent: it is content, whole or strea
 calls' ``arguments`` are the model's own JSON text of the arguments object, the same
 whole or streamed.
 
+A call cut off by the token limit (``flush(cut_off=True)``) is never content: as OpenAI
+and vLLM report one, it is a call with the arguments written so far (JSON cut short), once
+its name is whole, and nothing before that.
+
 Nothing here knows about HTTP, the chat template or the grammar that forces a call
 (:mod:`spececd.openai_api.tools`).
 """
@@ -69,6 +73,21 @@ def _from_object(obj: dict[str, Any], text: str, arguments_key: str) -> ToolCall
     return ToolCall(name, _raw_arguments(text, arguments_key) or json.dumps(arguments))
 
 
+def _partial_call(text: str, keys: tuple[str, ...]) -> ToolCall | None:
+    """The call a cut-off ``text`` began: its name once whole, and the arguments text
+    written so far (None: it was cut within or before its name)."""
+    head = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"'
+    match = re.match(head + r'\s*(?:,\s*"(?:' + "|".join(keys) + r')"\s*:\s*(.*))?',
+                     text, re.DOTALL)
+    if match is None:
+        return None
+    try:
+        name = json.loads(f'"{match[1]}"')
+    except json.JSONDecodeError:
+        return None
+    return ToolCall(name, (match[2] or "").rstrip()) if name else None
+
+
 def _raw_arguments(text: str, key: str) -> str | None:
     """The arguments object's own text within ``text``, where the model wrote it right
     after the name (as templates show it), so the streamed and whole forms agree."""
@@ -91,7 +110,9 @@ class ToolStream:
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
-    def flush(self) -> tuple[str, list[ToolCall]]:
+    def flush(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest; ``cut_off``: the output ended at the token limit, so an unfinished
+        call is a call cut short (see the module docstring), not content."""
         raise NotImplementedError
 
 
@@ -158,8 +179,12 @@ class _TaggedStream(ToolStream):
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return "".join(content), calls
 
-    def flush(self) -> tuple[str, list[ToolCall]]:
-        # An unclosed call: its text is content (the output was cut off, or not a call).
+    def flush(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
+        if self.inside and cut_off:
+            call = _partial_call(self.buffer, (self.key,))
+            self.buffer, self.inside = "", False
+            return "", [call] if call else []
+        # An unclosed call at a stop: its text is content (not a call).
         rest = (self.begin + self.buffer) if self.inside else self.buffer
         self.buffer, self.inside = "", False
         return rest, []
@@ -223,7 +248,12 @@ class _Llama3Stream(ToolStream):
             calls.append(call)
             self.done = end
 
-    def flush(self) -> tuple[str, list[ToolCall]]:
+    def flush(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
+        if cut_off and self.mode == "calls":
+            rest = self.buffer[self.done:].lstrip().lstrip(";")
+            call = _partial_call(rest, ("parameters", "arguments")) if rest.strip() else None
+            self.buffer, self.prefix, self.done = "", "", 0
+            return "", [call] if call else []
         # What follows the last whole call (all of it, when there was none) is content.
         rest = self.buffer[self.done:] if self.done else self.prefix + self.buffer
         self.buffer, self.prefix, self.done = "", "", 0

@@ -18,8 +18,12 @@ templates write them; a ``tool`` message's ``tool_call_id``). :func:`plan` decid
   from xgrammar's structural tags, which embed the JSON schemas) passed as a ``grammar``
   :class:`~spececd.core.sampling.Constraint`, which the verifier masks the target with at
   every position, so the output is the target's own under that constraint. A named
-  function is called once; ``required`` calls one or more when ``parallel_tool_calls``
-  (the default), else one.
+  function is called once; ``required`` calls one when ``parallel_tool_calls`` is false,
+  else one to as many as there are tools (:func:`max_forced_calls`): the grammar ends the
+  output there, so a model that would repeat calls forever stops.
+
+:func:`template_parser` reads which parser a model's chat template writes calls for, so
+that ``spececd api`` needs no ``--tool-call-parser`` for such a model.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from spececd.errors import InputError
 from spececd.grammar import InvalidConstraint, tagged_json_grammar
 from spececd.openai_api.schema import ChatRequest, FieldError, Message, NamedToolChoice
 from spececd.openai_api.tool_parsers import PARSERS, ToolParser, parser
 
-__all__ = ["CALL_FORMATS", "ToolPlan", "call_grammar", "plan", "template_messages"]
+__all__ = ["CALL_FORMATS", "ToolPlan", "call_grammar", "max_forced_calls", "plan",
+           "template_messages", "template_parser"]
 
 # Per parser: how a call begins up to its arguments, how it ends, what separates calls;
 # the templates of the models each parser serves write calls this way.
@@ -91,9 +95,10 @@ def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan(tools, None, None)
     if parser_name is None:
-        raise InputError("this server parses no tool calls: start `spececd api` with "
-                         f"--tool-call-parser ({' or '.join(PARSERS)}, the format the "
-                         "model writes calls in), or send tool_choice \"none\"")
+        raise FieldError("tools", "this server parses no tool calls (the model's chat "
+                         "template writes calls in no format it knows): start `spececd "
+                         f"api` with --tool-call-parser ({' or '.join(PARSERS)}, the format "
+                         "the model writes calls in), or send tool_choice \"none\"")
     other = body.constraint_field() if choice != "auto" else None
     if other is not None:
         what = f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) \
@@ -103,18 +108,26 @@ def plan(body: ChatRequest, parser_name: str | None) -> ToolPlan:
     grammar = None
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t["function"]["name"] == choice.function.name]
-        grammar = call_grammar(parser_name, named, parallel=False)
+        grammar = call_grammar(parser_name, named, max_calls=1)
     elif choice == "required":
-        grammar = call_grammar(parser_name, tools, parallel=body.parallel_tool_calls)
+        grammar = call_grammar(parser_name, tools, max_forced_calls(
+            tools, body.parallel_tool_calls))
     return ToolPlan(tools, parser(parser_name), grammar,
                     None if body.parallel_tool_calls else 1)
 
 
-def call_grammar(parser_name: str, tools: list[dict[str, Any]], parallel: bool) -> str:
-    """An EBNF grammar of one call, or of one or more separated as the parser expects when
-    ``parallel``, to any of ``tools``, each call's arguments valid under its function's
-    ``parameters`` (any object when it has none). A schema that cannot constrain a call
-    is an InputError naming the function."""
+def max_forced_calls(tools: list[dict[str, Any]], parallel: bool) -> int:
+    """The most calls ``tool_choice: "required"`` lets the output hold: one without
+    parallel calls, else one per tool (a bound the model cannot talk past: nothing in the
+    request says how many calls it wants, and a small model may never stop of itself)."""
+    return max(len(tools), 1) if parallel else 1
+
+
+def call_grammar(parser_name: str, tools: list[dict[str, Any]], max_calls: int = 1) -> str:
+    """An EBNF grammar of one to ``max_calls`` calls, separated as the parser expects, to
+    any of ``tools``, each call's arguments valid under its function's ``parameters`` (any
+    object when it has none). A schema that cannot constrain a call is a
+    :class:`FieldError` naming the function."""
     begin, end, separator = CALL_FORMATS[parser_name]
     tags = []
     for tool in tools:
@@ -122,9 +135,36 @@ def call_grammar(parser_name: str, tools: list[dict[str, Any]], parallel: bool) 
         tag = (begin.format(name=function["name"]),
                function.get("parameters") or {"type": "object"}, end)
         try:  # each schema on its own, so that an error names its function
-            tagged_json_grammar([tag], separator, repeat=False)
+            tagged_json_grammar([tag], separator)
         except InvalidConstraint as exc:
-            raise InputError(f"the parameters of tool {function['name']!r} are not a JSON "
-                             f"schema a call can be constrained by: {exc}") from None
+            raise FieldError("tools", f"the parameters of tool {function['name']!r} are not "
+                             f"a JSON schema a call can be constrained by: {exc}") from None
         tags.append(tag)
-    return tagged_json_grammar(tags, separator, repeat=parallel)
+    return tagged_json_grammar(tags, separator, max_calls)
+
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "spececd_probe", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}
+_PROBE = [{"role": "user", "content": "?"},
+          {"role": "assistant", "content": "", "tool_calls": [{
+              "id": "call_0", "type": "function",
+              "function": {"name": "spececd_probe", "arguments": {"x": 1}}}]}]
+
+
+def template_parser(tokenizer: Any) -> str | None:
+    """The tool-call parser whose format ``tokenizer``'s chat template writes an
+    assistant's call in (a conversation with one call rendered and read back), or None:
+    no template, one that takes no tools, or a format no parser reads."""
+    try:
+        ids = tokenizer.apply_chat_template(_PROBE, [_PROBE_TOOL])
+    except Exception:  # a template that refuses tools or calls: none
+        return None
+    if ids is None:
+        return None
+    text = str(tokenizer.decode(list(ids)))
+    for name in PARSERS:
+        begin = CALL_FORMATS[name][0].format(name="spececd_probe")
+        if begin in text and (name != "hermes" or "</tool_call>" in text):
+            return name
+    return None
