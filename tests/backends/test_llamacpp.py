@@ -285,10 +285,12 @@ def test_a_gguf_chat_template_renders_like_transformers(tmp_path: Path) -> None:
     assert ours.tokenizer.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     with Generator.load(str(gguf), str(folder), device="cpu", k=3) as gen:
         assert gen.chat_ids(messages) == ids
-    plain = load_backend(str(MODELS / "draft.gguf")) if (MODELS / "draft.gguf").is_file() \
+    shipped = load_backend(str(MODELS / "draft.gguf")) if (MODELS / "draft.gguf").is_file() \
         else None
-    if plain is not None:  # a GGUF without a template: the plain transcript is used
-        assert plain.tokenizer.apply_chat_template(messages) is None
+    if shipped is not None:  # the default pair's template, in the GGUF as in the folder
+        pair = load_backend(str(MODELS / "draft"), device="cpu")
+        assert shipped.tokenizer.apply_chat_template(messages) == \
+            pair.tokenizer.apply_chat_template(messages) is not None
 
 
 def test_llama_cpps_own_speculation_runs_as_a_bench_peer(gguf: dict[str, Path]) -> None:
