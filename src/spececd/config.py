@@ -95,9 +95,10 @@ def _named(section: object, cls: type) -> dict[str, Any]:
 @dataclass(frozen=True)
 class EdgeConfig:
     """The ``[edge]`` section. Its settings are these fields and, flat beside them, the
-    edge's options (``mode``, ``threshold``, ``k``, ``proactive``, ``max_support``,
-    ``tree_width``, ``constrained_drafting``, ``fallback``, ``reconnect_attempts``,
-    ``reconnect_delay``, ``reconnect_timeout``), parsed into ``options``."""
+    edge's options (``mode``, ``draft_source``, ``threshold``, ``k``, ``proactive``,
+    ``max_support``, ``tree_width``, ``lookup_memory``, ``constrained_drafting``,
+    ``fallback``, ``reconnect_attempts``, ``reconnect_delay``, ``reconnect_timeout``),
+    parsed into ``options``."""
 
     server: str = ""
     draft_model: str = ""

@@ -78,13 +78,16 @@ __all__ = ["AsyncGenerator", "Completion", "Generator", "StreamChunk", "TokenLog
 
 log = logging.getLogger(__name__)
 
+UNBOUNDED_CONTEXT = 1 << 30  # an edge with no draft model: the server's welcome bounds it
+
 
 @dataclass(frozen=True)
 class StreamChunk:
     token_ids: tuple[int, ...]
     text: str
     # "draft": drafted and accepted; "forced": drafted because a constraint allowed no other
-    # token (no draft model step), and accepted; "target": supplied by the verifier;
+    # token (no draft model step), and accepted; "lookup": drafted by looking it up in the
+    # text so far (no draft model step), and accepted; "target": supplied by the verifier;
     # "fallback": the draft model's, unverified (the verifier was unreachable and
     # fallback="draft")
     source: str
@@ -113,8 +116,9 @@ class Completion:
 
 def _runs(out: RoundOutput, verified: str) -> Iterator[tuple[str, int, int]]:
     """``out``'s tokens as runs of one source, ``(source, start, end)`` in order: accepted
-    drafts are ``draft`` or ``forced``, the rest ``verified``."""
-    sources = ["forced" if i in out.forced else "draft" for i in range(out.from_draft)]
+    drafts are ``draft``, ``forced`` or ``lookup``, the rest ``verified``."""
+    sources = ["forced" if i in out.forced else "lookup" if i in out.looked_up else "draft"
+               for i in range(out.from_draft)]
     sources += [verified] * (len(out.token_ids) - out.from_draft)
     start = 0
     for i in range(1, len(sources) + 1):
@@ -140,27 +144,37 @@ class Generator:
     draft's is another. The generator then speaks target ids and drafts across the two
     tokenizers (:mod:`spececd.edge.retokenize`), verified by match: still lossless."""
 
-    def __init__(self, draft: Backend, connect: Callable[[], Transport], *, max_context: int,
-                 options: EdgeOptions | None = None, auth_token: str = "",
+    def __init__(self, draft: Backend | None, connect: Callable[[], Transport], *,
+                 max_context: int, options: EdgeOptions | None = None, auth_token: str = "",
                  target: Backend | None = None, local: LocalServer | None = None,
                  target_tokenizer: Tokenizer | None = None, target_vocab: int = 0) -> None:
         self.draft_backend, self.target_backend = draft, target
         self._local = local  # the in-process verifier, closed with this generator
         self.max_context = max_context
-        own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-        fingerprint = own if target_tokenizer is None else tokenizer_fingerprint(
-            target_tokenizer, target_vocab)
+        if draft is None:  # drafts by lookup alone, in the target's token ids
+            if target_tokenizer is None:
+                raise InputError("without a draft model the edge needs the target's "
+                                 "tokenizer: from the server, or --target-tokenizer")
+            own = fingerprint = tokenizer_fingerprint(target_tokenizer, target_vocab)
+        else:
+            own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+            fingerprint = own if target_tokenizer is None else tokenizer_fingerprint(
+                target_tokenizer, target_vocab)
         self.cross = fingerprint != own  # drafting across two tokenizers
-        self.tokenizer = target_tokenizer if self.cross and target_tokenizer else draft.tokenizer
+        self.tokenizer: Tokenizer = (target_tokenizer if draft is None or self.cross
+                                     else draft.tokenizer)  # type: ignore[assignment]
         self.vocab_size = fingerprint.vocab_size
         self.site = Site(in_process=target is not None, cross=self.cross,
                          vocab_size=self.vocab_size,
-                         eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                         eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                         draft_model=draft is not None)
         draft_lock = threading.Lock()  # the draft model: one forward pass at a time
 
         def new_client() -> EdgeClient:
-            drafter: DraftSource = (CrossDrafter(draft, self.tokenizer, draft_lock)
-                                    if self.cross else Drafter(draft, draft_lock))
+            drafter: DraftSource | None = None
+            if draft is not None:
+                drafter = (CrossDrafter(draft, self.tokenizer, draft_lock) if self.cross
+                           else Drafter(draft, draft_lock))
             return EdgeClient(drafter, connect, fingerprint, max_context, auth_token)
 
         self._new_client = new_client
@@ -171,17 +185,22 @@ class Generator:
         self.options = options or EdgeOptions()
 
     @classmethod
-    def load(cls, draft: str, target: str | None = None, *, server: str | None = None,
+    def load(cls, draft: str | None, target: str | None = None, *, server: str | None = None,
              device: str = "auto", dtype: str = "auto", threads: int = 0, npu: bool = True,
              auth_token: str = "", tls_ca: str | None = None, tls_verify: bool = True,
              target_tokenizer: str | None = None, round_timeout: float = ROUND_TIMEOUT,
              options: EdgeOptions | None = None, **settings: Any) -> Generator:
         """Load the draft model and reach the target: load it here (``target``) or connect
-        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL).
+        to a verifier server (``server``, a ``ws://`` or ``wss://`` URL). ``draft=None``
+        loads no draft model: the edge then drafts by lookup alone (``draft_source="lookup"`` or
+        ``"suffix"``, :mod:`spececd.edge.lookup`), in the target's token ids, with the
+        target's tokenizer from the server (or ``target_tokenizer``); no torch needed.
 
         ``settings`` are the edge's options by name, over ``options`` (default:
         :class:`~spececd.edge.options.EdgeOptions`' defaults): ``mode`` (exact, match,
-        greedy), ``k`` (drafted tokens per round, or ``"auto"`` to choose each round from
+        greedy), ``draft_source`` (where drafts come from: ``"model"``, ``"lookup"``, ``"suffix"``,
+        ``"hybrid"`` or ``"auto"``; :class:`~spececd.edge.options.DraftKind`), ``k`` (drafted
+        tokens per round, or ``"auto"`` to choose each round from
         measured acceptance and costs), ``proactive`` (``"on"`` or True: draft the next
         block while a verdict is in flight; ``"stream"``: the server generates without
         waiting and the edge sends it drafts as hints; ``"off"``; ``"auto"``: on with a
@@ -222,8 +241,8 @@ class Generator:
             connect = connector(server, cafile=tls_ca, verify=tls_verify,  # checks the URL
                                 auth_token=auth_token, open_timeout=min(10.0, round_timeout),
                                 recv_timeout=round_timeout)
-            draft_backend = load_backend(draft, device=device, dtype=dtype, threads=threads,
-                                         npu=npu)
+            draft_backend = None if draft is None else load_backend(
+                draft, device=device, dtype=dtype, threads=threads, npu=npu)
             return cls.remote(draft_backend, server, connect, target_tokenizer=target_tokenizer,
                               tls_ca=tls_ca, tls_verify=tls_verify, options=options,
                               auth_token=auth_token)
@@ -233,37 +252,47 @@ class Generator:
         # spin on the cores the other's are working on. Measured here (default target, two
         # torch threads, the GGUF draft): with llama.cpp at 2 threads a draft step took
         # 1.37 ms and a 5-position verify pass 19.1 ms; at 1 thread, 0.53 and 15.0 ms.
-        draft_threads = threads or (1 if model_format(draft) != model_format(target) else 0)
-        draft_backend = load_backend(draft, device=device, dtype=dtype, threads=draft_threads,
-                                     npu=npu)
+        draft_backend = None
+        if draft is not None:
+            draft_threads = threads or (1 if model_format(draft) != model_format(target) else 0)
+            draft_backend = load_backend(draft, device=device, dtype=dtype,
+                                         threads=draft_threads, npu=npu)
         target_backend = load_backend(target, device=device, dtype=dtype, threads=threads, npu=npu)
         from spececd.transports.memory import local_verifier
 
         verifier = local_verifier(target_backend)
+        limit = verifier.engine.limits.max_context
         return cls(draft_backend, verifier,
-                   max_context=min(draft_backend.max_context, verifier.engine.limits.max_context),
+                   max_context=min(draft_backend.max_context, limit) if draft_backend else limit,
                    options=options, target=target_backend, local=verifier,
                    target_tokenizer=target_backend.tokenizer,
                    target_vocab=target_backend.vocab_size)
 
     @classmethod
-    def remote(cls, draft: Backend, server: str, connect: Callable[[], Transport], *,
+    def remote(cls, draft: Backend | None, server: str, connect: Callable[[], Transport], *,
                target_tokenizer: str | None = None, tls_ca: str | None = None,
                tls_verify: bool = True, options: EdgeOptions | None = None,
                auth_token: str = "") -> Generator:
-        """A generator for a loaded draft and the verifier at ``server``, reached through
-        ``connect``: with the target's tokenizer when the draft's is another
-        (``target_tokenizer``, else the server's, which it hands out when they differ)."""
+        """A generator for a loaded draft (None: none, lookup drafts only) and the verifier
+        at ``server``, reached through ``connect``: with the target's tokenizer when the
+        draft's is another or there is no draft (``target_tokenizer``, else the server's,
+        which it hands out)."""
         if target_tokenizer:
             shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
         else:
             from spececd.backends import bundle
 
-            shared = bundle.fetch(server, tokenizer_fingerprint(draft.tokenizer,
-                                                                draft.vocab_size),
-                                  tls_ca, tls_verify)
+            own = None if draft is None else tokenizer_fingerprint(draft.tokenizer,
+                                                                   draft.vocab_size)
+            shared = bundle.fetch(server, own, tls_ca, tls_verify)
         theirs, vocab = shared if shared else (None, 0)
-        return cls(draft, connect, max_context=draft.max_context, options=options,
+        if draft is None and theirs is None:
+            raise InputError(f"without a draft model the edge needs the target's tokenizer, "
+                             f"and {server} did not hand it out (gRPC cannot, nor can a "
+                             f"GGUF target): pass --target-tokenizer")
+        # Without a draft model nothing here bounds the context: the server's welcome does.
+        limit = draft.max_context if draft is not None else UNBOUNDED_CONTEXT
+        return cls(draft, connect, max_context=limit, options=options,
                    auth_token=auth_token, target_tokenizer=theirs, target_vocab=vocab)
 
     @property

@@ -20,13 +20,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from spececd.backends.base import Backend
-from spececd.cloud.scheduler import run_verifications
 from spececd.core.sampling import Constraint, Mode, SamplingParams, process_logits
 from spececd.edge.drafter import Drafter
-from spececd.grammar import ConstraintMatcher, grammars_for
-from spececd.protocol.cloud_session import VerifyRequest
+from spececd.grammar import grammars_for
 from tests.chisq import chi_square_p
+from tests.rounds import generate
 from tests.toy import EOS, ToyBackend, toy_pair
 
 pytest.importorskip("xgrammar")
@@ -38,27 +36,6 @@ REGEX = "(a|b){1,2}c?"  # the language, written out for the reference:
 REGEX_STRINGS = [x + c for x in ("a", "b", "aa", "ab", "ba", "bb") for c in ("", "c")]
 CASES = {"choice": (Constraint.of_choices(CHOICES), CHOICES),
          "regex": (Constraint("regex", REGEX), REGEX_STRINGS)}
-
-
-def generate(drafter: Drafter, target: Backend, matcher: ConstraintMatcher | None,
-             prompt: Sequence[int], params: SamplingParams, mode: Mode, k: int) -> list[int]:
-    """One generation: rounds of ``k`` drafted tokens verified by the target's pass (its
-    rows masked by ``matcher``; None: not masked), until the end-of-sequence token or
-    ``params.max_tokens``."""
-    sequence, history = target.new_sequence(), list(prompt)
-    assert params.seed is not None
-    while len(history) - len(prompt) < params.max_tokens:
-        k_now = min(k, params.max_tokens - (len(history) - len(prompt)) - 1)
-        tokens, dists = drafter.draft(history, k_now, mode, params, params.seed, 8)
-        request = VerifyRequest(0, tuple(history), tokens, dists if mode is Mode.EXACT else None,
-                                mode, params)
-        result = run_verifications(target, [(sequence, request)], [matcher]).results[0]
-        emitted = [*tokens[:result.num_accepted], result.next_token]
-        for token in emitted:
-            history.append(token)
-            if token == EOS:
-                return history[len(prompt):]
-    return history[len(prompt):]
 
 
 def target_distribution(target: ToyBackend, prompt: Sequence[int], strings: Sequence[str],

@@ -132,6 +132,24 @@ def test_greedy_is_identical_to_the_target_alone(
             assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
 
 
+@pytest.mark.parametrize("draft,proactive", [("lookup", "off"), ("suffix", "on"),
+                                             ("hybrid", "stream")])
+def test_drafts_without_a_model_are_identical_to_the_target_alone(
+        draft: str, proactive: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:
+    """Lookup in plain rounds, suffix drafting ahead of the verdicts, the hybrid in stream
+    drafting's hints; the prompts repeat themselves, so the lookups find something (in
+    rounds; whether the server is still there to take a hint is a matter of timing)."""
+    with cloud.generator(tiny_models["draft"], k="auto", proactive=proactive,
+                         draft_source=draft) as gen:
+        looked_up = 0
+        for prompt in PROMPTS[:3]:
+            ids = gen.prompt_ids(prompt * 3)
+            out = gen.generate(ids, max_tokens=30, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 30)
+            looked_up += out.stats.lookup_accepted
+        assert looked_up > 0 or proactive == "stream"
+
+
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
 def test_greedy_under_a_constraint_is_the_target_alone_constrained(
         kind: str, cloud: Cloud, tiny_models: dict[str, Path]) -> None:
@@ -228,6 +246,28 @@ def test_sampling_keeps_the_target_distribution(
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
     expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
         temperature=temperature, top_p=top_p)) * draws
+    assert chi_square_p(observed, expected) > 0.001
+
+
+@pytest.mark.parametrize("transport,draft,mode", [
+    ("memory", "lookup", "exact"), ("memory", "hybrid", "match"),
+    ("websocket", "hybrid", "exact")])  # exact: looked-up drafts' one-hot rows on the wire
+def test_looked_up_drafts_keep_the_target_distribution(
+        transport: str, draft: str, mode: str, vocab_server: ServerProcess,
+        tiny_vocab_pair: dict[str, Path]) -> None:
+    """A prompt that repeats itself, so that every round has a lookup to propose."""
+    draws, prompt, vocab = 3000, [1, 2, 3, 4, 1, 2, 3], 10
+    cloud = Cloud(transport, tiny_vocab_pair["target"],
+                  None if transport == "memory" else vocab_server)
+    with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="off",
+                         draft_source=draft) as gen:
+        chunks = gen.generate_n(prompt, draws, max_tokens=3, temperature=1.0, seed=1234,
+                                stop_token_ids=[])
+    assert sum(c.stats.lookup_drafted for c in chunks) >= draws
+    observed = np.bincount([c.token_ids[0] * vocab + c.token_ids[1] for c in chunks],
+                           minlength=vocab * vocab)
+    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
+        temperature=1.0)) * draws
     assert chi_square_p(observed, expected) > 0.001
 
 

@@ -14,6 +14,7 @@ from spececd.config import EdgeConfig
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.options import (
     FALLBACK_AFTER,
+    DraftKind,
     EdgeOptions,
     Fallback,
     Proactive,
@@ -110,7 +111,7 @@ def test_auto_chooses_against_a_server_and_is_off_in_process() -> None:
     auto = EdgeOptions()
     assert auto.resolved(remote).proactive is Proactive.AUTO
     assert auto.resolved(local).proactive is Proactive.OFF
-    stream = EdgeOptions(proactive=Proactive.STREAM)
+    stream = EdgeOptions(proactive=Proactive.STREAM, draft_source=DraftKind.MODEL)
     assert stream.resolved(remote) == stream
     assert stream.resolved(local) == stream  # the engine runs in-process
 

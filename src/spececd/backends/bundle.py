@@ -1,13 +1,14 @@
 """The target's tokenizer, shared by the server with edges whose draft has another one.
 
-An edge that drafts across two tokenizers (:mod:`spececd.edge.retokenize`) must speak the
-target's token ids, so it needs the target's tokenizer. Rather than making every user find
+An edge that drafts across two tokenizers (:mod:`spececd.edge.retokenize`), or with no
+draft model at all (lookup drafts, :mod:`spececd.edge.lookup`), must speak the target's
+token ids, so it needs the target's tokenizer. Rather than making every user find
 it, the server serves it: ``GET /v1/tokenizer/fingerprint`` (JSON, what the handshake
 compares) and ``GET /v1/tokenizer`` (a msgpack bundle: the fingerprint, the end-of-sequence
 ids and the files transformers rebuilds the tokenizer from), on the WebSocket and HTTP
 ports. The edge asks for the fingerprint when it loads; only when it differs from its
-draft's does it fetch the bundle, load it, check that the rebuilt tokenizer has exactly
-the server's fingerprint, and cache it by that fingerprint's hash
+draft's (or it has no draft) does it fetch the bundle, load it, check that the rebuilt
+tokenizer has exactly the server's fingerprint, and cache it by that fingerprint's hash
 (``$XDG_CACHE_HOME/spececd/tokenizers``, default ``~/.cache``). A GGUF target's tokenizer
 cannot be exported as transformers files: such a server answers 404, and the edge then
 needs ``--target-tokenizer``. So does an edge on gRPC, which has no plain HTTP.
@@ -61,11 +62,10 @@ def cache_dir() -> Path:
 
 
 def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:
-    """Rebuild the tokenizer of a bundle and check it is exactly ``expected``."""
-    if importlib.util.find_spec("transformers") is None:
-        raise InputError("the target has another tokenizer than the draft, and rebuilding "
-                         "it needs transformers: pip install transformers (no torch needed)")
-    from spececd.backends.hf_tokenizer import HFTokenizer
+    """Rebuild the tokenizer of a bundle and check it is exactly ``expected``: with
+    transformers where it is installed, else from its ``tokenizer.json`` with the
+    ``tokenizers`` package alone (an edge with no draft model needs no more)."""
+    from spececd.backends.hf_tokenizer import HFTokenizer, JsonTokenizer
 
     try:
         bundle: dict[str, Any] = msgpack.unpackb(data, raw=False)
@@ -74,28 +74,37 @@ def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:
     except Exception as exc:
         raise InputError(f"the server's tokenizer bundle is malformed ({exc}): pass "
                          f"--target-tokenizer") from None
-    from transformers import AutoTokenizer
+    for name in files:
+        if "/" in name or name.startswith("."):
+            raise InputError(f"the server's tokenizer bundle names a bad file {name!r}")
+    tokenizer: Tokenizer
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as folder:
-        for name, content in files.items():
-            if "/" in name or name.startswith("."):
-                raise InputError(f"the server's tokenizer bundle names a bad file {name!r}")
-            (Path(folder) / name).write_bytes(content)
-        tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(folder), eos)
-        vocab = expected.vocab_size
-        got = tokenizer_fingerprint(tokenizer, vocab)
-        if got != expected or len(tokenizer.vocab_tokens()) < vocab:
-            raise InputError(f"the server's tokenizer does not rebuild identically here "
-                             f"(hash {got.tokenizer_hash[:12]}, expected "
-                             f"{expected.tokenizer_hash[:12]}): pass --target-tokenizer")
+        with tempfile.TemporaryDirectory() as folder:
+            for name, content in files.items():
+                (Path(folder) / name).write_bytes(content)
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(folder), eos)
+    elif importlib.util.find_spec("tokenizers") is not None:
+        tokenizer = JsonTokenizer(files, eos)
+    else:
+        raise InputError("speaking the target's token ids here needs its tokenizer: pip "
+                         "install tokenizers (or transformers; no torch needed)")
+    vocab = expected.vocab_size
+    got = tokenizer_fingerprint(tokenizer, vocab)
+    if got != expected or len(tokenizer.vocab_tokens()) < vocab:
+        raise InputError(f"the server's tokenizer does not rebuild identically here "
+                         f"(hash {got.tokenizer_hash[:12]}, expected "
+                         f"{expected.tokenizer_hash[:12]}): pass --target-tokenizer")
     return tokenizer, vocab
 
 
-def fetch(server: str, own: Fingerprint, cafile: str | None = None, verify: bool = True,
-          timeout: float = 5.0) -> tuple[Tokenizer, int] | None:
-    """The server's target tokenizer when it differs from ``own`` (the draft's); None
-    when they agree, or when the server cannot say (gRPC, an older server, a GGUF
-    target, unreachable now): the handshake then decides, with its own message."""
+def fetch(server: str, own: Fingerprint | None, cafile: str | None = None,
+          verify: bool = True, timeout: float = 5.0) -> tuple[Tokenizer, int] | None:
+    """The server's target tokenizer when it differs from ``own`` (the draft's; None: the
+    edge has no draft model, and needs it); None when they agree, or when the server
+    cannot say (gRPC, an older server, a GGUF target, unreachable now): the handshake then
+    decides, with its own message."""
     scheme, _, rest = server.partition("://")
     if scheme not in HTTP_BASES:
         return None

@@ -1,9 +1,15 @@
 """A transformers tokenizer behind SpecECD's ``Tokenizer`` interface. Imports no torch:
 an edge that needs only a target's tokenizer (drafting across two tokenizers) loads it
-with :func:`load_tokenizer`."""
+with :func:`load_tokenizer`.
+
+:class:`JsonTokenizer` is the same interface over a ``tokenizer.json`` read by the
+``tokenizers`` package alone, with no transformers: what an edge with no draft model (lookup
+drafts) and no transformers speaks the target's ids with. Its chat template is rendered
+with Jinja2, in a sandbox, as transformers renders it."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,3 +83,76 @@ def eos_token_ids(model: str, tokenizer: Any, config: Any = None) -> tuple[int, 
     if eos is None:
         eos = tokenizer.eos_token_id
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+
+
+class JsonTokenizer:
+    """A tokenizer from the files a server's bundle carries (:mod:`spececd.backends.bundle`),
+    through the ``tokenizers`` package: ``tokenizer.json``, and ``tokenizer_config.json``
+    (or ``chat_template.jinja``) for the chat template and its special tokens."""
+
+    def __init__(self, files: dict[str, bytes], eos_token_ids: tuple[int, ...]) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        if "tokenizer.json" not in files:
+            raise InputError("the target's tokenizer has no tokenizer.json, which an edge "
+                             "without transformers needs: pip install transformers (no "
+                             "torch needed)")
+        self._files = dict(files)
+        self._tok = RustTokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        self.eos_token_ids = eos_token_ids
+        config = json.loads(files.get("tokenizer_config.json", b"{}") or b"{}")
+        template = config.get("chat_template")
+        if "chat_template.jinja" in files:
+            template = files["chat_template.jinja"].decode("utf-8")
+        self._template: str | None = template if isinstance(template, str) else None
+        self._specials = {name: _token_text(config.get(name))
+                          for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=bos).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def files(self) -> dict[str, bytes]:
+        return dict(self._files)
+
+    def vocab_tokens(self) -> list[str]:
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        by_id = [""] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            by_id[i] = token
+        return by_id
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int] | None:
+        if self._template is None:
+            return None
+        if tools and not takes_tools(self._template):
+            raise no_tools_error()
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise InputError("rendering the target's chat template needs jinja2 (pip install "
+                             "jinja2) or transformers") from None
+
+        def raise_exception(message: str) -> None:
+            raise InputError(f"the model's chat template refused these messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(
+            value, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        text = env.from_string(self._template).render(
+            messages=messages, tools=tools or None, add_generation_prompt=True,
+            **self._specials)
+        return self.encode(text, bos=False)  # the template writes its own start tokens
+
+
+def _token_text(value: object) -> str:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken's
+    ``content``."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""

@@ -54,12 +54,17 @@ class ReplayDrafter:
     corrupted position by position."""
 
     forced = 0  # no constraint forces anything here
+    looked_up = 0
 
     def __init__(self, prompt: Sequence[int], trace: Sequence[int], acceptance: float,
                  vocab: int, seed: int) -> None:
         self.prompt, self.trace = list(prompt), list(trace)
         self.acceptance, self.vocab = acceptance, vocab
         self.rng = random.Random(seed)
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        return ()
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
               f"; each prompt also runs as the "
               f"{name}, for comparison"
               + (f"\n{COLOURS['draft']}drafted and accepted{RESET} · "
+                 f"{COLOURS['lookup']}looked up and accepted{RESET} · "
                  + (f"{COLOURS['forced']}forced by the constraint{RESET} · "
                     if kwargs.get("constraint") is not None else "")
                  + f"{COLOURS['target']}supplied by the target{RESET}" if colour else ""))

@@ -23,7 +23,7 @@ from spececd import config
 from spececd.backends.registry import EXTRAS, RUNTIME_NAMES, installed, model_format
 from spececd.config import EdgeConfig, parse_logit_bias
 from spececd.core.sampling import Mode, SamplingParams
-from spececd.edge.options import EdgeOptions, Fallback, Proactive
+from spececd.edge.options import DraftKind, EdgeOptions, Fallback, Proactive
 from spececd.errors import InputError
 
 if TYPE_CHECKING:
@@ -179,6 +179,15 @@ def add_prompt_options(p: argparse.ArgumentParser, healing: bool | None = None) 
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
+    g.add_argument("--draft", "--draft-source", dest="draft_source",
+                   choices=[kind.value for kind in DraftKind],
+                   help="where drafts come from: model (the draft model); lookup (the "
+                   "longest recent suffix of the text, found earlier in the prompt and the "
+                   "output, proposes what followed it: no model, no torch); suffix (a "
+                   "suffix trie of the text and this session's earlier generations, "
+                   "proposing token trees: no model); hybrid (lookup where it matches, the "
+                   "model elsewhere); default: auto = hybrid, or suffix with no draft "
+                   "model to load")
     g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
                    "measured acceptance, draft, verify and network costs (default: "
                    f"{OPTIONS.k or 'auto'})")
@@ -200,6 +209,11 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    "candidates where the draft is unsure (a server whose target has tree "
                    f"attention verifies them in one pass; default: {OPTIONS.tree_width}, "
                    "chains)")
+    g.add_argument("--lookup-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="suffix drafting (and the hybrid's) also looks up this session's "
+                   "earlier generations (an agent's repeated tool output, a chat's earlier "
+                   "answers); a seed then repeats its sampled output only in a fresh session "
+                   "(default: off)")
     g.add_argument("--constrained-drafting", action=argparse.BooleanOptionalAction,
                    default=None, help="under a constraint, draft under it too: the draft "
                    "stays valid and the tokens it forces are proposed without the draft "
@@ -265,24 +279,32 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
                        defaults=getattr(args, "edge_defaults", None))
 
 
+def needs_model(options: EdgeOptions) -> bool:
+    """Whether drafting as ``options`` say needs a draft model loaded: not for lookup
+    drafts alone."""
+    return options.draft_source not in (DraftKind.LOOKUP, DraftKind.SUFFIX)
+
+
 def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = None
                    ) -> Generator:
-    """A generator drafting with :func:`choose_draft` of ``cfg.draft_model``, which the
-    command names first, before the models load: ``{name}: draft ...`` on ``out``
-    (standard error unless given)."""
+    """A generator drafting with :func:`choose_draft` of ``cfg.draft_model`` (none when
+    it drafts by lookup alone), which the command names first, before the models load:
+    ``{name}: draft ...`` on ``out`` (standard error unless given)."""
     from spececd.generator import Generator
 
-    draft = choose_draft(cfg.draft_model, cfg.device)
-    print(f"{name}: draft {draft}", file=out or sys.stderr, flush=True)
+    draft = choose_draft(cfg.draft_model, cfg.device) if needs_model(cfg.options) else None
+    said = draft if draft is not None else f"{cfg.options.draft_source.value} (no draft model)"
+    print(f"{name}: draft {said}", file=out or sys.stderr, flush=True)
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
                                   npu=cfg.npu, options=cfg.options)
+    model = draft.model if draft is not None else None
     if cfg.server:
-        return Generator.load(draft.model, server=cfg.server,
+        return Generator.load(model, server=cfg.server,
                               auth_token=config.auth_token(cfg.auth_token_file),
                               tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify,
                               target_tokenizer=cfg.target_tokenizer or None,
                               round_timeout=cfg.round_timeout, **common)
-    return Generator.load(draft.model, cfg.target_model or default_model("target"), **common)
+    return Generator.load(model, cfg.target_model or default_model("target"), **common)
 
 
 def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None

@@ -17,8 +17,8 @@ from spececd.core.stats import GenerationStats
 if TYPE_CHECKING:
     from spececd.generator import Generator
 
-COLOURS = {"draft": "\033[32m", "forced": "\033[36m", "target": "\033[1;33m",
-           "fallback": "\033[2;31m"}
+COLOURS = {"draft": "\033[32m", "forced": "\033[36m", "lookup": "\033[35m",
+           "target": "\033[1;33m", "fallback": "\033[2;31m"}
 RESET = "\033[0m"
 
 
@@ -55,6 +55,9 @@ def summary_line(stats: GenerationStats) -> str:
     line = (f"{stats.tokens_per_s:.1f} tokens/s · acceptance {stats.acceptance_rate:.1%} · "
             f"mean accepted length {stats.mean_accepted_len:.2f} · {stats.generated} tokens "
             f"in {stats.wall_s:.2f} s")
+    if stats.lookup_drafted:
+        line += (f" · lookup: {stats.lookup_accepted} of its {stats.lookup_drafted} proposed "
+                 f"tokens kept")
     if stats.auto_stream_tokens:
         line += f" · {stats.auto_stream_tokens} by stream drafting (auto: faster on this link)"
     if stats.auto_plain_tokens:

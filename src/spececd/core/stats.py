@@ -53,6 +53,10 @@ class GenerationStats:
     # emitted tokens that were drafted because a constraint allowed no other, proposed
     # without a draft model step (jump-forward drafting; ``draft_steps`` does not count them)
     forced_tokens: int = 0
+    # drafts that need no model (lookup, suffix, the hybrid's lookup): tokens they proposed
+    # (``draft_steps`` does not count them), and of the emitted tokens, those they proposed
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     # accepted_by_position[i]: rounds whose drafted token i was accepted;
     # drafted_by_position[i]: rounds that drafted a token at position i.
     accepted_by_position: list[int] = field(default_factory=list)
@@ -84,7 +88,7 @@ class GenerationStats:
                      "bytes_received", "reconnects",
                      "fallback_tokens", "proactive_rounds", "proactive_hits",
                      "auto_stream_tokens", "auto_plain_tokens", "tree_siblings", "target_passes",
-                     "forced_tokens"):
+                     "forced_tokens", "lookup_drafted", "lookup_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.fallback = self.fallback or other.fallback
         self.lossy = self.lossy or other.lossy
@@ -138,6 +142,8 @@ class GenerationStats:
             "tree_siblings": self.tree_siblings,
             "target_passes": self.target_passes,
             "forced_tokens": self.forced_tokens,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0
                 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)

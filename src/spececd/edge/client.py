@@ -27,6 +27,7 @@ from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
 from spececd.edge.options import Fallback, Proactive, Reconnect, Resolved
+from spececd.edge.sources import DraftSources
 from spececd.edge.strategies import (
     Adaptive,
     BlockAhead,
@@ -51,15 +52,17 @@ PROBE_EVERY = 1.0
 
 
 class EdgeClient:
-    """Generates with ``drafter`` against the verifier ``connect`` reaches. Each
+    """Generates against the verifier ``connect`` reaches, drafting with ``drafter`` (the
+    draft model's source; None: no draft model here) or a model-free source, as each
+    generation's options say (:class:`~spececd.edge.sources.DraftSources`). Each
     generation's resolved options (:class:`~spececd.edge.options.Resolved`) choose the
     strategy; with ``Proactive.AUTO`` the client measures which of block-ahead rounds and
     stream drafting is faster on its link (:class:`Adaptive`), learning across its
     generations."""
 
-    def __init__(self, drafter: DraftSource, connect: Callable[[], Transport],
+    def __init__(self, drafter: DraftSource | None, connect: Callable[[], Transport],
                  fingerprint: Fingerprint, max_context: int, auth_token: str = "") -> None:
-        self.drafter = drafter
+        self.sources = DraftSources(drafter)
         self.fingerprint = fingerprint
         self.max_context = max_context
         self.auth_token = auth_token
@@ -81,8 +84,10 @@ class EdgeClient:
         what each exchange emits. ``cloud_only``: the verifier generates every token (a
         baseline)."""
         params = run.params
+        drafter = self.sources.get(run.options.draft_source, run.options.lookup_memory)
         out = Emitter(prompt_ids, params, stats, self.max_context,
-                      self.drafter.forced_among if params.constraint is not None else None)
+                      drafter.forced_among if params.constraint is not None else None,
+                      drafter.looked_up_among)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting
         strategy: Strategy | None = None
@@ -90,7 +95,7 @@ class EdgeClient:
         try:
             while True:
                 try:
-                    strategy = self._strategy(out, run, stats, cloud_only, probe)
+                    strategy = self._strategy(drafter, out, run, stats, cloud_only, probe)
                     yield from self._run(strategy, out)
                     finished = True
                     return
@@ -101,7 +106,7 @@ class EdgeClient:
                     log.warning("the verifier is unreachable: generating with the draft model "
                                 "alone (unverified, marked as such) until it answers again")
                 out.fall_back(self.max_context)
-                if (yield from self._draft_alone(out, params, stats)):
+                if (yield from self._draft_alone(drafter, out, params, stats)):
                     finished = True
                     return
                 probe = True
@@ -112,11 +117,12 @@ class EdgeClient:
                 # its next frames belong to no generation, so this connection ends here.
                 self.link.drop()
 
-    def _draft_alone(self, out: Emitter, params: SamplingParams, stats: GenerationStats
-                     ) -> Generator[RoundOutput, None, bool]:
+    def _draft_alone(self, drafter: DraftSource, out: Emitter, params: SamplingParams,
+                     stats: GenerationStats) -> Generator[RoundOutput, None, bool]:
         """The draft alone for :data:`PROBE_EVERY` seconds (the verifier is unreachable);
-        True when that finished the generation."""
-        alone = DraftAlone(self.drafter, params, stats)
+        True when that finished the generation. The draft model where there is one, else
+        ``drafter`` (a lookup, which may find nothing to go on with)."""
+        alone = DraftAlone(self.sources.model or drafter, params, stats)
         until = time.monotonic() + PROBE_EVERY
         while time.monotonic() < until:
             for piece in alone.step(out):
@@ -135,8 +141,8 @@ class EdgeClient:
                 if emitted.finished:
                     return
 
-    def _strategy(self, out: Emitter, run: Resolved, stats: GenerationStats,
-                  cloud_only: bool, probe: bool = False) -> Strategy:
+    def _strategy(self, drafter: DraftSource, out: Emitter, run: Resolved,
+                  stats: GenerationStats, cloud_only: bool, probe: bool = False) -> Strategy:
         """Greet the verifier and set up the strategy ``run``'s options choose. ``probe``:
         the verifier was unreachable, and the draft generates alone: try it once, and
         continue verified if it answers."""
@@ -168,7 +174,7 @@ class EdgeClient:
         # hello carries it either way (the verifier masks).
         drafting = params if options.constrained_drafting else dataclasses.replace(
             params, constraint=None)
-        work = Work(self.drafter, self.link, session, mode, drafting, stats,
+        work = Work(drafter, self.link, session, mode, drafting, stats,
                     options.max_support, options.tree_width)
         k_max = options.draft_limit(welcome.max_draft)
         if cloud_only:

@@ -111,15 +111,29 @@ class Tree:
 
 
 class DraftSource(Protocol):
-    """What the edge loop drafts with: :class:`Drafter`, or a
+    """What the edge loop drafts with: :class:`Drafter`, a
     :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer
-    (which drafts chains only: its ``tree`` is its chain). ``forced``: the tokens drafted
-    so far that a constraint forced, proposed without the draft model."""
+    (which drafts chains only: its ``tree`` is its chain), the model-free sources of
+    :mod:`spececd.edge.lookup`, or a :class:`~spececd.edge.sources.HybridDraft` of both.
+    ``forced``: the tokens drafted so far that a constraint forced, proposed without the
+    draft model; ``looked_up``: those proposed by lookup, also without it."""
 
-    forced: int
+    @property
+    def forced(self) -> int: ...
+
+    @property
+    def looked_up(self) -> int: ...
 
     def forced_among(self, history: Sequence[int], tokens: Sequence[int]
-                     ) -> tuple[int, ...]: ...
+                     ) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) this source proposed
+        because a constraint allowed no other token."""
+        ...
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) this source looked up."""
+        ...
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
@@ -138,6 +152,7 @@ class Drafter:
         self.sequence = backend.new_sequence()
         self.lock = lock or threading.Lock()
         self.forced = 0
+        self.looked_up = 0  # a model drafts: nothing is looked up
         self._matcher: ConstraintMatcher | None = None
         self._warned = False  # about a history the constraint refuses (said once)
         # Under a constraint: the last call's history and chain, and the positions in
@@ -167,6 +182,10 @@ class Drafter:
             return ()
         same = common_prefix(lineage[start:], tokens)
         return tuple(i for i in range(same) if start + i in self._forced_at)
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        return ()
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int

@@ -7,8 +7,9 @@ the authoritative token history, applies stop tokens and ``max_tokens`` exactly
 or when the server says it is done, counts what was emitted, records each verified round's
 acceptance up to the end of the text (drafted tokens past a stop token are no part of the
 output, so they count neither as drafted nor as accepted), and marks output that was never
-verified, and which accepted drafts a constraint forced (the drafter knows:
-:meth:`~spececd.edge.drafter.Drafter.forced_among`). Log-probabilities, where asked,
+verified, which accepted drafts a constraint forced and which were looked up (the draft
+source knows: :meth:`~spececd.edge.drafter.DraftSource.forced_among`,
+:meth:`~spececd.edge.drafter.DraftSource.looked_up_among`). Log-probabilities, where asked,
 follow their tokens through the same clipping; the prompt's are handed on once, the first
 time a reply brings them. Strategies read the history and the budget from it and never
 emit themselves.
@@ -54,18 +55,23 @@ class RoundOutput:
     prompt_logprobs: Logprobs | None = None
     # The indices of the accepted drafts that a constraint forced (no draft model step).
     forced: tuple[int, ...] = ()
+    # The indices of the accepted drafts that were looked up (no draft model step).
+    looked_up: tuple[int, ...] = ()
 
 
-# The indices of ``tokens``, emitted after ``history``, that a constraint forced as drafted.
+# The indices of ``tokens``, emitted after ``history``, that a constraint forced as drafted
+# (or that were looked up).
 ForcedAmong = Callable[[Sequence[int], Sequence[int]], tuple[int, ...]]
 
 
 class Emitter:
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
                  stats: GenerationStats, max_context: int,
-                 forced_among: ForcedAmong | None = None) -> None:
+                 forced_among: ForcedAmong | None = None,
+                 looked_up_among: ForcedAmong | None = None) -> None:
         self.history = list(prompt_ids)
         self.forced_among = forced_among
+        self.looked_up_among = looked_up_among
         self.prompt_len = len(self.history)
         self.prompt_logprobs_sent = False
         self.params, self.stats = params, stats
@@ -101,6 +107,9 @@ class Emitter:
         forced = (self.forced_among(self.history, out[:from_draft])
                   if from_draft and self.forced_among is not None else ())
         self.stats.forced_tokens += len(forced)
+        looked_up = (self.looked_up_among(self.history, out[:from_draft])
+                     if from_draft and self.looked_up_among is not None else ())
+        self.stats.lookup_accepted += len(looked_up)
         self.history.extend(piece.tokens)
         self.generated += len(out)
         self.stats.generated += len(out)
@@ -121,4 +130,4 @@ class Emitter:
             self.prompt_logprobs_sent = True
         logprobs = piece.logprobs.rows(0, len(out)) if piece.logprobs is not None else None
         return RoundOutput(tuple(out), from_draft, finished, self.unverified, logprobs, prompt,
-                           forced)
+                           forced, looked_up)

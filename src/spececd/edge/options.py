@@ -50,6 +50,17 @@ class Proactive(str, enum.Enum):
     STREAM = "stream"  # the server generates; drafts stream ahead of it as hints
 
 
+class DraftKind(str, enum.Enum):
+    """Where drafts come from (:mod:`spececd.edge.sources`)."""
+
+    # Hybrid where a draft model is loaded, else suffix drafting (EdgeOptions.resolved).
+    AUTO = "auto"
+    MODEL = "model"  # the draft model
+    LOOKUP = "lookup"  # n-gram lookup in the prompt and the text so far (no model)
+    SUFFIX = "suffix"  # a suffix trie of the text and earlier generations (no model)
+    HYBRID = "hybrid"  # lookup where it matches, the draft model elsewhere
+
+
 class Fallback(str, enum.Enum):
     """What to do when the verifier stays unreachable."""
 
@@ -70,6 +81,7 @@ class Reconnect:
 @dataclass(frozen=True)
 class EdgeOptions:
     mode: Mode = Mode.EXACT
+    draft_source: DraftKind = DraftKind.AUTO  # where drafts come from
     k: int | None = None  # drafted tokens per round; None ("auto"): chosen each round
     k_max: int = 8  # the longest draft "auto" may choose; stream drafting's lookahead
     proactive: Proactive = Proactive.AUTO
@@ -78,13 +90,17 @@ class EdgeOptions:
     reconnect: Reconnect = Reconnect()
     threshold: float = 0.0  # threshold mode (LOSSY) only, in (0, 1]; 0 otherwise
     tree_width: int = 1  # candidates per drafted position (1: chains; > 1: token trees)
+    # Suffix drafting (the hybrid's too) also draws on the session's earlier generations.
+    # Off by default: a draft then depends on the history alone, so that a seed repeats its
+    # output in exact mode (any draft is lossless; which one shapes a seed's sample).
+    lookup_memory: bool = False
     # Under a constraint, draft under it too (its forced tokens cost no draft step); off,
     # the draft runs unconstrained and the verifier's mask alone keeps the output valid.
     constrained_drafting: bool = True
 
     def __post_init__(self) -> None:  # options built directly get the settings' checks
-        for name in ("mode", "k", "proactive", "max_support", "fallback", "threshold",
-                     "tree_width", "constrained_drafting"):
+        for name in ("mode", "draft_source", "k", "proactive", "max_support", "fallback",
+                     "threshold", "tree_width", "lookup_memory", "constrained_drafting"):
             parse_setting(name, getattr(self, name))
         parse_setting("reconnect_attempts", self.reconnect.attempts)
         parse_setting("reconnect_delay", self.reconnect.delay)
@@ -111,15 +127,25 @@ class EdgeOptions:
           ways: the in-process verifier runs on its own event loop, like a server.
         - across two tokenizers, exact verification (which needs the draft's distribution
           over the target's ids) is replaced by match, which needs ids only.
+        - ``draft_source="auto"``: hybrid where a draft model is loaded (lookup where it matches,
+          the model elsewhere: as many target passes as the model alone, or fewer on text
+          that repeats, for a third fewer draft steps), else suffix drafting; a draft that
+          needs a model where none is loaded is an error.
         """
-        proactive, mode = self.proactive, self.mode
+        proactive, mode, draft = self.proactive, self.mode, self.draft_source
+        if draft is DraftKind.AUTO:
+            draft = DraftKind.HYBRID if site.draft_model else DraftKind.SUFFIX
+        elif draft in (DraftKind.MODEL, DraftKind.HYBRID) and not site.draft_model:
+            raise InputError(f"draft {draft.value} needs a draft model, and none is loaded "
+                             f"here: load one (--draft-model), or draft without one "
+                             f"(lookup or suffix)")
         if proactive is Proactive.AUTO and site.in_process:
             proactive = Proactive.OFF
         elif proactive is Proactive.AUTO and mode is Mode.THRESHOLD:
             proactive = Proactive.ON
         if site.cross and mode is Mode.EXACT:
             mode = Mode.MATCH
-        return dataclasses.replace(self, proactive=proactive, mode=mode)
+        return dataclasses.replace(self, proactive=proactive, mode=mode, draft_source=draft)
 
     def session_mode(self, streams: bool) -> tuple[Mode, float]:
         """The mode a session verifies in, and its threshold (0 but in threshold mode):
@@ -243,12 +269,14 @@ def _reconnect(value: object) -> object:
 # --flags, and Generator.load's keywords (``reconnect`` is the API's alone).
 SETTINGS: dict[str, Callable[[object], object]] = {
     "mode": _choice(Mode, "mode"),
+    "draft_source": _choice(DraftKind, "draft-source"),
     "threshold": _threshold,
     "k": parse_k,
     "proactive": _proactive,
     "max_support": _number(int, "max-support", low=1),
     "tree_width": _number(int, "tree-width", low=1),
     "constrained_drafting": _switch("constrained-drafting"),
+    "lookup_memory": _switch("lookup-memory"),
     "fallback": _choice(Fallback, "fallback"),
     "reconnect_attempts": lambda value: None if value is None or (
         isinstance(value, str) and value.strip().lower() == "unlimited") else _number(
@@ -273,6 +301,7 @@ class Site:
 
     in_process: bool  # the verifier runs in this process (else: on a server)
     cross: bool = False  # the draft's tokenizer is not the target's
+    draft_model: bool = True  # a draft model is loaded (else only lookup drafts)
     vocab_size: int = 0  # the target's vocabulary: token ids a setting may name
     eos_token_ids: tuple[int, ...] = ()  # the stop tokens when none are given
 

@@ -35,6 +35,7 @@ class CrossDrafter:
     drafts unconstrained (the verifier masks), so it forces nothing."""
 
     forced = 0
+    looked_up = 0
 
     def __init__(self, backend: Backend, target: Tokenizer,
                  lock: threading.Lock | None = None) -> None:
@@ -44,6 +45,10 @@ class CrossDrafter:
 
     def forced_among(self, history: Sequence[int], tokens: Sequence[int]
                      ) -> tuple[int, ...]:
+        return ()
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
         return ()
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,

@@ -71,17 +71,24 @@ class Work:
 
     def draft(self, history: Sequence[int], k: int) -> Block:
         assert self.params.seed is not None
-        before = self.drafter.forced
+        before = self.free()
         block = self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
                                    self.max_support)
-        self.count_forced(before)
+        self.count_free(before)
         return block
 
-    def count_forced(self, before: int) -> None:
-        """Uncount the tokens a constraint forced since the drafter had forced ``before``:
-        callers count every drafted token as a draft step, and these were none (the
-        emitter counts those the output kept)."""
-        self.stats.draft_steps -= self.drafter.forced - before
+    def free(self) -> tuple[int, int]:
+        """What the drafter has proposed without a model step so far: tokens a constraint
+        forced, and tokens looked up."""
+        return self.drafter.forced, self.drafter.looked_up
+
+    def count_free(self, before: tuple[int, int]) -> None:
+        """Uncount the tokens proposed without a model step since :meth:`free` was
+        ``before``: callers count every drafted token as a draft step, and these were none
+        (the emitter counts those the output kept). Count the looked-up ones as such."""
+        forced, looked_up = self.free()
+        self.stats.draft_steps -= forced - before[0] + looked_up - before[1]
+        self.stats.lookup_drafted += looked_up - before[1]
 
     def tree(self, history: Sequence[int], k: int, room: int, policy: DraftLengthPolicy
              ) -> Tree:
@@ -93,10 +100,10 @@ class Work:
             return Tree.of_chain(*self.draft(history, k))
         assert self.params.seed is not None
         shape = policy.tree_shape(k, width, max(k, min(k * width, welcome.max_draft, room)))
-        before = self.drafter.forced
+        before = self.free()
         tree = self.drafter.tree(history, k, shape, self.mode, self.params, self.params.seed,
                                  self.max_support)
-        self.count_forced(before)
+        self.count_free(before)
         return tree
 
 
@@ -374,10 +381,10 @@ class StreamDrafting(CloudOnly):
         # candidates per depth they carried.
         shape = hint_shape(work.tree_width, n, len(self.draft), self.kept.value,
                            self.step_fit.slope / self.breadth.value, self.server_step.value)
-        before = work.drafter.forced
+        before = work.free()
         tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
                                  work.max_support)
-        work.count_forced(before)
+        work.count_free(before)
         self.breadth.update(len(tree.tokens) / max(1, len(tree.chain)))
         return tree.trunk().tokens, tree.siblings()
 

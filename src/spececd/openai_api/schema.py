@@ -3,7 +3,8 @@
 Fields follow OpenAI's API reference; vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ``logprobs_mode``,
 per request here, where vLLM sets it for the whole engine) and SpecECD's own
-(``k``, ``mode``, ``proactive``, ``cloud_only``; for completions, ``token_healing``) sit
+(``k``, ``mode``, ``proactive``, ``draft_source``, ``cloud_only``; for completions,
+``token_healing``) sit
 beside them in the body, the way vLLM
 takes its extras. An unknown field is refused (``extra="forbid"``), and so is a known one
 SpecECD cannot honour (:func:`unsupported`), each with a message that names the field.
@@ -20,8 +21,9 @@ vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 Nothing here is decided twice: the sampling defaults and ranges are
 :class:`~spececd.core.sampling.SamplingParams`' (OpenAI's own ``temperature`` ceiling of
 2 and its ``max_tokens`` of 16 for completions aside), and the names ``mode`` and
-``proactive`` take are the values of :class:`~spececd.core.sampling.Mode` (its lossless
-ones) and :class:`~spececd.edge.options.Proactive`.
+``proactive`` and ``draft_source`` take are the values of :class:`~spececd.core.sampling.Mode` (its
+lossless ones), :class:`~spececd.edge.options.Proactive` and
+:class:`~spececd.edge.options.DraftKind`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from spececd.core.sampling import (
     Mode,
     SamplingParams,
 )
-from spececd.edge.options import Proactive
+from spececd.edge.options import DraftKind, Proactive
 from spececd.errors import InputError
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
@@ -51,10 +53,12 @@ TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 if TYPE_CHECKING:
     ModeName: TypeAlias = str
     ProactiveName: TypeAlias = str
+    DraftName: TypeAlias = str
     LogprobsModeName: TypeAlias = str
 else:  # the enums' values, as literals: the OpenAPI document lists them
     ModeName = Literal[tuple(mode.value for mode in Mode if not mode.lossy)]
     ProactiveName = Literal[tuple(choice.value for choice in Proactive)]
+    DraftName = Literal[tuple(kind.value for kind in DraftKind)]
     LogprobsModeName = Literal[LOGPROBS_MODES]
 
 
@@ -133,6 +137,7 @@ class Sampling(BaseModel):
     k: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     mode: ModeName | None = None
     proactive: ProactiveName | None = None
+    draft_source: DraftName | None = None  # where drafts come from (default: the server's)
     cloud_only: bool | None = None  # the server generates alone (default: the server's)
     # Constraints: OpenAI's, vLLM's, vLLM's older (see the module docstring).
     response_format: ResponseFormat | None = None

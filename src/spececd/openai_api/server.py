@@ -171,6 +171,7 @@ def speculative(stats: GenerationStats, cloud_only: bool) -> dict[str, Any]:
         "rounds": stats.rounds, "network_s": d["network_s"], "verify_s": d["verify_s"],
         "draft_s": d["draft_s"], "tokens_per_s": d["tokens_per_s"],
         "forced_tokens": stats.forced_tokens,
+        "lookup_drafted": stats.lookup_drafted, "lookup_accepted": stats.lookup_accepted,
         "fallback": stats.fallback, "fallback_tokens": stats.fallback_tokens,
         "lossy": stats.lossy, "cloud_only": cloud_only,
     }
@@ -309,7 +310,8 @@ class Api:
         ``prompt_texts``: what echo puts before each prompt's completions; ``heal_texts``:
         each prompt's text where it is to be healed."""
         options = self.gen.options.with_settings(k=body.k, mode=body.mode,
-                                                 proactive=body.proactive)
+                                                 proactive=body.proactive,
+                                                 draft_source=body.draft_source)
         context = self.gen.max_context
         longest = max(len(ids) for ids in prompts)
         room = context - longest
@@ -394,7 +396,8 @@ class Api:
                     choice.token_ids.extend(item.token_ids)
                     choice.logprobs.extend(item.logprobs or (None,) * len(item.token_ids))
                     choice.from_draft += (len(item.token_ids)
-                                          if item.source in ("draft", "forced") else 0)
+                                          if item.source in ("draft", "forced", "lookup")
+                                          else 0)
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item
         finally:

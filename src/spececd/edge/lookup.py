@@ -1,0 +1,380 @@
+"""Drafts that need no model: they look the continuation up in text already seen.
+
+Much of what people generate copies text they already have (code edits, answers that quote
+their sources, JSON that re-emits its input, an agent repeating a tool's output), and
+small models repeat themselves. Such text is drafted for free: where the last few tokens
+occurred before, propose what followed them there.
+
+- :class:`NgramLookup` (prompt lookup, as transformers' ``prompt_lookup_num_tokens`` and
+  vLLM's ``ngram`` method): the longest suffix of the history, ``min_ngram`` to
+  ``max_ngram`` tokens, found at its most recent earlier place in the history (prompt and
+  generation), proposes the tokens that followed it. A chain.
+- :class:`SuffixDraft` (suffix drafting, as SuffixDecoding): a :class:`SuffixTrie` of every
+  stretch of up to ``depth`` tokens of the history, and, with ``memory``, of this source's
+  earlier generations, counting how often each continuation followed. The longest suffix
+  of the history found there proposes its most frequent continuation as the chain, and
+  other continuations become siblings where the round's tree shape finds them worth their
+  place (their share of the counts standing for the draft's probability): a token tree.
+
+Both meet the edge's :class:`~spececd.edge.drafter.DraftSource` contract. Their drafts
+are deterministic functions of the history, so in ``exact`` mode each drafted token is
+reported with a one-hot distribution: the verifier's rejection rule then accepts it with
+the target's probability and draws a correction from the rest, which is lossless with no
+special case in :func:`~spececd.core.verify.verify`. They read nothing of the sampling
+parameters: penalties, biases, healing and constraints are the verifier's to apply, and a
+draft they rule out is rejected, never emitted. Where nothing matches they propose
+nothing, and the round costs what the verifier's own token costs.
+
+Each source remembers which positions of the history it proposed
+(:meth:`looked_up_among`), so the output can say which accepted tokens were looked up.
+Pure Python and numpy: no torch, no model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from spececd.core.policy import TreeShape
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.edge.drafter import Tree
+from spececd.protocol.session import common_prefix
+
+MAX_NGRAM = 4  # the longest suffix prompt lookup matches
+MIN_NGRAM = 2  # the shortest: one token matches too often to be worth a verified position
+TRIE_DEPTH = 24  # suffix drafting: the longest stretch the trie indexes
+MAX_MATCH = 12  # ... and the longest suffix it matches, leaving room to continue
+MIN_MATCH = 2
+MEMORY_TOKENS = 1 << 16  # earlier generations' tokens a suffix draft keeps at most
+
+
+def one_hot(token: int) -> SparseProbs:
+    """The distribution a deterministic draft of ``token`` was drawn from."""
+    return SparseProbs(np.array([token], dtype=np.int64), np.array([1.0], dtype=np.float32))
+
+
+def reported(tokens: Sequence[int], mode: Mode, params: SamplingParams
+             ) -> tuple[SparseProbs, ...] | None:
+    """What a deterministic draft reports of ``tokens``: one-hot distributions where the
+    verifier needs distributions (exact mode, sampling), else nothing."""
+    if mode is Mode.EXACT and not params.greedy:
+        return tuple(one_hot(t) for t in tokens)
+    return None
+
+
+class Proposals:
+    """The positions of the history a source proposed, to say which emitted tokens were
+    looked up. Positions past the history a call starts from are forgotten then: they were
+    proposals of a round the history no longer holds."""
+
+    def __init__(self) -> None:
+        self.lineage: list[int] = []  # the last call's history and draft
+        self.at: set[int] = set()  # positions in it that were proposed by lookup
+        self.count = 0  # tokens proposed so far
+
+    def record(self, history: Sequence[int], tokens: Sequence[int],
+               looked: int | None = None) -> None:
+        """A draft of ``tokens`` after ``history``, whose first ``looked`` (default: all)
+        were looked up."""
+        kept = common_prefix(self.lineage, history)
+        self.at = {p for p in self.at if p < kept}
+        start, looked = len(history), len(tokens) if looked is None else looked
+        self.at.update(range(start, start + looked))
+        self.lineage = [*history, *tokens]
+        self.count += looked
+
+    def among(self, history: Sequence[int], tokens: Sequence[int]) -> tuple[int, ...]:
+        if not self.at:
+            return ()
+        start, lineage = len(history), self.lineage
+        if common_prefix(lineage, history) < start:
+            return ()
+        same = common_prefix(lineage[start:], tokens)
+        return tuple(i for i in range(same) if start + i in self.at)
+
+
+class NgramLookup:
+    """Prompt lookup (module docstring): chains only, from the most recent match of the
+    longest suffix. ``match_len`` after a call: the length of the suffix it matched (0:
+    none)."""
+
+    forced = 0  # no constraint forces anything here
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.match_len = 0
+        self._proposals = Proposals()
+
+    @property
+    def looked_up(self) -> int:
+        """Tokens proposed so far."""
+        return self._proposals.count
+
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        return ()
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) this source proposed."""
+        return self._proposals.among(history, tokens)
+
+    def propose(self, history: Sequence[int], k: int, shape: TreeShape | None = None,
+                prompt_len: int = 0) -> Tree:
+        """A chain of up to ``k`` tokens that followed the longest matching suffix of
+        ``history``, continued through the text it proposes where that runs out (a
+        repeating pattern goes on repeating). Sets :attr:`match_len`. (``shape`` and
+        ``prompt_len``: unused, as :meth:`SuffixDraft.propose` takes them.)"""
+        text = np.asarray(history, dtype=np.int64)
+        out: list[int] = []
+        self.match_len = 0
+        while len(out) < k:
+            found = _match(text, self.min_ngram, self.max_ngram)
+            if found is None:
+                break
+            start, n = found
+            if not out:
+                self.match_len = n
+            more = text[start:start + k - len(out)]
+            out.extend(int(t) for t in more)
+            text = np.concatenate([text, more])
+        return Tree.of_chain(tuple(out), None)
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        """Up to ``k`` looked-up tokens after ``history`` (none where nothing matches),
+        reported one-hot in exact mode."""
+        tokens = self.propose(history, k).tokens
+        self._proposals.record(history, tokens)
+        return tokens, reported(tokens, mode, params)
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        """A chain: one match proposes one continuation."""
+        return Tree.of_chain(*self.draft(history, k, mode, params, seed, max_support))
+
+
+def _match(text: np.ndarray, min_n: int, max_n: int) -> tuple[int, int] | None:
+    """Where the continuation of the longest suffix of ``text`` ``[L]`` (``min_n`` to
+    ``max_n`` tokens) starts at its most recent earlier occurrence, and the suffix's
+    length; None when no suffix of ``min_n`` tokens occurs earlier."""
+    size = text.size
+    if size <= min_n:
+        return None
+    # Candidate ends: earlier places of the last token with a token after them.
+    ends = np.flatnonzero(text[:size - 1] == text[size - 1])
+    if ends.size == 0:
+        return None
+    length = np.ones(ends.size, dtype=np.int64)  # how far each candidate matches backwards
+    alive = np.ones(ends.size, dtype=bool)
+    for d in range(1, min(max_n, size - 1)):
+        alive &= ends - d >= 0
+        alive[alive] &= text[ends[alive] - d] == text[size - 1 - d]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return None
+    end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
+    return end + 1, best
+
+
+class _Node:
+    __slots__ = ("children", "count", "parent", "token")
+
+    def __init__(self, parent: _Node | None, token: int) -> None:
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.parent, self.token = parent, token
+
+
+class SuffixTrie:
+    """Every stretch of up to ``depth`` tokens of a text, with how often it occurs: the
+    node reached by a stretch has the tokens that followed it as children, counted.
+    :meth:`append` and :meth:`pop` add or remove the text's last token in ``O(depth)``, so
+    the trie follows a history that grows and rolls back."""
+
+    def __init__(self, depth: int = TRIE_DEPTH) -> None:
+        if depth < 2:
+            raise ValueError(f"a suffix trie needs depth >= 2, got {depth}")
+        self.depth = depth
+        self.root = _Node(None, -1)
+        self.tokens: list[int] = []
+        # For each position, the nodes its token was counted in (the stretches ending
+        # there, shortest first): what popping it un-counts, and, but the deepest, where
+        # the next token's stretches continue.
+        self._ends: list[list[_Node]] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        heads = [self.root, *(self._ends[-1][:self.depth - 1] if self._ends else [])]
+        ends = []
+        for node in heads:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node(node, token)
+            child.count += 1
+            ends.append(child)
+        self.tokens.append(token)
+        self._ends.append(ends)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def pop(self) -> None:
+        for node in self._ends.pop():
+            node.count -= 1
+            if node.count == 0:
+                assert node.parent is not None
+                del node.parent.children[node.token]
+        self.tokens.pop()
+
+    def sync(self, history: Sequence[int]) -> int:
+        """Make the indexed text ``history``: pop what it no longer holds, append the rest.
+        Returns how many tokens were kept."""
+        kept = common_prefix(self.tokens, history)
+        while len(self.tokens) > kept:
+            self.pop()
+        self.extend(history[kept:])
+        return kept
+
+    def find(self, context: Sequence[int], max_len: int, min_len: int
+             ) -> tuple[_Node, int] | None:
+        """The node of the longest suffix of ``context`` (``min_len`` to ``max_len``
+        tokens) that occurs here with a continuation, and its length; None if none does."""
+        for n in range(min(max_len, len(context), self.depth - 1), min_len - 1, -1):
+            node: _Node | None = self.root
+            for token in context[len(context) - n:]:
+                assert node is not None
+                node = node.children.get(token)
+                if node is None:
+                    break
+            if node is not None and _top(node):
+                return node, n
+        return None
+
+
+def _top(node: _Node) -> list[_Node]:
+    """``node``'s continuations, most frequent first (ties: the smaller token, so that a
+    draft is a function of the text alone); a generation's end in memory is none."""
+    return sorted((c for c in node.children.values() if c.token >= 0),
+                  key=lambda c: (-c.count, c.token))
+
+
+class SuffixDraft:
+    """Suffix drafting (module docstring): a chain along the most frequent continuation,
+    and siblings where the round's tree shape finds them worth it. ``memory``: also draw on
+    this source's earlier generations (up to :data:`MEMORY_TOKENS` of them; a generation
+    counts as ended when a later call's history leaves its prompt). With memory, what is
+    drafted depends on more than the history, so in exact mode a seed's sample does too
+    (the distribution never does)."""
+
+    forced = 0
+
+    def __init__(self, depth: int = TRIE_DEPTH, max_match: int = MAX_MATCH,
+                 min_match: int = MIN_MATCH, memory: bool = False) -> None:
+        if not 1 <= min_match <= max_match < depth:
+            raise ValueError(f"need 1 <= min_match <= max_match < depth, got {min_match}, "
+                             f"{max_match}, {depth}")
+        self.max_match, self.min_match = max_match, min_match
+        self.live = SuffixTrie(depth)  # the history: the prompt and the generation so far
+        self.memory = SuffixTrie(depth) if memory else None  # earlier generations
+        self.match_len = 0
+        self._prompt_len = 0
+        self._proposals = Proposals()
+
+    @property
+    def looked_up(self) -> int:
+        return self._proposals.count
+
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        return ()
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        return self._proposals.among(history, tokens)
+
+    def _sync(self, history: Sequence[int], prompt_len: int) -> None:
+        """Index ``history``; keep the generation it replaces in memory when it is another
+        generation (it leaves the indexed prompt)."""
+        live = self.live
+        kept = common_prefix(live.tokens, history)
+        if self.memory is not None and kept <= self._prompt_len < len(live):
+            if len(self.memory) + len(live) - self._prompt_len > MEMORY_TOKENS:
+                self.memory = SuffixTrie(live.depth)  # full: start again
+            # Separate generations with a token no text holds, so no stretch spans two.
+            self.memory.extend([*live.tokens[self._prompt_len:], -1])
+        live.sync(history)
+        self._prompt_len = prompt_len
+
+    def _find(self, context: Sequence[int]) -> _Node | None:
+        found = self.live.find(context, self.max_match, self.min_match)
+        if self.memory is not None:
+            earlier = self.memory.find(context, self.max_match, self.min_match)
+            if earlier is not None and (found is None or earlier[1] > found[1]):
+                found = earlier
+        return found[0] if found is not None else None
+
+    def propose(self, history: Sequence[int], k: int, shape: TreeShape | None = None,
+                prompt_len: int = 0) -> Tree:
+        """A tree after ``history``: the chain of up to ``k`` most frequent continuations
+        (matched again from the drafted text where the trie's depth runs out), with the
+        siblings ``shape`` pays for (None: a chain). Sets :attr:`match_len`."""
+        self._sync(history, prompt_len)
+        context = list(history)
+        tokens: list[int] = []
+        parents: list[int] = []
+        chain: list[int] = []
+        self.match_len = 0
+        node = self._find(context)
+        if node is not None:
+            self.match_len = _depth(node)
+        while node is not None and len(chain) < k:
+            children = _top(node)
+            total = sum(child.count for child in children)
+            best, parent = children[0], (chain[-1] if chain else -1)
+            chain.append(len(tokens))
+            tokens.append(best.token)
+            parents.append(parent)
+            if shape is not None:  # siblings by their share of the counts
+                i = len(chain) - 1
+                least = shape.floor / shape.reach[i] if i < len(shape.reach) and \
+                    shape.reach[i] > 0 else float("inf")
+                room = shape.budget - len(tokens) - (k - len(chain))
+                for child in children[1:min(shape.width, room + 1)]:
+                    if child.count / total < least:
+                        break
+                    tokens.append(child.token)
+                    parents.append(parent)
+            context.append(best.token)
+            node = best if _top(best) else self._find(context)
+        return Tree(tuple(tokens), tuple(parents), None, tuple(chain))
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        tokens = self.propose(history, k, None, params.prompt_len).tokens
+        self._proposals.record(history, tokens)
+        return tokens, reported(tokens, mode, params)
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        tree = self.propose(history, k, shape, params.prompt_len)
+        self._proposals.record(history, tree.trunk().tokens)
+        return Tree(tree.tokens, tree.parents, reported(tree.tokens, mode, params), tree.chain)
+
+
+def _depth(node: _Node) -> int:
+    n = 0
+    while node.parent is not None:
+        node, n = node.parent, n + 1
+    return n

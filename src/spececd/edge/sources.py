@@ -1,0 +1,126 @@
+"""Where an edge session's drafts come from: the draft model, lookup, or both.
+
+:class:`DraftSources` holds one session's sources by :class:`~spececd.edge.options.DraftKind`
+and makes each the first time a generation asks for it: ``model`` (the draft model's
+:class:`~spececd.edge.drafter.Drafter` or
+:class:`~spececd.edge.retokenize.CrossDrafter`), ``lookup``
+(:class:`~spececd.edge.lookup.NgramLookup`), ``suffix``
+(:class:`~spececd.edge.lookup.SuffixDraft`) and ``hybrid`` (:class:`HybridDraft`). A session
+keeps its sources across generations, so a suffix draft's memory of earlier generations
+(``lookup_memory``, off by default) is that session's.
+
+:class:`HybridDraft` proposes the lookup where it matches a suffix of at least
+``min_match`` tokens, and asks the draft model elsewhere; one source, so the adaptive draft
+length and the strategy chooser see one draft. Where the lookup's continuation is shorter
+than the round's ``k``, ``extend`` has the model draft on after it. Whichever proposes, the
+reported distributions are what each token was drawn from (one-hot for looked-up tokens),
+so exact verification stays lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spececd.core.policy import TreeShape
+from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.edge.drafter import DraftSource, Tree
+from spececd.edge.lookup import NgramLookup, Proposals, SuffixDraft, reported
+from spececd.edge.options import DraftKind
+from spececd.errors import InputError
+
+HYBRID_MIN_MATCH = 3  # the suffix a lookup must match for the hybrid to take it
+
+
+class HybridDraft:
+    """Lookup where it matches (module docstring), the ``model`` elsewhere."""
+
+    def __init__(self, model: DraftSource, lookup: SuffixDraft | NgramLookup,
+                 min_match: int = HYBRID_MIN_MATCH, extend: bool = False) -> None:
+        self.model, self.lookup = model, lookup
+        self.min_match, self.extend = min_match, extend
+        self._proposals = Proposals()
+
+    @property
+    def forced(self) -> int:
+        return self.model.forced
+
+    @property
+    def looked_up(self) -> int:
+        return self._proposals.count
+
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        return self.model.forced_among(history, tokens)
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        return self._proposals.among(history, tokens)
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        tree = self._tree(history, k, None, mode, params, seed, max_support)
+        return tree.tokens, tree.dists
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        return self._tree(history, k, shape, mode, params, seed, max_support)
+
+    def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+              params: SamplingParams, seed: int, max_support: int) -> Tree:
+        looked = self.lookup.propose(history, k, shape, params.prompt_len)
+        if self.lookup.match_len < self.min_match or not looked.tokens:
+            tree = (self.model.tree(history, k, shape, mode, params, seed, max_support)
+                    if shape is not None else
+                    Tree.of_chain(*self.model.draft(history, k, mode, params, seed,
+                                                    max_support)))
+            self._proposals.record(history, tree.trunk().tokens, 0)
+            return tree
+        dists = reported(looked.tokens, mode, params)
+        chain = looked.trunk().tokens
+        more: tuple[int, ...] = ()
+        if self.extend and len(chain) < k:
+            more, more_dists = self.model.draft([*history, *chain], k - len(chain), mode,
+                                                params, seed, max_support)
+            if dists is not None:
+                assert more_dists is not None
+                dists = (*dists, *more_dists)
+        self._proposals.record(history, (*chain, *more), len(chain))
+        if not more:
+            return Tree(looked.tokens, looked.parents, dists, looked.chain)
+        last, n = looked.chain[-1], len(looked.tokens)
+        return Tree((*looked.tokens, *more),
+                    (*looked.parents, last, *range(n, n + len(more) - 1)), dists,
+                    (*looked.chain, *range(n, n + len(more))))
+
+
+class DraftSources:
+    """One edge session's draft sources, by kind, each made when first asked for.
+    ``model``: the draft model's source (None: no draft model here)."""
+
+    def __init__(self, model: DraftSource | None) -> None:
+        self.model = model
+        self._made: dict[tuple[DraftKind, bool], DraftSource] = {}
+
+    def get(self, kind: DraftKind, memory: bool = False) -> DraftSource:
+        """The source of ``kind`` (resolved: not ``auto``); ``memory``: a suffix draft (the
+        hybrid's too) that also draws on this session's earlier generations."""
+        memory = memory and kind in (DraftKind.SUFFIX, DraftKind.HYBRID)
+        made = self._made.get((kind, memory))
+        if made is not None:
+            return made
+        if kind is DraftKind.LOOKUP:
+            made = NgramLookup()
+        elif kind is DraftKind.SUFFIX:
+            made = SuffixDraft(memory=memory)
+        elif kind in (DraftKind.MODEL, DraftKind.HYBRID):
+            if self.model is None:
+                raise InputError(f"drafting with {kind.value} needs a draft model, and none "
+                                 f"is loaded here: load one (--draft-model) or draft by "
+                                 f"lookup (--draft lookup or suffix)")
+            made = self.model if kind is DraftKind.MODEL else HybridDraft(
+                self.model, SuffixDraft(memory=memory))
+        else:
+            raise ValueError(f"resolve the draft kind first, got {kind}")
+        self._made[(kind, memory)] = made
+        return made
