@@ -15,6 +15,10 @@ Client kinds, labelled in every report:
   arrive (on vLLM, the engine's proposer takes them).
 - ``draft`` / ``draft-stream``: real drafters, a pool of processes each running the
   draft model, in rounds or by stream drafting.
+- ``lookup`` / ``suffix`` (and ``lookup-stream`` / ``suffix-stream``): real drafting
+  clients that run no model (:mod:`spececd.edge.lookup`: prompt lookup, suffix drafting),
+  the thin-client fleet an operator sees from browsers, phones and agent harnesses. They
+  cost next to no CPU, so many run as threads of this process.
 
 - ``vllm-spec``: no edge at all: clients of vLLM's own OpenAI server, which runs the
   target with vLLM's in-process speculative decoding from a draft model on the server
@@ -111,11 +115,14 @@ def metrics(*urls: str) -> dict[str, float]:
 
 def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k: int,
           max_tokens: int, cloud_only: bool, deadline: float, seed: int,
-          stream: bool = False, temperature: float = 0.0) -> ClientResult:
+          stream: bool = False, temperature: float = 0.0, source: str = "model"
+          ) -> ClientResult:
     """One edge session generating, again and again, until ``deadline``: greedily, or
-    sampled at ``temperature`` (verified by match, as stream drafting verifies)."""
+    sampled at ``temperature`` (verified by match, as stream drafting verifies), drafting
+    with ``drafter`` (``source`` "model") or without a model (``source`` "lookup" or
+    "suffix", ``drafter`` None)."""
     from spececd.edge.client import EdgeClient
-    from spececd.edge.options import EdgeOptions, Proactive, Resolved
+    from spececd.edge.options import DraftKind, EdgeOptions, Proactive, Resolved
     from spececd.transports.registry import connector
 
     client = EdgeClient(drafter, connector(url), fingerprint, 1 << 30)
@@ -123,7 +130,8 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
     # drafting; not the default "auto", which chooses between them. No stop tokens: every
     # generation runs to max_tokens.
     run = Resolved(EdgeOptions(mode=Mode.MATCH if temperature else Mode.GREEDY, k=k,
-                               proactive=Proactive.STREAM if stream else Proactive.OFF),
+                               proactive=Proactive.STREAM if stream else Proactive.OFF,
+                               draft_source=DraftKind(source)),
                    SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens))
     result = ClientResult()
     start = time.perf_counter()
@@ -222,8 +230,9 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
              traces: list[list[int]] | None = None,
              replicas: Sequence[str] = (), model: str = "",
              temperature: float = 0.0) -> dict[str, Any]:
-    """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``cloud-only``, or
-    ``vllm-spec``: clients of the OpenAI server at ``url`` serving ``model``) for
+    """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``lookup``, ``suffix``,
+    ``cloud-only``, or ``vllm-spec``: clients of the OpenAI server at ``url`` serving
+    ``model``; ``-stream``: stream drafting) for
     ``duration`` seconds; return the measured figures. ``replicas``: where the server
     metrics are read when ``url`` is a balancer (default: ``url`` itself)."""
     if kind.startswith("replay") and traces is None:
@@ -245,13 +254,16 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
     else:
         results = [ClientResult() for _ in range(clients)]
 
+        source = kind.removesuffix("-stream") if kind.startswith(("lookup", "suffix")) \
+            else "model"
+
         def run(i: int) -> None:
             prompt = prompts[i % len(prompts)]
             drafter = (ReplayDrafter(prompt, traces[i], acceptance,
                                      fingerprint.vocab_size, seed=i) if traces else None)
             results[i] = drive(url, drafter, fingerprint, prompt, k, max_tokens,
-                               kind == "cloud-only", deadline, i, kind == "replay-stream",
-                               temperature)
+                               kind == "cloud-only", deadline, i, kind.endswith("-stream"),
+                               temperature, source)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
         for thread in threads:

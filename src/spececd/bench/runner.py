@@ -56,6 +56,8 @@ class BenchConfig:
     max_batch: int = 32  # the server's sessions per forward pass
     transports: list[str] = field(default_factory=lambda: ["websocket"])  # edge-cloud links
     trees: list[int] = field(default_factory=lambda: [1])  # tree widths (1: chains)
+    # Where drafts come from (DraftKind values; "auto": the edge's default)
+    sources: list[str] = field(default_factory=lambda: ["auto"])
     engine: str = "builtin"  # the server's engine: builtin or vllm
     # A JSON schema (its text): rows of constrained generation beside the others (the
     # target alone, cloud-only, and SpecECD drafting under it and unconstrained)
@@ -63,7 +65,8 @@ class BenchConfig:
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
-                proactive: str | None = None, tree: int | None = None) -> str:
+                proactive: str | None = None, tree: int | None = None,
+                source: str | None = None) -> str:
     name = {"target": "target alone", "alone": "target alone", "assisted": "HF assisted",
             "cloud": "cloud-only",
             "spececd": "SpecECD", "bare": "target's bare forward",
@@ -77,6 +80,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
                  "auto": " auto"}[proactive]
     if tree:
         name += f" tree {tree}"
+    if source:
+        name += f", {source} drafts"
     if rtt is not None:
         name += f" @ RTT {rtt:g} ms"
     return name
@@ -188,7 +193,8 @@ def machine() -> dict[str, Any]:
 
 def name(entry: dict[str, Any]) -> str:
     return config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"),
-                       entry.get("proactive"), entry.get("tree")) + entry.get("tag", "")
+                       entry.get("proactive"), entry.get("tree"),
+                       entry.get("draft_source")) + entry.get("tag", "")
 
 
 def label(model: str) -> str:
@@ -307,7 +313,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                         "target": label(target), "transport": transport,
                         "tag": (f" [{label(draft)} → {label(target)}]" if pairs else "") + over}
                 plan += [{**spec, "k": k, "proactive": proactive,
-                          "tree": width if width > 1 else None}
+                          "tree": width if width > 1 else None,
+                          "draft_source": source if source != "auto" else None}
+                         for source in cfg.sources
                          for k in cfg.ks for proactive in
                          (cfg.proactive if k == "auto" else cfg.proactive[:1])
                          for width in cfg.trees]
@@ -346,6 +354,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
                          "proactive": cfg.proactive, "trees": cfg.trees,
+                         "sources": cfg.sources,
                          "json_schema": cfg.json_schema,
                          "mode": cfg.mode, "temperature": cfg.temperature,
                          "max_tokens": cfg.max_tokens, "iterations": cfg.iterations,

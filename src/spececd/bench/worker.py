@@ -277,7 +277,7 @@ class SpecRunner:
         # A cloud-only pass names no k, proactive setting or tree width: none applies.
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k"), proactive=request.get("proactive"),
-            tree_width=request.get("tree"),
+            tree_width=request.get("tree"), draft_source=request.get("draft_source"),
             constrained_drafting=request.get("constrained_drafting"))
         self.kind = request["kind"]
         self.constrained = bool(request.get("constraint"))

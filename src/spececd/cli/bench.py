@@ -15,7 +15,7 @@ from spececd.bench.runner import BenchConfig
 from spececd.cli.options import default_model, demo_prompts
 from spececd.config import EdgeConfig
 from spececd.core.sampling import Mode
-from spececd.edge.options import Proactive, parse_k
+from spececd.edge.options import DraftKind, Proactive, parse_k
 from spececd.errors import InputError
 
 MODES = [mode.value for mode in Mode if not mode.lossy]  # the bench compares lossless runs
@@ -55,6 +55,10 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--tree-width", default="1",
                        help="token tree widths to compare, comma-separated, for every "
                        "proactive setting (1: chains; e.g. 1,3; default: 1)")
+    bench.add_argument("--draft-source", default="auto",
+                       help="where the edge's drafts come from, comma-separated to compare: "
+                       "auto (the edge's default: hybrid), model, lookup, suffix, hybrid "
+                       "(lookup and suffix: no model; see spececd generate --help)")
     bench.add_argument("--transport", default="websocket",
                        help="edge-cloud transports to compare, comma-separated, among "
                        "websocket,grpc,http (default: websocket)")
@@ -91,7 +95,9 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--kind", default="replay,cloud-only",
                       help="replay (no model, chosen acceptance, rounds), replay-stream (the "
                       "same, stream drafting), draft (real drafter processes; draft-stream: "
-                      "stream drafting), cloud-only "
+                      "stream drafting), lookup / suffix (drafting clients that run no "
+                      "model: prompt lookup, suffix drafting; -stream: stream drafting), "
+                      "cloud-only "
                       "(the baseline), vllm-spec (vLLM's own "
                       "speculative decoding with the draft model on the server, through "
                       "its OpenAI server; needs vLLM); comma-separated")
@@ -107,6 +113,9 @@ def add_parser(sub: Any) -> None:
                       "the table gives the acceptance measured)")
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--num-prompts", type=int, default=10)
+    load.add_argument("--prompts-file", type=Path,
+                      help="prompts instead of the built-in ones (as for spececd bench), "
+                      "e.g. models/copy_prompts.json: text that copies itself")
     load.add_argument("--max-batch", type=int, default=32,
                       help="for the server started here: sessions per forward pass at most")
     load.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -149,7 +158,8 @@ def run_load(args: argparse.Namespace) -> int:
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
-    known = {"replay", "replay-stream", "draft", "draft-stream", "cloud-only", "vllm-spec"}
+    known = {"replay", "replay-stream", "draft", "draft-stream", "lookup", "lookup-stream",
+             "suffix", "suffix-stream", "cloud-only", "vllm-spec"}
     if not set(kinds) <= known or min(clients) < 1:
         raise InputError(f"--kind takes {', '.join(sorted(known))}; --clients numbers >= 1")
     if not engines or not set(engines) <= {"builtin", "vllm"}:
@@ -165,7 +175,9 @@ def run_load(args: argparse.Namespace) -> int:
     target_model = args.target_model or default_model("target")
     backend = load_backend(draft_model, device="cpu", dtype="float32")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
-    prompts = [backend.tokenizer.encode(p) for p in demo_prompts()[:args.num_prompts]]
+    texts = (load_prompts(args.prompts_file) if args.prompts_file
+             else demo_prompts())[:args.num_prompts]
+    prompts = [backend.tokenizer.encode(p) for p in texts]
     replicas = [r.strip() for r in (args.replicas or "").split(",") if r.strip()]
     if replicas and not args.server:
         raise InputError("--replicas goes with --server (the balancer in front of them)")
@@ -236,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or not set(transports) <= {"websocket", "grpc", "http"}:
         raise InputError(f"--transport takes websocket, grpc, http; got {args.transport!r}")
+    sources = [s.strip() for s in args.draft_source.split(",") if s.strip()]
+    if not sources or not set(sources) <= {kind.value for kind in DraftKind}:
+        raise InputError(f"--draft-source takes {', '.join(k.value for k in DraftKind)}, "
+                         f"comma-separated; got {args.draft_source!r}")
     trees = parse_list(args.tree_width, int, "--tree-width")
     if min(trees) < 1:
         raise InputError(f"--tree-width takes widths >= 1, got {args.tree_width!r}")
@@ -256,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                       mode=args.mode, seed=args.seed, host=args.host, port=args.port,
                       device=args.device, jitter_ms=args.jitter_ms,
                       baselines=not args.no_baselines, transports=transports, trees=trees,
+                      sources=sources,
                       json_schema=schema.spec if schema else None)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
     save(raw, args.out)

@@ -26,7 +26,7 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
-from spececd.edge.options import Fallback, Proactive, Reconnect, Resolved
+from spececd.edge.options import DraftKind, Fallback, Proactive, Reconnect, Resolved
 from spececd.edge.sources import DraftSources
 from spececd.edge.strategies import (
     Adaptive,
@@ -84,7 +84,9 @@ class EdgeClient:
         what each exchange emits. ``cloud_only``: the verifier generates every token (a
         baseline)."""
         params = run.params
-        drafter = self.sources.get(run.options.draft_source, run.options.lookup_memory)
+        # Cloud-only generation drafts nothing: any source will do, and lookup needs no model.
+        drafter = self.sources.get(DraftKind.LOOKUP if cloud_only else run.options.draft_source,
+                                   run.options.lookup_memory)
         out = Emitter(prompt_ids, params, stats, self.max_context,
                       drafter.forced_among if params.constraint is not None else None,
                       drafter.looked_up_among)

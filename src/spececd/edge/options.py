@@ -60,6 +60,20 @@ class DraftKind(str, enum.Enum):
     SUFFIX = "suffix"  # a suffix trie of the text and earlier generations (no model)
     HYBRID = "hybrid"  # lookup where it matches, the draft model elsewhere
 
+    def where(self, draft_model: bool) -> DraftKind:
+        """This kind where a draft model is loaded (``draft_model``) or not: ``auto`` is
+        hybrid with one (lookup where it matches, the model elsewhere: as many target
+        passes as the model alone, or fewer on text that repeats, for a third fewer draft
+        steps), suffix drafting without; a kind that needs a model where none is loaded is
+        an :class:`~spececd.errors.InputError`."""
+        if self is DraftKind.AUTO:
+            return DraftKind.HYBRID if draft_model else DraftKind.SUFFIX
+        if self in (DraftKind.MODEL, DraftKind.HYBRID) and not draft_model:
+            raise InputError(f"draft source {self.value} needs a draft model, and none is "
+                             f"loaded here: load one (--draft-model), or draft without one "
+                             f"(--draft lookup or suffix)")
+        return self
+
 
 class Fallback(str, enum.Enum):
     """What to do when the verifier stays unreachable."""
@@ -127,18 +141,10 @@ class EdgeOptions:
           ways: the in-process verifier runs on its own event loop, like a server.
         - across two tokenizers, exact verification (which needs the draft's distribution
           over the target's ids) is replaced by match, which needs ids only.
-        - ``draft_source="auto"``: hybrid where a draft model is loaded (lookup where it matches,
-          the model elsewhere: as many target passes as the model alone, or fewer on text
-          that repeats, for a third fewer draft steps), else suffix drafting; a draft that
-          needs a model where none is loaded is an error.
+        - ``draft_source``: as :meth:`DraftKind.where` says for this site.
         """
-        proactive, mode, draft = self.proactive, self.mode, self.draft_source
-        if draft is DraftKind.AUTO:
-            draft = DraftKind.HYBRID if site.draft_model else DraftKind.SUFFIX
-        elif draft in (DraftKind.MODEL, DraftKind.HYBRID) and not site.draft_model:
-            raise InputError(f"draft {draft.value} needs a draft model, and none is loaded "
-                             f"here: load one (--draft-model), or draft without one "
-                             f"(lookup or suffix)")
+        proactive, mode = self.proactive, self.mode
+        draft = self.draft_source.where(site.draft_model)
         if proactive is Proactive.AUTO and site.in_process:
             proactive = Proactive.OFF
         elif proactive is Proactive.AUTO and mode is Mode.THRESHOLD:

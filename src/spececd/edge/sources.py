@@ -26,7 +26,6 @@ from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.edge.drafter import DraftSource, Tree
 from spececd.edge.lookup import NgramLookup, Proposals, SuffixDraft, reported
 from spececd.edge.options import DraftKind
-from spececd.errors import InputError
 
 HYBRID_MIN_MATCH = 3  # the suffix a lookup must match for the hybrid to take it
 
@@ -103,8 +102,10 @@ class DraftSources:
         self._made: dict[tuple[DraftKind, bool], DraftSource] = {}
 
     def get(self, kind: DraftKind, memory: bool = False) -> DraftSource:
-        """The source of ``kind`` (resolved: not ``auto``); ``memory``: a suffix draft (the
-        hybrid's too) that also draws on this session's earlier generations."""
+        """The source of ``kind`` (:meth:`~spececd.edge.options.DraftKind.where` this
+        session is); ``memory``: a suffix draft (the hybrid's too) that also draws on this
+        session's earlier generations."""
+        kind = kind.where(self.model is not None)
         memory = memory and kind in (DraftKind.SUFFIX, DraftKind.HYBRID)
         made = self._made.get((kind, memory))
         if made is not None:
@@ -113,14 +114,9 @@ class DraftSources:
             made = NgramLookup()
         elif kind is DraftKind.SUFFIX:
             made = SuffixDraft(memory=memory)
-        elif kind in (DraftKind.MODEL, DraftKind.HYBRID):
-            if self.model is None:
-                raise InputError(f"drafting with {kind.value} needs a draft model, and none "
-                                 f"is loaded here: load one (--draft-model) or draft by "
-                                 f"lookup (--draft lookup or suffix)")
+        else:
+            assert self.model is not None  # where() said so
             made = self.model if kind is DraftKind.MODEL else HybridDraft(
                 self.model, SuffixDraft(memory=memory))
-        else:
-            raise ValueError(f"resolve the draft kind first, got {kind}")
         self._made[(kind, memory)] = made
         return made
