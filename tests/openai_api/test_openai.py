@@ -110,6 +110,28 @@ def test_greedy_completion_is_the_target_alone_streamed_or_not(client: Any,
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_a_request_chooses_where_its_drafts_come_from(client: Any, tokenizer: Any) -> None:
+    """``draft_source`` per request: looked-up drafts are the target's own output too, and
+    streamed with their own source; one that needs a model the edge lacks is a 400."""
+    prompt = json.loads((MODELS / "copy_prompts.json").read_text())[7]  # copies itself
+    expected = target_text(tokenizer, prompt, 32)
+    for source in ("lookup", "suffix", "model"):
+        done = client.completions.create(model="spececd", prompt=prompt, max_tokens=32,
+                                         temperature=0, extra_body={"draft_source": source})
+        assert done.choices[0].text == expected, source
+        spec = done.model_extra["speculative"]
+        assert (spec["lookup_accepted"] > 0) == (source != "model"), source
+    chunks = list(client.completions.create(model="spececd", prompt=prompt, max_tokens=32,
+                                            temperature=0, stream=True,
+                                            extra_body={"draft_source": "lookup"}))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert "lookup" in {c.choices[0].model_extra["spececd"]["source"] for c in chunks}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="spececd", prompt=prompt, max_tokens=4,
+                                  extra_body={"draft_source": "oracle"})
+    assert refused.value.body["param"] == "draft_source"
+
+
 def test_text_prompts_are_answered_as_given_and_healed_when_asked(client: Any,
                                                                  tokenizer: Any) -> None:
     """By default the reply continues the prompt's own tokens, as OpenAI's, vLLM's and the

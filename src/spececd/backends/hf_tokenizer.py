@@ -37,11 +37,7 @@ class HFTokenizer:
                     if path.is_file()}
 
     def vocab_tokens(self) -> list[str]:
-        vocab = self._tok.get_vocab()
-        by_id = [""] * (max(vocab.values()) + 1)
-        for token, i in vocab.items():
-            by_id[i] = token
-        return by_id
+        return by_id(self._tok.get_vocab())
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None) -> list[int] | None:
@@ -118,11 +114,7 @@ class JsonTokenizer:
         return dict(self._files)
 
     def vocab_tokens(self) -> list[str]:
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        by_id = [""] * (max(vocab.values()) + 1)
-        for token, i in vocab.items():
-            by_id[i] = token
-        return by_id
+        return by_id(self._tok.get_vocab(with_added_tokens=True))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None) -> list[int] | None:
@@ -148,6 +140,14 @@ class JsonTokenizer:
             messages=messages, tools=tools or None, add_generation_prompt=True,
             **self._specials)
         return self.encode(text, bos=False)  # the template writes its own start tokens
+
+
+def by_id(vocab: dict[str, int]) -> list[str]:
+    """Each id's token string, in id order ("" for an id the vocabulary skips)."""
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        tokens[i] = token
+    return tokens
 
 
 def _token_text(value: object) -> str:

@@ -110,6 +110,33 @@ class Tree:
                      if j not in chain)
 
 
+class Marks:
+    """Positions of a history that a draft source proposed a certain way (forced by a
+    constraint, looked up), to say which emitted tokens were: ``lineage`` is the last
+    draft's history and tokens, ``at`` the marked positions in it. A position past what a
+    later history still shares is forgotten: it was a proposal of a round no longer held."""
+
+    def __init__(self) -> None:
+        self.lineage: list[int] = []
+        self.at: set[int] = set()
+
+    def keep(self, history: Sequence[int]) -> None:
+        """Forget the marks past what ``history`` shares with the lineage."""
+        kept = common_prefix(self.lineage, history)
+        self.at = {p for p in self.at if p < kept}
+
+    def among(self, history: Sequence[int], tokens: Sequence[int]) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) at marked positions, as
+        long as they are the lineage's own tokens."""
+        if not self.at:
+            return ()
+        start, lineage = len(history), self.lineage
+        if common_prefix(lineage, history) < start:
+            return ()
+        same = common_prefix(lineage[start:], tokens)
+        return tuple(i for i in range(same) if start + i in self.at)
+
+
 class DraftSource(Protocol):
     """What the edge loop drafts with: :class:`Drafter`, a
     :class:`~spececd.edge.retokenize.CrossDrafter` for a draft with another tokenizer
@@ -157,8 +184,7 @@ class Drafter:
         self._warned = False  # about a history the constraint refuses (said once)
         # Under a constraint: the last call's history and chain, and the positions in
         # them whose token the constraint forced.
-        self._lineage: list[int] = []
-        self._forced_at: set[int] = set()
+        self._forced_at = Marks()
 
     def _constraint(self, constraint: Constraint | None) -> ConstraintMatcher | None:
         if constraint is None:
@@ -175,13 +201,7 @@ class Drafter:
         proposed because the constraint allowed no other, after the same history. (Its
         session's thread alone drafts with it and asks: no lock, which every session of
         the draft model shares.)"""
-        if not self._forced_at:
-            return ()
-        start, lineage = len(history), self._lineage
-        if common_prefix(lineage, history) < start:
-            return ()
-        same = common_prefix(lineage[start:], tokens)
-        return tuple(i for i in range(same) if start + i in self._forced_at)
+        return self._forced_at.among(history, tokens)
 
     def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
                         ) -> tuple[int, ...]:
@@ -222,8 +242,7 @@ class Drafter:
                     self._warned = True
                 matcher = None
         # Forced positions the history still shares stay known; the rest are gone.
-        kept = common_prefix(self._lineage, history) if matcher is not None else 0
-        self._forced_at = {p for p in self._forced_at if p < kept}
+        self._forced_at.keep(history if matcher is not None else [])
         for i in range(k):
             parent = chain[-1] if chain else -1
             forced = matcher.forced(1) if matcher is not None else []
@@ -236,7 +255,7 @@ class Drafter:
                 if report:
                     dists.append(point)
                 self.forced += 1
-                self._forced_at.add(len(context))
+                self._forced_at.at.add(len(context))
                 context.append(token)
                 feed.append(token)
                 ok = matcher is not None and matcher.accept(token)
@@ -279,7 +298,7 @@ class Drafter:
             if matcher is not None and not matcher.accept(token):
                 raise RuntimeError(f"the drafter drew token {token}, which its constraint "
                                    f"masked out")
-        self._lineage = context if matcher is not None else []
+        self._forced_at.lineage = context if matcher is not None else []
         return Tree(tuple(tokens), tuple(parents), tuple(dists) if report else None,
                     tuple(chain))
 

@@ -32,14 +32,15 @@ Pure Python and numpy: no torch, no model.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import numpy as np
 
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
-from spececd.edge.drafter import Tree
-from spececd.protocol.session import common_prefix
+from spececd.edge.drafter import Marks, Tree
+from spececd.protocol.cloud_session import common_prefix
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup matches
 MIN_NGRAM = 2  # the shortest: one token matches too often to be worth a verified position
@@ -63,50 +64,43 @@ def reported(tokens: Sequence[int], mode: Mode, params: SamplingParams
     return None
 
 
-class Proposals:
-    """The positions of the history a source proposed, to say which emitted tokens were
-    looked up. Positions past the history a call starts from are forgotten then: they were
-    proposals of a round the history no longer holds."""
+class Proposals(Marks):
+    """The positions of the history a source looked up (:class:`~spececd.edge.drafter.
+    Marks`), and how many tokens it has proposed so far."""
 
     def __init__(self) -> None:
-        self.lineage: list[int] = []  # the last call's history and draft
-        self.at: set[int] = set()  # positions in it that were proposed by lookup
-        self.count = 0  # tokens proposed so far
+        super().__init__()
+        self.count = 0
 
     def record(self, history: Sequence[int], tokens: Sequence[int],
                looked: int | None = None) -> None:
         """A draft of ``tokens`` after ``history``, whose first ``looked`` (default: all)
         were looked up."""
-        kept = common_prefix(self.lineage, history)
-        self.at = {p for p in self.at if p < kept}
+        self.keep(history)
         start, looked = len(history), len(tokens) if looked is None else looked
         self.at.update(range(start, start + looked))
         self.lineage = [*history, *tokens]
         self.count += looked
 
-    def among(self, history: Sequence[int], tokens: Sequence[int]) -> tuple[int, ...]:
-        if not self.at:
-            return ()
-        start, lineage = len(history), self.lineage
-        if common_prefix(lineage, history) < start:
-            return ()
-        same = common_prefix(lineage[start:], tokens)
-        return tuple(i for i in range(same) if start + i in self.at)
 
-
-class NgramLookup:
-    """Prompt lookup (module docstring): chains only, from the most recent match of the
-    longest suffix. ``match_len`` after a call: the length of the suffix it matched (0:
-    none)."""
+class Lookup(abc.ABC):
+    """A draft source that needs no model: what it proposes (:meth:`propose`, a tree or a
+    chain after the history) as the edge's :class:`~spececd.edge.drafter.DraftSource`,
+    reported one-hot in exact mode. ``match_len`` after a call: the length of the suffix
+    of the history it matched (0: none)."""
 
     forced = 0  # no constraint forces anything here
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self) -> None:
         self.match_len = 0
         self._proposals = Proposals()
+
+    @abc.abstractmethod
+    def propose(self, history: Sequence[int], k: int, shape: TreeShape | None = None,
+                prompt_len: int = 0) -> Tree:
+        """A chain of up to ``k`` tokens after ``history``, branched as ``shape`` says
+        where the source can (None: a chain); ``prompt_len``: where the generation began.
+        Sets :attr:`match_len`."""
 
     @property
     def looked_up(self) -> int:
@@ -122,12 +116,37 @@ class NgramLookup:
         """The indices of ``tokens`` (emitted after ``history``) this source proposed."""
         return self._proposals.among(history, tokens)
 
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        """Up to ``k`` looked-up tokens after ``history`` (none where nothing matches),
+        reported one-hot in exact mode."""
+        tokens = self.propose(history, k, None, params.prompt_len).tokens
+        self._proposals.record(history, tokens)
+        return tokens, reported(tokens, mode, params)
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        tree = self.propose(history, k, shape, params.prompt_len)
+        self._proposals.record(history, tree.trunk().tokens)
+        return Tree(tree.tokens, tree.parents, reported(tree.tokens, mode, params), tree.chain)
+
+
+class NgramLookup(Lookup):
+    """Prompt lookup (module docstring): chains only, from the most recent match of the
+    longest suffix."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        super().__init__()
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
     def propose(self, history: Sequence[int], k: int, shape: TreeShape | None = None,
                 prompt_len: int = 0) -> Tree:
         """A chain of up to ``k`` tokens that followed the longest matching suffix of
         ``history``, continued through the text it proposes where that runs out (a
-        repeating pattern goes on repeating). Sets :attr:`match_len`. (``shape`` and
-        ``prompt_len``: unused, as :meth:`SuffixDraft.propose` takes them.)"""
+        repeating pattern goes on repeating): one match proposes one continuation."""
         text = np.asarray(history, dtype=np.int64)
         out: list[int] = []
         self.match_len = 0
@@ -142,20 +161,6 @@ class NgramLookup:
             out.extend(int(t) for t in more)
             text = np.concatenate([text, more])
         return Tree.of_chain(tuple(out), None)
-
-    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int, max_support: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
-        """Up to ``k`` looked-up tokens after ``history`` (none where nothing matches),
-        reported one-hot in exact mode."""
-        tokens = self.propose(history, k).tokens
-        self._proposals.record(history, tokens)
-        return tokens, reported(tokens, mode, params)
-
-    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
-             params: SamplingParams, seed: int, max_support: int) -> Tree:
-        """A chain: one match proposes one continuation."""
-        return Tree.of_chain(*self.draft(history, k, mode, params, seed, max_support))
 
 
 def _match(text: np.ndarray, min_n: int, max_n: int) -> tuple[int, int] | None:
@@ -269,7 +274,7 @@ def _top(node: _Node) -> list[_Node]:
                   key=lambda c: (-c.count, c.token))
 
 
-class SuffixDraft:
+class SuffixDraft(Lookup):
     """Suffix drafting (module docstring): a chain along the most frequent continuation,
     and siblings where the round's tree shape finds them worth it. ``memory``: also draw on
     this source's earlier generations (up to :data:`MEMORY_TOKENS` of them; a generation
@@ -277,31 +282,16 @@ class SuffixDraft:
     drafted depends on more than the history, so in exact mode a seed's sample does too
     (the distribution never does)."""
 
-    forced = 0
-
     def __init__(self, depth: int = TRIE_DEPTH, max_match: int = MAX_MATCH,
                  min_match: int = MIN_MATCH, memory: bool = False) -> None:
         if not 1 <= min_match <= max_match < depth:
             raise ValueError(f"need 1 <= min_match <= max_match < depth, got {min_match}, "
                              f"{max_match}, {depth}")
+        super().__init__()
         self.max_match, self.min_match = max_match, min_match
         self.live = SuffixTrie(depth)  # the history: the prompt and the generation so far
         self.memory = SuffixTrie(depth) if memory else None  # earlier generations
-        self.match_len = 0
         self._prompt_len = 0
-        self._proposals = Proposals()
-
-    @property
-    def looked_up(self) -> int:
-        return self._proposals.count
-
-    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
-                     ) -> tuple[int, ...]:
-        return ()
-
-    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
-                        ) -> tuple[int, ...]:
-        return self._proposals.among(history, tokens)
 
     def _sync(self, history: Sequence[int], prompt_len: int) -> None:
         """Index ``history``; keep the generation it replaces in memory when it is another
@@ -358,19 +348,6 @@ class SuffixDraft:
             context.append(best.token)
             node = best if _top(best) else self._find(context)
         return Tree(tuple(tokens), tuple(parents), None, tuple(chain))
-
-    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int, max_support: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
-        tokens = self.propose(history, k, None, params.prompt_len).tokens
-        self._proposals.record(history, tokens)
-        return tokens, reported(tokens, mode, params)
-
-    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
-             params: SamplingParams, seed: int, max_support: int) -> Tree:
-        tree = self.propose(history, k, shape, params.prompt_len)
-        self._proposals.record(history, tree.trunk().tokens)
-        return Tree(tree.tokens, tree.parents, reported(tree.tokens, mode, params), tree.chain)
 
 
 def _depth(node: _Node) -> int:

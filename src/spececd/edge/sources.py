@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.edge.drafter import DraftSource, Tree
-from spececd.edge.lookup import NgramLookup, Proposals, SuffixDraft, reported
+from spececd.edge.lookup import Lookup, NgramLookup, Proposals, SuffixDraft, reported
 from spececd.edge.options import DraftKind
 
 HYBRID_MIN_MATCH = 3  # the suffix a lookup must match for the hybrid to take it
@@ -33,7 +33,7 @@ HYBRID_MIN_MATCH = 3  # the suffix a lookup must match for the hybrid to take it
 class HybridDraft:
     """Lookup where it matches (module docstring), the ``model`` elsewhere."""
 
-    def __init__(self, model: DraftSource, lookup: SuffixDraft | NgramLookup,
+    def __init__(self, model: DraftSource, lookup: Lookup,
                  min_match: int = HYBRID_MIN_MATCH, extend: bool = False) -> None:
         self.model, self.lookup = model, lookup
         self.min_match, self.extend = min_match, extend
