@@ -177,6 +177,17 @@ def test_a_json_schema_is_followed_and_its_forced_tokens_have_their_own_colour(
     assert page.console_errors == []
 
 
+def test_looked_up_tokens_have_their_own_colour(page: Page) -> None:
+    """The default draft source with a draft model is the hybrid: where the text copies
+    itself, its drafts are looked up, and shown so."""
+    page.tab.fill("#prompt", json.loads((MODELS / "copy_prompts.json").read_text())[7])
+    page.generate()
+
+    assert page.tab.locator("#out-spec .tok.lookup").count() > 0
+    assert "looked-up drafts accepted" in page.tab.text_content("#details")
+    assert page.console_errors == []
+
+
 def test_a_bad_request_shows_the_servers_message(page: Page) -> None:
     page.tab.fill("#temperature", "5")
     page.tab.click("#generate")
