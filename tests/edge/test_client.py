@@ -249,3 +249,27 @@ def test_auto_streams_from_the_start_where_rounds_cannot_win() -> None:
             edge.close()
     finally:
         server.close()
+
+
+def test_a_lookup_that_finds_nothing_sends_no_hint(toy: tuple[ToyBackend, ToyBackend],
+                                                   verifier: LocalServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream drafting by lookup on text that never repeats within the lookahead: where
+    nothing is found the edge waits for the server's next tokens (an empty hint, sent
+    again and again, spun a core and ~1 KB a token), and the output is the target's."""
+    from spececd.protocol.edge_session import EdgeSession
+
+    draft, target = toy
+    hinted: list[int] = []
+    hint = EdgeSession.hint
+
+    def counted(self: EdgeSession, *args: object) -> bytes:
+        hinted.append(len(args[1]))  # type: ignore[arg-type]
+        return hint(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EdgeSession, "hint", counted)
+    edge = client(draft, verifier, k=4, proactive="stream", draft_source="lookup")
+    for prompt in PROMPTS:
+        assert generate(edge, prompt) == greedy(target, prompt, N)
+    assert 0 not in hinted
+    edge.close()

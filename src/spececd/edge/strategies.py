@@ -361,6 +361,8 @@ class StreamDrafting(CloudOnly):
         work.stats.draft_s += seconds
         work.stats.draft_steps += len(tokens)
         work.stats.tree_siblings += len(alternatives)
+        if not tokens:  # a lookup that found nothing: no hint, wait for the next tokens
+            return super().step(out)
         offset = len(self.draft) - self.sent  # where this draft begins in the hint
         self.draft.extend(tokens)
         hint = work.session.hint(len(out.history) + self.sent, self.draft[self.sent:],
@@ -454,7 +456,8 @@ class Adaptive:
 
 
 class DraftAlone:
-    """The fallback: the draft model alone, a token at a time, unverified."""
+    """The fallback: the draft alone (the draft model where one is loaded, else the
+    lookup), a token at a time, unverified."""
 
     streams = False
 
@@ -467,10 +470,10 @@ class DraftAlone:
         t0 = time.perf_counter()
         tokens, _ = self.drafter.draft(out.history, 1, Mode.MATCH, self.params, self.params.seed,
                                        max_support=1)  # unused: match mode reports nothing
-        if not tokens:  # a draft with another tokenizer that cannot realign here
-            raise SpecECDError("the verifier is unreachable and the draft model cannot go on "
-                               "alone here (its text does not realign with the target's "
-                               "tokens)")
+        if not tokens:  # another tokenizer that cannot realign here, or nothing to look up
+            raise SpecECDError("the verifier is unreachable and the draft cannot go on alone "
+                               "here (a draft model whose text does not realign with the "
+                               "target's tokens, or a lookup that finds nothing to propose)")
         self.stats.draft_s += time.perf_counter() - t0
         self.stats.draft_steps += 1
         return [Piece(tokens)]
