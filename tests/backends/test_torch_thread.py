@@ -1,6 +1,9 @@
-"""Every transformers model of a process runs on one thread (``hf.torch_thread``): with
-torch's OpenMP, a second thread running models makes a second team of workers, and more
-workers than cores slow every forward pass (see ``backends.base.ModelThread``)."""
+"""Every transformers model of a process that runs on several torch threads runs on one
+thread (``hf.torch_thread``): with torch's OpenMP, a second thread running models makes a
+second team of workers, and more workers than cores slow every forward pass (see
+``backends.base.ModelThread``). A model on one torch thread makes no team: it runs on a
+thread of its own (``hf.model_thread``), so that a draft and a target of one thread each
+work side by side."""
 
 from __future__ import annotations
 
@@ -72,3 +75,38 @@ def test_a_forked_child_gets_its_own_model_thread() -> None:
     child = int(os.read(read, 64).decode())
     os.waitpid(pid, 0)
     assert child == pid != parent and thread.call(os.getpid) == parent
+
+
+def test_models_on_one_torch_thread_each_run_on_threads_of_their_own(
+        tiny_models: dict[str, Any]) -> None:
+    """Each on a thread of its own, at one torch thread there, giving the logits the shared
+    torch thread gives."""
+    import torch
+
+    from spececd.backends.hf import torch_thread
+    from spececd.backends.registry import load_backend
+
+    def load(name: str, threads: int) -> Any:
+        return load_backend(str(tiny_models[name]), device="cpu", dtype="float32",
+                            threads=threads)
+
+    target, draft = load("llama", 1), load("draft", 1)
+    assert len({target.thread, draft.thread, torch_thread()}) == 3
+    ids = [3, 5, 7, 11, 13]
+    ran: list[int] = []
+    hook = target.model.register_forward_pre_hook(lambda *_: ran.append(
+        threading.get_ident()))
+    try:
+        alone = target.new_sequence().extend(ids)
+    finally:
+        hook.remove()
+    assert ran == [target.thread.call(threading.get_ident)]
+    assert target.thread.call(torch.get_num_threads) == 1
+    current = torch_thread().call(torch.get_num_threads)
+    try:
+        shared = load("llama", max(current, 2))
+        assert shared.thread is torch_thread()
+        np.testing.assert_allclose(shared.new_sequence().extend(ids), alone, rtol=1e-4,
+                                   atol=1e-4)
+    finally:  # as the module's other models found it
+        torch_thread().call(torch.set_num_threads, current)

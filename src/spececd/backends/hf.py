@@ -5,10 +5,13 @@ Loads with ``AutoModelForCausalLM`` / ``AutoTokenizer`` on ``cpu``, ``cuda``, ``
 with a one-line warning). Each :class:`HFSequence` owns a ``DynamicCache``; rollback is
 ``DynamicCache.crop`` (transformers 5: a negative count of tokens to remove).
 
-Every model of this runtime in the process, draft and target alike, loads and runs on one
-thread (:func:`torch_thread`, a :class:`~spececd.backends.base.ModelThread`): torch's
-OpenMP workers then form one team, which keeps its forward passes as fast as when one
-thread calls them.
+Every model of this runtime in the process that runs on several torch threads, draft and
+target alike, loads and runs on one thread (:func:`torch_thread`, a
+:class:`~spececd.backends.base.ModelThread`): torch's OpenMP workers then form one team,
+which keeps its forward passes as fast as when one thread calls them. A model on one torch
+thread has no team, so it gets a thread of its own (:func:`model_thread`): a draft and a
+target of one thread each then run side by side on two cores, a draft step beside a
+verification pass of another session.
 
 This module is the only one that imports torch and transformers for inference.
 """
@@ -62,10 +65,21 @@ def torch_thread() -> ModelThread:
         return _THREAD
 
 
-def _on_torch_thread(method: Callable[P, R]) -> Callable[P, R]:
+def model_thread(threads: int) -> ModelThread:
+    """The thread a model of ``threads`` torch threads (0: the process's count) loads and
+    runs on: a new one of its own for one thread, else :func:`torch_thread`."""
+    if (threads or torch.get_num_threads()) == 1:
+        return ModelThread("spececd-torch-1")
+    return torch_thread()
+
+
+def _on_model_thread(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` of a backend or a sequence, run on its model's thread."""
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        return torch_thread().call(method, *args, **kwargs)
+        owner = args[0]
+        assert isinstance(owner, HFBackend | HFSequence)
+        return owner.thread.call(method, *args, **kwargs)
     return call
 
 
@@ -141,7 +155,11 @@ class HFSequence:
     def tokens(self) -> list[int]:
         return self._tokens
 
-    @_on_torch_thread
+    @property
+    def thread(self) -> ModelThread:
+        return self._backend.thread
+
+    @_on_model_thread
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], keep: int | None = None,
                parents: Sequence[int] | None = None) -> np.ndarray:
@@ -202,7 +220,7 @@ class HFSequence:
             self._cache.crop(-remove)
         del self._tokens[n:]
 
-    @_on_torch_thread
+    @_on_model_thread
     def select(self, n: int, positions: Sequence[int]) -> None:
         if contiguous(n, positions):
             self.truncate(n + len(positions))
@@ -217,11 +235,12 @@ class HFSequence:
 class HFBackend(Backend):
     name = "hf"
     tree_attention = True
+    thread: ModelThread  # always one (model_thread)
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
                  threads: int = 0) -> None:
-        """``threads``: torch's CPU threads for the whole process (0: as already set in this
-        process, at first torch's choice)."""
+        """``threads``: torch's CPU threads for this model (0: as already set in this
+        process, at first torch's choice); see :func:`model_thread`."""
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bars on load
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
@@ -233,7 +252,7 @@ class HFBackend(Backend):
         looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
         if not local.exists() and looks_like_path:
             raise InputError(f"model {model!r} not found: no such folder")
-        self.thread = torch_thread()
+        self.thread = model_thread(threads)
         try:
             # Any: transformers' annotations of to() and get_output_embeddings()
             # do not type-check under mypy --strict.
@@ -264,7 +283,7 @@ class HFBackend(Backend):
             raise TypeError("extend_batch takes sequences made by this backend")
         return sequence
 
-    @_on_torch_thread
+    @_on_model_thread
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """``extend`` for several sequences in one forward pass, ids non-empty. Caches of

@@ -119,8 +119,11 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    "(default: auto)")
     g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
                    "(default: auto = float32 on cpu, bfloat16 on GPUs)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: the runtime's choice; "
-                   "in one process with the target, a draft on another runtime runs on one)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: on transformers, all "
+                   "cores but one for a target and for an in-process pair, one for a draft "
+                   "beside a remote verifier, so that an edge and a server on one machine do "
+                   "not spin on each other's cores; other runtimes: their own choice, and a "
+                   "draft on another runtime than the target's runs on one)")
     g.add_argument("--config", type=Path, help="config.toml to read settings from; flags and "
                    "SPECECD_* environment variables override it")
 
@@ -285,6 +288,31 @@ def needs_model(options: EdgeOptions) -> bool:
     return options.draft_source not in (DraftKind.LOOKUP, DraftKind.SUFFIX)
 
 
+def spare_cores() -> int:
+    """The cores this process may run on, less one (at least one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def edge_threads(cfg: EdgeConfig, draft: str | None) -> int:
+    """The torch threads of an edge's transformers models: ``--threads`` when given, else
+    one for a draft beside a verifier elsewhere (its step is faster on one: 3.38 ms against
+    3.73 for the default draft at two), and all cores but one for the models of an
+    in-process pair (on two cores, one each: each then runs on its own thread, a draft step
+    beside another session's verification; see backends.hf.model_thread). Other runtimes
+    keep their own choice (0). Measured with scripts/bench-concurrent.py: four clients of
+    ``spececd api`` beside ``spececd serve`` on two cores went from 7-20 to 74-90 tokens/s
+    with one thread each, as idle OpenMP workers no longer spin on the other's core."""
+    if cfg.threads:
+        return cfg.threads
+    models = [m for m in (draft, None if cfg.server else
+                          cfg.target_model or default_model("target")) if m]
+    if not models or any(model_format(m) != "hf" for m in models):
+        return 0
+    return 1 if cfg.server else spare_cores()
+
+
 def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = None
                    ) -> Generator:
     """A generator drafting with :func:`choose_draft` of ``cfg.draft_model`` (none when
@@ -295,7 +323,8 @@ def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = 
     draft = choose_draft(cfg.draft_model, cfg.device) if needs_model(cfg.options) else None
     said = draft if draft is not None else f"{cfg.options.draft_source.value} (no draft model)"
     print(f"{name}: draft {said}", file=out or sys.stderr, flush=True)
-    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
+    common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype,
+                                  threads=edge_threads(cfg, draft.model if draft else None),
                                   npu=cfg.npu, options=cfg.options)
     model = draft.model if draft is not None else None
     if cfg.server:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from spececd import config
-from spececd.cli.options import add_model_options, default_model
+from spececd.cli.options import add_model_options, default_model, spare_cores
 from spececd.config import ServerConfig
 from spececd.errors import InputError
 from spececd.protocol.errors import EngineFailed
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(cfg: ServerConfig, token: str) -> int:
     """Load the target and serve it on every listener asked for until interrupted."""
-    from spececd.backends.registry import load_backend
+    from spececd.backends.registry import load_backend, model_format
     from spececd.cloud.engine import CloudService
     from spececd.transports import registry
 
@@ -108,7 +108,10 @@ def serve(cfg: ServerConfig, token: str) -> int:
         engine = vllm.start(model, limits, policy, token, cfg.dtype, cfg.tensor_parallel_size,
                             cfg.engine_args)
     else:
-        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads,
+        # All cores but one unless --threads says (transformers): an edge on this machine,
+        # and the server's own event loop, keep one, where idle OpenMP workers would spin.
+        threads = cfg.threads or (spare_cores() if model_format(model) == "hf" else 0)
+        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=threads,
                                npu=cfg.npu)
         engine = CloudService.builtin(backend, limits, policy, token)
 

@@ -5,8 +5,10 @@ the same frames, session state machines and engine loop as over a network.
 a background thread; each :class:`MemoryTransport` is one link to it. So in-process
 generation batches concurrent sessions and stream-drafts exactly like a networked one:
 the engine reads hints while the target works. (Where draft and target are both
-transformers models they share the one thread torch runs on in a process,
-:func:`~spececd.backends.hf.torch_thread`, so a draft step and a verify pass take turns.)
+transformers models on several torch threads they share the one thread torch runs on in a
+process, :func:`~spececd.backends.hf.torch_thread`, so a draft step and a verify pass take
+turns; on one torch thread each, as the CLI runs them on two cores, each has its own and
+they overlap: :func:`~spececd.backends.hf.model_thread`.)
 """
 
 from __future__ import annotations
