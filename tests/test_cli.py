@@ -233,3 +233,22 @@ def test_serve_checks_the_engine_before_it_says_serving(
     assert code == 1
     assert "serving" not in err
     assert "device lost" in err and "engine cannot generate" in err
+
+
+def test_thread_defaults_leave_the_other_side_a_core(tmp_path: Path) -> None:
+    """On transformers: a draft beside a remote verifier runs on one torch thread, an
+    in-process pair and a server on all cores but one; --threads wins; other runtimes keep
+    their own choice (0). Two processes on one machine then never have more OpenMP threads
+    than cores between them."""
+    from spececd.cli.options import edge_threads, spare_cores
+    from spececd.config import EdgeConfig
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    assert spare_cores() == max(1, cores - 1)
+    hf, gguf = str(tmp_path / "draft"), str(tmp_path / "draft.gguf")
+    assert edge_threads(EdgeConfig(server="ws://x:1"), hf) == 1
+    assert edge_threads(EdgeConfig(target_model=hf), hf) == spare_cores()
+    assert edge_threads(EdgeConfig(server="ws://x:1", threads=3), hf) == 3
+    assert edge_threads(EdgeConfig(server="ws://x:1"), gguf) == 0
+    assert edge_threads(EdgeConfig(target_model=hf), gguf) == 0
