@@ -251,4 +251,6 @@ def test_thread_defaults_leave_the_other_side_a_core(tmp_path: Path) -> None:
     assert edge_threads(EdgeConfig(target_model=hf), hf) == spare_cores()
     assert edge_threads(EdgeConfig(server="ws://x:1", threads=3), hf) == 3
     assert edge_threads(EdgeConfig(server="ws://x:1"), gguf) == 0
-    assert edge_threads(EdgeConfig(target_model=hf), gguf) == 0
+    # The target's count is the draft's too: given only where it is one thread.
+    assert edge_threads(EdgeConfig(target_model=hf), gguf) == (1 if cores <= 2 else 0)
+    assert edge_threads(EdgeConfig(target_model=gguf), hf) == 0

@@ -300,17 +300,22 @@ def edge_threads(cfg: EdgeConfig, draft: str | None) -> int:
     one for a draft beside a verifier elsewhere (its step is faster on one: 3.38 ms against
     3.73 for the default draft at two), and all cores but one for the models of an
     in-process pair (on two cores, one each: each then runs on its own thread, a draft step
-    beside another session's verification; see backends.hf.model_thread). Other runtimes
-    keep their own choice (0). Measured with scripts/bench-concurrent.py: four clients of
+    beside another session's verification; see backends.hf.model_thread), the target of a
+    draft on another runtime too where that is one thread. Other runtimes keep their own
+    choice (0). Measured with scripts/bench-concurrent.py: four clients of
     ``spececd api`` beside ``spececd serve`` on two cores went from 7-20 to 74-90 tokens/s
     with one thread each, as idle OpenMP workers no longer spin on the other's core."""
     if cfg.threads:
         return cfg.threads
-    models = [m for m in (draft, None if cfg.server else
-                          cfg.target_model or default_model("target")) if m]
-    if not models or any(model_format(m) != "hf" for m in models):
+    if cfg.server:
+        return 1 if draft is not None and model_format(draft) == "hf" else 0
+    if model_format(cfg.target_model or default_model("target")) != "hf":
         return 0
-    return 1 if cfg.server else spare_cores()
+    if draft is None or model_format(draft) == "hf" or spare_cores() == 1:
+        # One count serves both models (Generator.load): a draft on another runtime takes
+        # it too, so it is given only where it is one thread (two cores).
+        return spare_cores()
+    return 0
 
 
 def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = None
