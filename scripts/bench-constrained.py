@@ -6,11 +6,13 @@ times, greedy. Prints each request's tokens/s (the first of each kind apart: it 
 a compile or any first-use cost shows) and the medians; the ratio is the figure to watch.
 
     python scripts/bench-constrained.py --rounds 8
+    python scripts/bench-constrained.py --before /tmp/old/src --repeat 2  # side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -29,17 +31,14 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "tags"]}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("api_args", nargs="*", help="more `spececd api` arguments")
-    args = p.parse_args()
+def measure(env: dict[str, str], args: argparse.Namespace) -> dict[str, list[float]]:
+    """One ``spececd api``'s tokens/s per request, plain and constrained alternated."""
     import httpx
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "spececd", "api", "--port", str(port),
-                             *args.api_args], stderr=subprocess.PIPE, text=True)
+                             *args.api_args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
     assert proc.stderr is not None
     for line in proc.stderr:
         if "serving" in line:
@@ -70,11 +69,34 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
-    print("first request: " + ", ".join(f"{k} {v[0]:.1f} tok/s" for k, v in rates.items()))
-    medians = {kind: statistics.median(v[1:] or v) for kind, v in rates.items()}
-    print("median after the first: " + ", ".join(f"{k} {v:.1f} tok/s"
-                                                 for k, v in medians.items()))
-    print(f"constrained / plain: {medians['json_schema'] / medians['plain']:.2f}")
+    return rates
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--before", type=Path, help="a checkout's src/ to run first as "
+                   "'before' (PYTHONPATH), alternated with this one --repeat times")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("api_args", nargs="*", help="more `spececd api` arguments")
+    args = p.parse_args()
+    variants = ({"before": {"PYTHONPATH": str(args.before),
+                            "SPECECD_MODELS": str(REPO / "models")}} if args.before else {})
+    variants["after" if args.before else "this"] = {}
+    runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in variants}
+    for _ in range(args.repeat):
+        for name, env in variants.items():
+            print(f"== {name}")
+            runs[name].append(measure(env, args))
+    for name, measured in runs.items():
+        first = {k: statistics.median(r[k][0] for r in measured) for k in measured[0]}
+        later = {k: statistics.median(x for r in measured for x in r[k][1:] or r[k])
+                 for k in measured[0]}
+        print(f"{name}: first request " + ", ".join(f"{k} {v:.1f}" for k, v in first.items())
+              + " tok/s; after the first " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                      later.items())
+              + f" tok/s; constrained / plain {later['json_schema'] / later['plain']:.2f}")
     return 0
 
 
