@@ -186,7 +186,7 @@ def test_an_extended_lookup_reports_the_models_distributions_after_its_own() -> 
 def test_draft_kinds_resolve_by_what_is_loaded() -> None:
     with_model, without = Site(in_process=False), Site(in_process=False, draft_model=False)
     assert EdgeOptions().resolved(with_model).draft_source is DraftKind.HYBRID
-    assert EdgeOptions().resolved(without).draft_source is DraftKind.SUFFIX
+    assert EdgeOptions().resolved(without).draft_source is DraftKind.LOOKUP
     lookup_only = EdgeOptions().with_settings(draft_source="lookup")
     assert lookup_only.resolved(without).draft_source is DraftKind.LOOKUP
     for needs in ("model", "hybrid"):
@@ -195,6 +195,7 @@ def test_draft_kinds_resolve_by_what_is_loaded() -> None:
     with pytest.raises(InputError, match="draft-source must be one of"):
         EdgeOptions().with_settings(draft_source="oracle")
     sources = DraftSources(None)
+    assert isinstance(sources.get(DraftKind.AUTO), NgramLookup)
     assert isinstance(sources.get(DraftKind.SUFFIX), SuffixDraft)
     assert sources.get(DraftKind.SUFFIX) is sources.get(DraftKind.SUFFIX)  # kept
     remembering = sources.get(DraftKind.SUFFIX, memory=True)

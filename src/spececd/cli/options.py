@@ -187,9 +187,10 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    help="where drafts come from: model (the draft model); lookup (the "
                    "longest recent suffix of the text, found earlier in the prompt and the "
                    "output, proposes what followed it: no model, no torch); suffix (a "
-                   "suffix trie of the text and this session's earlier generations, "
-                   "proposing token trees: no model); hybrid (lookup where it matches, the "
-                   "model elsewhere); default: auto = hybrid, or suffix with no draft "
+                   "suffix trie of the text, proposing token trees where --tree-width asks, "
+                   "and with --lookup-memory the session's earlier generations: no "
+                   "model); hybrid (lookup where it matches, the "
+                   "model elsewhere); default: auto = hybrid, or lookup with no draft "
                    "model to load")
     g.add_argument("--k", help="drafted tokens per round, or auto: chosen each round from "
                    "measured acceptance, draft, verify and network costs (default: "
@@ -213,10 +214,10 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    f"attention verifies them in one pass; default: {OPTIONS.tree_width}, "
                    "chains)")
     g.add_argument("--lookup-memory", action=argparse.BooleanOptionalAction, default=None,
-                   help="suffix drafting (and the hybrid's) also looks up this session's "
-                   "earlier generations (an agent's repeated tool output, a chat's earlier "
-                   "answers); a seed then repeats its sampled output only in a fresh session "
-                   "(default: off)")
+                   help="suffix drafting (and the hybrid, which then looks up with it) also "
+                   "looks up this session's earlier generations (an agent's repeated tool "
+                   "output, a chat's earlier answers); a seed then repeats its sampled "
+                   "output only in a fresh session (default: off)")
     g.add_argument("--constrained-drafting", action=argparse.BooleanOptionalAction,
                    default=None, help="under a constraint, draft under it too: the draft "
                    "stays valid and the tokens it forces are proposed without the draft "

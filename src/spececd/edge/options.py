@@ -53,7 +53,7 @@ class Proactive(str, enum.Enum):
 class DraftKind(str, enum.Enum):
     """Where drafts come from (:mod:`spececd.edge.sources`)."""
 
-    # Hybrid where a draft model is loaded, else suffix drafting (EdgeOptions.resolved).
+    # Hybrid where a draft model is loaded, else prompt lookup (DraftKind.where).
     AUTO = "auto"
     MODEL = "model"  # the draft model
     LOOKUP = "lookup"  # n-gram lookup in the prompt and the text so far (no model)
@@ -62,12 +62,13 @@ class DraftKind(str, enum.Enum):
 
     def where(self, draft_model: bool) -> DraftKind:
         """This kind where a draft model is loaded (``draft_model``) or not: ``auto`` is
-        hybrid with one (lookup where it matches, the model elsewhere: as many target
-        passes as the model alone, or fewer on text that repeats, for a third fewer draft
-        steps), suffix drafting without; a kind that needs a model where none is loaded is
-        an :class:`~spececd.errors.InputError`."""
+        hybrid with one (lookup where it matches, the model elsewhere: about as many target
+        passes as the model alone, fewer on text that repeats, for a third fewer draft
+        steps), prompt lookup without (suffix drafting's chains are the same, at a higher
+        cost a round); a kind that needs a model where none is loaded is an
+        :class:`~spececd.errors.InputError`."""
         if self is DraftKind.AUTO:
-            return DraftKind.HYBRID if draft_model else DraftKind.SUFFIX
+            return DraftKind.HYBRID if draft_model else DraftKind.LOOKUP
         if self in (DraftKind.MODEL, DraftKind.HYBRID) and not draft_model:
             raise InputError(f"draft source {self.value} needs a draft model, and none is "
                              f"loaded here: load one (--draft-model), or draft without one "
@@ -104,7 +105,8 @@ class EdgeOptions:
     reconnect: Reconnect = Reconnect()
     threshold: float = 0.0  # threshold mode (LOSSY) only, in (0, 1]; 0 otherwise
     tree_width: int = 1  # candidates per drafted position (1: chains; > 1: token trees)
-    # Suffix drafting (the hybrid's too) also draws on the session's earlier generations.
+    # Suffix drafting (and the hybrid, which then looks up with it) also draws on the
+    # session's earlier generations.
     # Off by default: a draft then depends on the history alone, so that a seed repeats its
     # output in exact mode (any draft is lossless; which one shapes a seed's sample).
     lookup_memory: bool = False

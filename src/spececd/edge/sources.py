@@ -103,8 +103,8 @@ class DraftSources:
 
     def get(self, kind: DraftKind, memory: bool = False) -> DraftSource:
         """The source of ``kind`` (:meth:`~spececd.edge.options.DraftKind.where` this
-        session is); ``memory``: a suffix draft (the hybrid's too) that also draws on this
-        session's earlier generations."""
+        session is); ``memory``: suffix drafting (the hybrid's lookup too) that also draws on
+        this session's earlier generations."""
         kind = kind.where(self.model is not None)
         memory = memory and kind in (DraftKind.SUFFIX, DraftKind.HYBRID)
         made = self._made.get((kind, memory))
@@ -116,7 +116,9 @@ class DraftSources:
             made = SuffixDraft(memory=memory)
         else:
             assert self.model is not None  # where() said so
+            # The hybrid looks up by prompt lookup (the cheaper of two equal chains), or with
+            # a suffix trie where it is to remember earlier generations.
             made = self.model if kind is DraftKind.MODEL else HybridDraft(
-                self.model, SuffixDraft(memory=memory))
+                self.model, SuffixDraft(memory=True) if memory else NgramLookup())
         self._made[(kind, memory)] = made
         return made
