@@ -110,6 +110,29 @@ def test_openai_sdk_tool_round_trip(client: Any, stream: bool) -> None:
     assert not final.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_off_by_max_tokens_is_a_call_never_content(client: Any,
+                                                              stream: bool) -> None:
+    """As vLLM and OpenAI report one: finish_reason length, the call with the arguments
+    written so far once its name is whole, and no `<tool_call>` text for a user to see."""
+    request: dict[str, Any] = dict(model="spececd", messages=ASK, tools=[WEATHER],
+                                   tool_choice="required", temperature=0, max_tokens=14)
+    if stream:
+        content, names, finish = "", [], None
+        for chunk in client.chat.completions.create(stream=True, **request):
+            choice = chunk.choices[0]
+            content += choice.delta.content or ""
+            names += [p.function.name for p in choice.delta.tool_calls or () if p.id]
+            finish = choice.finish_reason or finish
+    else:
+        reply = client.chat.completions.create(**request)
+        content = reply.choices[0].message.content or ""
+        names = [c.function.name for c in reply.choices[0].message.tool_calls or ()]
+        finish = reply.choices[0].finish_reason
+    assert finish == "length" and content == ""
+    assert names in ([], ["get_weather"])
+
+
 def test_openai_sdk_parse(client: Any) -> None:
     reply = client.chat.completions.parse(
         model="spececd", messages=[{"role": "user", "content": "Jason is 25 years old."}],
