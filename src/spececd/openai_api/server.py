@@ -763,7 +763,7 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
     else:  # a field's value, or the body's as a whole (a check across fields)
         where = ".".join(loc)
         # pydantic's prefix to a validator's own message says nothing to a client
-        said = re.sub(r"^(Value|Assertion) error, ", "", str(error.get("msg")))
+        said = re.sub(r"^(Value error|Assertion failed), ", "", str(error.get("msg")))
         message = f"{where}: {said}" if where else said
     return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
