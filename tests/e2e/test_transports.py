@@ -256,7 +256,7 @@ def test_looked_up_drafts_keep_the_target_distribution(
         transport: str, draft: str, mode: str, vocab_server: ServerProcess,
         tiny_vocab_pair: dict[str, Path]) -> None:
     """A prompt that repeats itself, so that every round has a lookup to propose."""
-    draws, prompt, vocab = 3000, [1, 2, 3, 4, 1, 2, 3], 10
+    draws, prompt, vocab = 3000, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6], 10
     cloud = Cloud(transport, tiny_vocab_pair["target"],
                   None if transport == "memory" else vocab_server)
     with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="off",

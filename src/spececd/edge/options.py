@@ -63,7 +63,7 @@ class DraftKind(str, enum.Enum):
     def where(self, draft_model: bool) -> DraftKind:
         """This kind where a draft model is loaded (``draft_model``) or not: ``auto`` is
         hybrid with one (lookup where it matches, the model elsewhere: about as many target
-        passes as the model alone, fewer on text that repeats, for a third fewer draft
+        passes as the model alone, fewer on text that repeats, for a quarter fewer draft
         steps), prompt lookup without (suffix drafting's chains are the same, at a higher
         cost a round); a kind that needs a model where none is loaded is an
         :class:`~spececd.errors.InputError`."""

@@ -27,7 +27,7 @@ from spececd.edge.drafter import DraftSource, Tree
 from spececd.edge.lookup import Lookup, NgramLookup, Proposals, SuffixDraft, reported
 from spececd.edge.options import DraftKind
 
-HYBRID_MIN_MATCH = 3  # the suffix a lookup must match for the hybrid to take it
+HYBRID_MIN_MATCH = 6  # the suffix a lookup must match for the hybrid to take it
 
 
 class HybridDraft:
@@ -119,6 +119,7 @@ class DraftSources:
             # The hybrid looks up by prompt lookup (the cheaper of two equal chains), or with
             # a suffix trie where it is to remember earlier generations.
             made = self.model if kind is DraftKind.MODEL else HybridDraft(
-                self.model, SuffixDraft(memory=True) if memory else NgramLookup())
+                self.model, SuffixDraft(memory=True) if memory
+                else NgramLookup(max_ngram=HYBRID_MIN_MATCH))
         self._made[(kind, memory)] = made
         return made
