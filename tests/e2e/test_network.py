@@ -250,7 +250,9 @@ def test_chat_keeps_the_conversation(server: ServerProcess,
 
 def test_proactive_drafting_hits_when_the_draft_is_the_target(
         server: ServerProcess, tiny_models: dict[str, Path]) -> None:
-    with remote(tiny_models["llama"], server.url, k=3, proactive=True) as gen:
+    # The draft model alone (the default, hybrid, would look up some blocks: fewer hits)
+    with remote(tiny_models["llama"], server.url, k=3, proactive=True,
+                draft_source="model") as gen:
         ids = gen.prompt_ids(PROMPTS[0])
         out = gen.generate(ids, max_tokens=40, temperature=0, stop_token_ids=[])
         assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 40)
