@@ -33,7 +33,8 @@ a stage continues from the last one. The cache (``--cache``, default
 
 Weights are saved as bfloat16 safetensors (sharded at 16 MB) next to a copy of the shared
 tokenizer and the chat template ``chat_template.jinja`` (a ``Role: text`` transcript, tools
-in the Hermes style Qwen2.5 uses, so that ``spececd api`` parses calls as ``hermes``), so ``AutoModelForCausalLM.from_pretrained(OUT/"target")`` loads each model.
+in the Hermes style Qwen2.5 uses, so that ``spececd api`` parses calls as ``hermes``), so
+``AutoModelForCausalLM.from_pretrained(OUT/"target")`` loads each model.
 Everything is seeded; CPU kernels are not bit-deterministic across thread counts, so a
 rerun matches the committed weights closely, not bit for bit.
 """
