@@ -161,8 +161,9 @@ class Generator:
             fingerprint = own if target_tokenizer is None else tokenizer_fingerprint(
                 target_tokenizer, target_vocab)
         self.cross = fingerprint != own  # drafting across two tokenizers
-        self.tokenizer: Tokenizer = (target_tokenizer if draft is None or self.cross
-                                     else draft.tokenizer)  # type: ignore[assignment]
+        speaks = draft.tokenizer if draft is not None and not self.cross else target_tokenizer
+        assert speaks is not None  # no draft or another tokenizer: the target's was given
+        self.tokenizer: Tokenizer = speaks
         self.vocab_size = fingerprint.vocab_size
         self.site = Site(in_process=target is not None, cross=self.cross,
                          vocab_size=self.vocab_size,
