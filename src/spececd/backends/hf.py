@@ -19,6 +19,7 @@ This module is the only one that imports torch and transformers for inference.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -142,6 +143,15 @@ def _load(source: str, dtype: torch.dtype, device: torch.device,
     return model.to(device).eval(), AutoTokenizer.from_pretrained(source)
 
 
+def cache_keyword(model: Any) -> str:
+    """The name ``model``'s forward takes and returns its KV cache by: ``cache`` from
+    transformers 5.24, where ``past_key_values`` still works but warns on every call (a
+    FutureWarning in, a log line out), else ``past_key_values``. Read from the signature
+    rather than the version, since a model's own code may lag or lead its release."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 class HFSequence:
     def __init__(self, backend: HFBackend) -> None:
         self._backend = backend
@@ -178,14 +188,13 @@ class HFSequence:
             allowed = torch.ones((1, n, start + n), dtype=torch.bool, device=device)
             allowed[0, :, start:] = torch.from_numpy(visible)
             mask = self._backend.additive(allowed)
-        out = self._backend.model(input_ids=input_ids, past_key_values=self._cache,
-                                  attention_mask=mask, use_cache=True, cache_position=positions,
-                                  position_ids=position_ids, logits_to_keep=max(keep, 1))
-        self._cache = out.past_key_values
+        logits, self._cache = self._backend.forward(
+            self._cache, input_ids=input_ids, attention_mask=mask, cache_position=positions,
+            position_ids=position_ids, logits_to_keep=max(keep, 1))
         self._tokens.extend(int(t) for t in ids)
         if keep == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
-        return self._backend.valid(out.logits[0, -keep:])
+        return self._backend.valid(logits[0, -keep:])
 
     def _layer(self, layer: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This cache's keys and values at ``layer``, left-padded with ``pad`` zeros."""
@@ -274,6 +283,7 @@ class HFBackend(Backend):
         self.kv_bytes_per_token = (2 * text.num_hidden_layers * heads * head_dim
                                    * torch.tensor([], dtype=torch_dtype).element_size())
         self.description = f"{model} ({type(self.model).__name__}, {torch_dtype}, {self.device})"
+        self.cache_keyword = cache_keyword(self.model)
 
     def new_sequence(self) -> HFSequence:
         return HFSequence(self)
@@ -326,19 +336,26 @@ class HFBackend(Backend):
                     keys.append(k)
                     values.append(v)
                 cache.update(torch.cat(keys), torch.cat(values), layer)
-        out = self.model(input_ids=input_ids, past_key_values=cache,
-                         attention_mask=self.additive(allowed) if trees else mask,
-                         use_cache=True, position_ids=positions,
-                         cache_position=torch.arange(past, past + width, device=device))
+        logits, cache = self.forward(cache, input_ids=input_ids,
+                                     attention_mask=self.additive(allowed) if trees else mask,
+                                     position_ids=positions,
+                                     cache_position=torch.arange(past, past + width,
+                                                                 device=device))
         results = []
         for i, ((sequence, ids, keep), length, n) in enumerate(
                 zip(own, lengths, counts, strict=True)):
             sequence._set_cache([(layer.keys[i:i + 1, :, past - length:past + n],
                                   layer.values[i:i + 1, :, past - length:past + n])
-                                 for layer in out.past_key_values.layers])
+                                 for layer in cache.layers])
             sequence._tokens.extend(int(t) for t in ids)
-            results.append(self.valid(out.logits[i, n - keep:n]))
+            results.append(self.valid(logits[i, n - keep:n]))
         return results
+
+    def forward(self, cache: Any, **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """The logits of one forward pass over ``inputs`` that starts from the KV cache
+        ``cache``, and the cache after it."""
+        out = self.model(**inputs, **{self.cache_keyword: cache}, use_cache=True)
+        return out.logits, out[self.cache_keyword]
 
     def additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A custom attention mask from ``allowed`` ``[batch, queries, keys]``: 0 where a

@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from spececd.backends.base import Backend, ChainSequence
-from spececd.backends.registry import is_npu
 from spececd.errors import InputError
 
 MODEL = "openvino_model.xml"
@@ -72,10 +71,6 @@ def devices() -> list[dict[str, str]]:
         found.append({"device": name.lower(), "backend": "openvino",
                       "detail": f"OpenVINO {ov.__version__.split('-')[0]}, {full}"})
     return found
-
-
-def has_npu() -> bool:
-    return any(is_npu(d) for d in devices())
 
 
 class OpenVinoSequence(ChainSequence):
@@ -232,8 +227,11 @@ def _traceable(model: Any) -> tuple[Any, tuple[Any, ...], list[tuple[int, int]]]
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    from spececd.backends.hf import cache_keyword
+
+    keyword = cache_keyword(model)
     with torch.no_grad():
-        probe = model(input_ids=torch.tensor([[0, 1]]), use_cache=True).past_key_values
+        probe = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)[keyword]
     layers: list[Any] = list(probe.layers) if isinstance(probe, DynamicCache) else []
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
         raise InputError(f"{model.config.model_type} keeps a KV cache other than plain "
@@ -259,9 +257,9 @@ def _traceable(model: Any) -> tuple[Any, tuple[Any, ...], list[tuple[int, int]]]
                 layer.keys, layer.values = past[2 * i], past[2 * i + 1]
                 layer.is_initialized = True
             out = self.model(input_ids=input_ids, position_ids=position_ids,
-                             attention_mask=attention_mask, past_key_values=cache,
-                             use_cache=True)
-            present = out.past_key_values.layers
+                             attention_mask=attention_mask, use_cache=True,
+                             **{keyword: cache})
+            present = out[keyword].layers
             return (out.logits, *(t for layer in present for t in (layer.keys, layer.values)))
 
     cached, new = 3, 2
