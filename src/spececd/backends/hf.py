@@ -144,10 +144,10 @@ def _load(source: str, dtype: torch.dtype, device: torch.device,
 
 
 def cache_keyword(model: Any) -> str:
-    """The name ``model``'s forward takes and returns its KV cache by: ``cache`` from
-    transformers 5.24, where ``past_key_values`` still works but warns on every call (a
-    FutureWarning in, a log line out), else ``past_key_values``. Read from the signature
-    rather than the version, since a model's own code may lag or lead its release."""
+    """The name ``model``'s forward takes and returns its KV cache by: ``cache`` where
+    transformers has renamed it (5.24 has, and warns on every call that uses the old name:
+    a FutureWarning in, a log line out), else ``past_key_values`` (5.19, vLLM's pin). Read
+    from the signature rather than the version: the model's own code decides."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
