@@ -29,7 +29,8 @@ def first_token_p_value(gen: Any, target: Path, draws: int,
     """p-value of ``draws`` sampled first tokens (temperature 1, top-k 20) of ``gen``, a
     :class:`~spececd.api.Generator`, against ``target``'s own distribution for them."""
     from spececd.backends.registry import load_backend
-    from spececd.core.sampling import SamplingParams, process_logits
+    from spececd.core.params import SamplingParams
+    from spececd.core.sampling import process_logits
 
     ids = gen.prompt_ids(prompt)
     params = SamplingParams(temperature=1.0, top_k=20)

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from spececd.core.sampling import SamplingParams, process_logits
+from spececd.core.params import SamplingParams
+from spececd.core.sampling import process_logits
 
 PROMPTS = ["def parse(line):\n    ", "import os\n\nclass ", "    for key, value in ",
            "\"\"\"Utilities for ", "x = [i * i for i in "]

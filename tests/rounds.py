@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from spececd.backends.base import Backend
 from spececd.cloud.scheduler import run_verifications
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.params import Mode, SamplingParams
 from spececd.edge.drafter import DraftSource
 from spececd.grammar import ConstraintMatcher
 from spececd.protocol.cloud_session import VerifyRequest

@@ -10,7 +10,7 @@ import pytest
 from spececd import config
 from spececd.cloud.engine import EnginePolicy
 from spececd.config import EdgeConfig, ServerConfig
-from spececd.core.sampling import SamplingParams
+from spececd.core.params import SamplingParams
 from spececd.errors import InputError
 from spececd.protocol.cloud_session import Limits
 
@@ -97,9 +97,19 @@ def test_the_server_section_builds_limits_and_policy_by_name() -> None:
         names = [f.name for f in dataclasses.fields(cls)]
         assert set(names) <= set(config.settings(ServerConfig)), cls  # each one configurable
         # Distinct values, so that a setting passed to another field is seen.
-        changed = {name: getattr(cls(), name) + i + 1 for i, name in enumerate(names)}
+        changed = {name: distinct(getattr(cls(), name), i) for i, name in enumerate(names)}
         built = build(dataclasses.replace(ServerConfig(), **changed))
         assert dataclasses.asdict(built) == changed
+
+
+def distinct(value: object, i: int) -> object:
+    """A value of ``value``'s type that differs from it and from the other fields'."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, str):
+        return f"{value}-{i}"
+    assert isinstance(value, (int, float))
+    return value + i + 1
 
 
 def test_the_edge_sections_sampling_defaults_are_sampling_params_own() -> None:

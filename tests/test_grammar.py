@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from spececd.core.sampling import Constraint, SamplingParams
+from spececd.core.params import Constraint, SamplingParams
 from spececd.errors import InputError
 from spececd.grammar import Grammars, InvalidConstraint, grammars_for, mask_logits
 from tests.toy import EOS, VOCAB, ByteTokenizer

@@ -13,13 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spececd.core.sampling import (
-    Mode,
-    SamplingParams,
-    greedy_tokens,
-    penalize,
-    process_logits,
-)
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import greedy_tokens, penalize, process_logits
 from spececd.errors import InputError
 from spececd.healing import MAX_HEAL_IDS, HealedText, heal
 from spececd.protocol import messages as m
@@ -220,7 +215,7 @@ def test_constrained_generations_are_never_healed(gen) -> None:  # type: ignore[
     """A constraint starts where the prompt ends; healing's mask there could leave none of
     the tokens it allows (an OpenAI completion with a choice, healed by default, drew a
     token both masks refused)."""
-    from spececd.core.sampling import Constraint
+    from spececd.core.params import Constraint
 
     constraint = Constraint("regex", "[a-z ]+")
     ids, run, healing = gen.prepare(PROMPTS[0], token_healing=True, constraint=constraint,

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from spececd.api import Generator
 from spececd.cli import main
-from spececd.core.sampling import Mode
+from spececd.core.params import Mode
 from spececd.edge.client import EdgeClient
 from spececd.edge.link import Link
 from spececd.edge.options import Proactive, Resolved

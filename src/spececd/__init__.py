@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from spececd.core.sampling import Constraint, SamplingParams
+from spececd.core.params import Constraint, SamplingParams
 from spececd.errors import InputError, SpecECDError
 
 __version__ = "0.1.0"

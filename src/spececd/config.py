@@ -5,7 +5,7 @@ Each value comes from, in increasing order of precedence:
 1. the defaults below, each kept where it belongs: the server's limits in
    :class:`~spececd.protocol.session.Limits` and :class:`~spececd.cloud.engine.EnginePolicy`
    (which :meth:`ServerConfig.limits` and :meth:`ServerConfig.policy` build), the edge's
-   sampling settings in :class:`~spececd.core.sampling.SamplingParams`, its options
+   sampling settings in :class:`~spececd.core.params.SamplingParams`, its options
    (``mode``, ``k``, ``proactive``, ...) in :class:`~spececd.edge.options.EdgeOptions`;
 2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``, and
    ``[devices]``: ``edge_device`` and ``cloud_device`` are the edge's and the server's
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 from spececd.cloud.engine import EnginePolicy
-from spececd.core.sampling import Constraint, SamplingParams
+from spececd.core.params import Constraint, SamplingParams
 from spececd.edge.options import ROUND_TIMEOUT, SAMPLING_SETTINGS, EdgeOptions
 from spececd.edge.options import SETTINGS as OPTION_SETTINGS
 from spececd.errors import InputError

@@ -21,7 +21,7 @@ session state machines and verification as the networked edge/cloud split.
 
 What a generation runs with is decided once, by :meth:`Generator.resolve`
 (:func:`spececd.edge.options.resolve`): the edge's options as they run here and the
-sampling keywords, with :class:`~spececd.core.sampling.SamplingParams`' defaults. The text
+sampling keywords, with :class:`~spececd.core.params.SamplingParams`' defaults. The text
 a stream shows comes from :mod:`spececd.text`. (This module was ``spececd.api``, which
 still re-exports it.)
 
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from spececd.backends.base import Backend, Tokenizer, tokenizer_fingerprint
 from spececd.backends.registry import load_backend, load_tokenizer, model_format
 from spececd.core.logprobs import Logprobs, TokenLogprob
-from spececd.core.sampling import SamplingParams, check_token_ids
+from spececd.core.params import SamplingParams, check_token_ids
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter, DraftSource
@@ -350,10 +350,10 @@ class Generator:
 
     def params(self, **sampling: Any) -> SamplingParams:
         """The sampling settings of a generation, checked: keywords by
-        :class:`~spececd.core.sampling.SamplingParams`' field names (``max_tokens``,
+        :class:`~spececd.core.params.SamplingParams`' field names (``max_tokens``,
         ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``stop_token_ids``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias``, ``constraint``: a :class:`~spececd.core.sampling.Constraint`),
+        ``logit_bias``, ``constraint``: a :class:`~spececd.core.params.Constraint`),
         each left out taking its default there; a fresh random ``seed``
         and the tokenizer's end-of-sequence tokens as stop tokens when none are given.
         ``logit_bias``: token id -> a number added to its logit, in [-100, 100] (-100 in

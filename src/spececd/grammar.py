@@ -7,7 +7,7 @@ the rest of SpecECD sees :class:`Grammars` (a tokenizer's compiler and cache),
 
 - JSON (``json_object``, ``json_schema``) is generated as ``json.dumps`` writes it
   (``", "`` and ``": "``, no other whitespace, which small models otherwise fill).
-- :meth:`Grammars.compile` turns a :class:`~spececd.core.sampling.Constraint` into a
+- :meth:`Grammars.compile` turns a :class:`~spececd.core.params.Constraint` into a
   compiled grammar, cached by a hash of (kind, spec, strict) for this tokenizer, within a
   time limit. What cannot compile (an invalid schema, an unsupported keyword, a grammar
   with errors, one that takes too long) raises :class:`InvalidConstraint`, which names
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from spececd.core.sampling import Constraint
+from spececd.core.params import Constraint
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)

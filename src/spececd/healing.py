@@ -12,7 +12,7 @@ that one position masked, so the model chooses how to spell the boundary
 
 What the output is: the target model's own, for the healed prompt (the prompt without its
 last token) with the first generated position restricted to ``allowed``. The mask is a
-sampling setting (:attr:`~spececd.core.sampling.SamplingParams.heal_ids`, applied by
+sampling setting (:attr:`~spececd.core.params.SamplingParams.heal_ids`, applied by
 :func:`~spececd.core.sampling.penalize`), so the verifier applies it at the position after
 the prompt and a draft that ignores it is simply rejected there; cloud-only and speculative
 generation heal the same way.

@@ -22,8 +22,9 @@ pytest.importorskip("onnxruntime_genai", reason="pip install 'spececd[onnx]' run
 pytest.importorskip("openvino", reason="pip install 'spececd[openvino]' runs these tests")
 
 from spececd.api import Generator  # noqa: E402
-from spececd.backends import onnx, openvino  # noqa: E402
+from spececd.backends import openvino  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
+from spececd.backends.devices import has_npu  # noqa: E402
 from spececd.backends.registry import load_backend, model_format  # noqa: E402
 from spececd.cli import main  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
@@ -208,7 +209,7 @@ def test_the_default_draft_converts_and_pairs_with_the_default_target(fmt: str,
 def test_device_npu_falls_back_to_the_cpu_with_one_notice(
         fmt: str, exported: dict[tuple[str, str], Path], tiny_models: dict[str, Path],
         caplog: pytest.LogCaptureFixture) -> None:
-    if (fmt == "onnx" and onnx.has_npu()) or (fmt == "openvino" and openvino.has_npu()):
+    if fmt != "hf" and has_npu(fmt):
         pytest.skip("this machine has an NPU: there is no fallback to observe")
     folder = tiny_models["draft"] if fmt == "hf" else exported[(fmt, "qwen2")]
     with caplog.at_level(logging.WARNING, logger="spececd.backends.registry"):

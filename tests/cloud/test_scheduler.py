@@ -19,7 +19,7 @@ import pytest
 from spececd.backends.base import CachedSequence, Extend
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.params import Mode, SamplingParams
 from spececd.protocol.cloud_session import VerifyRequest
 from tests.toy import ToyBackend, ToyModel, greedy
 

@@ -7,14 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spececd.core.logprobs import (
-    PROCESSED,
-    RAW,
-    distribution_logprobs,
-    log_softmax,
-    token_logprobs,
-)
-from spececd.core.sampling import SamplingParams
+from spececd.core.logprobs import distribution_logprobs, log_softmax, token_logprobs
+from spececd.core.params import PROCESSED, RAW, SamplingParams
 from spececd.errors import InputError
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spececd.core.sampling import SamplingParams, penalize, process_logits
+from spececd.core.params import SamplingParams
+from spececd.core.sampling import penalize, process_logits
 
 torch = pytest.importorskip("torch")
 generation = pytest.importorskip("transformers.generation.logits_process")

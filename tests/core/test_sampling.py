@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spececd.core.params import SamplingParams
 from spececd.core.sampling import (
-    SamplingParams,
     SparseProbs,
     draft_distribution,
     process_logits,

@@ -10,7 +10,8 @@ import itertools
 import numpy as np
 import pytest
 
-from spececd.core.sampling import Mode, SamplingParams, process_logits, sample
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import process_logits, sample
 from spececd.core.stats import GenerationStats
 from spececd.core.verify import VerifyResult, verify
 

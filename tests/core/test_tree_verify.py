@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs, sample
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs, sample
 from spececd.core.verify import VerifyResult, check_tree, tree_paths, verify
 from tests.core.test_verify import (
     DRAWS,

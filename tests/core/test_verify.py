@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import (
-    Mode,
-    SamplingParams,
     SparseProbs,
     draft_distribution,
     process_logits,

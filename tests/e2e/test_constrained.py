@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from spececd.core.sampling import Constraint, Mode, SamplingParams, process_logits
+from spececd.core.params import Constraint, Mode, SamplingParams
+from spececd.core.sampling import process_logits
 from spececd.edge.drafter import Drafter
 from spececd.grammar import grammars_for
 from tests.chisq import chi_square_p

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 xgr = pytest.importorskip("xgrammar")
 
 from spececd.api import Generator  # noqa: E402
-from spececd.core.sampling import Constraint  # noqa: E402
+from spececd.core.params import Constraint  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from tests.reference import PROMPTS, _reference_model  # noqa: E402
 

@@ -17,7 +17,8 @@ pytest.importorskip("torch")
 pytest.importorskip("grpc")
 
 from spececd.core.logprobs import TokenLogprob
-from spececd.core.sampling import SamplingParams, process_logits
+from spececd.core.params import SamplingParams
+from spececd.core.sampling import process_logits
 from tests.e2e import test_transports
 from tests.reference import FIXED_K, PROMPTS, hf_logprobs
 

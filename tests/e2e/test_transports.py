@@ -33,7 +33,7 @@ from spececd.api import Generator
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Engine
-from spececd.core.sampling import SamplingParams
+from spececd.core.params import SamplingParams
 from spececd.edge.client import CloudUnreachable, Reconnect
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import Limits

@@ -28,7 +28,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install-vllm.sh)", allow_module_level=True)
 
 from spececd.api import Generator  # noqa: E402
-from spececd.core.sampling import SamplingParams  # noqa: E402
+from spececd.core.params import SamplingParams  # noqa: E402
 from spececd.protocol.errors import EngineFailed, Unsupported  # noqa: E402
 from tests.builders import MODELS, requires_default_pair, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
@@ -303,7 +303,7 @@ def test_constrained_greedy_on_vllm_is_the_target_alone_constrained() -> None:
     pytest.importorskip("xgrammar")
     import xgrammar as xgr
 
-    from spececd.core.sampling import Constraint
+    from spececd.core.params import Constraint
     from spececd.protocol.errors import VerificationFailed
     from tests.e2e.test_constrained_models import CONSTRAINTS, hf_constrained_greedy
 

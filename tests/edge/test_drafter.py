@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch")
 
 from spececd.backends.registry import load_backend
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import DraftLengthPolicy, TreeShape
-from spececd.core.sampling import Mode, SamplingParams
 from spececd.edge.drafter import Drafter
 
 HISTORY = [5, 17, 42, 99, 3]

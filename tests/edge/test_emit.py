@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spececd.core.sampling import SamplingParams
+from spececd.core.params import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.emit import Emitter, Piece, RoundOutput
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
-from spececd.core.sampling import SamplingParams
+from spececd.core.params import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter

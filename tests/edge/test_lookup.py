@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs, process_logits
+from spececd.core.sampling import SparseProbs, process_logits
 from spececd.edge import lookup
 from spececd.edge.drafter import Drafter, DraftSource
 from spececd.edge.lookup import NgramLookup, SuffixDraft, SuffixTrie

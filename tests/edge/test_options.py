@@ -11,7 +11,7 @@ import pytest
 from spececd import config
 from spececd.api import Generator
 from spececd.config import EdgeConfig
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.params import Mode, SamplingParams
 from spececd.edge.options import (
     FALLBACK_AFTER,
     DraftKind,

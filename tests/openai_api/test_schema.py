@@ -9,7 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from spececd.core.sampling import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
+from spececd.core.params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, Mode, SamplingParams
 from spececd.edge.options import Proactive
 from spececd.openai_api.schema import ChatRequest, CompletionRequest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, Limits
 from spececd.protocol.edge_session import EdgeSession

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spececd.core.logprobs import Logprobs
-from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession

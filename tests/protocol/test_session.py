@@ -8,7 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, Limits, State, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession

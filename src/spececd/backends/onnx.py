@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from spececd.backends.base import Backend, ChainSequence
-from spececd.backends.registry import is_npu
 from spececd.errors import InputError
 
 CONFIG = "genai_config.json"
@@ -67,10 +66,6 @@ def devices() -> list[dict[str, str]]:
             kind = "NPU" if device == "qnn" else "GPU"
             found.append({"device": device, "backend": "onnx", "detail": f"{provider} ({kind})"})
     return found
-
-
-def has_npu() -> bool:
-    return any(is_npu(d) for d in devices())
 
 
 class OnnxSequence(ChainSequence):

@@ -5,8 +5,10 @@
 - a folder with ``openvino_model.xml``: OpenVINO;
 - anything else (a local folder or a hub id): Hugging Face transformers on PyTorch.
 
-Devices are the backend's (``spececd devices`` lists them). ``npu`` asks for the neural
-processing unit of the model's runtime: OpenVINO's ``NPU`` for an OpenVINO folder, the QNN
+:data:`SPECS` is the table of backends: each one's name, what it imports, what people call
+it and the extra that installs it. Devices are the backend's (:mod:`spececd.backends.devices`
+finds them; ``spececd devices`` lists them). ``npu`` asks for the neural processing unit of
+the model's runtime: OpenVINO's ``NPU`` for an OpenVINO folder, the QNN
 execution provider for an ONNX folder. Where the runtime has none, or the model's format
 runs on no NPU (transformers, GGUF), or the config turns the NPU off
 (``npu = false``), the model runs on the CPU after a one-line notice.
@@ -16,22 +18,33 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from spececd.backends.base import Backend, Tokenizer
+from spececd.backends.devices import has_npu
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf", "llama.cpp", "onnx", "openvino")
-# What each backend imports (the tokenizer of ONNX and OpenVINO folders is transformers'),
-# what people call it, and the extra of spececd that installs it.
-REQUIRES = {"hf": ("torch", "transformers"), "llama.cpp": ("llama_cpp",),
-            "onnx": ("onnxruntime_genai", "transformers"),
-            "openvino": ("openvino", "transformers")}
-RUNTIME_NAMES = {"hf": "transformers", "llama.cpp": "llama.cpp",
-                 "onnx": "ONNX Runtime GenAI", "openvino": "OpenVINO"}
-EXTRAS = {"hf": "hf", "llama.cpp": "llama", "onnx": "onnx", "openvino": "openvino"}
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One model runtime as the registry knows it."""
+
+    name: str  # as --backend takes it
+    runtime: str  # what people call it
+    requires: tuple[str, ...]  # what it imports (ONNX and OpenVINO folders: transformers too)
+    extra: str  # the extra of spececd that installs it
+
+
+SPECS = {spec.name: spec for spec in (
+    BackendSpec("hf", "transformers", ("torch", "transformers"), "hf"),
+    BackendSpec("llama.cpp", "llama.cpp", ("llama_cpp",), "llama"),
+    BackendSpec("onnx", "ONNX Runtime GenAI", ("onnxruntime_genai", "transformers"), "onnx"),
+    BackendSpec("openvino", "OpenVINO", ("openvino", "transformers"), "openvino"),
+)}
+BACKENDS = tuple(SPECS)
 CONVERT_HINT = ("`spececd convert --to openvino` makes an OpenVINO folder for an Intel NPU; "
                 "a Snapdragon NPU runs an ONNX folder through ONNX Runtime's QNN provider")
 
@@ -52,12 +65,7 @@ def model_format(model: str) -> str:
 
 def installed(backend: str) -> bool:
     """Whether ``backend``'s runtime can be imported here (without importing it)."""
-    return all(importlib.util.find_spec(name) is not None for name in REQUIRES[backend])
-
-
-def is_npu(device: dict[str, str]) -> bool:
-    """Whether an entry of :func:`available_devices` is a neural processing unit."""
-    return device["device"] == "qnn" or device["device"].split(".")[0] == "npu"
+    return all(importlib.util.find_spec(name) is not None for name in SPECS[backend].requires)
 
 
 def npu_device(backend: str, npu: bool = True) -> str:
@@ -67,16 +75,12 @@ def npu_device(backend: str, npu: bool = True) -> str:
                     "running on cpu")
         return "cpu"
     if backend == "openvino":
-        from spececd.backends import openvino
-
-        if openvino.has_npu():
+        if has_npu("openvino"):
             return "npu"
         log.warning("device npu requested but OpenVINO finds no NPU here; running on cpu")
         return "cpu"
     if backend == "onnx":
-        from spececd.backends import onnx
-
-        if onnx.has_npu():
+        if has_npu("onnx"):
             return "qnn"
         log.warning("device npu requested but this ONNX Runtime build has no NPU execution "
                     "provider (QNN); running on cpu")
@@ -129,28 +133,3 @@ def load_tokenizer(model: str) -> tuple[Tokenizer, int]:
     from spececd.backends.hf_tokenizer import load_tokenizer as load_hf_tokenizer
 
     return load_hf_tokenizer(model)
-
-
-def available_devices() -> list[dict[str, str]]:
-    """Every device a model can run on here, with the backend that uses it."""
-    devices: list[dict[str, str]] = []
-    if importlib.util.find_spec("torch") is not None:
-        from spececd.backends import hf
-
-        devices.extend(hf.available_devices())
-    if importlib.util.find_spec("llama_cpp") is not None:
-        import llama_cpp
-
-        gpu = bool(llama_cpp.llama_supports_gpu_offload())
-        devices.append({"device": "cpu", "backend": "llama.cpp",
-                        "detail": f"llama.cpp {llama_cpp.__version__}"
-                        + (", GPU offload available" if gpu else ", CPU build")})
-    if importlib.util.find_spec("onnxruntime_genai") is not None:
-        from spececd.backends import onnx
-
-        devices.extend(onnx.devices())
-    if importlib.util.find_spec("openvino") is not None:
-        from spececd.backends import openvino
-
-        devices.extend(openvino.devices())
-    return devices

@@ -26,7 +26,7 @@ class ListDevices(argparse.Action):
 
 
 def run(args: argparse.Namespace) -> int:
-    from spececd.backends.registry import available_devices, is_npu
+    from spececd.backends.devices import available_devices, is_npu
 
     devices = available_devices()
     npus = [d for d in devices if is_npu(d)]

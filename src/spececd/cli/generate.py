@@ -15,7 +15,8 @@ from spececd.cli.options import (
     sampling_kwargs,
 )
 from spececd.cli.output import stream_completion, summary_line, use_colour
-from spececd.core.logprobs import LOGPROBS_MODES, RAW, TokenLogprob
+from spececd.core.logprobs import TokenLogprob
+from spececd.core.params import LOGPROBS_MODES, RAW
 from spececd.core.stats import GenerationStats
 from spececd.errors import InputError
 

@@ -3,7 +3,7 @@ over the environment over ``config.toml``), the draft to run (:func:`choose_draf
 user's, or the default draft in its fastest form installed here), then a loaded Generator.
 
 Flags default to None ("not given") so that the file and the environment show through;
-the defaults the help texts name live in :class:`~spececd.core.sampling.SamplingParams`
+the defaults the help texts name live in :class:`~spececd.core.params.SamplingParams`
 (sampling), :class:`~spececd.edge.options.EdgeOptions` (speculation) and
 :mod:`spececd.config` (the rest), and are read from there. Nothing here imports a model runtime: the
 backend the chosen model needs is imported when it loads.
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from spececd import config
-from spececd.backends.registry import EXTRAS, RUNTIME_NAMES, installed, model_format
+from spececd.backends.registry import SPECS, installed, model_format
 from spececd.config import EdgeConfig, parse_logit_bias
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.params import Mode, SamplingParams
 from spececd.edge.options import DraftKind, EdgeOptions, Fallback, Proactive
 from spececd.errors import InputError
 
@@ -71,9 +71,9 @@ class Draft:
         path = Path(self.model)
         if path.is_absolute() and path.is_relative_to(Path.cwd()):
             path = path.relative_to(Path.cwd())
-        hint = (f"; pip install 'spececd[{EXTRAS[self.faster]}]' to draft with its faster "
-                f"{RUNTIME_NAMES[self.faster]} form" if self.faster else "")
-        return f"{path} ({RUNTIME_NAMES[self.backend]}{hint})"
+        hint = (f"; pip install 'spececd[{SPECS[self.faster].extra}]' to draft with its "
+                f"faster {SPECS[self.faster].runtime} form" if self.faster else "")
+        return f"{path} ({SPECS[self.backend].runtime}{hint})"
 
 
 def choose_draft(model: str | None, device: str = "auto") -> Draft:

@@ -18,38 +18,20 @@ not offered. A prompt's log-probabilities (``echo``) are always raw: prompt toke
 sampled (vLLM: "for prompt_logprobs, processed_* and raw_* yield identical results").
 
 :class:`Logprobs` holds them for consecutive tokens as arrays (how they cross the wire);
-:class:`TokenLogprob` is one token's, as the Python API hands them out. This module is
-pure NumPy and knows nothing of models or the network.
+:class:`TokenLogprob` is one token's, as the Python API hands them out. Which ones a session
+asks for, and their limits, are in :mod:`spececd.core.params` (``SamplingParams.logprobs``).
+This module is pure NumPy and knows nothing of models or the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spececd.errors import InputError
-
-if TYPE_CHECKING:
-    from spececd.core.sampling import SamplingParams
-
-RAW = "raw_logprobs"
-PROCESSED = "processed_logprobs"
-LOGPROBS_MODES = (RAW, PROCESSED)
-MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit, vLLM's default)
-
-
-def check_logprobs(top: int | None, mode: str, what: str = "logprobs") -> None:
-    """Raise :class:`InputError` unless ``top`` (None: not asked) is in ``[0, 20]`` and
-    ``mode`` is one this module computes."""
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InputError(f"{what} takes 0 to {MAX_TOP_LOGPROBS} alternatives per token "
-                         f"(0: the chosen token's alone), got {top}")
-    if mode not in LOGPROBS_MODES:
-        raise InputError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
-                         f"{mode!r} (vLLM's raw_logits and processed_logits are not offered)")
+from spececd.core.params import RAW, SamplingParams
+from spececd.core.sampling import penalize, process_logits
 
 
 @dataclass(frozen=True)
@@ -128,12 +110,10 @@ def distribution_logprobs(logits: np.ndarray, mode: str, params: SamplingParams,
                           ) -> np.ndarray:
     """The log-probabilities ``[n, vocab]`` (float64) that ``mode`` reports for the rows
     of ``logits`` ``[n, vocab]``; ``processed_logprobs`` needs the session's
-    :class:`~spececd.core.sampling.SamplingParams` and the tokens each row follows
+    :class:`~spececd.core.params.SamplingParams` and the tokens each row follows
     (``history[:start + i]`` for row ``i``, see :func:`~spececd.core.sampling.penalize`)."""
     if mode == RAW:
         return log_softmax(logits)
-    from spececd.core.sampling import penalize, process_logits  # it imports this module
-
     if params.greedy:
         if params.penalized:
             assert history is not None, "penalties need the token history"

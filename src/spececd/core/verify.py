@@ -63,7 +63,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spececd.core.sampling import Mode, SparseProbs, sample
+from spececd.core.params import Mode
+from spececd.core.sampling import SparseProbs, sample
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
 from spececd.core.chooser import Arm, HintGate, StrategyChooser
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import RoundsEstimate
-from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput

@@ -51,12 +51,10 @@ from typing import Protocol
 import numpy as np
 
 from spececd.backends.base import Backend, sync
+from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import (
     DRAFTER_STREAM,
-    Constraint,
-    Mode,
-    SamplingParams,
     SparseProbs,
     draft_distribution,
     penalize,

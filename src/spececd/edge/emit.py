@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spececd.core.logprobs import Logprobs
-from spececd.core.sampling import SamplingParams
+from spececd.core.params import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.core.stopping import clip_emitted
 

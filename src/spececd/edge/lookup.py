@@ -37,8 +37,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.sampling import SparseProbs
 from spececd.edge.drafter import Marks, Tree
 from spececd.protocol.cloud_session import common_prefix
 

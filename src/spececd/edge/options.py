@@ -11,7 +11,7 @@ Then :func:`resolve` decides, once per generation, what it runs with: the option
 run where this process is (:meth:`EdgeOptions.resolved`, :class:`Site`: the verifier in
 this process or on a server, the draft's tokenizer the target's or another) and the
 sampling parameters (:func:`sampling_params`; their defaults are
-:class:`~spececd.core.sampling.SamplingParams`' own), in one frozen :class:`Resolved`.
+:class:`~spececd.core.params.SamplingParams`' own), in one frozen :class:`Resolved`.
 What the server's welcome bounds is read from it with :meth:`EdgeOptions.draft_limit`, and
 the mode each session verifies in with :meth:`EdgeOptions.session_mode`.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from spececd.core.sampling import Mode, SamplingParams, check_token_ids
+from spececd.core.params import Mode, SamplingParams, check_token_ids
 from spececd.errors import InputError
 
 # Seconds without a reply from the verifier before the link is deemed dead (and reconnected,

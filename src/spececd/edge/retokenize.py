@@ -22,8 +22,9 @@ import threading
 from collections.abc import Sequence
 
 from spececd.backends.base import Backend, Tokenizer
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.sampling import SparseProbs
 from spececd.edge.drafter import Drafter, Tree
 
 LOOK_BEHIND = 4  # committed target tokens re-encoded with the draft's text

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.sampling import SparseProbs
 from spececd.edge.drafter import DraftSource, Tree
 from spececd.edge.lookup import Lookup, NgramLookup, Proposals, SuffixDraft, reported
 from spececd.edge.options import DraftKind

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import (
     Arm,
     DraftLengthPolicy,
@@ -33,7 +34,7 @@ from spececd.core.policy import (
     hint_shape,
     stream_lookahead,
 )
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource, Tree
 from spececd.edge.emit import Emitter, Piece

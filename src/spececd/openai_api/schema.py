@@ -16,12 +16,12 @@ carry others, OpenAI's meaning of it), as
 vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``; :meth:`Sampling.constraint` makes one
-:class:`~spececd.core.sampling.Constraint` of them (at most one may be given).
+:class:`~spececd.core.params.Constraint` of them (at most one may be given).
 
 Nothing here is decided twice: the sampling defaults and ranges are
-:class:`~spececd.core.sampling.SamplingParams`' (OpenAI's own ``temperature`` ceiling of
+:class:`~spececd.core.params.SamplingParams`' (OpenAI's own ``temperature`` ceiling of
 2 and its ``max_tokens`` of 16 for completions aside), and the names ``mode`` and
-``proactive`` and ``draft_source`` take are the values of :class:`~spececd.core.sampling.Mode` (its
+``proactive`` and ``draft_source`` take are the values of :class:`~spececd.core.params.Mode` (its
 lossless ones), :class:`~spececd.edge.options.Proactive` and
 :class:`~spececd.edge.options.DraftKind`.
 """
@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spececd.core.logprobs import LOGPROBS_MODES, MAX_TOP_LOGPROBS
-from spececd.core.sampling import (
+from spececd.core.params import (
     LOGIT_BIAS_LIMIT,
+    LOGPROBS_MODES,
+    MAX_TOP_LOGPROBS,
     PENALTY_LIMIT,
     TOP_K_LIMIT,
     Constraint,

@@ -64,7 +64,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from spececd.core.logprobs import TokenLogprob
-from spececd.core.sampling import Constraint
+from spececd.core.params import Constraint
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions

@@ -16,7 +16,7 @@ templates write them; a ``tool`` message's ``tool_call_id``). :func:`plan` decid
   the parser's format, with arguments valid under each function's ``parameters`` schema:
   a grammar (:func:`call_grammar`, built by :func:`spececd.grammar.tagged_json_grammar`
   from xgrammar's structural tags, which embed the JSON schemas) passed as a ``grammar``
-  :class:`~spececd.core.sampling.Constraint`, which the verifier masks the target with at
+  :class:`~spececd.core.params.Constraint`, which the verifier masks the target with at
   every position, so the output is the target's own under that constraint. A named
   function is called once; ``required`` calls one when ``parallel_tool_calls`` is false,
   else one to as many as there are tools (:func:`max_forced_calls`): the grammar ends the

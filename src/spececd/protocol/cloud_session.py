@@ -35,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 
 from spececd.core.logprobs import Logprobs
-from spececd.core.sampling import Constraint, Mode, SamplingParams, SparseProbs
+from spececd.core.params import Constraint, Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (

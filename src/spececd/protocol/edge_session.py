@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
 from spececd.protocol import messages as m
 from spececd.protocol.errors import UnexpectedMessage, error_for_code
 

@@ -61,8 +61,9 @@ from typing import Any, ClassVar
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from spececd.core.logprobs import RAW, Logprobs
-from spececd.core.sampling import Constraint, SparseProbs
+from spececd.core.logprobs import Logprobs
+from spececd.core.params import RAW, Constraint
+from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame
 

@@ -46,7 +46,8 @@ import numpy as np
 from grpc import aio
 
 from spececd.cloud.engine import CloudService, Ending
-from spececd.core.sampling import Mode, SparseProbs
+from spececd.core.params import Mode
+from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import InvalidProbabilities, ProtocolError, UnexpectedMessage
 from spececd.transports import spececd_pb2 as pb
 from spececd.transports import spececd_pb2_grpc as pb_grpc
