@@ -18,7 +18,7 @@ import pytest
 
 from spececd.cli import build_parser
 from spececd.deploy import DEFAULT, nginx_conf
-from spececd.transports.base import AFFINITY_HEADER
+from spececd.edge.transport import AFFINITY_HEADER
 
 yaml = pytest.importorskip("yaml")
 

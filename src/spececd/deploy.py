@@ -9,7 +9,7 @@ transport the replicas serve:
   pins its session to a replica.
 - HTTP links (``/v1/links``) and sessions (``/v1/sessions``): every request of one link
   must reach the replica that holds it. The edge sends a random
-  :data:`~spececd.transports.base.AFFINITY_HEADER` per link, and the balancer hashes on it
+  :data:`~spececd.edge.transport.AFFINITY_HEADER` per link, and the balancer hashes on it
   (consistently, so a replica leaving moves only its own links). Requests without the
   header are spread at random.
 - gRPC: HTTP/2 to the replicas; a ``Session`` stream pins itself, unary calls hash on the
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spececd.transports.base import AFFINITY_HEADER
+from spececd.edge.transport import AFFINITY_HEADER
 
 
 @dataclass(frozen=True)

@@ -64,12 +64,12 @@ from spececd.edge.options import (
     sampling_params,
 )
 from spececd.edge.retokenize import CrossDrafter
+from spececd.edge.transport import Transport
 from spececd.errors import InputError
 from spececd.grammar import grammars_for
 from spececd.healing import HealedText, Healing, heal
 from spececd.protocol.errors import Unsupported
 from spececd.text import IncrementalDecoder, StopStrings
-from spececd.transports.base import Transport
 
 if TYPE_CHECKING:
     from spececd.transports.memory import LocalServer
@@ -281,11 +281,11 @@ class Generator:
         if target_tokenizer:
             shared: tuple[Tokenizer, int] | None = load_tokenizer(target_tokenizer)
         else:
-            from spececd.backends import bundle
+            from spececd.transports.tokenizer import fetch
 
             own = None if draft is None else tokenizer_fingerprint(draft.tokenizer,
                                                                    draft.vocab_size)
-            shared = bundle.fetch(server, own, tls_ca, tls_verify)
+            shared = fetch(server, own, tls_ca, tls_verify)
         theirs, vocab = shared if shared else (None, 0)
         if draft is None and theirs is None:
             raise InputError(f"without a draft model the edge needs the target's tokenizer, "

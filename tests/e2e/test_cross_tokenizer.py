@@ -166,13 +166,14 @@ def test_the_servers_tokenizer_is_fetched_checked_and_cached(
     from spececd.backends import bundle
     from spececd.backends.base import tokenizer_fingerprint
     from spececd.backends.registry import load_backend
+    from spececd.transports.tokenizer import fetch
 
     draft = load_backend(str(other_tokenizer_model), device="cpu", dtype="float32")
     target = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
     own = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
     theirs = tokenizer_fingerprint(target.tokenizer, target.vocab_size)
-    assert bundle.fetch(servers["bpe"].url, theirs) is None  # the same: nothing to fetch
-    fetched = bundle.fetch(servers["bpe"].url, own)
+    assert fetch(servers["bpe"].url, theirs) is None  # the same: nothing to fetch
+    fetched = fetch(servers["bpe"].url, own)
     assert fetched is not None
     tokenizer, vocab = fetched
     assert tokenizer_fingerprint(tokenizer, vocab) == theirs

@@ -35,10 +35,10 @@ from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Engine
 from spececd.core.params import SamplingParams
 from spececd.edge.client import CloudUnreachable, Reconnect
+from spececd.edge.transport import Transport
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import Limits
 from spececd.protocol.errors import AuthFailed, ProtocolError
-from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer
 from spececd.transports.registry import connector
 from tests.builders import MODELS, requires_default_pair

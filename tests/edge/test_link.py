@@ -17,8 +17,8 @@ from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import EdgeOptions, Reconnect, Resolved, Site
+from spececd.edge.transport import Transport
 from spececd.protocol import messages as m
-from spececd.transports.base import Transport
 from spececd.transports.memory import LocalServer, MemoryTransport, local_verifier
 from tests.toy import ToyBackend, greedy
 

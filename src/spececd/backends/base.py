@@ -48,10 +48,10 @@ from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
+from spececd.core.tokens import common_prefix
 from spececd.core.verify import check_tree
 from spececd.errors import InputError
 from spececd.protocol.messages import Fingerprint
-from spececd.protocol.session import common_prefix
 
 
 class Tokenizer(Protocol):

@@ -12,18 +12,18 @@ tokenizer has exactly the server's fingerprint, and cache it by that fingerprint
 (``$XDG_CACHE_HOME/spececd/tokenizers``, default ``~/.cache``). A GGUF target's tokenizer
 cannot be exported as transformers files: such a server answers 404, and the edge then
 needs ``--target-tokenizer``. So does an edge on gRPC, which has no plain HTTP.
+
+This module makes and reads the bundle; asking a server for it is the edge's side of
+those endpoints, :func:`spececd.transports.tokenizer.fetch` (the server's is
+:mod:`spececd.transports.ops`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
-import ssl
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,8 @@ from spececd.backends.base import Tokenizer, tokenizer_fingerprint
 from spececd.errors import InputError
 from spececd.protocol.messages import Fingerprint
 
-log = logging.getLogger(__name__)
-
 PATH = "/v1/tokenizer"
 NOT_EXPORTABLE = "this target's tokenizer cannot be exported: use --target-tokenizer\n"
-HTTP_BASES = {"ws": "http", "wss": "https", "http": "http", "https": "https"}
 
 
 def fingerprint_json(fingerprint: Fingerprint) -> bytes:
@@ -97,51 +94,3 @@ def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:
                          f"(hash {got.tokenizer_hash[:12]}, expected "
                          f"{expected.tokenizer_hash[:12]}): pass --target-tokenizer")
     return tokenizer, vocab
-
-
-def fetch(server: str, own: Fingerprint | None, cafile: str | None = None,
-          verify: bool = True, timeout: float = 5.0) -> tuple[Tokenizer, int] | None:
-    """The server's target tokenizer when it differs from ``own`` (the draft's; None: the
-    edge has no draft model, and needs it); None when they agree, or when the server
-    cannot say (gRPC, an older server, a GGUF target, unreachable now): the handshake then
-    decides, with its own message."""
-    scheme, _, rest = server.partition("://")
-    if scheme not in HTTP_BASES:
-        return None
-    base = f"{HTTP_BASES[scheme]}://{rest.rstrip('/')}"
-    context = None
-    if base.startswith("https"):
-        from spececd.transports.tls import client_ssl_context
-
-        context = client_ssl_context(cafile, verify)
-
-    def get(path: str) -> bytes:
-        with urllib.request.urlopen(base + path, timeout=timeout, context=context) as reply:
-            return reply.read()  # type: ignore[no-any-return]
-
-    try:
-        raw = json.loads(get(PATH + "/fingerprint"))
-        theirs = Fingerprint(int(raw["vocab_size"]), str(raw["tokenizer_hash"]))
-    except (OSError, ValueError, KeyError, ssl.SSLError) as exc:
-        log.info("no tokenizer fingerprint from %s (%s)", base, exc)
-        return None
-    if theirs == own:
-        return None
-    cached = cache_dir() / f"{theirs.tokenizer_hash}.msgpack"
-    if cached.is_file():
-        return load(cached.read_bytes(), theirs)
-    try:
-        data = get(PATH)
-    except urllib.error.HTTPError as exc:
-        raise InputError(f"the server's target has another tokenizer than the draft and "
-                         f"cannot share it (HTTP {exc.code}): pass --target-tokenizer") from None
-    except OSError as exc:
-        log.info("could not fetch the tokenizer from %s (%s)", base, exc)
-        return None
-    loaded = load(data, theirs)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_suffix(".tmp")
-    temporary.write_bytes(data)
-    temporary.replace(cached)
-    log.info("fetched the target's tokenizer from %s (cached in %s)", base, cached)
-    return loaded

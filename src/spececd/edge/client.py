@@ -38,9 +38,9 @@ from spececd.edge.strategies import (
     StreamDrafting,
     Work,
 )
+from spececd.edge.transport import Transport
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.messages import Fingerprint
-from spececd.transports.base import Transport
 
 __all__ = ["CloudUnreachable", "EdgeClient", "Reconnect", "RoundOutput"]
 

@@ -63,9 +63,9 @@ from spececd.core.sampling import (
     sample,
     sample_sparse,
 )
+from spececd.core.tokens import common_prefix
 from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for, mask_logits
-from spececd.protocol.session import common_prefix
 
 log = logging.getLogger(__name__)
 

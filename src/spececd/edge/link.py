@@ -27,11 +27,11 @@ from typing import TypeAlias
 from spececd.core.policy import Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.options import Reconnect
+from spececd.edge.transport import Transport
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import Draining
-from spececd.transports.base import Transport
 
 log = logging.getLogger(__name__)
 

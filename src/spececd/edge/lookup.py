@@ -40,8 +40,8 @@ import numpy as np
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import SparseProbs
+from spececd.core.tokens import common_prefix
 from spececd.edge.drafter import Marks, Tree
-from spececd.protocol.cloud_session import common_prefix
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup matches
 MIN_NGRAM = 2  # the shortest: one token matches too often to be worth a verified position

@@ -28,7 +28,7 @@ import enum
 import hmac
 import secrets
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -37,6 +37,7 @@ import numpy as np
 from spececd.core.logprobs import Logprobs
 from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
+from spececd.core.tokens import common_prefix as common_prefix  # for cloud/vllm.py
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (
@@ -507,14 +508,6 @@ class CloudSession:
         self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s,
                                                 path, logprobs, prompt_logprobs))
         self._outgoing.append(self._last_verdict)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if list(a[:n]) != list(b[:n]):  # compared whole first: they mostly agree
-        n = int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
-    return n
 
 
 def _check_distribution(i: int, token: int, dist: SparseProbs, vocab: int) -> None:

@@ -48,10 +48,10 @@ from grpc import aio
 from spececd.cloud.engine import CloudService, Ending
 from spececd.core.params import Mode
 from spececd.core.sampling import SparseProbs
+from spececd.edge.transport import AFFINITY_HEADER, affinity_key
 from spececd.protocol.errors import InvalidProbabilities, ProtocolError, UnexpectedMessage
 from spececd.transports import spececd_pb2 as pb
 from spececd.transports import spececd_pb2_grpc as pb_grpc
-from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.unary import UnaryParams, UnarySessions
 
 GRPC_OVERHEAD = 64 * 1024  # room above the session's message limit before gRPC refuses

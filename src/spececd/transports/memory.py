@@ -25,7 +25,7 @@ from spececd.protocol.cloud_session import Limits
 
 class LocalServer:
     """An engine on a background event loop. Calling it opens a new link (a
-    :class:`~spececd.transports.base.Transport` factory, like a server URL)."""
+    :class:`~spececd.edge.transport.Transport` factory, like a server URL)."""
 
     def __init__(self, engine: CloudService) -> None:
         self.engine = engine

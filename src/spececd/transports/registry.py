@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from spececd.cloud.engine import CloudService
+from spececd.edge.transport import Transport
 from spececd.errors import InputError
-from spececd.transports.base import Transport
 
 TRANSPORTS = ("websocket", "grpc", "http")
 SCHEMES = {"ws": "websocket", "wss": "websocket", "grpc": "grpc", "grpcs": "grpc",

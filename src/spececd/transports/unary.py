@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from spececd.cloud.engine import CloudService, Link
 from spececd.core.sampling import SparseProbs
+from spececd.core.tokens import common_prefix
 from spececd.protocol import messages as m
 from spececd.protocol.errors import UnexpectedMessage, error_for_code
-from spececd.protocol.session import common_prefix
 
 
 @dataclass(frozen=True)

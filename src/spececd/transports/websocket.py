@@ -31,8 +31,8 @@ from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
 from spececd.cloud.engine import CloudService, Ending
+from spececd.edge.transport import AFFINITY_HEADER, affinity_key
 from spececd.transports import ops
-from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.tls import client_ssl_context, server_ssl_context
 
 log = logging.getLogger(__name__)

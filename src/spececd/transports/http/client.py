@@ -19,6 +19,7 @@ from email.message import Message
 from typing import Any
 from urllib.parse import urlsplit
 
+from spececd.edge.transport import AFFINITY_HEADER, affinity_key
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (
     AuthFailed,
@@ -28,7 +29,6 @@ from spececd.protocol.errors import (
     ServerBusy,
     error_for_code,
 )
-from spececd.transports.base import AFFINITY_HEADER, affinity_key
 from spececd.transports.http.links import FIRST_REPLY, MAX_WAIT
 from spececd.transports.tls import client_ssl_context
 

@@ -1,5 +1,8 @@
 """What the edge needs from a transport: move whole frames, in order, both ways.
 
+The edge states the interface here, in its own layer, and each transport's client
+(:mod:`spececd.transports`) implements it, so the edge imports no transport.
+
 Every edge connection also carries an affinity key, :data:`AFFINITY_HEADER` (gRPC
 metadata: its lowercase form), fresh for each connection: a load balancer in front of
 several verifier replicas hashes on it so that every request of an HTTP link reaches the
