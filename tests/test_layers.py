@@ -1,0 +1,139 @@
+"""The layers of docs/how-it-works.md ("Layers"), checked: every import in src/spececd,
+function-level and ``TYPE_CHECKING`` ones included, points up the list or within its own
+layer, and the edge and the cloud never import each other.
+
+:data:`LAYERS` is the documented order written as a table; the page is its source, and a
+change to one is a change to the other. Top-level modules sit in the layer of what they
+need, as the page says: ``errors`` under everything, ``grammar``, ``text``, ``healing``
+and ``convert`` beside the backends (each works on a tokenizer or a model file), the rest
+with the entry points.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "spececd"
+
+# Each top-level module or package of spececd, by its layer: it may import from its own
+# layer and the ones with a lower number, never from a higher one.
+LAYERS = {
+    "errors": 0,  # the exception roots every layer raises
+    "core": 1,
+    "protocol": 2,
+    "backends": 3, "grammar": 3, "text": 3, "healing": 3, "convert": 3,
+    "edge": 4, "cloud": 4,
+    "transports": 5,
+    # entry points
+    "generator": 6, "api": 6, "openai_api": 6, "bench": 6, "cli": 6, "config": 6,
+    "deploy": 6, "__init__": 6, "__main__": 6,
+}
+NEVER = {("edge", "cloud"), ("cloud", "edge")}  # one layer, but they never meet
+
+# Arrows against the order that are known and owned by other work; each names its owner.
+# Remove an entry with the arrow: an entry whose arrow is gone fails the test.
+ALLOWED = {
+    ("spececd.cloud.unary", "spececd.transports.unary"): "cloud: owned by issue 37 work",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def resolve(name: str) -> str:
+    """The module of ours that ``name`` (a module, or a name in one) is in."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports_in(source: str, module: str, package: str) -> set[str]:
+    """The modules of ours that ``source`` (the text of ``module``, in ``package``)
+    imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = parts[:len(parts) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(resolve(name) for name in names
+                     if name == "spececd" or name.startswith("spececd."))
+    return found - {module}
+
+
+def imports(module: str) -> set[str]:
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return imports_in(path.read_text(), module, package)
+
+
+def top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def against_the_order(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The arrows of ``graph`` (module -> the modules it imports) that point down the
+    layers, or between the edge and the cloud."""
+    bad = set()
+    for module, targets in graph.items():
+        for target in targets:
+            here, there = top(module), top(target)
+            if LAYERS[there] > LAYERS[here] or (here, there) in NEVER:
+                bad.add((module, target))
+    return bad
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {top(module) for module in MODULES} <= set(LAYERS), \
+        "a new top-level module: give it its layer here and in docs/how-it-works.md"
+
+
+def test_imports_follow_the_documented_layers() -> None:
+    bad = against_the_order({module: imports(module) for module in MODULES})
+    unexplained = sorted(bad - set(ALLOWED))
+    assert not unexplained, "imports against docs/how-it-works.md's layers:\n" + "\n".join(
+        f"  {a} -> {b} ({top(a)} is layer {LAYERS[top(a)]}, {top(b)} layer {LAYERS[top(b)]})"
+        for a, b in unexplained)
+    stale = sorted(set(ALLOWED) - bad)
+    assert not stale, f"allowed arrows that are gone: remove them from ALLOWED: {stale}"
+
+
+def test_the_check_catches_planted_arrows() -> None:
+    """A function-level import, a relative one and a name imported from a module all
+    count; an arrow down the layers and one between edge and cloud are caught."""
+    source = ("import numpy\n"
+              "from spececd.core.params import SamplingParams\n"
+              "def f():\n    from ..cli import main\n"
+              "def g():\n    from spececd import cloud\n")
+    found = imports_in(source, "spececd.edge.planted", "spececd.edge")
+    assert found == {"spececd.core.params", "spececd.cli", "spececd.cloud"}
+    assert against_the_order({"spececd.edge.planted": found}) == {
+        ("spececd.edge.planted", "spececd.cli"), ("spececd.edge.planted", "spececd.cloud")}
+
+
+def test_the_table_is_the_documented_one() -> None:
+    """docs/how-it-works.md names the packages in the order of the table."""
+    page = (SRC.parent / "docs" / "how-it-works.md").read_text()
+    layers = page.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    order = [layers.index(f"**`{name}`**") for name in
+             ("core", "protocol", "backends", "edge", "cloud", "transports")]
+    assert order == sorted(order)
+    for name in LAYERS:
+        if name not in ("__init__", "__main__") and "." not in name and \
+                (PACKAGE / f"{name}.py").exists():
+            assert f"`{name}.py`" in layers, f"the Layers section does not place {name}.py"
