@@ -27,7 +27,7 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
 def first_token_p_value(gen: Any, target: Path, draws: int,
                         prompt: str = "import os\n\nclass ") -> float:
     """p-value of ``draws`` sampled first tokens (temperature 1, top-k 20) of ``gen``, a
-    :class:`~spececd.api.Generator`, against ``target``'s own distribution for them."""
+    :class:`~spececd.generator.Generator`, against ``target``'s own distribution for them."""
     from spececd.backends.registry import load_backend
     from spececd.core.params import SamplingParams
     from spececd.core.sampling import process_logits

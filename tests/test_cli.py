@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spececd.api import Generator
 from spececd.cli import main
+from spececd.generator import Generator
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

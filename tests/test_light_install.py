@@ -45,7 +45,7 @@ def test_the_light_install_has_no_torch_or_transformers(light_venv: Path) -> Non
     # ... while the command line and the API import, and the code is this checkout's
     where = subprocess.run(
         [str(light_venv / "bin" / "python"), "-c",
-         "import spececd.cli, spececd.api, spececd.config; print(spececd.__file__)"],
+         "import spececd.cli, spececd.generator, spececd.config; print(spececd.__file__)"],
         capture_output=True, text=True, env=clean_env(), check=False)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(REPO / "src")

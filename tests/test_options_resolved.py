@@ -19,12 +19,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spececd.api import Generator
 from spececd.cli import main
 from spececd.core.params import Mode
 from spececd.edge.client import EdgeClient
 from spececd.edge.link import Link
 from spececd.edge.options import Proactive, Resolved
+from spececd.generator import Generator
 from spececd.protocol import messages as m
 
 PROMPT = "def parse(line):"

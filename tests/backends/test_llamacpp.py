@@ -18,12 +18,12 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
                                 "pip install 'spececd[llama]' runs these tests")
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.backends import llamacpp  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402

@@ -21,13 +21,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxruntime_genai", reason="pip install 'spececd[onnx]' runs these tests")
 pytest.importorskip("openvino", reason="pip install 'spececd[openvino]' runs these tests")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.backends import openvino  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.devices import has_npu  # noqa: E402
 from spececd.backends.registry import load_backend, model_format  # noqa: E402
 from spececd.cli import main  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402

@@ -26,10 +26,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from spececd.api import Generator
 from spececd.core.stats import GenerationStats
 from spececd.deploy import Ports, loopback, nginx_conf
 from spececd.edge.options import Reconnect
+from spececd.generator import Generator
 from tests.e2e.server import NginxProcess, ServerProcess, free_ports
 from tests.reference import PROMPTS
 

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 xgr = pytest.importorskip("xgrammar")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.core.params import Constraint  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.reference import PROMPTS, _reference_model  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {

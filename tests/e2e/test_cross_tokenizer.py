@@ -16,9 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.core.params import Mode, SamplingParams  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from spececd.healing import heal  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
 from spececd.protocol.messages import Fingerprint  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_threshold_mode_is_labelled_lossy_and_keeps_more_as_the_threshold_falls(
 
 
 def test_stop_strings_are_found_across_pieces_and_held_back_meanwhile() -> None:
-    from spececd.api import StopStrings
+    from spececd.text import StopStrings
 
     stops = StopStrings(["END", "\n\n"])
     assert stops.push("abc E") == "abc "  # "E" may begin "END": held back

@@ -24,12 +24,12 @@ import pytest
 torch = pytest.importorskip("torch")
 websockets_sync = pytest.importorskip("websockets.sync.client")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.bench.load import metrics as scrape  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.options import Reconnect  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
@@ -219,7 +219,7 @@ def test_async_client_streams_the_same_tokens(server: ServerProcess,
                                               tiny_models: dict[str, Path]) -> None:
     import asyncio
 
-    from spececd.api import AsyncGenerator
+    from spececd.generator import AsyncGenerator
 
     async def run() -> tuple[list[int], list[int]]:
         gen = await AsyncGenerator.load(str(tiny_models["draft"]), server=server.url,
@@ -380,7 +380,7 @@ def test_auto_in_rounds_switches_between_block_ahead_and_plain_rounds_mid_genera
     """Within rounds, auto measures block-ahead rounds, then plain ones, in one generation
     (the first comparison always runs both), and switches between them on the session
     under way: the output stays the target's own."""
-    from spececd.core.policy import Arm
+    from spececd.core.chooser import Arm
 
     with remote(tiny_models["draft"], server.url, k=3) as gen:
         chooser = gen.client.chooser  # type: ignore[union-attr]

@@ -16,10 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import tokenizer_fingerprint  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.core.params import SamplingParams  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.builders import build_model, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402

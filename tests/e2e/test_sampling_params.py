@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.core.params import SamplingParams  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.reference import PROMPTS, exact_pair_distribution  # noqa: E402

@@ -29,13 +29,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("grpc")
 
-from spececd.api import Generator
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.backends.registry import load_backend
 from spececd.cloud.engine import Engine
 from spececd.core.params import SamplingParams
 from spececd.edge.client import CloudUnreachable, Reconnect
 from spececd.edge.transport import Transport
+from spececd.generator import Generator
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import Limits
 from spececd.protocol.errors import AuthFailed, ProtocolError

@@ -27,8 +27,8 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/install-vllm.sh)", allow_module_level=True)
 
-from spececd.api import Generator  # noqa: E402
 from spececd.core.params import SamplingParams  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from spececd.protocol.errors import EngineFailed, Unsupported  # noqa: E402
 from tests.builders import MODELS, requires_default_pair, vocab_pair  # noqa: E402
 from tests.chisq import chi_square_p  # noqa: E402

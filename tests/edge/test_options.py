@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from spececd import config
-from spececd.api import Generator
 from spececd.config import EdgeConfig
 from spececd.core.params import Mode, SamplingParams
 from spececd.edge.options import (
@@ -25,6 +24,7 @@ from spececd.edge.options import (
     sampling_params,
 )
 from spececd.errors import InputError
+from spececd.generator import Generator
 
 
 def test_text_and_python_values_give_the_same_options() -> None:

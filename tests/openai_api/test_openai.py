@@ -162,7 +162,7 @@ def test_text_prompts_are_answered_as_given_and_healed_when_asked(client: Any,
 
 
 def test_chat_streams_with_the_async_client(api: ServerProcess, tokenizer: Any) -> None:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
     messages = [{"role": "system", "content": "You write Python."},
                 {"role": "user", "content": "def add(a, b):"}]
@@ -224,7 +224,7 @@ def test_stop_strings_and_max_tokens_behave_as_openai_documents(client: Any,
 
 
 def test_penalties_and_logit_bias_reach_both_sides(client: Any, tokenizer: Any) -> None:
-    from spececd.api import Generator
+    from spececd.generator import Generator
 
     prompt = PROMPTS[4]
     run_on: dict[str, Any] = dict(extra_body={"ignore_eos": True})  # 24 tokens, any pair

@@ -19,7 +19,7 @@ pytest.importorskip("xgrammar")
 from pydantic import BaseModel, Field  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from spececd.api import Generator  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from spececd.openai_api.server import Api, create_app  # noqa: E402
 
 

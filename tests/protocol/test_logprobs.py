@@ -15,7 +15,7 @@ from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import MalformedFrame, UnexpectedMessage
-from tests.protocol.test_session import FP, LIMITS, error_of, hello, receive, sent
+from tests.protocol.test_cloud_session import FP, LIMITS, error_of, hello, receive, sent
 
 
 def rows(n: int, top: int, seed: int = 0) -> Logprobs:

@@ -151,8 +151,8 @@ def hello(backend: Any, mode: str = "match", temperature: float = 0.0, token: st
 
 
 def generator(draft: Any, url: str, **kw: Any) -> Any:
-    from spececd.api import Generator
     from spececd.edge.options import EdgeOptions
+    from spececd.generator import Generator
 
     options = kw.pop("transport", {})
     return Generator(draft, lambda: GrpcTransport(url, **options),
@@ -207,8 +207,8 @@ def test_every_mode_over_grpc_gives_the_in_process_output(
         target: Any) -> None:
     """Randomness depends on (seed, position) alone, so a sampled run over gRPC must give
     the very tokens of an in-process run with the same seed."""
-    from spececd.api import Generator
     from spececd.edge.options import EdgeOptions
+    from spececd.generator import Generator
     from spececd.transports.memory import local_verifier
 
     verifier = local_verifier(target)

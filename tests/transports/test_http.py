@@ -1,6 +1,6 @@
 """The HTTP/JSON transport over real loopback sockets: a uvicorn server on 127.0.0.1 in a
 background thread (its own event loop), the edge's own client through
-:class:`~spececd.api.Generator`, and raw HTTP for the JSON sessions and hostile input.
+:class:`~spececd.generator.Generator`, and raw HTTP for the JSON sessions and hostile input.
 
 Lossless: greedy ids identical to the target alone, with and without stream drafting, and
 after the server restarts mid-generation. Security: bearer auth, TLS, the body limit, a
@@ -27,7 +27,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from spececd.api import Generator  # noqa: E402
 from spececd.backends.base import (  # noqa: E402
     Backend,
     Extend,
@@ -38,6 +37,7 @@ from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
 from spececd.edge.options import EdgeOptions  # noqa: E402
+from spececd.generator import Generator  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.cloud_session import Limits  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402

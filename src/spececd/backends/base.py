@@ -1,4 +1,4 @@
-"""The interface every model runtime implements (ARCHITECTURE §4, layer 3).
+"""The interface every model runtime implements (docs/how-it-works.md, "Layers": layer 3).
 
 A :class:`Backend` is a loaded model plus its tokenizer. It hands out
 :class:`CachedSequence` objects, each a KV cache over one token sequence, so that one loaded

@@ -45,7 +45,8 @@ def check_logprobs(top: int | None, mode: str, what: str = "logprobs") -> None:
 
 
 class Mode(str, enum.Enum):
-    """How the verifier decides which drafted tokens to keep (ARCHITECTURE §3)."""
+    """How the verifier decides which drafted tokens to keep (a new one: docs/how-it-works.md,
+    "Where a change belongs")."""
 
     EXACT = "exact"  # Leviathan et al. rejection sampling; needs draft_probs
     MATCH = "match"  # verifier samples its own token, keeps drafts while equal

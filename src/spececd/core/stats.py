@@ -1,4 +1,4 @@
-"""Generation statistics with the definitions of ARCHITECTURE §2.
+"""Generation statistics with the definitions of docs/how-it-works.md, "Terms".
 
 - acceptance rate = accepted / drafted over all rounds (a round's drafts all count, also
   the first position: it is never assumed accepted);

@@ -1,6 +1,6 @@
 """Verification of one draft block: which drafted tokens to keep, and the token to add.
 
-Terms (ARCHITECTURE §2):
+Terms (docs/how-it-works.md, "Terms"):
 
 - accepted: the drafted tokens kept, always a prefix of the block;
 - correction: at the first rejected position, the token the verifier emits instead;

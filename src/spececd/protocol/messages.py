@@ -11,7 +11,7 @@ that the verifier reads exactly the numbers the drafter sampled from.
 means (a token id in range, a context length that follows) is checked by the session state
 machines, which know the vocabulary and the limits.
 
-Exchange (ARCHITECTURE §5)::
+Exchange (docs/how-it-works.md, "A request's path"; the rules in docs/protocol.md)::
 
     edge                                   cloud
     Hello(version, fingerprint, sampling, mode, auth, threshold, extras, constraint,
