@@ -220,7 +220,7 @@ def test_serve_checks_the_engine_before_it_says_serving(
     cause, and never prints "serving"."""
     from spececd.backends import registry
     from spececd.backends.registry import load_backend
-    from tests.cloud.test_engine import FailingBackend
+    from tests.cloud.test_service import FailingBackend
 
     def broken(*args: object, **kw: object) -> FailingBackend:
         backend = load_backend(*args, **kw)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from spececd import config
-from spececd.cloud.engine import EnginePolicy
+from spececd.cloud.runner import RunnerConfig
+from spececd.cloud.service import ServicePolicy
 from spececd.config import EdgeConfig, ServerConfig
 from spececd.core.params import SamplingParams
 from spececd.errors import InputError
@@ -91,9 +92,11 @@ def test_the_devices_table_sets_both_sides_devices(tmp_path: Path) -> None:
 
 
 
-def test_the_server_section_builds_limits_and_policy_by_name() -> None:
-    assert ServerConfig().limits() == Limits() and ServerConfig().policy() == EnginePolicy()
-    for cls, build in ((Limits, ServerConfig.limits), (EnginePolicy, ServerConfig.policy)):
+def test_the_server_section_builds_limits_policy_and_runner_by_name() -> None:
+    assert ServerConfig().limits() == Limits() and ServerConfig().policy() == ServicePolicy()
+    assert ServerConfig().runner() == RunnerConfig()
+    for cls, build in ((Limits, ServerConfig.limits), (ServicePolicy, ServerConfig.policy),
+                       (RunnerConfig, ServerConfig.runner)):
         names = [f.name for f in dataclasses.fields(cls)]
         assert set(names) <= set(config.settings(ServerConfig)), cls  # each one configurable
         # Distinct values, so that a setting passed to another field is seen.

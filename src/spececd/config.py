@@ -3,8 +3,10 @@
 Each value comes from, in increasing order of precedence:
 
 1. the defaults below, each kept where it belongs: the server's limits in
-   :class:`~spececd.protocol.session.Limits` and :class:`~spececd.cloud.engine.EnginePolicy`
-   (which :meth:`ServerConfig.limits` and :meth:`ServerConfig.policy` build), the edge's
+   :class:`~spececd.protocol.cloud_session.Limits`,
+   :class:`~spececd.cloud.service.ServicePolicy` and
+   :class:`~spececd.cloud.runner.RunnerConfig` (which :meth:`ServerConfig.limits`,
+   :meth:`ServerConfig.policy` and :meth:`ServerConfig.runner` build), the edge's
    sampling settings in :class:`~spececd.core.params.SamplingParams`, its options
    (``mode``, ``k``, ``proactive``, ...) in :class:`~spececd.edge.options.EdgeOptions`;
 2. ``config.toml`` (``--config FILE``; sections ``[server]`` and ``[edge]``, and
@@ -33,12 +35,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from spececd.cloud.engine import EnginePolicy
+from spececd.cloud.runner import RunnerConfig
+from spececd.cloud.service import ServicePolicy
 from spececd.core.params import Constraint, SamplingParams
 from spececd.edge.options import ROUND_TIMEOUT, SAMPLING_SETTINGS, EdgeOptions
 from spececd.edge.options import SETTINGS as OPTION_SETTINGS
 from spececd.errors import InputError
 from spececd.protocol.cloud_session import Limits
+from spececd.transports.registry import REQUEST_TIMEOUT
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,31 +51,33 @@ else:  # pragma: no cover
 
 
 # Where the defaults of the settings below live (the sections only name them).
-_LIMITS, _POLICY, _SAMPLING = Limits(), EnginePolicy(), SamplingParams()
+_LIMITS, _POLICY, _RUNNER, _SAMPLING = Limits(), ServicePolicy(), RunnerConfig(), SamplingParams()
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     target_model: str = ""
     engine: str = "builtin"  # or "vllm": the target runs in vLLM's engine
-    tensor_parallel_size: int = 1  # vLLM only
-    engine_args: str = ""  # vLLM only: a JSON object of further engine arguments
+    tensor_parallel_size: int = _RUNNER.tensor_parallel_size  # vLLM only
+    engine_args: str = _RUNNER.engine_args  # vLLM only: a JSON object of engine arguments
     host: str = "127.0.0.1"
     port: int = 8765  # WebSocket; -1: none
     grpc_port: int = -1  # -1: no gRPC listener; 0: any free port
     http_port: int = -1  # -1: no HTTP listener; 0: any free port
-    device: str = "auto"
-    npu: bool = True  # whether device "npu" may use an NPU (else: the cpu, with a notice)
-    dtype: str = "auto"
-    threads: int = 0
+    device: str = _RUNNER.device
+    npu: bool = _RUNNER.npu  # whether device "npu" may use an NPU (else: the cpu, a notice)
+    dtype: str = _RUNNER.dtype
+    threads: int = _RUNNER.threads
+    static: str = _RUNNER.static  # the built-in runner's static path: auto, on, off
     max_sessions: int = _POLICY.max_sessions
     max_context: int = _LIMITS.max_context
     max_draft: int = _LIMITS.max_draft
-    max_batch: int = _POLICY.max_batch
-    max_kv_bytes: int = _POLICY.max_kv_bytes
+    max_batch: int = _RUNNER.max_batch
+    max_kv_bytes: int = _RUNNER.max_kv_bytes
     max_message_bytes: int = _LIMITS.max_message_bytes
     idle_timeout: float = _POLICY.idle_timeout
-    request_timeout: float = _POLICY.request_timeout
+    # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
+    request_timeout: float = REQUEST_TIMEOUT
     drain_timeout: float = 30.0  # SIGTERM: seconds to let sessions move on before exiting
     auth_token_file: str = ""
     tls_cert: str = ""
@@ -81,10 +87,17 @@ class ServerConfig:
         """The limits every session is held to: this section's settings of those names."""
         return Limits(**_named(self, Limits))
 
-    def policy(self) -> EnginePolicy:
-        """The engine's sessions, batching and KV policy: this section's settings of those
-        names."""
-        return EnginePolicy(**_named(self, EnginePolicy))
+    def policy(self) -> ServicePolicy:
+        """The service's limits on sessions: this section's settings of those names."""
+        return ServicePolicy(**_named(self, ServicePolicy))
+
+    def runner(self, threads: int | None = None) -> RunnerConfig:
+        """How the target runs: this section's settings of those names (``threads``: the
+        number resolved for the model, where the setting leaves it to the server)."""
+        named = _named(self, RunnerConfig)
+        if threads is not None:
+            named["threads"] = threads
+        return RunnerConfig(**named)
 
 
 def _named(section: object, cls: type) -> dict[str, Any]:

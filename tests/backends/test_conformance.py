@@ -3,7 +3,9 @@ logits a fresh forward pass over the same tokens gives.
 
 Runs over the torch-free toy backend (:mod:`tests.toy`, whose fresh pass is its slow
 reference ``ToyModel.forward``) and, where torch is installed, the transformers backend on
-tiny Llama, Qwen2 and GPT-2 models.
+tiny Llama, Qwen2 and GPT-2 models, and the built-in runner's static path
+(:mod:`spececd.backends.static`: KV slots, padded widths, gathered batches) on the same
+models, eager, as it runs off CUDA.
 
 Tolerance: float32 on CPU, max |difference| <= 1e-4 in logits (measured ~3e-7 on the
 tiny models; incremental and full passes differ only by floating-point summation order;
@@ -37,7 +39,7 @@ class Subject:
     fresh: Callable[[list[int]], np.ndarray]
 
 
-@pytest.fixture(params=["toy", *ARCHS])
+@pytest.fixture(params=["toy", *ARCHS, *(f"{arch}-static" for arch in ARCHS)])
 def subject(request: pytest.FixtureRequest) -> Subject:
     if request.param == "toy":
         toy = ToyBackend(ToyModel(seed=5))
@@ -46,8 +48,15 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     from spececd.backends.registry import load_backend
 
     tiny_models: dict[str, Path] = request.getfixturevalue("tiny_models")
-    backend = load_backend(str(tiny_models[request.param]), device="cpu", dtype="float32")
+    arch, static = request.param.removesuffix("-static"), request.param.endswith("-static")
+    backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
+    if static:
+        from spececd.backends.hf import HFBackend
+        from spececd.backends.static import StaticBackend
+
+        assert isinstance(backend, HFBackend)
+        backend = StaticBackend(backend, max_context=200)
 
     def fresh(tokens: list[int]) -> np.ndarray:
         with torch.no_grad():

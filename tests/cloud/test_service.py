@@ -15,8 +15,9 @@ import pytest
 
 from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
 from spececd.cloud.builtin import BuiltinRunner
-from spececd.cloud.engine import CloudService, Ending, Engine, EnginePolicy, Send
 from spececd.cloud.metrics import Metrics
+from spececd.cloud.runners import builtin_service
+from spececd.cloud.service import CloudService, Ending, Send, ServicePolicy
 from spececd.protocol import messages as m
 from spececd.protocol.errors import EngineFailed
 from tests.toy import ToyBackend, ToyModel, greedy
@@ -38,7 +39,7 @@ def generated(replies: list[m.Message]) -> bool:
     return any(isinstance(r, m.Tokens) and r.done for r in replies)
 
 
-def run(engine: Engine, frames: Sequence[bytes],
+def run(engine: CloudService, frames: Sequence[bytes],
         until: Callable[[list[m.Message]], bool] | None = generated
         ) -> tuple[list[m.Message], Ending]:
     """Serve one link that received ``frames``; the client leaves once the replies
@@ -63,7 +64,7 @@ def run(engine: Engine, frames: Sequence[bytes],
 def test_a_hint_that_arrives_before_a_step_is_verified_and_used(
         target: ToyBackend) -> None:
     expected = greedy(target, PROMPT, 12)
-    engine = Engine(target)
+    engine = builtin_service(target)
     # The hint holds the target's own next 6 tokens, and is there before the first step.
     replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 12)),
                               m.encode(m.Hint(len(PROMPT), tuple(expected[:6])))])
@@ -79,14 +80,14 @@ def test_a_wrong_hint_is_verified_and_costs_nothing(
         target: ToyBackend) -> None:
     expected = greedy(target, PROMPT, 8)
     wrong = tuple((t + 1) % target.vocab_size for t in expected[:4])
-    replies, _ = run(Engine(target), [hello(target), m.encode(m.Generate(1, 0, PROMPT, 8)),
+    replies, _ = run(builtin_service(target), [hello(target), m.encode(m.Generate(1, 0, PROMPT, 8)),
                                       m.encode(m.Hint(len(PROMPT), wrong))])
     tokens = [r for r in replies if isinstance(r, m.Tokens)]
     assert [t for r in tokens for t in r.token_ids] == expected
     assert (tokens[0].drafted, tokens[0].accepted, len(tokens[0].token_ids)) == (4, 0, 1)
 
 
-def sample(engine: Engine, name: str, labels: dict[str, str] | None = None) -> float:
+def sample(engine: CloudService, name: str, labels: dict[str, str] | None = None) -> float:
     value = engine.metrics.registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
 
@@ -94,7 +95,7 @@ def sample(engine: Engine, name: str, labels: dict[str, str] | None = None) -> f
 def test_every_token_sent_is_counted_once_generated_or_accepted(
         target: ToyBackend) -> None:
     expected = greedy(target, PROMPT, 10)
-    engine = Engine(target)
+    engine = builtin_service(target)
     replies, _ = run(engine, [hello(target), m.encode(m.Generate(1, 0, PROMPT, 10)),
                               m.encode(m.Hint(len(PROMPT), tuple(expected[:3])))])
     sent = sum(len(r.token_ids) for r in replies if isinstance(r, m.Tokens))
@@ -102,7 +103,7 @@ def test_every_token_sent_is_counted_once_generated_or_accepted(
     accepted = sample(engine, "spececd_accepted_tokens_total")
     assert (sent, accepted, generated) == (10, 3, 7)
     # A round: one draft of four, the verifier's own token counted once.
-    engine = Engine(target)
+    engine = builtin_service(target)
     run(engine, [hello(target), m.encode(m.Draft(1, 0, PROMPT, tuple(expected[:4])))],
         until=lambda replies: len(replies) == 2)
     assert sample(engine, "spececd_generated_tokens_total") == 1
@@ -136,7 +137,7 @@ def test_a_failed_verification_is_a_typed_error_and_the_session_goes_on(
     expected = greedy(target, PROMPT, 3)
     poison = next(t for t in range(target.vocab_size) if t not in (*expected, *PROMPT))
     backend = FailingBackend(target, poison)
-    replies, ending = run(Engine(backend), [
+    replies, ending = run(builtin_service(backend), [
         hello(target), m.encode(m.Draft(1, 0, PROMPT, (poison, poison))),
         m.encode(m.Draft(2, 0, PROMPT, tuple(expected[:2])))],
         until=lambda replies: len(replies) == 3)
@@ -147,7 +148,7 @@ def test_a_failed_verification_is_a_typed_error_and_the_session_goes_on(
 
 
 def test_idle_links_end_and_a_full_server_refuses_with_a_typed_error(target: Backend) -> None:
-    engine = Engine(target, policy=EnginePolicy(max_sessions=1, idle_timeout=0.05))
+    engine = builtin_service(target, policy=ServicePolicy(max_sessions=1, idle_timeout=0.05))
     _replies, ending = run(engine, [hello(target)], until=None)
     assert ending is Ending.IDLE and engine.evicted_idle == 1 and not engine.links
 
@@ -172,7 +173,7 @@ def test_idle_links_end_and_a_full_server_refuses_with_a_typed_error(target: Bac
 def test_draining_refuses_new_work_and_lets_sessions_go(target: Backend) -> None:
     """SIGTERM's drain: an idle session gets a fatal ``draining`` error at once (its edge
     reconnects elsewhere), a new one is refused the same way, and readiness goes."""
-    engine = Engine(target)
+    engine = builtin_service(target)
 
     async def main() -> tuple[list[m.Message], Ending, list[m.Message], Ending, bool]:
         idle = engine.open()
@@ -212,7 +213,7 @@ def test_frames_behind_one_that_ends_a_generation_are_still_handled(
     # of what it had read would leave the session open, waiting for frames).
     frames = [hello(target), m.encode(m.Generate(1, 0, PROMPT, 50)),
               m.encode(m.Draft(2, 0, PROMPT, (1, 2), None)), m.encode(m.Close())]
-    replies, ending = run(Engine(target, policy=EnginePolicy(idle_timeout=2.0)), frames,
+    replies, ending = run(builtin_service(target, policy=ServicePolicy(idle_timeout=2.0)), frames,
                           until=None)
     assert ending is Ending.CLOSED  # not IDLE
     assert [type(r) for r in replies] == [m.Welcome, m.Verdict]
@@ -220,10 +221,8 @@ def test_frames_behind_one_that_ends_a_generation_are_still_handled(
 
 
 class Stalled:
-    """A continuous generation (as vLLM's) whose step never ends: a request waiting for a
-    slot, or a long prefill."""
-
-    continuous = True
+    """A runner's own generation (as vLLM's) whose step never ends: a request waiting for
+    a slot, or a long prefill."""
 
     def __init__(self) -> None:
         self.closed = False
@@ -231,7 +230,7 @@ class Stalled:
     async def step(self) -> Any:
         await asyncio.Event().wait()
 
-    def hinted(self) -> None:
+    def hinted(self, start: int, hint: tuple[int, ...]) -> None:
         pass
 
     async def close(self) -> None:
@@ -239,13 +238,14 @@ class Stalled:
 
 
 class StallingRunner(BuiltinRunner):
-    def generation(self, key: str, session: Any) -> Stalled:
+    def generation(self, key: str, request: Any, hint_start: int,
+                   hint: tuple[int, ...]) -> Stalled:
         self.stalled = Stalled()
         return self.stalled
 
 
 @pytest.mark.parametrize("how", ["client_leaves", "server_drains"])
-def test_a_continuous_step_is_abandoned_when_the_client_leaves_or_the_server_drains(
+def test_a_runners_own_step_is_abandoned_when_the_client_leaves_or_the_server_drains(
         target: ToyBackend, how: str) -> None:
     # A loop that only looked at the client's leaving or the drain between steps would
     # wait for a step that never ends (and, woken by the end of the link, spin on it).
@@ -304,8 +304,8 @@ def check_prompt(backend: Backend) -> tuple[int, ...]:
 
 def test_the_engine_check_generates_and_names_the_cause_when_it_cannot(
         target: ToyBackend) -> None:
-    asyncio.run(Engine(target).check())  # a healthy engine passes
-    broken = Engine(FailingBackend(target, check_prompt(target)[0]))
+    asyncio.run(builtin_service(target).check())  # a healthy engine passes
+    broken = builtin_service(FailingBackend(target, check_prompt(target)[0]))
     with pytest.raises(EngineFailed, match="device lost") as caught:
         asyncio.run(broken.check())
     assert "builtin engine cannot generate" in str(caught.value)

@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import pytest
 
-from spececd.cloud.engine import Engine
+from spececd.cloud.runners import builtin_service
+from spececd.cloud.service import CloudService
 from spececd.cloud.unary import UnaryParams, UnarySessions
 from spececd.protocol.errors import AuthFailed, InvalidTokens
 from tests.toy import ToyBackend, ToyModel, greedy
@@ -32,7 +33,7 @@ def expected(target: ToyBackend) -> list[int]:
     return greedy(target, PROMPT, 8)
 
 
-def run(engine: Engine, calls: Callable[[UnarySessions], Awaitable[T]]) -> T:
+def run(engine: CloudService, calls: Callable[[UnarySessions], Awaitable[T]]) -> T:
     async def main() -> T:
         sessions = UnarySessions(engine)
         try:
@@ -45,13 +46,13 @@ def run(engine: Engine, calls: Callable[[UnarySessions], Awaitable[T]]) -> T:
 
 
 @pytest.fixture()
-def engine(target: ToyBackend) -> Engine:
+def engine(target: ToyBackend) -> CloudService:
     """An engine that asks for a token; :func:`run` closes it."""
-    return Engine(target, auth_token="secret")
+    return builtin_service(target, auth_token="secret")
 
 
 def test_a_session_key_keeps_the_kv_cache(target: ToyBackend, expected: list[int],
-                                          engine: Engine) -> None:
+                                          engine: CloudService) -> None:
     async def calls(sessions: UnarySessions) -> None:
         first = await sessions.verify("k", "secret", GREEDY, PROMPT, expected[:3])
         assert (first.num_accepted, first.next_token) == (3, expected[3])
@@ -68,7 +69,7 @@ def test_a_session_key_keeps_the_kv_cache(target: ToyBackend, expected: list[int
 
 
 def test_calls_without_a_key_start_from_the_prefix_each_time(
-        target: ToyBackend, expected: list[int], engine: Engine) -> None:
+        target: ToyBackend, expected: list[int], engine: CloudService) -> None:
     async def calls(sessions: UnarySessions) -> None:
         await sessions.verify("", "secret", GREEDY, PROMPT, expected[:3])
         second = await sessions.verify("", "secret", GREEDY, [*PROMPT, *expected[:4]],
@@ -80,7 +81,7 @@ def test_calls_without_a_key_start_from_the_prefix_each_time(
 
 
 def test_a_token_out_of_the_vocabulary_is_a_typed_error_and_the_session_goes_on(
-        target: ToyBackend, expected: list[int], engine: Engine) -> None:
+        target: ToyBackend, expected: list[int], engine: CloudService) -> None:
     async def calls(sessions: UnarySessions) -> None:
         with pytest.raises(InvalidTokens):
             await sessions.verify("k", "secret", GREEDY, PROMPT, [target.vocab_size])
@@ -92,7 +93,7 @@ def test_a_token_out_of_the_vocabulary_is_a_typed_error_and_the_session_goes_on(
 
 
 def test_the_auth_token_is_part_of_the_key(target: ToyBackend, expected: list[int],
-                                           engine: Engine) -> None:
+                                           engine: CloudService) -> None:
     """A call with a wrong token and a key another token opened gets a link of its own,
     greeted with its own token, and is refused: it never rides on the open session."""
     async def calls(sessions: UnarySessions) -> None:

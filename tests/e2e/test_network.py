@@ -283,7 +283,7 @@ def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None
                 total.merge(out.stats)
             assert total.tree_siblings > 0
             # How many hints arrive in time is the benchmark's business (timing); that a
-            # hint arriving in time is verified and used is tests/cloud/test_engine.py's.
+            # hint arriving in time is verified and used is tests/cloud/test_service.py's.
             # Sampled (match verification, randomness per position): for a seed, exactly
             # the tokens the target generates alone, whatever the drafts were and however
             # they arrived.

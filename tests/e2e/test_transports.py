@@ -31,7 +31,7 @@ pytest.importorskip("grpc")
 
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.backends.registry import load_backend
-from spececd.cloud.engine import Engine
+from spececd.cloud.runners import builtin_service
 from spececd.core.params import SamplingParams
 from spececd.edge.client import CloudUnreachable, Reconnect
 from spececd.edge.transport import Transport
@@ -80,7 +80,7 @@ class Cloud:
             return connector(self.url, recv_timeout=10.0)()
         if self._local is None:
             backend = load_backend(str(self.target), device="cpu", dtype="float32")
-            self._local = LocalServer(Engine(backend, self._limits))
+            self._local = LocalServer(builtin_service(backend, self._limits))
         return self._local()
 
     def errors_sent(self) -> int:

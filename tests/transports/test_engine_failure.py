@@ -2,7 +2,7 @@
 is connected and idle gets a fatal ``engine_failed`` error naming the cause at its next
 generation (no reconnection window), and so does an edge that connects while the server
 drains. The target is the torch-free toy; its runner is gone for good once one pass
-failed (:class:`tests.cloud.test_engine.DyingRunner`), as vLLM's engine is once its
+failed (:class:`tests.cloud.test_service.DyingRunner`), as vLLM's engine is once its
 worker dies.
 """
 
@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from spececd.cloud.engine import CloudService
 from spececd.cloud.metrics import Metrics
+from spececd.cloud.service import CloudService
 from spececd.edge.options import EdgeOptions
 from spececd.generator import Generator
 from spececd.protocol import messages as m
 from spececd.protocol.errors import EngineFailed
 from spececd.transports import registry
-from tests.cloud.test_engine import DyingRunner, RecordingFailingBackend, hello
+from tests.cloud.test_service import DyingRunner, RecordingFailingBackend, hello
 from tests.loop import LoopTask
 from tests.toy import ToyBackend, ToyModel, greedy
 
@@ -33,7 +33,8 @@ PROMPT = [5, 17, 42, 99, 3]
 class Served:
     """``engine`` on every networked listener, on an event loop in a background thread."""
 
-    def __init__(self, engine: CloudService) -> None:
+    def __init__(self, engine: CloudService,
+                 request_timeout: float = registry.REQUEST_TIMEOUT) -> None:
         bound = threading.Event()
         self.urls: dict[str, str] = {}
 
@@ -41,7 +42,8 @@ class Served:
             self.urls = {url.split("://")[0]: url for url in urls}
             bound.set()
 
-        listeners = [registry.Listener(name, "127.0.0.1", 0) for name in registry.TRANSPORTS]
+        listeners = [registry.Listener(name, "127.0.0.1", 0, request_timeout)
+                     for name in registry.TRANSPORTS]
         self.server = LoopTask(lambda: registry.serve(engine, listeners, None, ready))
         assert bound.wait(10), "the server did not start"
 

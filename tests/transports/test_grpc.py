@@ -121,9 +121,10 @@ class Server:
 
 
 def engine(backend: Any, auth_token: str = "", limits: Any = None, **policy: Any) -> Any:
-    from spececd.cloud.engine import Engine, EnginePolicy
+    from spececd.cloud.runners import builtin_service
+    from spececd.cloud.service import ServicePolicy
 
-    return Engine(backend, limits, EnginePolicy(**policy), auth_token)
+    return builtin_service(backend, limits, ServicePolicy(**policy), auth_token)
 
 
 @pytest.fixture(scope="module")

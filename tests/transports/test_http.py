@@ -32,7 +32,8 @@ from spececd.backends.base import (  # noqa: E402
     Extend,
     tokenizer_fingerprint,
 )
-from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
+from spececd.cloud.runners import builtin_service  # noqa: E402
+from spececd.cloud.service import CloudService, ServicePolicy  # noqa: E402
 from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.core.stats import GenerationStats  # noqa: E402
 from spececd.edge.client import CloudUnreachable, Reconnect  # noqa: E402
@@ -53,7 +54,7 @@ from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 class ThreadServer:
     """:func:`serve` for ``engine`` on 127.0.0.1, on an event loop in a background thread."""
 
-    def __init__(self, engine: Engine, port: int = 0,
+    def __init__(self, engine: CloudService, port: int = 0,
                  tls: tuple[str, str] | ssl.SSLContext | None = None) -> None:
         self.engine = engine
         bound = threading.Event()
@@ -96,7 +97,7 @@ def error_code(body: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def server(target: Backend) -> Iterator[ThreadServer]:
-    proc = ThreadServer(Engine(target))
+    proc = ThreadServer(builtin_service(target))
     yield proc
     proc.stop()
 
@@ -145,7 +146,7 @@ def test_stream_drafting_hints_are_all_accepted_when_the_draft_is_the_target(
         server: ThreadServer, target: Backend, reference: dict[str, list[int]]) -> None:
     # The target as its own drafter: whatever hints arrive before a step are accepted. How
     # many arrive in time is timing (the benchmark's business); that a hint in time is
-    # used is tested deterministically in tests/cloud/test_engine.py.
+    # used is tested deterministically in tests/cloud/test_service.py.
     with edge(target, server.url, k=4, proactive="stream") as gen:
         out = gen.generate(PROMPTS[0], max_tokens=40, temperature=0, stop_token_ids=[])
     assert out.token_ids == reference[PROMPTS[0]]
@@ -163,7 +164,7 @@ def test_cloud_only_generation_long_polls_the_targets_own_tokens(
 
 def test_idle_links_and_sessions_end_and_the_edge_goes_on(
         target: Backend, draft: Backend, reference: dict[str, list[int]]) -> None:
-    proc = ThreadServer(Engine(target, policy=EnginePolicy(idle_timeout=0.5)))
+    proc = ThreadServer(builtin_service(target, policy=ServicePolicy(idle_timeout=0.5)))
     try:
         session = json.loads(proc.request("POST", "/v1/sessions", {})[2])["session_id"]
         with edge(draft, proc.url, k=3) as gen:
@@ -183,7 +184,7 @@ def test_idle_links_and_sessions_end_and_the_edge_goes_on(
 
 def test_a_server_restart_mid_generation_is_resumed_unchanged(
         target: Backend, draft: Backend) -> None:
-    first = ThreadServer(Engine(target))
+    first = ThreadServer(builtin_service(target))
     port, second = first.port, None
     try:
         with edge(draft, first.url, k=3, proactive="on",
@@ -197,7 +198,7 @@ def test_a_server_restart_mid_generation_is_resumed_unchanged(
                 tokens.extend(chunk.token_ids)
                 if i == 2:
                     first.stop()
-                    second = ThreadServer(Engine(target), port=port)
+                    second = ThreadServer(builtin_service(target), port=port)
             assert tokens == expected and stats.reconnects >= 1
     finally:
         (second or first).stop()
@@ -229,7 +230,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_unnoticed(
         monkeypatch: pytest.MonkeyPatch, target: Backend, draft: Backend,
         reference: dict[str, list[int]]) -> None:
     monkeypatch.setattr(http_server, "KEEP_ALIVE", 1)
-    proc = ThreadServer(Engine(target))
+    proc = ThreadServer(builtin_service(target))
     try:
         with edge(draft, proc.url, k=3) as gen:
             connections, links = [], []
@@ -290,7 +291,7 @@ def test_frames_are_numbered_and_replies_acknowledged(server: ThreadServer,
 
 
 def test_a_link_closed_before_its_task_ran_is_released(target: Backend) -> None:
-    engine = Engine(target)
+    engine = builtin_service(target)
 
     async def main() -> int:
         links = Links(engine)
@@ -320,7 +321,7 @@ class FedTokens:
         return self._backend.extend_batch(items)  # type: ignore[attr-defined, no-any-return]
 
 
-def verify_latency(engine: Engine) -> tuple[float, float]:
+def verify_latency(engine: CloudService) -> tuple[float, float]:
     """The verification passes the engine has timed: how many, and their seconds."""
     registry = engine.metrics.registry
     count = registry.get_sample_value("spececd_verify_latency_seconds_count")
@@ -331,7 +332,7 @@ def verify_latency(engine: Engine) -> tuple[float, float]:
 def test_json_sessions_verify_like_the_target_and_reuse_its_kv_cache(
         target: Backend, tiny_models: dict[str, Path]) -> None:
     backend = FedTokens(target)
-    proc = ThreadServer(Engine(backend))  # type: ignore[arg-type]
+    proc = ThreadServer(builtin_service(backend))  # type: ignore[arg-type]
     try:
         prompt = target.tokenizer.encode(PROMPTS[0])
         expected = hf_greedy(tiny_models["llama"], prompt, 12)
@@ -421,7 +422,7 @@ def test_exact_mode_needs_the_sparse_draft_distribution(server: ThreadServer,
 
 
 def test_bearer_auth_is_enforced_on_every_v1_endpoint(target: Backend, draft: Backend) -> None:
-    proc = ThreadServer(Engine(target, auth_token="s3cret"))
+    proc = ThreadServer(builtin_service(target, auth_token="s3cret"))
     try:
         for method, path, body in (("POST", "/v1/links", b""), ("POST", "/v1/sessions", {}),
                                    ("POST", "/v1/links/x/frames", b"\x90"),
@@ -459,7 +460,7 @@ def test_https_with_a_self_signed_certificate(tmp_path: Path, target: Backend,
                     str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    proc = ThreadServer(Engine(target), tls=(str(cert), str(key)))  # as the registry does
+    proc = ThreadServer(builtin_service(target), tls=(str(cert), str(key)))  # as the registry does
     try:
         assert proc.url.startswith("https://")
         with edge(draft, proc.url, k=3, proactive="stream", cafile=str(cert)) as gen:
@@ -477,7 +478,7 @@ def test_https_with_a_self_signed_certificate(tmp_path: Path, target: Backend,
 
 
 def test_a_body_over_the_limit_is_refused_with_413(target: Backend) -> None:
-    proc = ThreadServer(Engine(target, Limits(max_message_bytes=2000)))
+    proc = ThreadServer(builtin_service(target, Limits(max_message_bytes=2000)))
     try:
         link = f"/v1/links/{json.loads(proc.request('POST', '/v1/links', b'')[2])['link_id']}"
         session = json.loads(proc.request("POST", "/v1/sessions", {})[2])["session_id"]
@@ -504,7 +505,7 @@ def test_a_body_over_the_limit_is_refused_with_413(target: Backend) -> None:
 
 
 def test_operations_and_the_openapi_schema_on_the_same_port(target: Backend) -> None:
-    proc = ThreadServer(Engine(target, policy=EnginePolicy(max_sessions=1)))
+    proc = ThreadServer(builtin_service(target, policy=ServicePolicy(max_sessions=1)))
     try:
         assert proc.request("GET", "/healthz")[::2] == (200, b"ok\n")
         assert proc.request("GET", "/readyz")[::2] == (200, b"ready\n")

@@ -29,7 +29,8 @@ from schemathesis.checks import (  # noqa: E402
 )
 from schemathesis.config import SchemathesisConfig  # noqa: E402
 
-from spececd.cloud.engine import Engine, EnginePolicy  # noqa: E402
+from spececd.cloud.runners import builtin_service  # noqa: E402
+from spececd.cloud.service import ServicePolicy  # noqa: E402
 from spececd.protocol.errors import _BY_CODE  # noqa: E402
 from tests.toy import ToyBackend, ToyModel  # noqa: E402
 from tests.transports.test_http import ThreadServer  # noqa: E402
@@ -43,8 +44,8 @@ FUZZING_ONLY = SchemathesisConfig.from_dict({"phases": {"coverage": {"enabled": 
 
 @pytest.fixture(scope="module")
 def transport_server() -> Iterator[ThreadServer]:
-    server = ThreadServer(Engine(ToyBackend(ToyModel(seed=0)),
-                                 policy=EnginePolicy(idle_timeout=IDLE)))
+    server = ThreadServer(builtin_service(ToyBackend(ToyModel(seed=0)),
+                                 policy=ServicePolicy(idle_timeout=IDLE)))
     yield server
     server.stop()
 

@@ -2,7 +2,7 @@
 listener answers a request not sent whole within the request timeout with a 408 in the
 typed shape, the WebSocket listener drops a handshake not done within it, and a
 legitimate session beside them finishes with the target's own output. The timeout is one
-second here (``EnginePolicy.request_timeout``; ``spececd serve --request-timeout``,
+second here (``Listener.request_timeout``; ``spececd serve --request-timeout``,
 default 10 s).
 
 After its handshake a WebSocket client that trickles a frame is cut off by the
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from spececd.cloud.engine import CloudService, EnginePolicy
+from spececd.cloud.runners import builtin_service
 from spececd.edge.options import EdgeOptions
 from spececd.generator import Generator
 from spececd.transports import registry
@@ -37,8 +37,8 @@ PROMPT = [5, 17, 42, 99, 3]
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Served, ToyBackend]]:
     target = ToyBackend(ToyModel(seed=0), pass_s=0.002)
-    engine = CloudService.builtin(target, policy=EnginePolicy(request_timeout=TIMEOUT))
-    server = Served(engine)
+    engine = builtin_service(target)
+    server = Served(engine, request_timeout=TIMEOUT)
     yield server, target
     server.stop()
     engine.close()

@@ -35,6 +35,11 @@ def add_parser(sub: Any) -> None:
                    help="what runs the target: the built-in engine (transformers or "
                    "llama.cpp, batched here) or vLLM's engine in this process (install it "
                    f"with scripts/install-vllm.sh) (default: {d.engine})")
+    e.add_argument("--static", choices=["auto", "on", "off"],
+                   help="built-in engine, transformers target: keep the KV cache in slots "
+                   "allocated once and pad passes to a few widths, replayed from CUDA graphs "
+                   "on a GPU (auto: on CUDA only; on a CPU it measured slower) "
+                   f"(default: {d.static})")
     e.add_argument("--tensor-parallel-size", type=int,
                    help="vLLM: split the target over this many devices (default: 1)")
     e.add_argument("--engine-args", help="vLLM: further engine arguments as a JSON object, "
@@ -90,30 +95,24 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(cfg: ServerConfig, token: str) -> int:
     """Load the target and serve it on every listener asked for until interrupted."""
-    from spececd.backends.registry import load_backend, model_format
-    from spececd.cloud.engine import CloudService
+    from spececd.backends.registry import model_format
+    from spececd.cloud import runners
     from spececd.transports import registry
 
-    listeners = [registry.Listener(name, cfg.host, port) for name, port in
+    listeners = [registry.Listener(name, cfg.host, port, cfg.request_timeout)
+                 for name, port in
                  (("websocket", cfg.port), ("grpc", cfg.grpc_port), ("http", cfg.http_port))
                  if port >= 0]
     if not listeners:
         raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
     model = cfg.target_model or default_model("target")
-    limits, policy = cfg.limits(), cfg.policy()
-    engine: CloudService
-    if cfg.engine == "vllm":
-        from spececd.cloud import vllm
-
-        engine = vllm.start(model, limits, policy, token, cfg.dtype, cfg.tensor_parallel_size,
-                            cfg.engine_args)
-    else:
-        # All cores but one unless --threads says (transformers): an edge on this machine,
-        # and the server's own event loop, keep one, where idle OpenMP workers would spin.
-        threads = cfg.threads or (spare_cores() if model_format(model) == "hf" else 0)
-        backend = load_backend(model, device=cfg.device, dtype=cfg.dtype, threads=threads,
-                               npu=cfg.npu)
-        engine = CloudService.builtin(backend, limits, policy, token)
+    # All cores but one unless --threads says (transformers, built-in runner): an edge on
+    # this machine, and the server's own event loop, keep one, where idle OpenMP workers
+    # would spin.
+    threads = cfg.threads or (spare_cores() if cfg.engine == "builtin"
+                              and model_format(model) == "hf" else 0)
+    engine = runners.service(cfg.engine, model, cfg.runner(threads), cfg.limits(),
+                             cfg.policy(), token)
 
     def ready(urls: list[str]) -> None:
         print(f"spececd: serving {engine.target.description} on {', '.join(urls)}"

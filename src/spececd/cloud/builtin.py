@@ -10,8 +10,9 @@ verifications are batched into one forward pass by
 the session's context after a failure or an eviction; with ``max_kv_bytes`` set, the least
 recently used idle caches are freed to stay under it.
 
-A generation's step is a verification of the hint ahead of the context (an empty draft
-when there is none: one token of the target's own), built when the step starts.
+It has no generation of its own: the service steps a cloud-only generation by verifying
+the hint ahead of the context (an empty draft when there is none: one token of the
+target's own), built when the step starts.
 
 A session with a constraint has a :class:`~spececd.grammar.ConstraintMatcher` here, beside
 its cache, which every pass masks the target's logits with (see
@@ -26,30 +27,68 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 from spececd.backends.base import Backend, CachedSequence
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.runner import Generation, Pass
+from spececd.cloud.runner import Generation, Pass, RunnerConfig
 from spececd.cloud.scheduler import BatchScheduler
 from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for
-from spececd.protocol.cloud_session import CloudSession, StepOut, VerifyRequest
+from spececd.protocol.cloud_session import GenerateRequest, Limits, VerifyRequest
 
 log = logging.getLogger(__name__)
 
 
+def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) -> BuiltinRunner:
+    """Load ``model`` on its backend (:func:`~spececd.backends.registry.load_backend`) as
+    ``config`` says, and run it here."""
+    from spececd.backends.registry import load_backend
+
+    backend = load_backend(model, device=config.device, dtype=config.dtype,
+                           threads=config.threads, npu=config.npu)
+    return BuiltinRunner(static_path(backend, config.static, limits.max_context), metrics,
+                         config)
+
+
+STATIC = ("auto", "on", "off")
+
+
+def static_path(backend: Backend, static: str, max_context: int) -> Backend:
+    """``backend`` on the static path (:mod:`spececd.backends.static`) where ``static``
+    says: ``on`` for a transformers model, ``off`` never, ``auto`` on CUDA only (on the
+    CPU it measured slower: see docs/deploy/gpu.md)."""
+    if static not in STATIC:
+        raise InputError(f"static must be one of {', '.join(STATIC)}, got {static!r}")
+    if static == "off":
+        return backend
+    if backend.name == "hf":  # torch and transformers are installed
+        from spececd.backends.hf import HFBackend
+        from spececd.backends.static import StaticBackend
+
+        if isinstance(backend, HFBackend):
+            if static == "auto" and backend.device.type != "cuda":
+                return backend
+            return StaticBackend(backend, max_context)
+    if static == "on":
+        raise InputError(f"the static path runs transformers models only, and this target "
+                         f"runs on {backend.name}: leave --static at auto or off")
+    return backend
+
+
 class BuiltinRunner:
-    """See the module docstring. ``max_kv_bytes``: KV cache bytes held across sessions at
-    most (0: no cap)."""
+    """See the module docstring; of ``config``, it reads ``max_batch`` and
+    ``max_kv_bytes`` (the KV cache bytes held across sessions at most, 0: no cap)."""
 
     name = "builtin"
 
-    def __init__(self, backend: Backend, metrics: Metrics, max_batch: int = 32,
-                 max_kv_bytes: int = 0) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics,
+                 config: RunnerConfig | None = None) -> None:
+        config = config or RunnerConfig()
         self.backend = self.target = backend
         self.metrics = metrics
-        self.max_kv_bytes = max_kv_bytes
+        self.max_kv_bytes = config.max_kv_bytes
         self._own_executor = backend.thread is None
         self.executor: Executor = backend.thread.executor if backend.thread is not None else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
-        self.scheduler = BatchScheduler(backend, self.executor, metrics, max_batch,
+        self.scheduler = BatchScheduler(backend, self.executor, metrics, config.max_batch,
                                         inline=self._own_executor)
         self._caches: dict[str, CachedSequence] = {}
         self._matchers: dict[str, ConstraintMatcher] = {}
@@ -87,8 +126,9 @@ class BuiltinRunner:
             matcher = self._matchers[key] = grammars.compile(constraint).matcher()
         return matcher
 
-    def generation(self, key: str, session: CloudSession) -> Generation:
-        return _Steps(self, key, session)
+    def generation(self, key: str, request: GenerateRequest, hint_start: int,
+                   hint: tuple[int, ...]) -> Generation | None:
+        return None  # stepped by the service, one verification a step
 
     def _cap_kv(self, key: str, tokens_needed: int) -> None:
         """Free the KV caches of the least recently used idle sessions until the total,
@@ -134,26 +174,3 @@ class BuiltinRunner:
         if self._own_executor:  # a backend's thread is the backend's, shared
             self.executor.shutdown(wait=False, cancel_futures=True)
 
-
-class _Steps:
-    """A generation on the built-in runner: each step verifies the hint as it stands when
-    the step starts."""
-
-    continuous = False
-
-    def __init__(self, runner: BuiltinRunner, key: str, session: CloudSession) -> None:
-        self._runner, self._key, self._session = runner, key, session
-
-    async def step(self) -> StepOut:
-        request = self._session.stream_step()
-        done = await self._runner.verify(self._key, request)
-        result = done.result
-        return self._session.tokens(request, result.num_accepted, result.next_token,
-                                    done.seconds, result.path, done.logprobs,
-                                    done.prompt_logprobs)
-
-    def hinted(self) -> None:
-        pass  # read when the next step starts
-
-    async def close(self) -> None:
-        pass  # a step runs to its end; nothing else is held

@@ -1,10 +1,13 @@
 """What the cloud service asks of whatever runs the target model: the model runner.
 
-The service (:mod:`spececd.cloud.engine`) owns links, sessions, limits, draining, metrics
-and the one stream-generation loop; a runner owns only model work. Two implement it:
-:class:`~spececd.cloud.builtin.BuiltinRunner` (a backend in this process, sessions batched
-into one forward pass) and :class:`~spececd.cloud.vllm.VllmRunner` (vLLM's engine). The
-service calls a runner; a runner never calls the service back.
+The service (:mod:`spececd.cloud.service`) owns links, sessions, limits, draining, metrics
+and the one stream-generation loop; a runner owns only model work. Runners are found by
+name in :mod:`spececd.cloud.runners`: :class:`~spececd.cloud.builtin.BuiltinRunner` (a
+backend in this process, sessions batched into one forward pass; on a GPU its static path,
+:mod:`spececd.backends.static`) and :class:`~spececd.cloud.vllm.VllmRunner` (vLLM's
+engine). The service calls a runner; a runner never calls the service back, and never
+writes into a session: it returns what a pass or a step produced (:class:`Pass`,
+:class:`EngineStep`) and the service records it.
 
 A runner keeps what it holds for a session (a KV cache, a request) under the session's id
 and frees it on :meth:`ModelRunner.forget`. Every failure of model work is a
@@ -20,7 +23,26 @@ from spececd.backends.base import Tokenizer
 from spececd.core.logprobs import Logprobs
 from spececd.core.sampling import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
-from spececd.protocol.cloud_session import CloudSession, StepOut, VerifyRequest
+from spececd.protocol.cloud_session import GenerateRequest, VerifyRequest
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the target runs, resolved once from ``[server]`` settings and flags: where
+    (``device``, ``dtype``, ``threads``: 0 for the runner's choice, ``npu``), how many
+    sessions one pass verifies at most (``max_batch``), the KV bytes held across sessions
+    at most (``max_kv_bytes``, 0: no cap; the built-in runner), the built-in runner's static
+    path (``static``: ``auto`` on a GPU only, ``on``, ``off``) and vLLM's own settings."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 0
+    npu: bool = True
+    max_batch: int = 32
+    max_kv_bytes: int = 0
+    static: str = "auto"
+    tensor_parallel_size: int = 1  # vLLM only
+    engine_args: str = ""  # vLLM only: a JSON object of further engine arguments
 
 
 class RunnerError(Exception):
@@ -60,24 +82,28 @@ class Target(Protocol):
     def tree_attention(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class EngineStep:
+    """One step of a runner's own generation: the tokens it emitted, the seconds since the
+    step before, and whether the engine ended the request (it may end it before SpecECD's
+    own limits would: the service then answers an error)."""
+
+    tokens: tuple[int, ...]
+    seconds: float
+    finished: bool
+
+
 class Generation(Protocol):
-    """A cloud-only generation on the runner, stepped by the service's stream loop; each
-    step records what it emitted in the session (:meth:`CloudSession.tokens`), which
-    queues the ``Tokens`` frame.
+    """A cloud-only generation that a runner runs on its own (vLLM), taking the edge's
+    hints as they arrive (:meth:`hinted`); the service reads frames while a step runs,
+    never waits for a hint, and records each step in the session."""
 
-    ``continuous``: the runner generates on its own and takes the edge's hints as they
-    arrive (:meth:`hinted`), so the service reads frames while a step runs and never waits
-    for a hint; otherwise a step starts when asked and verifies the hint as it is then, so
-    the service takes frames between steps and may wait for a hint before one."""
-
-    continuous: bool
-
-    async def step(self) -> StepOut:
+    async def step(self) -> EngineStep:
         """The next step; raises :class:`RunnerError` when it fails."""
         ...
 
-    def hinted(self) -> None:
-        """The session's hint may have changed."""
+    def hinted(self, start: int, hint: tuple[int, ...]) -> None:
+        """The edge's hint is now ``hint``, for the positions from ``start`` on."""
 
     async def close(self) -> None:
         """Stop generating (abort what runs); idempotent."""
@@ -102,8 +128,11 @@ class ModelRunner(Protocol):
         can); raises :class:`RunnerError`."""
         ...
 
-    def generation(self, key: str, session: CloudSession) -> Generation:
-        """Start the generation under way in ``session`` (``session.stream``)."""
+    def generation(self, key: str, request: GenerateRequest, hint_start: int,
+                   hint: tuple[int, ...]) -> Generation | None:
+        """Start ``request`` as a generation of the runner's own, with the edge's hint so
+        far; None where the runner has none: the service then steps the generation by
+        verifying the hint ahead of the context (:meth:`verify`), one pass a step."""
         ...
 
     def forget(self, key: str) -> None:

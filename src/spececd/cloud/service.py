@@ -38,11 +38,10 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
 
 from spececd.backends import bundle
-from spececd.backends.base import Backend, tokenizer_fingerprint
-from spececd.cloud.builtin import BuiltinRunner
+from spececd.backends.base import tokenizer_fingerprint
 from spececd.cloud.inbox import Inbox
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.runner import Generation, ModelRunner, RunnerError, Target
+from spececd.cloud.runner import EngineStep, Generation, ModelRunner, RunnerError, Target
 from spececd.core.policy import Ema
 from spececd.core.sampling import Constraint
 from spececd.core.verify import tree_depth
@@ -67,8 +66,8 @@ from spececd.protocol.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CloudService", "Ending", "Engine", "EnginePolicy", "Inbox", "Limits", "Link",
-           "Send", "Target", "draining_error"]
+__all__ = ["CloudService", "Ending", "Inbox", "Limits", "Link", "Send", "ServicePolicy",
+           "Target", "draining_error"]
 
 Send = Callable[[bytes], Awaitable[None]]
 
@@ -84,15 +83,13 @@ class Ending(enum.Enum):
 
 
 @dataclass(frozen=True)
-class EnginePolicy:
-    """The service's limits on sessions, and the built-in runner's on batches and KV."""
+class ServicePolicy:
+    """The service's limits on sessions (the runner's are in
+    :class:`~spececd.cloud.runner.RunnerConfig`, the listeners' in
+    :class:`~spececd.transports.registry.Listener`)."""
 
     max_sessions: int = 64
     idle_timeout: float = 300.0  # seconds without a frame before a session is evicted
-    max_batch: int = 32  # sessions verified in one forward pass at most
-    max_kv_bytes: int = 0  # KV cache bytes held across sessions at most (0: no cap)
-    # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
-    request_timeout: float = 10.0
 
 
 def draining_error() -> Draining:
@@ -157,14 +154,14 @@ class CloudService:
     (a new one when None)."""
 
     def __init__(self, runner: ModelRunner, limits: Limits | None = None,
-                 policy: EnginePolicy | None = None, auth_token: str = "",
+                 policy: ServicePolicy | None = None, auth_token: str = "",
                  metrics: Metrics | None = None) -> None:
         limits = limits or Limits()
         self.runner = runner
         self.target: Target = runner.target
         self.limits = dataclasses.replace(
             limits, max_context=min(limits.max_context, self.target.max_context))
-        self.policy = policy or EnginePolicy()
+        self.policy = policy or ServicePolicy()
         self.fingerprint = tokenizer_fingerprint(self.target.tokenizer, self.target.vocab_size)
         self._bundle: bytes | None = None
         self.draining = False  # shutting down: no new sessions or rounds (drain())
@@ -181,14 +178,6 @@ class CloudService:
         self.metrics.kv_bytes.set_function(
             lambda: self.kv_tokens() * self.target.kv_bytes_per_token)
         warm(self.target.tokenizer, self.target.vocab_size)  # the first constraint: no set-up
-
-    @classmethod
-    def builtin(cls, backend: Backend, limits: Limits | None = None,
-                policy: EnginePolicy | None = None, auth_token: str = "") -> CloudService:
-        """The service over the built-in runner serving ``backend``."""
-        policy, metrics = policy or EnginePolicy(), Metrics()
-        runner = BuiltinRunner(backend, metrics, policy.max_batch, policy.max_kv_bytes)
-        return cls(runner, limits, policy, auth_token, metrics)
 
     @property
     def name(self) -> str:
@@ -386,9 +375,9 @@ class CloudService:
 
         Frames that arrive meanwhile go through the session: hints feed the generation,
         anything else may end or replace it (its request then runs after this returns).
-        A continuous runner (vLLM) takes them while a step runs; a step-on-demand runner
-        (built-in) between steps, and there, when the hint has run dry (the target
-        contradicted it, or used it up), the next step waits for a fresh one if the edge
+        A runner with a generation of its own (vLLM) takes them while a step runs; without
+        one (built-in), they are taken between steps, and there, when the hint has run dry
+        (the target contradicted it, or used it up), the next step waits for a fresh one if the edge
         has been answering faster than a step takes, and otherwise generates a token of
         its own without waiting.
 
@@ -400,7 +389,7 @@ class CloudService:
         stream = session.stream
         if stream is None or stream.request is not request:
             return  # already ended (a fatal error was answered with it)
-        generation = self.runner.generation(link.key, session)
+        generation = self.runner.generation(link.key, request, stream.hint_start, stream.hint)
         turnaround, step_s = Ema(0.0, weight=0.3), Ema(0.0, weight=0.3)
         dry_since: float | None = time.perf_counter()
         dry_len = len(session.context)  # the context when the hint ran dry
@@ -414,7 +403,8 @@ class CloudService:
                 link.receive(data)
                 if session.stream is not stream:
                     return False  # closed, or replaced by a new hello, generate or draft
-                generation.hinted()
+                if generation is not None:
+                    generation.hinted(stream.hint_start, stream.hint)
                 if dry_since is not None and stream.reach > dry_len:
                     turnaround.update(arrived - dry_since)
                     dry_since = None
@@ -428,7 +418,7 @@ class CloudService:
                     session.stream = None
                     link.error(self.refusal())
                     return
-                if (not generation.continuous and dry_since is not None
+                if (generation is None and dry_since is not None
                         and turnaround.seen and step_s.seen
                         and turnaround.value < step_s.value):
                     wait = dry_since + min(step_s.value, 1.5 * turnaround.value)
@@ -444,36 +434,51 @@ class CloudService:
                 if dry_since is None and not session.hint_ahead():
                     dry_since, dry_len = time.perf_counter(), len(session.context)
         finally:
-            await generation.close()
+            if generation is not None:
+                await generation.close()
 
-    async def _step(self, link: Link, generation: Generation,
+    async def _step(self, link: Link, generation: Generation | None,
                     take: Callable[[], bool]) -> StepOut | None:
-        """One step of the generation, recorded; None when it failed (the error is
-        queued), or when, during a continuous runner's step, a frame taken ended the
-        generation, the client left or the server began draining (the step is then
-        abandoned: the caller looks again)."""
+        """One step of the generation, recorded in the session (which queues its
+        ``Tokens`` frame) and the metrics; None when it failed (the error is queued), or
+        when, during a runner's own step, a frame taken ended the generation, the client
+        left or the server began draining (the step is then abandoned: the caller looks
+        again). Without a generation of the runner's own, a step verifies the hint ahead of
+        the context; a runner's own step runs beside the frames arriving."""
         session = link.session
+        seq = session.stream.request.seq if session.stream is not None else -1
+        ended_early = False  # the engine ended the generation before SpecECD's own limits
         try:
-            # A step-on-demand runner's step is awaited here; a continuous runner's runs
-            # beside the frames arriving.
-            out = await (self._continuous_step(link, generation, take)
-                         if generation.continuous else generation.step())
+            if generation is None:
+                request = session.stream_step()
+                done = await self.runner.verify(link.key, request)
+                result = done.result
+                out = session.tokens(request, result.num_accepted, result.next_token,
+                                     done.seconds, result.path, done.logprobs,
+                                     done.prompt_logprobs)
+            else:
+                step = await self._engine_step(link, generation, take)
+                if step is None:
+                    return None
+                out = session.engine_tokens(step.tokens, step.seconds)
+                ended_early = step.finished and not out.done
         except RunnerError as exc:
-            seq = session.stream.request.seq if session.stream is not None else -1
             session.stream = None
             self._failed(link, seq, exc)
             return None
-        if out is None:
-            return None
         self._record(link, out.drafted, out.accepted, out.emitted - out.accepted, out.seconds,
                      is_round=False)
+        if ended_early:
+            session.stream = None
+            self._failed(link, seq, RunnerError("the engine ended the generation early"))
+            return None
         return out
 
-    async def _continuous_step(self, link: Link, generation: Generation,
-                               take: Callable[[], bool]) -> StepOut | None:
-        """A continuous runner's step, run as a task while the frames arriving are taken
-        (hints reach the runner as they come); None when one ended the generation, the
-        client left or the server began draining."""
+    async def _engine_step(self, link: Link, generation: Generation,
+                           take: Callable[[], bool]) -> EngineStep | None:
+        """A runner's own step, run as a task while the frames arriving are taken (hints
+        reach the runner as they come); None when one ended the generation, the client
+        left or the server began draining."""
         step = asyncio.ensure_future(generation.step())
         try:
             while not step.done():
@@ -570,7 +575,3 @@ class CloudService:
             self.release(link)
         self.runner.close()
 
-
-# The service over the built-in runner, by its earlier name; ``Engine`` in annotations
-# elsewhere means :class:`CloudService`.
-Engine = CloudService.builtin

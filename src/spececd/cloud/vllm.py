@@ -3,7 +3,7 @@
 :class:`VllmRunner` is the :class:`~spececd.cloud.runner.ModelRunner` whose model work is
 done by vLLM's async engine (``AsyncLLM``) in the same process; links, sessions, limits,
 draining, idle eviction, metrics and the stream loop are the service's
-(:class:`~spececd.cloud.engine.CloudService`), as with the built-in runner. What differs:
+(:class:`~spececd.cloud.service.CloudService`), as with the built-in runner. What differs:
 
 - **Stream drafting and cloud-only generation** (``Generate`` and ``Hint`` frames): one
   vLLM request per generation (a *continuous* generation: vLLM steps on its own), and one
@@ -65,17 +65,15 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 from spececd.backends.base import Tokenizer
-from spececd.cloud.engine import CloudService, EnginePolicy
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.runner import Generation, Pass, RunnerError
+from spececd.cloud.runner import EngineStep, Pass, RunnerConfig, RunnerError
 from spececd.cloud.vllm_proposer import ADDRESS_ENV
 from spececd.core.sampling import Constraint, Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.errors import InputError
 from spececd.protocol.cloud_session import (
-    CloudSession,
+    GenerateRequest,
     Limits,
-    StepOut,
     VerifyRequest,
     common_prefix,
 )
@@ -240,8 +238,9 @@ class VllmRunner:
             raise RunnerError("vLLM ended the request before the target's token after the draft")
         return Pass(VerifyResult(accepted, emitted[accepted]), time.perf_counter() - started, 1)
 
-    def generation(self, key: str, session: CloudSession) -> Generation:
-        return _Request(self, key, session)
+    def generation(self, key: str, request: GenerateRequest, hint_start: int,
+                   hint: tuple[int, ...]) -> _Request:
+        return _Request(self, key, request, (hint_start, hint))
 
     def forget(self, key: str) -> None:
         pass  # vLLM's prefix cache holds the context, and evicts it itself
@@ -305,16 +304,12 @@ class _Request:
     """A generation as one vLLM request: every hint the session keeps is published to the
     proposer, and each step is one engine step's tokens."""
 
-    continuous = True
-
-    def __init__(self, runner: VllmRunner, key: str, session: CloudSession) -> None:
-        stream = session.stream
-        assert stream is not None, "no generation under way"
-        request = stream.request
-        self._session, self._hints = session, runner.hints
+    def __init__(self, runner: VllmRunner, key: str, request: GenerateRequest,
+                 hint: tuple[int, tuple[int, ...]]) -> None:
+        self._hints = runner.hints
         self._known_issue = runner.known_issue
         self._id = runner.request_id(key, "g", request.seq)
-        self._published = (stream.hint_start, stream.hint)
+        self._published = hint
         self._refused: RunnerError | None = None
         try:
             sampling = runner.sampling(request.params, len(request.context),
@@ -325,13 +320,10 @@ class _Request:
         self._hints.publish(self._id, *self._published)
         self._outputs = runner.outputs(self._id, request.context, sampling)
         self._last = time.perf_counter()
-        self._ended_early = False
 
-    async def step(self) -> StepOut:
+    async def step(self) -> EngineStep:
         if self._refused is not None:
             raise self._refused
-        if self._ended_early:  # after the step that ended it was recorded and sent
-            raise RunnerError("the engine ended the generation early")
         try:
             out = await anext(self._outputs)
         except StopAsyncIteration:
@@ -339,17 +331,14 @@ class _Request:
         except Exception as exc:
             raise _failure(exc, self._known_issue) from exc
         now = time.perf_counter()
-        result = self._session.engine_tokens(tuple(out.outputs[0].token_ids), now - self._last)
+        step = EngineStep(tuple(out.outputs[0].token_ids), now - self._last, out.finished)
         self._last = now
-        self._ended_early = out.finished and not result.done  # before SpecECD's limits
-        return result
+        return step
 
-    def hinted(self) -> None:
-        stream = self._session.stream
-        if self._refused is None and stream is not None and (
-                (stream.hint_start, stream.hint) != self._published):
-            self._published = (stream.hint_start, stream.hint)
-            self._hints.publish(self._id, *self._published)
+    def hinted(self, start: int, hint: tuple[int, ...]) -> None:
+        if self._refused is None and (start, hint) != self._published:
+            self._published = (start, hint)
+            self._hints.publish(self._id, start, hint)
 
     async def close(self) -> None:
         if self._refused is None:
@@ -357,11 +346,12 @@ class _Request:
             self._hints.forget(self._id)
 
 
-def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = "",
-          dtype: str = "auto", tensor_parallel_size: int = 1,
-          engine_args: str = "") -> CloudService:
-    """Start vLLM's async engine on ``model`` with the edge-draft proposer and return the
-    service over it. ``engine_args``: a JSON object of further ``AsyncEngineArgs``."""
+def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) -> VllmRunner:
+    """Start vLLM's async engine on ``model`` with the edge-draft proposer, as ``config``
+    says (``engine_args``: a JSON object of further ``AsyncEngineArgs``), and return the
+    runner over it; vLLM's own metrics join ``metrics``."""
+    dtype, tensor_parallel_size, engine_args = (config.dtype, config.tensor_parallel_size,
+                                                config.engine_args)
     try:
         extra = json.loads(engine_args) if engine_args else {}
     except json.JSONDecodeError as exc:
@@ -391,7 +381,7 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
     os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it
     args = AsyncEngineArgs(**{
         "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
-        "max_model_len": max_context, "max_num_seqs": policy.max_batch,
+        "max_model_len": max_context, "max_num_seqs": config.max_batch,
         "enable_prefix_caching": True,
         # No free whitespace in constrained JSON, as on the built-in engine (its separators
         # differ: see the module docstring).
@@ -411,10 +401,8 @@ def start(model: str, limits: Limits, policy: EnginePolicy, auth_token: str = ""
         f"{tensor_parallel_size})")
     from prometheus_client import REGISTRY
 
-    metrics = Metrics()
     metrics.also.append(REGISTRY)  # vLLM's metrics (vllm:*), in this process
     issue = known_issue(llm)
     if issue:
         log.warning("%s", issue)
-    return CloudService(VllmRunner(llm, target, hints, issue), limits, policy, auth_token,
-                        metrics)
+    return VllmRunner(llm, target, hints, issue)

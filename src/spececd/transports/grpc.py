@@ -1,7 +1,7 @@
 """gRPC transport (``grpcio``): the service ``spececd.v1.VerificationService`` of
 ``spececd.proto``, both sides.
 
-Server: :func:`serve` puts an :class:`~spececd.cloud.engine.CloudService` behind a ``grpc.aio``
+Server: :func:`serve` puts an :class:`~spececd.cloud.service.CloudService` behind a ``grpc.aio``
 server on the running event loop.
 
 - ``Session`` (bidirectional stream) is one engine link, exactly like a WebSocket
@@ -45,7 +45,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from spececd.cloud.engine import CloudService, Ending
+from spececd.cloud.service import CloudService, Ending
 from spececd.core.params import Mode
 from spececd.core.sampling import SparseProbs
 from spececd.edge.transport import AFFINITY_HEADER, affinity_key
@@ -198,10 +198,12 @@ class _Servicer:
 
 
 async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
-                ready: Callable[[int], None] | None = None) -> None:
+                ready: Callable[[int], None] | None = None,
+                request_timeout: float = 0.0) -> None:
     """Serve until cancelled. ``tls``: paths of a PEM certificate (chain) and its key.
     ``ready`` is called with the bound port (so ``port=0`` picks a free one). Raises
-    ``OSError`` when the address cannot be bound."""
+    ``OSError`` when the address cannot be bound. ``request_timeout`` is taken for the
+    listeners' common signature: gRPC's HTTP/2 keepalive covers a stalled client."""
     limit = engine.limits.max_message_bytes + GRPC_OVERHEAD
     server = aio.server(options=[("grpc.max_receive_message_length", limit),
                                  ("grpc.max_send_message_length", limit),

@@ -1,7 +1,7 @@
 """In-memory transport: the edge talks to a verifier engine in the same process, through
 the same frames, session state machines and engine loop as over a network.
 
-:class:`LocalServer` runs an :class:`~spececd.cloud.engine.CloudService` on its own event loop in
+:class:`LocalServer` runs an :class:`~spececd.cloud.service.CloudService` on its own event loop in
 a background thread; each :class:`MemoryTransport` is one link to it. So in-process
 generation batches concurrent sessions and stream-drafts exactly like a networked one:
 the engine reads hints while the target works. (Where draft and target are both
@@ -19,7 +19,8 @@ import threading
 from collections.abc import Callable
 
 from spececd.backends.base import Backend
-from spececd.cloud.engine import CloudService, EnginePolicy, Link
+from spececd.cloud.runners import builtin_service
+from spececd.cloud.service import CloudService, Link, ServicePolicy
 from spececd.protocol.cloud_session import Limits
 
 
@@ -122,7 +123,7 @@ class MemoryTransport:
 
 
 def local_verifier(backend: Backend, limits: Limits | None = None,
-                   policy: EnginePolicy | None = None) -> LocalServer:
+                   policy: ServicePolicy | None = None) -> LocalServer:
     """A verifier for ``backend`` in this process; each call of the result opens a new
     link to it."""
-    return LocalServer(CloudService.builtin(backend, limits, policy))
+    return LocalServer(builtin_service(backend, limits, policy))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spececd.backends import bundle
-from spececd.cloud.engine import CloudService
+from spececd.cloud.service import CloudService
 
 TEXT = "text/plain; charset=utf-8"
 

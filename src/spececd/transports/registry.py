@@ -6,7 +6,7 @@ opens. Each transport's module is imported only when used.
     grpc:// grpcs://  grpc        transports/grpc.py
     http:// https://  http        transports/http.py
 
-Every listener feeds the same :class:`~spececd.cloud.engine.CloudService` on one event loop, so a
+Every listener feeds the same :class:`~spececd.cloud.service.CloudService` on one event loop, so a
 server that opens several shares its sessions, batches, limits and metrics across them.
 """
 
@@ -18,11 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spececd.cloud.engine import CloudService
+from spececd.cloud.service import CloudService
 from spececd.edge.transport import Transport
 from spececd.errors import InputError
 
 TRANSPORTS = ("websocket", "grpc", "http")
+# Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
+REQUEST_TIMEOUT = 10.0
 SCHEMES = {"ws": "websocket", "wss": "websocket", "grpc": "grpc", "grpcs": "grpc",
            "http": "http", "https": "http"}
 SECURE = {"wss", "grpcs", "https"}
@@ -57,9 +59,13 @@ def connector(url: str, *, cafile: str | None = None, verify: bool = True,
 
 @dataclass(frozen=True)
 class Listener:
+    """A transport to serve on ``host``:``port`` (0: any free port); ``request_timeout``:
+    seconds a client has to send a whole HTTP request or WebSocket handshake."""
+
     transport: str  # one of TRANSPORTS
     host: str
-    port: int  # 0: any free port
+    port: int
+    request_timeout: float = REQUEST_TIMEOUT
 
     def url(self, port: int, tls: bool) -> str:
         scheme = {"websocket": "ws", "grpc": "grpc", "http": "http"}[self.transport]
@@ -86,7 +92,8 @@ async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str,
                 bound.set()
 
         tasks.append(asyncio.ensure_future(
-            module.serve(engine, listener.host, listener.port, tls, on_ready)))
+            module.serve(engine, listener.host, listener.port, tls, on_ready,
+                         request_timeout=listener.request_timeout)))
 
     async def announce() -> None:
         await bound.wait()

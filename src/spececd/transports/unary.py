@@ -2,7 +2,7 @@
 ``BatchVerify``, HTTP ``POST .../verify``): every call carries the whole prefix and a draft,
 and gets one verdict back.
 
-Each call is turned into SpecECD's own frames on a service :class:`~spececd.cloud.engine.Link`,
+Each call is turned into SpecECD's own frames on a service :class:`~spececd.cloud.service.Link`,
 so limits, typed errors, batching and metrics are the service's. Calls that name the same
 session key reuse one link, and with it the target's KV cache: the prefix is compared with
 what that link holds and only the new part is fed, so the cost stays incremental even
@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from spececd.cloud.engine import CloudService, Link
+from spececd.cloud.service import CloudService, Link
 from spececd.core.sampling import SparseProbs
 from spececd.core.tokens import common_prefix
 from spececd.protocol import messages as m

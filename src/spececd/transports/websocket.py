@@ -1,6 +1,6 @@
 """WebSocket transport: binary frames over the ``websockets`` library, both sides.
 
-Server: :func:`serve` puts an :class:`~spececd.cloud.engine.CloudService` behind
+Server: :func:`serve` puts an :class:`~spececd.cloud.service.CloudService` behind
 ``websockets.asyncio.server``. One connection is one engine link: each binary frame read
 goes into it, and every reply goes back as a binary frame. How the link ends decides the
 close code: 1000 when the session closed, 1001 after the idle timeout, 1013 when the
@@ -30,9 +30,10 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 from websockets.sync.client import ClientConnection, connect
 
-from spececd.cloud.engine import CloudService, Ending
+from spececd.cloud.service import CloudService, Ending
 from spececd.edge.transport import AFFINITY_HEADER, affinity_key
 from spececd.transports import ops
+from spececd.transports.registry import REQUEST_TIMEOUT
 from spececd.transports.tls import client_ssl_context, server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -82,16 +83,18 @@ def _handler(engine: CloudService) -> Callable[[ServerConnection], Awaitable[Non
 
 
 async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
-                ready: Callable[[int], None] | None = None) -> None:
+                ready: Callable[[int], None] | None = None,
+                request_timeout: float = REQUEST_TIMEOUT) -> None:
     """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
-    the port bound (``port`` 0: any free one)."""
+    the port bound (``port`` 0: any free one); a handshake not done within
+    ``request_timeout`` seconds is dropped."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
     # open_timeout: a handshake not done within the request timeout (a client sending it
     # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
                         compression=None, process_request=_http_handler(engine),
-                        open_timeout=engine.policy.request_timeout) as ws_server:
+                        open_timeout=request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
         await asyncio.get_running_loop().create_future()

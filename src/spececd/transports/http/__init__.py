@@ -1,6 +1,6 @@
 """HTTP/JSON transport: SpecECD over plain HTTP/1.1 with keep-alive, both sides.
 
-Server: :func:`serve` puts an :class:`~spececd.cloud.engine.CloudService` behind uvicorn. One
+Server: :func:`serve` puts an :class:`~spececd.cloud.service.CloudService` behind uvicorn. One
 port answers three kinds of client:
 
 - the edge's own transport, SpecECD's binary frames over HTTP (``/v1/links``,

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from spececd.cloud.engine import CloudService
+from spececd.cloud.service import CloudService
 from spececd.protocol.errors import (
     AuthFailed,
     Draining,

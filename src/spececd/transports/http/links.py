@@ -1,7 +1,7 @@
 """SpecECD's binary frames over HTTP (``/v1/links``), for the edge's own transport.
 
-A link is one engine link (:meth:`~spececd.cloud.engine.CloudService.open`), served by
-:meth:`~spececd.cloud.engine.CloudService.serve` in a task like a WebSocket connection, with
+A link is one engine link (:meth:`~spececd.cloud.service.CloudService.open`), served by
+:meth:`~spececd.cloud.service.CloudService.serve` in a task like a WebSocket connection, with
 the engine's limits and idle timeout:
 
     POST   /v1/links                       -> 201 {"link_id"}  (503 when full)
@@ -30,7 +30,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from spececd.cloud.engine import CloudService, Link
+from spececd.cloud.service import CloudService, Link
 from spececd.protocol import messages as m
 from spececd.protocol.errors import OutOfOrder, UnknownSession, error_for_code
 from spececd.transports.http.common import ERRORS, HttpError, TokenDep

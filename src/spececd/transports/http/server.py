@@ -19,12 +19,13 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, FastAPI, Response
 
-from spececd.cloud.engine import CloudService, EnginePolicy
+from spececd.cloud.service import CloudService
 from spececd.protocol import messages as m
 from spececd.transports import ops
 from spececd.transports.http import links, sessions
 from spececd.transports.http.common import BodyLimit, EngineDep, answer_errors, without_422
 from spececd.transports.http.deadline import protocol
+from spececd.transports.registry import REQUEST_TIMEOUT
 from spececd.transports.tls import server_ssl_context
 
 KEEP_ALIVE = 75  # seconds the server keeps an idle connection open
@@ -90,7 +91,8 @@ class _Server(uvicorn.Server):
 
 async def serve(engine: CloudService, host: str, port: int,
                 tls: tuple[str, str] | ssl.SSLContext | None = None,
-                ready: Callable[[int], None] | None = None) -> None:
+                ready: Callable[[int], None] | None = None,
+                request_timeout: float = REQUEST_TIMEOUT) -> None:
     """Serve until cancelled. ``tls``: PEM certificate and key, or a server SSL context
     (https://); ``ready`` gets the port bound (``port`` 0: any free one). A port that
     cannot be bound raises ``OSError``. The caller closes the engine."""
@@ -100,14 +102,14 @@ async def serve(engine: CloudService, host: str, port: int,
         app.state.links.close_all()  # ends every link: its long polls answer at once
         app.state.sessions.close_all()
 
-    await serve_app(app, host, port, tls, ready, stopping, engine.policy.request_timeout)
+    await serve_app(app, host, port, tls, ready, stopping, request_timeout)
 
 
 async def serve_app(app: FastAPI, host: str, port: int,
                     tls: tuple[str, str] | ssl.SSLContext | None = None,
                     ready: Callable[[int], None] | None = None,
                     stopping: Callable[[], None] | None = None,
-                    request_timeout: float = EnginePolicy.request_timeout) -> None:
+                    request_timeout: float = REQUEST_TIMEOUT) -> None:
     """Run ``app`` with uvicorn on the caller's event loop until cancelled; ``stopping``
     runs first when it is (long requests end before uvicorn waits for them). A request not
     read whole within ``request_timeout`` seconds is answered 408 (:mod:`.deadline`)."""

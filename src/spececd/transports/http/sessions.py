@@ -30,7 +30,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from spececd.cloud.engine import CloudService
+from spececd.cloud.service import CloudService
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.errors import InvalidProbabilities, OutOfOrder, ServerBusy, UnknownSession
 from spececd.transports.http.common import ERRORS, HttpError, TokenDep
