@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
 
+from spececd.core.logprobs import Logprobs
+from spececd.core.params import Constraint, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.protocol import messages as m
-from spececd.protocol.errors import MalformedFrame
+from spececd.protocol.errors import MalformedFrame, VersionMismatch
 
 FP = m.Fingerprint(512, "ab" * 32)
 
@@ -88,3 +92,68 @@ def test_fields_added_later_are_left_off_and_older_frames_still_decode() -> None
 def test_malformed_frames_raise(frame: bytes) -> None:
     with pytest.raises(MalformedFrame):
         m.decode(frame)
+
+
+# Frames as the protocol's first codec wrote them: one message type a frame, the optional
+# fields each one may carry. Any change here is a change of the wire, and of its version.
+LP = Logprobs(np.array([-0.5, -1.25], np.float32), np.array([[1, 2], [3, 4]], np.int64),
+              np.array([[-0.1, -2.0], [-0.3, -4.0]], np.float32))
+GOLDEN = [
+    (m.Hello(3, m.Fingerprint(32000, "ab" * 16), "exact", 0.8, 5, 0.95, 3, "a", 0.0,
+             m.SamplingExtras(1.1, 0.5, -0.25, 0.05, 12, ((3, 1.5), (9, -100.0)))),
+     "9c0103cd7d00c410ababababababababababababababababa56578616374cb3fe999999999999a05cb3fee6"
+     "6666666666603a1610097cb3ff199999999999acb3fe0000000000000cbbfd0000000000000cb3fa99999"
+     "9999999a0c92030992cb3ff8000000000000d09c"),
+    (m.Hello(6, m.Fingerprint(32000, "ab" * 16), "threshold", 0.5, 3, 0.5, 11, "t", 0.2,
+             m.SamplingExtras(1.2, 0.1, 0.2, 0.3, 9, ((1, 2.0),)),
+             Constraint("json_schema", '{"type": "object"}', False), m.LogprobsAsk(2, 1),
+             (4, 5)),
+     "9f0106cd7d00c410ababababababababababababababababa97468726573686f6c64cb3fe000000000000003"
+     "cb3fe00000000000000ba174cb3fc999999999999a97cb3ff3333333333333cb3fb999999999999acb3fc9"
+     "99999999999acb3fd3333333333333099101910293ab6a736f6e5f736368656d61b27b2274797065223a20"
+     "226f626a656374227dc2930201ac7261775f6c6f6770726f6273920405"),
+    (m.Welcome("sid", 6, 16, 4096, False, True), "9702a37369640610cd1000c2c3"),
+    (m.Draft(4, 10, (), (1, 7), (
+        SparseProbs(np.array([1, 5], np.int64), np.array([0.25, 0.75], np.float32)),
+        SparseProbs(np.array([7], np.int64), np.array([1.0], np.float32)))),
+     "9603040a9092010793920201c40c010000000500000007000000c40c0000803e0000403f0000803f"),
+    (m.Verdict(3, 1, 9, 0.001, None, LP),
+     "980403010904c09402c408000000bf0000a0bfc41001000000020000000300000004000000c410cdccccbd"
+     "000000c09a9999be000080c0c0"),
+    (m.Tokens(2, (5, 6), True, 0.01, 3, 1), "970802920506c3280301"),
+    (m.Hint(5, (1, 2, 3), ((0, 9), (2, 11))), "94090593010203940009020b"),
+]
+
+
+@pytest.mark.parametrize("message,frame", GOLDEN, ids=[type(g[0]).__name__ for g in GOLDEN])
+def test_the_wire_bytes_do_not_change(message: m.Message, frame: str) -> None:
+    assert m.encode(message).hex() == frame
+    assert m.encode(m.decode(bytes.fromhex(frame))) == bytes.fromhex(frame)
+
+
+@pytest.mark.parametrize("params,version,prompt_len", [
+    (SamplingParams(seed=1), 2, 0),
+    (SamplingParams(seed=1, prompt_len=7), 2, 0),  # the prompt's length alone matters to none
+    (SamplingParams(seed=1, repetition_penalty=1.2), 3, 0),
+    (SamplingParams(seed=1, presence_penalty=0.5, prompt_len=7), 3, 7),  # counts the output
+    (SamplingParams(seed=1, logprobs=2), 6, 0),
+    (SamplingParams(seed=1, constraint=Constraint("regex", "a+"), prompt_len=3), 6, 3),
+    (SamplingParams(seed=1, heal_ids=(4,), prompt_len=3), 6, 3),
+])
+def test_a_hello_maps_its_params_both_ways_in_the_lowest_version(
+        params: SamplingParams, version: int, prompt_len: int) -> None:
+    """Hello.from_params and Hello.params are each other's inverse but for what stays
+    with the edge (max_tokens, stop tokens, a prompt length the server does not need);
+    the version is the lowest that carries the settings, and the server's check agrees."""
+    hello = m.Hello.from_params(params, FP, "exact")
+    assert hello.protocol_version == version == hello.lowest_version()
+    expected = dataclasses.replace(params, prompt_len=prompt_len)
+    assert hello.params() == expected
+    assert m.decode(m.encode(hello)).params() == expected  # type: ignore[union-attr]
+    assert m.Hello.from_params(params, FP, "exact", trees=True).protocol_version == max(4, version)
+    hello.check_version()
+    if version > 2:
+        with pytest.raises(VersionMismatch):
+            dataclasses.replace(hello, protocol_version=version - 1).check_version()
+    with pytest.raises(VersionMismatch):
+        dataclasses.replace(hello, protocol_version=m.PROTOCOL_VERSION + 1).check_version()

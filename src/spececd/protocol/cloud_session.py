@@ -51,7 +51,6 @@ from spececd.protocol.errors import (
     ProtocolError,
     UnexpectedMessage,
     Unsupported,
-    VersionMismatch,
 )
 
 PROB_SUM_TOLERANCE = 1e-3
@@ -232,12 +231,7 @@ class CloudSession:
                                                            self._auth_token.encode())
 
     def _hello(self, hello: m.Hello) -> bytes:
-        if hello.protocol_version not in m.COMPATIBLE_VERSIONS or (
-                hello.protocol_version < 3 and hello.extras != m.SamplingExtras()) or (
-                hello.protocol_version < 6 and (
-                    hello.constraint is not None or hello.logprobs.asked or hello.heal_ids)):
-            raise VersionMismatch(f"edge speaks protocol {hello.protocol_version}, this server "
-                                  f"speaks {m.PROTOCOL_VERSION}; upgrade the older side")
+        hello.check_version()
         if not self.authorizes(hello.auth_token):
             raise AuthFailed("missing or wrong auth token")
         if hello.fingerprint == m.SAME_FINGERPRINT and self._checked:
@@ -252,17 +246,7 @@ class CloudSession:
                 f"not). Use a draft model with the target's tokenizer, or give the edge the "
                 f"target's tokenizer (--target-tokenizer) to draft across the two")
         try:
-            extras, ask = hello.extras, hello.logprobs
-            params = SamplingParams(
-                temperature=hello.temperature, top_k=hello.top_k, top_p=hello.top_p,
-                seed=hello.seed, repetition_penalty=extras.repetition_penalty,
-                presence_penalty=extras.presence_penalty,
-                frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
-                logit_bias=extras.logit_bias, prompt_len=extras.prompt_len,
-                constraint=hello.constraint,
-                logprobs=ask.top if ask.top >= 0 else None,
-                prompt_logprobs=ask.prompt_top if ask.prompt_top >= 0 else None,
-                logprobs_mode=ask.mode, heal_ids=hello.heal_ids)
+            params = hello.params()
             if any(token >= self.fingerprint.vocab_size for token, _ in params.logit_bias):
                 raise ValueError(f"logit_bias names token ids the vocabulary of "
                                  f"{self.fingerprint.vocab_size} does not have")
@@ -294,7 +278,8 @@ class CloudSession:
         self.context, self._last_seq, self._last_frame, self._last_verdict = (), -1, b"", b""
         self.stream = None
         self._prompt_pending = params.prompt_logprobs is not None
-        self.trees = self._trees and hello.protocol_version >= 4  # older edges can't read it
+        # older edges can't read it
+        self.trees = self._trees and hello.protocol_version >= m.TREES_VERSION
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, self.limits.max_draft,
                                   self.limits.max_context, self.lossy, self.trees))
 

@@ -41,27 +41,12 @@ class EdgeSession:
         the server verifies them)."""
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
-        # The server needs the prompt's length where the output is counted, where a
-        # constraint starts, and where token healing masks the position after it.
-        counts_output = bool(params.presence_penalty or params.frequency_penalty
-                             or params.constraint is not None or params.heal_ids)
-        extras = m.SamplingExtras(params.repetition_penalty, params.presence_penalty,
-                                  params.frequency_penalty, params.min_p,
-                                  params.prompt_len if counts_output else 0, params.logit_bias)
-        ask = m.LogprobsAsk(-1 if params.logprobs is None else params.logprobs,
-                            -1 if params.prompt_logprobs is None else params.prompt_logprobs,
-                            params.logprobs_mode)
         # The lowest version that carries what is asked, so that older servers still serve.
-        version = (6 if ask.asked or params.constraint is not None or params.heal_ids
-                   else 4 if trees
-                   else 3 if extras != m.SamplingExtras() else 2)
-        self.hello_message = m.Hello(version, fingerprint, mode.value,
-                                     params.temperature, params.top_k, params.top_p,
-                                     params.seed, auth_token, threshold, extras,
-                                     params.constraint, ask, params.heal_ids)
+        self.hello_message = m.Hello.from_params(params, fingerprint, mode.value, auth_token,
+                                                 threshold, trees)
         # The prompt's log-probabilities are asked for until a reply brings them (a hello
         # after a reconnect does not ask again).
-        self.prompt_pending = ask.prompt_top >= 0
+        self.prompt_pending = self.hello_message.logprobs.prompt_top >= 0
         self.welcome: m.Welcome | None = None
         self.server_len = 0  # tokens of the edge's history the server holds
         self._seq = 0
@@ -114,7 +99,8 @@ class EdgeSession:
     @property
     def hint_trees(self) -> bool:
         """Whether the server takes alternatives in hints (trees, protocol 5)."""
-        return self.trees and self.welcome is not None and self.welcome.protocol_version >= 5
+        return (self.trees and self.welcome is not None
+                and self.welcome.protocol_version >= m.HINT_TREES_VERSION)
 
     def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
         message = m.decode(frame)

@@ -7,6 +7,15 @@ all (frames are tens of bytes, so each byte shows: see the README's bytes per to
 draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
 that the verifier reads exactly the numbers the drafter sampled from.
 
+Each message class is its own codec, as python-websockets' ``Frame`` is: its fields, its
+wire layout (``WIRE``: the kind of each field on the wire, in order; ``OPTIONAL``: how
+many trailing ones may be left off, each added after the message's first release so that
+frames from older peers still decode), its encoding (``body``) and its decoding
+(``from_body``); the :class:`Hello` also carries its version rules
+(:meth:`Hello.lowest_version`, :meth:`Hello.check_version`) and its mapping to and from
+:class:`~spececd.core.params.SamplingParams` (:meth:`Hello.from_params`,
+:meth:`Hello.params`). :func:`encode` and :func:`decode` only frame them.
+
 `decode` checks structure and types only and raises :class:`MalformedFrame`; what a value
 means (a token id in range, a context length that follows) is checked by the session state
 machines, which know the vocabulary and the limits.
@@ -62,10 +71,10 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from spececd.core.logprobs import Logprobs
-from spececd.core.params import RAW, Constraint
+from spececd.core.params import RAW, Constraint, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
-from spececd.protocol.errors import MalformedFrame
+from spececd.protocol.errors import MalformedFrame, VersionMismatch
 
 PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
 # 6: the Hello's constraint (a schema, regex, choice or grammar the output must match),
@@ -76,6 +85,20 @@ PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees
 # version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
 # with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
 COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6)
+TREES_VERSION = 4  # the lowest hello that offers token trees
+HINT_TREES_VERSION = 5  # the lowest welcome whose server takes alternatives in hints
+
+# The kinds of field on the wire (WIRE of each message; :func:`_check` knows each).
+_INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
+_NODES = "nodes"  # a list of node indices, -1 allowed
+_MAYBE_NODES = "nodes?"  # the same, or None
+_LOGPROBS = "logprobs"  # None or [top, chosen f4 bytes, ids u4 bytes, logprobs f4 bytes]
+_EXTRAS = "extras"  # [4 numbers, prompt_len, bias ids, bias values]
+_CONSTRAINT = "constraint"  # [kind, spec, strict], or None when a later field is sent
+_ASK = "ask"  # [top, prompt top, mode], or None
+_PROBS = "probs"  # None or [sizes, ids u4 bytes, probs f4 bytes]
+
+TICK = 2.5e-4  # seconds per unit of time on the wire (a verify pass fits in one byte)
 
 
 @dataclass(frozen=True)
@@ -117,12 +140,24 @@ class LogprobsAsk:
 
     @property
     def asked(self) -> bool:
+        """Whether any log-probabilities are asked for."""
         return self.top >= 0 or self.prompt_top >= 0
 
 
 @dataclass(frozen=True)
 class Hello:
+    """The edge's greeting: which protocol it speaks, its models' fingerprint, the mode and
+    the sampling settings both sides apply, its auth token.
+
+    Wire: ``[version, vocab_size, tokenizer hash, mode, temperature, top_k, top_p, seed,
+    auth_token, threshold?, extras?, constraint?, ask?, heal_ids?]``; each optional field is
+    sent when it or a later one is (``None`` then stands for an absent constraint or ask).
+    """
+
     TYPE: ClassVar[int] = 1
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR,
+                                       _NUM, _EXTRAS, _CONSTRAINT, _ASK, _IDS)
+    OPTIONAL: ClassVar[int] = 5
     protocol_version: int
     fingerprint: Fingerprint
     mode: str
@@ -141,10 +176,120 @@ class Hello:
     # extras' prompt_len tokens) may take; empty: any. Left off the wire when empty.
     heal_ids: tuple[int, ...] = ()
 
+    @classmethod
+    def from_params(cls, params: SamplingParams, fingerprint: Fingerprint, mode: str,
+                    auth_token: str = "", threshold: float = 0.0, trees: bool = False,
+                    ) -> Hello:
+        """The hello that asks for ``params`` (whose ``seed`` must be set), speaking the
+        lowest version that carries it; ``trees``: offer token trees (version 4 at least).
+        ``max_tokens`` and ``stop_token_ids`` stay with the edge; the prompt's length
+        travels only where the server needs it (penalties over the output, a constraint,
+        token healing)."""
+        if params.seed is None:
+            raise ValueError("a hello needs a concrete seed")
+        counts_output = bool(params.presence_penalty or params.frequency_penalty
+                             or params.constraint is not None or params.heal_ids)
+        extras = SamplingExtras(params.repetition_penalty, params.presence_penalty,
+                                params.frequency_penalty, params.min_p,
+                                params.prompt_len if counts_output else 0, params.logit_bias)
+        ask = LogprobsAsk(-1 if params.logprobs is None else params.logprobs,
+                          -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+                          params.logprobs_mode)
+        hello = cls(0, fingerprint, mode, params.temperature, params.top_k, params.top_p,
+                    params.seed, auth_token, threshold, extras, params.constraint, ask,
+                    params.heal_ids)
+        version = max(hello.lowest_version(), TREES_VERSION if trees else 0)
+        return cls(version, fingerprint, mode, params.temperature, params.top_k,
+                   params.top_p, params.seed, auth_token, threshold, extras,
+                   params.constraint, ask, params.heal_ids)
+
+    def params(self) -> SamplingParams:
+        """The sampling settings this hello asks for (raises
+        :class:`~spececd.errors.InputError`, a ``ValueError``, for values out of range)."""
+        extras, ask = self.extras, self.logprobs
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seed=self.seed, repetition_penalty=extras.repetition_penalty,
+            presence_penalty=extras.presence_penalty,
+            frequency_penalty=extras.frequency_penalty, min_p=extras.min_p,
+            logit_bias=extras.logit_bias, prompt_len=extras.prompt_len,
+            constraint=self.constraint,
+            logprobs=ask.top if ask.top >= 0 else None,
+            prompt_logprobs=ask.prompt_top if ask.prompt_top >= 0 else None,
+            logprobs_mode=ask.mode, heal_ids=self.heal_ids)
+
+    def lowest_version(self) -> int:
+        """The lowest protocol version that carries what this hello asks for: 6 for a
+        constraint, log-probabilities or token healing, 3 for sampling extras, else 2."""
+        if self.constraint is not None or self.logprobs.asked or self.heal_ids:
+            return 6
+        return 3 if self.extras != SamplingExtras() else 2
+
+    def check_version(self) -> None:
+        """Raise :class:`~spececd.protocol.errors.VersionMismatch` unless this server
+        speaks the hello's version and that version carries what the hello asks for."""
+        if self.protocol_version not in COMPATIBLE_VERSIONS \
+                or self.protocol_version < self.lowest_version():
+            raise VersionMismatch(f"edge speaks protocol {self.protocol_version}, this server "
+                                  f"speaks {PROTOCOL_VERSION}; upgrade the older side")
+
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        fp, extras, constraint, ask = (self.fingerprint, self.extras, self.constraint,
+                                       self.logprobs)
+        body: list[Any] = [self.protocol_version, fp.vocab_size,
+                           _hash_bytes(fp.tokenizer_hash), self.mode,
+                           _number(self.temperature), self.top_k, _number(self.top_p),
+                           self.seed, self.auth_token]
+        # Each optional field is sent when it or a later one is: None stands for absent.
+        later: list[Any] = [
+            None if constraint is None else [constraint.kind, constraint.spec,
+                                             constraint.strict],
+            [ask.top, ask.prompt_top, ask.mode] if ask.asked else None,
+            _pack_ids(self.heal_ids) if self.heal_ids else None]
+        while later and later[-1] is None:
+            later.pop()
+        if self.threshold or extras != SamplingExtras() or later:
+            body.append(_number(self.threshold))
+        if extras != SamplingExtras() or later:
+            body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
+                         _number(extras.frequency_penalty), _number(extras.min_p),
+                         extras.prompt_len, [t for t, _ in extras.logit_bias],
+                         [_number(b) for _, b in extras.logit_bias]])
+        body.extend(later)
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Hello:
+        """The hello of a checked body (see :func:`decode`)."""
+        fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
+        extras = SamplingExtras()
+        if len(body) > 10:
+            rep, presence, frequency, min_p, prompt_len, ids, biases = body[10]
+            extras = SamplingExtras(float(rep), float(presence), float(frequency),
+                                    float(min_p), prompt_len,
+                                    tuple(zip(ids, map(float, biases), strict=True)))
+        constraint = None
+        if len(body) > 11 and body[11] is not None:
+            try:
+                constraint = Constraint(*body[11])
+            except ValueError as exc:  # an unknown kind, a malformed choice list
+                raise MalformedFrame(f"constraint: {exc}") from None
+        ask = LogprobsAsk(*body[12]) if len(body) > 12 and body[12] else LogprobsAsk()
+        return cls(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
+                   float(body[6]), body[7], body[8],
+                   float(body[9]) if len(body) > 9 else 0.0, extras, constraint, ask,
+                   _unpack_ids(body[13]) if len(body) > 13 else ())
+
 
 @dataclass(frozen=True)
 class Welcome:
+    """The server's answer to a hello. Wire: ``[session_id, protocol_version, max_draft,
+    max_context, lossy?, trees?]``."""
+
     TYPE: ClassVar[int] = 2
+    WIRE: ClassVar[tuple[str, ...]] = (_STR, _INT, _INT, _INT, _BOOL, _BOOL)
+    OPTIONAL: ClassVar[int] = 2
     session_id: str
     protocol_version: int
     max_draft: int
@@ -152,10 +297,30 @@ class Welcome:
     lossy: bool = False  # the session's mode may change the output distribution
     trees: bool = False  # the server verifies token trees (protocol 4 hellos only)
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        body: list[Any] = [self.session_id, self.protocol_version, self.max_draft,
+                           self.max_context]
+        if self.lossy or self.trees:
+            body.append(self.lossy)
+        if self.trees:
+            body.append(True)
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Welcome:
+        """The welcome of a checked body (see :func:`decode`)."""
+        return cls(*body)
+
 
 @dataclass(frozen=True)
 class Draft:
+    """Drafted tokens to verify. Wire: ``[seq, context_len, prefix, tokens, draft_probs?,
+    parents?]`` (``draft_probs`` ``None`` when only ``parents`` is sent)."""
+
     TYPE: ClassVar[int] = 3
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _IDS, _IDS, _PROBS, _NODES)
+    OPTIONAL: ClassVar[int] = 2
     seq: int
     context_len: int
     prefix: tuple[int, ...]
@@ -163,10 +328,41 @@ class Draft:
     draft_probs: tuple[SparseProbs, ...] | None = None  # one per token, exact mode only
     parents: tuple[int, ...] | None = None  # a tree: each token's parent node (-1: root)
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        body: list[Any] = [self.seq, self.context_len, _pack_ids(self.prefix),
+                           _pack_ids(self.tokens)]
+        if self.draft_probs is not None or self.parents is not None:
+            body.append(_pack_probs(self.draft_probs))
+        if self.parents is not None:
+            body.append(list(self.parents))
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Draft:
+        """The draft of a checked body (see :func:`decode`); a malformed tree or
+        distribution raises :class:`MalformedFrame`."""
+        tokens = _unpack_ids(body[3])
+        parents = tuple(body[5]) if len(body) > 5 else None
+        if parents is not None:
+            try:
+                check_tree(parents, len(tokens))
+            except ValueError as exc:
+                raise MalformedFrame(f"parents: {exc}") from None
+        return cls(body[0], body[1], _unpack_ids(body[2]), tokens,
+                   _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)), parents)
+
 
 @dataclass(frozen=True)
 class Verdict:
+    """The verifier's answer to a draft. Wire: ``[seq, num_accepted, next_token, verify
+    ticks, path?, logprobs?, prompt_logprobs?]`` (``path`` ``None`` for a chain when the
+    log-probabilities follow)."""
+
     TYPE: ClassVar[int] = 4
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS,
+                                       _LOGPROBS)
+    OPTIONAL: ClassVar[int] = 3
     seq: int
     num_accepted: int
     next_token: int
@@ -175,23 +371,61 @@ class Verdict:
     logprobs: Logprobs | None = None  # of the num_accepted + 1 tokens emitted (protocol 6)
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        body: list[Any] = [self.seq, self.num_accepted, self.next_token,
+                           _ticks(self.verify_s)]
+        replied = self.logprobs is not None or self.prompt_logprobs is not None
+        if self.path is not None or replied:
+            body.append(list(self.path) if self.path is not None else None)
+        if replied:
+            body += [_pack_logprobs(self.logprobs), _pack_logprobs(self.prompt_logprobs)]
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Verdict:
+        """The verdict of a checked body (see :func:`decode`)."""
+        return cls(body[0], body[1], body[2], body[3] * TICK,
+                   tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
+                   *(_unpack_logprobs(v) for v in body[5:7]))
+
 
 @dataclass(frozen=True)
 class Generate:
     """Cloud-only generation: the server extends the context itself, token by token, and
-    streams each as a ``Tokens`` frame (the baseline the drafter has to beat)."""
+    streams each as a ``Tokens`` frame (the baseline the drafter has to beat). Wire:
+    ``[seq, context_len, prefix, max_tokens, stop_token_ids]``."""
 
     TYPE: ClassVar[int] = 7
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _IDS, _INT, _IDS)
+    OPTIONAL: ClassVar[int] = 0
     seq: int
     context_len: int
     prefix: tuple[int, ...]
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        return [self.seq, self.context_len, _pack_ids(self.prefix), self.max_tokens,
+                list(self.stop_token_ids)]
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Generate:
+        """The request of a checked body (see :func:`decode`)."""
+        return cls(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
+
 
 @dataclass(frozen=True)
 class Tokens:
+    """One step of a cloud-only generation. Wire: ``[seq, token_ids, done, compute ticks,
+    drafted?, accepted?, logprobs?, prompt_logprobs?]`` (the counts go together, as do the
+    log-probabilities)."""
+
     TYPE: ClassVar[int] = 8
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _IDS, _BOOL, _INT, _INT, _INT, _LOGPROBS,
+                                       _LOGPROBS)
+    OPTIONAL: ClassVar[int] = 4
     seq: int
     token_ids: tuple[int, ...]
     done: bool
@@ -201,6 +435,23 @@ class Tokens:
     logprobs: Logprobs | None = None  # of token_ids (protocol 6)
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        body: list[Any] = [self.seq, _pack_ids(self.token_ids), self.done,
+                           _ticks(self.compute_s)]
+        replied = self.logprobs is not None or self.prompt_logprobs is not None
+        if self.drafted or self.accepted or replied:
+            body += [self.drafted, self.accepted]
+        if replied:
+            body += [_pack_logprobs(self.logprobs), _pack_logprobs(self.prompt_logprobs)]
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Tokens:
+        """The step of a checked body (see :func:`decode`)."""
+        return cls(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6],
+                   *(_unpack_logprobs(v) for v in body[6:8]))
+
 
 @dataclass(frozen=True)
 class Hint:
@@ -208,32 +459,105 @@ class Hint:
     (protocol 5, to a server whose ``Welcome`` says ``trees``) ``alternatives``: pairs
     ``(offset, token)``, each a candidate for position ``position + offset`` in place of
     ``tokens[offset]``, which nothing of the hint follows (a small tree: leaf siblings of
-    the hint's chain)."""
+    the hint's chain). Wire: ``[position, tokens, alternatives flattened?]``."""
 
     TYPE: ClassVar[int] = 9
+    WIRE: ClassVar[tuple[str, ...]] = (_INT, _IDS, _NODES)
+    OPTIONAL: ClassVar[int] = 1
     position: int
     tokens: tuple[int, ...]
     alternatives: tuple[tuple[int, int], ...] = ()
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        body: list[Any] = [self.position, _pack_ids(self.tokens)]
+        if self.alternatives:
+            body.append([v for pair in self.alternatives for v in pair])
+        return body
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Hint:
+        """The hint of a checked body (see :func:`decode`); alternatives that are not
+        pairs on the hint's own positions raise :class:`MalformedFrame`."""
+        tokens = _unpack_ids(body[1])
+        flat = body[2] if len(body) > 2 else []
+        pairs = tuple(zip(flat[::2], flat[1::2], strict=True)) if len(flat) % 2 == 0 else None
+        if pairs is None or any(not 0 <= offset < len(tokens) for offset, _ in pairs):
+            raise MalformedFrame("hint alternatives must be (offset, token) pairs, each offset "
+                                 "one of the hint's tokens")
+        return cls(body[0], tokens, pairs)
+
 
 @dataclass(frozen=True)
 class Close:
+    """The end of a session. Wire: ``[reason]``."""
+
     TYPE: ClassVar[int] = 5
+    WIRE: ClassVar[tuple[str, ...]] = (_STR,)
+    OPTIONAL: ClassVar[int] = 0
     reason: str = ""
+
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        return [self.reason]
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Close:
+        """The close of a checked body (see :func:`decode`)."""
+        return cls(*body)
 
 
 @dataclass(frozen=True)
 class Error:
+    """A typed error (:mod:`spececd.protocol.errors`). Wire: ``[code, message, seq,
+    fatal]``."""
+
     TYPE: ClassVar[int] = 6
+    WIRE: ClassVar[tuple[str, ...]] = (_STR, _STR, _INT, _BOOL)
+    OPTIONAL: ClassVar[int] = 0
     code: str
     message: str
     seq: int = -1
     fatal: bool = False
 
+    def body(self) -> list[Any]:
+        """The fields after the type, as :attr:`WIRE` lays them out."""
+        return [self.code, self.message, self.seq, self.fatal]
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Error:
+        """The error of a checked body (see :func:`decode`)."""
+        return cls(*body)
+
 
 Message = Hello | Welcome | Draft | Verdict | Generate | Tokens | Hint | Close | Error
+_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Welcome, Draft, Verdict, Generate, Tokens, Hint, Close,
+                              Error)}
 
-_EMPTY: tuple[Any, ...] = ()
+
+def encode(message: Message) -> bytes:
+    """One frame: the msgpack array ``[type, *message.body()]``."""
+    return msgpack.packb([message.TYPE, *message.body()],  # type: ignore[no-any-return]
+                         use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; raise :class:`MalformedFrame` if it is not a well-formed message."""
+    try:
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedFrame(f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(raw, list) or not raw or not _check(_INT, raw[0]):
+        raise MalformedFrame("frame must be a msgpack array starting with a message type")
+    kind, body = raw[0], raw[1:]
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise MalformedFrame(f"unknown message type {kind}")
+    if not len(cls.WIRE) - cls.OPTIONAL <= len(body) <= len(cls.WIRE) \
+            or not all(map(_check, cls.WIRE, body)):
+        raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
+    return cls.from_body(body)
 
 
 def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:
@@ -243,6 +567,21 @@ def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:
     ids = np.concatenate([d.ids for d in dists] or [np.zeros(0)]).astype("<u4").tobytes()
     probs = np.concatenate([d.probs for d in dists] or [np.zeros(0)]).astype("<f4").tobytes()
     return [sizes, ids, probs]
+
+
+def _unpack_probs(value: list[Any] | None, k: int) -> tuple[SparseProbs, ...] | None:
+    if value is None:
+        return None
+    sizes, id_bytes, prob_bytes = value
+    total = sum(sizes)
+    if len(sizes) != k or min(sizes, default=1) < 1 or len(id_bytes) != 4 * total \
+            or len(prob_bytes) != 4 * total:
+        raise MalformedFrame("draft_probs: sizes do not match the drafted tokens or the data")
+    ids = np.frombuffer(id_bytes, dtype="<u4").astype(np.int64)
+    probs = np.frombuffer(prob_bytes, dtype="<f4").astype(np.float32)
+    bounds = np.cumsum([0, *sizes])
+    return tuple(SparseProbs(ids=ids[a:b], probs=probs[a:b])
+                 for a, b in itertools.pairwise(bounds))
 
 
 def _pack_logprobs(logprobs: Logprobs | None) -> list[Any] | None:
@@ -280,102 +619,8 @@ def _unpack_ids(value: list[int] | bytes) -> tuple[int, ...]:
     return tuple(value)
 
 
-TICK = 2.5e-4  # seconds per unit of time on the wire (a verify pass fits in one byte)
-
-
 def _ticks(seconds: float) -> int:
     return max(0, round(seconds / TICK))
-
-
-def encode(message: Message) -> bytes:
-    if isinstance(message, Hello):
-        fp = message.fingerprint
-        body: list[Any] = [message.protocol_version, fp.vocab_size,
-                           _hash_bytes(fp.tokenizer_hash), message.mode,
-                           _number(message.temperature), message.top_k,
-                           _number(message.top_p), message.seed, message.auth_token]
-        extras, constraint, ask = message.extras, message.constraint, message.logprobs
-        # Each optional field is sent when it or a later one is: None stands for absent.
-        later: list[Any] = [
-            None if constraint is None else [constraint.kind, constraint.spec,
-                                             constraint.strict],
-            [ask.top, ask.prompt_top, ask.mode] if ask.asked else None,
-            _pack_ids(message.heal_ids) if message.heal_ids else None]
-        while later and later[-1] is None:
-            later.pop()
-        if message.threshold or extras != SamplingExtras() or later:
-            body.append(_number(message.threshold))
-        if extras != SamplingExtras() or later:
-            body.append([_number(extras.repetition_penalty), _number(extras.presence_penalty),
-                         _number(extras.frequency_penalty), _number(extras.min_p),
-                         extras.prompt_len, [t for t, _ in extras.logit_bias],
-                         [_number(b) for _, b in extras.logit_bias]])
-        body.extend(later)
-    elif isinstance(message, Welcome):
-        body = [message.session_id, message.protocol_version, message.max_draft,
-                message.max_context]
-        if message.lossy or message.trees:
-            body.append(message.lossy)
-        if message.trees:
-            body.append(True)
-    elif isinstance(message, Draft):
-        body = [message.seq, message.context_len, _pack_ids(message.prefix),
-                _pack_ids(message.tokens)]
-        if message.draft_probs is not None or message.parents is not None:
-            body.append(_pack_probs(message.draft_probs))
-        if message.parents is not None:
-            body.append(list(message.parents))
-    elif isinstance(message, Verdict):
-        body = [message.seq, message.num_accepted, message.next_token,
-                _ticks(message.verify_s)]
-        replied = message.logprobs is not None or message.prompt_logprobs is not None
-        if message.path is not None or replied:
-            body.append(list(message.path) if message.path is not None else None)
-        if replied:
-            body += [_pack_logprobs(message.logprobs), _pack_logprobs(message.prompt_logprobs)]
-    elif isinstance(message, Generate):
-        body = [message.seq, message.context_len, _pack_ids(message.prefix),
-                message.max_tokens, list(message.stop_token_ids)]
-    elif isinstance(message, Tokens):
-        body = [message.seq, _pack_ids(message.token_ids), message.done,
-                _ticks(message.compute_s)]
-        replied = message.logprobs is not None or message.prompt_logprobs is not None
-        if message.drafted or message.accepted or replied:
-            body += [message.drafted, message.accepted]
-        if replied:
-            body += [_pack_logprobs(message.logprobs), _pack_logprobs(message.prompt_logprobs)]
-    elif isinstance(message, Hint):
-        body = [message.position, _pack_ids(message.tokens)]
-        if message.alternatives:
-            body.append([v for pair in message.alternatives for v in pair])
-    elif isinstance(message, Close):
-        body = [message.reason]
-    else:
-        body = [message.code, message.message, message.seq, message.fatal]
-    return msgpack.packb([message.TYPE, *body], use_bin_type=True)  # type: ignore[no-any-return]
-
-
-# Field types per message, for structural checks on decode.
-_INT, _NUM, _STR, _BOOL, _IDS, _BIN = "int", "num", "str", "bool", "ids", "bin"
-_NODES = "nodes"  # a list of node indices, -1 allowed
-_MAYBE_NODES = "nodes?"  # the same, or None
-_LOGPROBS = "logprobs"  # None or [top, chosen f4 bytes, ids u4 bytes, logprobs f4 bytes]
-_SCHEMA: dict[int, tuple[str, ...]] = {
-    Hello.TYPE: (_INT, _INT, _BIN, _STR, _NUM, _INT, _NUM, _INT, _STR, _NUM, "extras",
-                 "constraint", "ask", _IDS),
-    Welcome.TYPE: (_STR, _INT, _INT, _INT, _BOOL, _BOOL),
-    Draft.TYPE: (_INT, _INT, _IDS, _IDS, "probs", _NODES),
-    Verdict.TYPE: (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS, _LOGPROBS),
-    Generate.TYPE: (_INT, _INT, _IDS, _INT, _IDS),
-    Tokens.TYPE: (_INT, _IDS, _BOOL, _INT, _INT, _INT, _LOGPROBS, _LOGPROBS),
-    Hint.TYPE: (_INT, _IDS, _NODES),
-    Close.TYPE: (_STR,),
-    Error.TYPE: (_STR, _STR, _INT, _BOOL),
-}
-# Trailing fields that may be left out (each added after the first release of its message,
-# so that frames from older peers still decode).
-_OPTIONAL = {Hello.TYPE: 5, Welcome.TYPE: 2, Draft.TYPE: 2, Verdict.TYPE: 3, Tokens.TYPE: 4,
-             Hint.TYPE: 1}
 
 
 def _number(value: float) -> float | int:
@@ -392,6 +637,7 @@ def _hash_bytes(tokenizer_hash: str) -> bytes | str:
 
 
 def _check(kind: str, value: Any) -> bool:
+    """Whether ``value`` is a well-formed field of wire kind ``kind``."""
     if kind == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == _NUM:
@@ -408,7 +654,7 @@ def _check(kind: str, value: Any) -> bool:
         return value is None or (
             isinstance(value, list) and len(value) == 4 and _check(_INT, value[0])
             and all(isinstance(v, bytes) for v in value[1:]))
-    if kind == "ask":  # [top, prompt top, mode], or None
+    if kind == _ASK:
         return value is None or (isinstance(value, list) and len(value) == 3
                                  and _check(_INT, value[0]) and _check(_INT, value[1])
                                  and _check(_STR, value[2]))
@@ -419,105 +665,25 @@ def _check(kind: str, value: Any) -> bool:
         return (isinstance(value, bytes) and len(value) % 2 == 0) or (
             isinstance(value, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in value))
-    if kind == "constraint":  # [kind, spec, strict], or None when a later field is sent
+    if kind == _CONSTRAINT:
         return value is None or (isinstance(value, list) and len(value) == 3
                                  and _check(_STR, value[0]) and _check(_STR, value[1])
                                  and _check(_BOOL, value[2]))
-    if kind == "extras":  # [4 numbers, prompt_len, bias ids, bias values]
+    if kind == _EXTRAS:
         return (isinstance(value, list) and len(value) == 7
                 and all(_check(_NUM, v) for v in value[:4]) and _check(_INT, value[4])
                 and isinstance(value[5], list) and _check(_IDS, value[5])
                 and isinstance(value[6], list) and len(value[6]) == len(value[5])
                 and all(_check(_NUM, v) for v in value[6]))
-    return value is None or (  # probs: [sizes, ids bytes, probs bytes]
+    assert kind == _PROBS, kind
+    return value is None or (
         isinstance(value, list) and len(value) == 3 and isinstance(value[0], list)
         and _check(_IDS, value[0])
         and isinstance(value[1], bytes) and isinstance(value[2], bytes))
 
 
-def _unpack_probs(value: list[Any] | None, k: int) -> tuple[SparseProbs, ...] | None:
-    if value is None:
-        return None
-    sizes, id_bytes, prob_bytes = value
-    total = sum(sizes)
-    if len(sizes) != k or min(sizes, default=1) < 1 or len(id_bytes) != 4 * total \
-            or len(prob_bytes) != 4 * total:
-        raise MalformedFrame("draft_probs: sizes do not match the drafted tokens or the data")
-    ids = np.frombuffer(id_bytes, dtype="<u4").astype(np.int64)
-    probs = np.frombuffer(prob_bytes, dtype="<f4").astype(np.float32)
-    bounds = np.cumsum([0, *sizes])
-    return tuple(SparseProbs(ids=ids[a:b], probs=probs[a:b])
-                 for a, b in itertools.pairwise(bounds))
-
-
-def decode(frame: bytes) -> Message:
-    """Parse one frame; raise :class:`MalformedFrame` if it is not a well-formed message."""
-    try:
-        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedFrame(f"frame is not valid msgpack: {exc}") from None
-    if not isinstance(raw, list) or not raw or not _check(_INT, raw[0]):
-        raise MalformedFrame("frame must be a msgpack array starting with a message type")
-    kind, body = raw[0], raw[1:]
-    schema = _SCHEMA.get(kind)
-    if schema is None:
-        raise MalformedFrame(f"unknown message type {kind}")
-    if not len(schema) - _OPTIONAL.get(kind, 0) <= len(body) <= len(schema) \
-            or not all(map(_check, schema, body)):
-        raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
-    if kind == Hello.TYPE:
-        fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
-        extras = SamplingExtras()
-        if len(body) > 10:
-            rep, presence, frequency, min_p, prompt_len, ids, biases = body[10]
-            extras = SamplingExtras(float(rep), float(presence), float(frequency),
-                                    float(min_p), prompt_len,
-                                    tuple(zip(ids, map(float, biases), strict=True)))
-        constraint = None
-        if len(body) > 11 and body[11] is not None:
-            try:
-                constraint = Constraint(*body[11])
-            except ValueError as exc:  # an unknown kind, a malformed choice list
-                raise MalformedFrame(f"constraint: {exc}") from None
-        ask = LogprobsAsk(*body[12]) if len(body) > 12 and body[12] else LogprobsAsk()
-        return Hello(body[0], Fingerprint(body[1], fp_hash), body[3], float(body[4]), body[5],
-                     float(body[6]), body[7], body[8], float(body[9]) if len(body) > 9 else 0.0,
-                     extras, constraint, ask, _unpack_ids(body[13]) if len(body) > 13 else ())
-    if kind == Welcome.TYPE:
-        return Welcome(*body)
-    if kind == Draft.TYPE:
-        tokens = _unpack_ids(body[3])
-        parents = tuple(body[5]) if len(body) > 5 else None
-        if parents is not None:
-            try:
-                check_tree(parents, len(tokens))
-            except ValueError as exc:
-                raise MalformedFrame(f"parents: {exc}") from None
-        return Draft(body[0], body[1], _unpack_ids(body[2]), tokens,
-                     _unpack_probs(body[4] if len(body) > 4 else None, len(tokens)), parents)
-    if kind == Verdict.TYPE:
-        return Verdict(body[0], body[1], body[2], body[3] * TICK,
-                       tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
-                       *(_unpack_logprobs(v) for v in body[5:7]))
-    if kind == Generate.TYPE:
-        return Generate(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
-    if kind == Tokens.TYPE:
-        return Tokens(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6],
-                      *(_unpack_logprobs(v) for v in body[6:8]))
-    if kind == Hint.TYPE:
-        tokens = _unpack_ids(body[1])
-        flat = body[2] if len(body) > 2 else []
-        pairs = tuple(zip(flat[::2], flat[1::2], strict=True)) if len(flat) % 2 == 0 else None
-        if pairs is None or any(not 0 <= offset < len(tokens) for offset, _ in pairs):
-            raise MalformedFrame("hint alternatives must be (offset, token) pairs, each offset "
-                                 "one of the hint's tokens")
-        return Hint(body[0], tokens, pairs)
-    if kind == Close.TYPE:
-        return Close(*body)
-    return Error(*body)
-
-
 __all__ = [
+    "COMPATIBLE_VERSIONS",
     "PROTOCOL_VERSION",
     "SAME_FINGERPRINT",
     "Close",
