@@ -1,9 +1,11 @@
 """Constrained against unconstrained output through `spececd api`, one request at a time
-(issue 39: 9.4 against 31 tokens/s on a busy machine). Starts ``spececd api`` as a newcomer
-does (the default pair in one process; ``--draft-model``/``--server`` pass through), then
-alternates a plain chat request and the same request under a JSON schema, ``--rounds``
-times, greedy. Prints each request's tokens/s (the first of each kind apart: it is where
-a compile or any first-use cost shows) and the medians; the ratio is the figure to watch.
+(issue 39: 9.4 against 31 tokens/s on a busy machine), with a checkout before a change
+side by side. The requests are `spececd bench --api-rows`'s chat rows
+(:mod:`spececd.bench.api`: the same message, unconstrained and under a JSON schema,
+greedy); this script starts ``spececd api`` as a newcomer does (the default pair in one
+process; more arguments pass through), alternates them ``--rounds`` times and prints each
+request's tokens/s (the first of each kind apart: it is where a compile or any first-use
+cost shows) and the medians; the ratio is the figure to watch.
 
     python scripts/bench-constrained.py --rounds 8
     python scripts/bench-constrained.py --before /tmp/old/src --repeat 2  # side by side
@@ -12,77 +14,41 @@ a compile or any first-use cost shows) and the medians; the ratio is the figure 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.e2e.server import free_port  # noqa: E402
-
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
-    "required": ["name", "age", "tags"]}
+from spececd.bench import api
+from spececd.cli.options import models_dir
 
 
 def measure(env: dict[str, str], args: argparse.Namespace) -> dict[str, list[float]]:
     """One ``spececd api``'s tokens/s per request, plain and constrained alternated."""
-    import httpx
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spececd", "api", "--port", str(port),
-                             *args.api_args], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "serving" in line:
-            print(line.strip())
-            break
-    else:
-        raise SystemExit("spececd api did not start")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    messages = [{"role": "user", "content": "Jason is 25 years old and likes tea."}]
-    kinds = {"plain": {"ignore_eos": True},
-             "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
-                 "name": "person", "schema": SCHEMA}}}}
-    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    proc = api.Process("api", args.api_args, env)
+    print(proc.line)
+    rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
     try:
-        with httpx.Client(timeout=300) as client:
-            for round_ in range(args.rounds):
-                for kind, extra in kinds.items():
-                    began = time.perf_counter()
-                    reply = client.post(url, json={
-                        "model": "spececd", "messages": messages, "temperature": 0,
-                        "max_tokens": args.max_tokens, **extra}).json()
-                    took = time.perf_counter() - began
-                    tokens = reply["usage"]["completion_tokens"]
-                    rates[kind].append(tokens / took)
-                    print(f"{round_} {kind:11s} {tokens:3d} tokens {took:6.3f} s "
-                          f"{tokens / took:6.1f} tok/s", flush=True)
+        for round_ in range(args.rounds):
+            for kind in rates:
+                one = api.chat(proc.url, kind == "json_schema", args.max_tokens)
+                rates[kind].append(one.tokens / one.last_s)
+                print(f"{round_} {kind:11s} {one.tokens:3d} tokens {one.last_s:6.3f} s "
+                      f"{one.tokens / one.last_s:6.1f} tok/s", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop()
     return rates
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=api.CHAT_MAX_TOKENS)
     p.add_argument("--before", type=Path, help="a checkout's src/ to run first as "
                    "'before' (PYTHONPATH), alternated with this one --repeat times")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("api_args", nargs="*", help="more `spececd api` arguments")
     args = p.parse_args()
     variants = ({"before": {"PYTHONPATH": str(args.before),
-                            "SPECECD_MODELS": str(REPO / "models")}} if args.before else {})
+                            "SPECECD_MODELS": str(models_dir())}} if args.before else {})
     variants["after" if args.before else "this"] = {}
     runs: dict[str, list[dict[str, list[float]]]] = {name: [] for name in variants}
     for _ in range(args.repeat):

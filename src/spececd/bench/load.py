@@ -32,6 +32,10 @@ Reported: server tokens/s, per-client tokens/s, round latency and per-token late
 percentiles, the batch-size distribution and target forward passes (engine steps) per
 generated token (from the server's Prometheus metrics, as differences over the run: the
 built-in engine's batch histogram, or vLLM's ``vllm:iteration_tokens_total``).
+
+A curve (:func:`run_curve`) runs every kind at every number of clients, replay clients
+at each acceptance asked for; each row, and the replay clients' traces before them, has
+the stall limit of :mod:`spececd.bench.child` on top of its duration.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spececd.backends.base import tokenizer_fingerprint
+from spececd.bench.child import STALL_S, within
 from spececd.core.sampling import Mode, SamplingParams, SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.protocol.messages import Fingerprint
@@ -183,7 +188,7 @@ def engine_steps(counters: dict[str, float]) -> float:
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
                    seconds: float, seed: int, stream: bool = False,
-                   temperature: float = 0.0) -> ClientResult:
+                   temperature: float = 0.0, device: str = "cpu") -> ClientResult:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -192,7 +197,7 @@ def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_to
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
-    backend = load_backend(draft_model, device="cpu", dtype="float32")
+    backend = load_backend(draft_model, device=device, dtype="auto")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     return drive(url, Drafter(backend), fingerprint, prompt, k, max_tokens, False,
                  time.perf_counter() + seconds, seed, stream, temperature)
@@ -229,12 +234,13 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
              max_tokens: int = 64, draft_model: str | None = None,
              traces: list[list[int]] | None = None,
              replicas: Sequence[str] = (), model: str = "",
-             temperature: float = 0.0) -> dict[str, Any]:
+             temperature: float = 0.0, draft_device: str = "cpu") -> dict[str, Any]:
     """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``lookup``, ``suffix``,
     ``cloud-only``, or ``vllm-spec``: clients of the OpenAI server at ``url`` serving
     ``model``; ``-stream``: stream drafting) for
     ``duration`` seconds; return the measured figures. ``replicas``: where the server
-    metrics are read when ``url`` is a balancer (default: ``url`` itself)."""
+    metrics are read when ``url`` is a balancer (default: ``url`` itself); draft clients
+    run their model on ``draft_device``."""
     if kind.startswith("replay") and traces is None:
         traces = target_traces(url, fingerprint, prompts, max_tokens, clients, temperature)
     before = metrics(*(replicas or [url]))
@@ -250,7 +256,8 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
         with multiprocessing.get_context("spawn").Pool(clients) as pool:
             results = pool.starmap(_draft_process, [
                 (url, draft_model, prompts[i % len(prompts)], k, max_tokens, duration, i,
-                 kind == "draft-stream", temperature) for i in range(clients)])
+                 kind == "draft-stream", temperature, draft_device)
+                for i in range(clients)])
     else:
         results = [ClientResult() for _ in range(clients)]
 
@@ -265,7 +272,9 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
                                kind == "cloud-only", deadline, i, kind.endswith("-stream"),
                                temperature, source)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+        # daemons: clients blocked on a server that hangs must not keep the bench alive
+        threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                   for i in range(clients)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -312,28 +321,45 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
 
 
 def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
-              clients: list[int], duration: float, kinds: list[str], acceptance: float,
-              k: int, max_tokens: int, draft_model: str | None,
-              progress: Any = None, replicas: Sequence[str] = (),
-              model: str = "", temperature: float = 0.0) -> list[dict[str, Any]]:
-    """For each N in ``clients``, each kind in turn; the cloud-only baseline beside them.
-    ``model``: the model name an OpenAI server (``vllm-spec``) serves."""
-    traces = (target_traces(url, fingerprint, prompts, max_tokens, max(clients), temperature)
+              clients: list[int], duration: float, kinds: list[str],
+              acceptance: float | Sequence[float], k: int, max_tokens: int,
+              draft_model: str | None, progress: Any = None, replicas: Sequence[str] = (),
+              model: str = "", temperature: float = 0.0, stall_s: float = STALL_S,
+              draft_device: str = "cpu") -> list[dict[str, Any]]:
+    """For each N in ``clients``, each kind in turn (replay kinds once for each of
+    ``acceptance``); the cloud-only baseline beside them. ``model``: the model name an
+    OpenAI server (``vllm-spec``) serves. A row that has not finished ``stall_s`` after
+    its duration stops the curve (:class:`~spececd.bench.child.Stalled`)."""
+    acceptances = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
+    traces = (within("the replay clients' traces (the server generating alone)", stall_s,
+                     target_traces, url, fingerprint, prompts, max_tokens, max(clients),
+                     temperature)
               if any(kind.startswith("replay") for kind in kinds) else None)
     rows = []
     for n in clients:
         for kind in kinds:
-            rows.append(run_load(url, fingerprint, prompts, n, duration, kind, acceptance, k,
-                                 max_tokens, draft_model, traces, replicas, model,
-                                 temperature))
-            if progress is not None:
-                progress(rows[-1])
+            for rate in acceptances if kind.startswith("replay") else acceptances[:1]:
+                rows.append(within(
+                    f"the run of {n} {kind} clients", duration + stall_s, run_load, url,
+                    fingerprint, prompts, n, duration, kind, rate, k, max_tokens,
+                    draft_model, traces, replicas, model, temperature, draft_device))
+                if progress is not None:
+                    progress(rows[-1])
     return rows
 
 
 def _engine(row: dict[str, Any]) -> str:
     """The engine a row's server ran (rows of older runs name none: the built-in one)."""
     return str(row.get("engine", "builtin"))
+
+
+def kind_label(row: dict[str, Any]) -> str:
+    """A row's kind, with the acceptance replayed at and the temperature where they apply."""
+    label = str(row["kind"]) + (f" (replaying at {row['acceptance_target']})"
+                                if row.get("acceptance_target") is not None else "")
+    if row.get("temperature"):
+        label += f", temperature {row['temperature']:g}"
+    return label
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -349,11 +375,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         base = baseline.get((_engine(r), r["clients"]))
         ratio = (f"{r['server_tokens_per_s'] / base:.2f}"
                  if base and r["kind"] != "cloud-only" else "–")
-        label = r["kind"] + (f" (replaying at {r['acceptance_target']})"
-                             if r["acceptance_target"] is not None else "")
-        if r.get("temperature"):
-            label += f", temperature {r['temperature']:g}"
-        lines.append(f"| {r['clients']} | {_engine(r)} | {label} | "
+        lines.append(f"| {r['clients']} | {_engine(r)} | {kind_label(r)} | "
                      f"{r['server_tokens_per_s']} | {r['client_tokens_per_s']} | {ratio} | "
                      f"{r.get('acceptance') if r.get('acceptance') is not None else '–'} | "
                      f"{lat['p50']} / {lat['p95']} / {lat['p99']} | "
@@ -370,9 +392,9 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     engines = {_engine(r) for r in rows}
-    for line in dict.fromkeys((_engine(r), r["kind"]) for r in rows):
+    for line in dict.fromkeys((_engine(r), kind_label(r)) for r in rows):
         points = sorted((r["clients"], r["server_tokens_per_s"]) for r in rows
-                        if (_engine(r), r["kind"]) == line)
+                        if (_engine(r), kind_label(r)) == line)
         name = line[1] if len(engines) == 1 else f"{line[1]} [{line[0]}]"
         ax.plot(*zip(*points, strict=True), marker="o", label=name)
     ax.set_xscale("log", base=2)

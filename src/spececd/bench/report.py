@@ -23,21 +23,34 @@ drafting overlaps drafting with the round trip, which the bound does not model: 
 beat the bound. Stream drafting (``proactive: stream``) is another loop altogether (the
 server steps on its own and verifies hints when they are there), so its rows carry no
 bound; their "rounds" are the server steps that verified a hint.
+
+The rows measured through ``spececd api`` (``api_concurrent``, ``api_chat``:
+:mod:`spececd.bench.api`) run their own requests, so they carry no speedup; ``bench.md``
+gives them a table of their own, with TTFT, TPOT and constrained over unconstrained.
+
+The plots need matplotlib; without it :func:`draw` logs that they were skipped and how
+to get them, and everything else is written.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import logging
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # How the rows generated under a JSON schema are named (``spececd bench --json-schema``).
 SCHEMA_TAG = " · JSON schema"
 UNCONSTRAINED_TAG = ", unconstrained drafting"
 _AT_RTT = re.compile(r" @ RTT [0-9.]+ ms")  # in a configuration's name
+PLOTS = ("speedup_vs_rtt.png", "acceptance_by_position.png", "tokens_per_s.png")
+API_KINDS = ("api_concurrent", "api_chat")  # measured through `spececd api`
 
 
 def label(acceptance: float) -> str:
@@ -120,8 +133,9 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         tps = _tps(c["passes"])
         if not tps or c["kind"] == "bare":
             continue
-        target_tps = alone.get(_work(c)) or (None if c.get("constraint") else
-                                             next(iter(alone.values()), None))
+        target_tps = (None if c["kind"] in API_KINDS  # other requests than the baselines'
+                      else alone.get(_work(c)) or (None if c.get("constraint") else
+                                                   next(iter(alone.values()), None)))
         results = [r for p in c["passes"] for r in p]
         row: dict[str, Any] = {
             "config": name, "kind": c["kind"], "rtt_ms": c.get("rtt_ms"), "k": c.get("k"),
@@ -134,6 +148,12 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
             "speedup_vs_target": (round(statistics.median(tps) / target_tps, 3)
                                   if target_tps else None),
         }
+        if c["kind"] in API_KINDS:
+            row["setup"] = c.get("setup", "in-process")
+            row["api_constrained"] = bool(c.get("api_constrained"))
+            tpots = [r["tpot_s"] for r in results if "tpot_s" in r]
+            if tpots:
+                row["tpot_ms"] = round(1000 * statistics.median(tpots), 2)
         cloud = cloud_tps.get((c.get("rtt_ms"), _work(c)))
         if cloud:
             row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
@@ -274,7 +294,7 @@ COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
            "achieved_over_bound", "tokens_per_pass",
            "positions_per_token", "edge_wait_share", "bytes_per_token", "ttft_ms", "label",
            "constraint", "constrained_drafting", "forced_per_round", "draft_steps_per_round",
-           "draft_source", "lookup_share"]
+           "draft_source", "lookup_share", "tpot_ms"]
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
@@ -305,7 +325,10 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['temperature']} · {meta['max_tokens']} tokens × {meta['num_prompts']} prompts"
         f" · {meta['iterations']} passes per configuration (+1 warm-up) · seed {meta['seed']}"
         f" · RTT {meta['rtt_ms']} ms (jitter {meta['jitter_ms']} ms) · "
-        f"{meta['machine']['cpus']} CPUs, one torch thread per process · {meta['started']} "
+        f"{meta['machine']['cpus']} CPUs, one torch thread per process"
+        + (f", {meta['machine']['gpu']}" if meta["machine"].get("gpu") else "")
+        + f" · target on {meta.get('device', 'cpu')} in {meta.get('dtype', 'float32')}, "
+        f"draft on {meta.get('draft_device', 'cpu')} · {meta['started']} "
         f"({meta['duration_s']} s)",
         "",
         "| configuration | tokens/s (min–max) | × target | × cloud-only | acceptance "
@@ -375,6 +398,27 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   f"{_cell(r.get('acceptance_rate'))} | {_cell(r.get('mean_accepted_len'))} | "
                   f"{_cell(r.get('forced_per_round'))} | "
                   f"{_cell(r.get('draft_steps_per_round'))} |" for r in constrained]
+    served = [r for r in rows if r["kind"] in API_KINDS]
+    if served:
+        shape = meta.get("api", {})
+        lines += ["", f"Through `spececd api`, started as a user starts it: "
+                  f"{shape.get('concurrency')} clients streaming {shape.get('requests')} "
+                  f"completions of {shape.get('output_len')} tokens after "
+                  f"{shape.get('input_len')} random token ids (vLLM's benchmark client's "
+                  f"shape; tokens/s over the whole run), and, one at a time, "
+                  f"{shape.get('chat_requests')} chat requests a pass unconstrained "
+                  f"({shape.get('chat_max_tokens')} tokens) and as many under a JSON schema "
+                  f"(the in-process API):", "",
+                  "| configuration | tokens/s (min–max) | TTFT ms | TPOT ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['config']} | {_cell(r['tokens_per_s'])} "
+                  f"({_cell(r['tokens_per_s_min'])}–{_cell(r['tokens_per_s_max'])}) | "
+                  f"{_cell(r['ttft_ms'])} | {_cell(r.get('tpot_ms'))} |" for r in served]
+        chats = {r["api_constrained"]: r["tokens_per_s"] for r in served
+                 if r["kind"] == "api_chat"}
+        if chats.get(False) and True in chats:
+            lines += ["", f"Constrained over unconstrained chat: "
+                      f"{chats[True] / chats[False]:.2f}"]
     looked = [r for r in rows if "lookup_share" in r]
     if looked:
         lines += ["", "Drafts without a model (`--draft-source`): the share of the output "
@@ -394,6 +438,20 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                                                   r["acceptance_by_position"])
                   for r in positions]
     return "\n".join(lines) + "\n"
+
+
+def draw(plot: Callable[..., None], *args: Any) -> bool:
+    """``plot(*args)`` where matplotlib is installed, and True; else a log line says the
+    plots were skipped and how to get them, and False."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("plots skipped: matplotlib is not installed (pip install matplotlib "
+                    "draws them on the next run); the figures are all in the JSON, CSV "
+                    "and Markdown files")
+        return False
+    plot(*args)
+    return True
 
 
 def plots(rows: list[dict[str, Any]], out: Path) -> None:

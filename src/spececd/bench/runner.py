@@ -3,10 +3,19 @@
 Processes: the verifier server (``spececd serve``, one torch thread), one delay proxy per
 RTT in front of it (:mod:`spececd.bench.netem`, run in this process), and three workers
 (:mod:`spececd.bench.worker`, one torch thread each): the target alone, transformers'
-assisted generation, and the SpecECD edge (which also runs the cloud-only passes).
+assisted generation, and the SpecECD edge (which also runs the cloud-only passes); with
+``api_rows``, two more that each start ``spececd api`` as a user does
+(:mod:`spececd.bench.api`). The target runs on ``device`` in ``dtype`` everywhere (the
+server, the target alone, the bare forward, assisted generation); the edge's draft on
+``draft_device``.
 Each pass runs one configuration over all prompts; passes alternate their order
 (forward, then reversed) so that drift on the machine hits every configuration alike.
 The first pass of each configuration is a warm-up on two prompts and is not counted.
+
+The processes are started by :mod:`spececd.bench.processes`: every start and load time is
+logged as it happens, and every wait on one has the stall limit of
+:mod:`spececd.bench.child` (a process that shows no progress within ``stall_s`` stops the
+run with an error that names it).
 """
 
 from __future__ import annotations
@@ -15,18 +24,19 @@ import json
 import logging
 import os
 import platform
-import re
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from spececd.backends.registry import model_format
+from spececd.bench import api
+from spececd.bench.child import STALL_S
 from spececd.bench.load import metrics
 from spececd.bench.netem import DelayProxy
+from spececd.bench.processes import Worker, label, resolved_dtype, start_server
 from spececd.bench.report import SCHEMA_TAG, UNCONSTRAINED_TAG
 from spececd.edge.options import EdgeOptions
 
@@ -48,7 +58,9 @@ class BenchConfig:
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 0
-    device: str = "cpu"
+    device: str = "cpu"  # the target's, everywhere it runs
+    dtype: str = "auto"  # the target's: auto is float32 on a CPU, bfloat16 on a GPU
+    draft_device: str = "cpu"  # the edge's draft
     jitter_ms: float = 0.0
     baselines: bool = True  # run the target alone and transformers' assisted generation
     drafts: list[str] = field(default_factory=list)  # several drafts side by side ([] = draft)
@@ -62,6 +74,11 @@ class BenchConfig:
     # A JSON schema (its text): rows of constrained generation beside the others (the
     # target alone, cloud-only, and SpecECD drafting under it and unconstrained)
     json_schema: str | None = None
+    # The transformers form of a draft that is not one (the default draft's folder when
+    # the default runs on a faster runtime): transformers' assisted generation drafts with it
+    assisted_draft: str | None = None
+    stall_s: float = STALL_S  # a process that shows no progress for this long stops the run
+    api_rows: bool = False  # the rows measured through `spececd api` (spececd.bench.api)
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
@@ -72,7 +89,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
             "spececd": "SpecECD", "bare": "target's bare forward",
             "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative",
-            "llama_speculative": "llama.cpp speculative (draft model, in-process)"}[kind]
+            "llama_speculative": "llama.cpp speculative (draft model, in-process)",
+            "api_concurrent": "OpenAI API", "api_chat": "OpenAI API chat"}[kind]
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
@@ -87,119 +105,19 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
     return name
 
 
-class Worker:
-    def __init__(self, job: dict[str, Any]) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "spececd.bench.worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
-        self._send(job)
-        assert self._read().get("ready")
-
-    def _send(self, obj: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"benchmark worker exited with {self.proc.wait()}")
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def run(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        self._send(request)
-        return self._read()["results"]  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        self.proc.wait(30)
-
-
-# One core for the server, whichever its engine: the built-in one runs one torch thread,
-# vLLM's CPU build one OpenMP thread bound to core 0 (and 2 GiB of KV cache).
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-              "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
-                 ) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    """``spececd serve`` for ``cfg.target`` with a listener for each of ``transports``; the
-    process and each transport's port. Its stderr is drained by a thread once it runs."""
-    ports = {"websocket": "--port", "grpc": "--grpc-port", "http": "--http-port"}
-    listen = [arg for name in ("websocket", "grpc", "http")
-              for arg in (ports[name], str(cfg.port) if name in transports else "-1")]
-    # vLLM: 16 draft slots per step at most (vLLM reserves them per request)
-    engine = ["--engine", "vllm", "--max-draft", "16"] if cfg.engine == "vllm" else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spececd", "serve", "--target-model", cfg.target, "--host",
-         cfg.host, *listen, "--device", cfg.device, "--threads", "1",
-         "--dtype", "float32", "--max-batch", str(cfg.max_batch), "--max-sessions", "256",
-         *engine],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, **SERVER_ENV})
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "serving" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stderr or []],  # drain
-                             daemon=True).start()
-            schemes = {"ws": "websocket", "grpc": "grpc", "http": "http"}
-            return proc, {schemes[scheme]: int(port) for scheme, port
-                          in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
-    raise RuntimeError(f"the verifier server did not start: exit {proc.wait()}")
-
-
-def start_openai_server(target: str, draft: str, k: int, max_batch: int,
-                        timeout: float = 600.0) -> tuple[subprocess.Popen[str], str]:
-    """vLLM's own OpenAI server for ``target``, speculating with ``draft`` in-process (the
-    ``draft_model`` method, ``k`` tokens): the process and its URL, once it answers."""
-    import socket
-    import urllib.request
-
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    config = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-         "--served-model-name", target, "--dtype", "float32", "--host", "127.0.0.1",
-         "--port", str(port), "--max-num-seqs", str(max_batch),
-         "--speculative-config", json.dumps(config)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **SERVER_ENV})
-    threading.Thread(target=lambda: [None for _ in proc.stderr or []], daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's OpenAI server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(1)
-    proc.terminate()
-    raise RuntimeError("vLLM's OpenAI server did not start in time")
-
-
 def machine() -> dict[str, Any]:
     import torch
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"platform": platform.platform(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads_per_process": 1}
+            "torch": torch.__version__, "torch_threads_per_process": 1, "gpu": gpu}
 
 
 def name(entry: dict[str, Any]) -> str:
     return config_name(entry["kind"], entry.get("rtt_ms"), entry.get("k"),
                        entry.get("proactive"), entry.get("tree"),
                        entry.get("draft_source")) + entry.get("tag", "")
-
-
-def label(model: str) -> str:
-    path = Path(model)
-    return path.name if path.suffix == ".gguf" else path.name or model
 
 
 def llama_speculative_binary() -> str | None:
@@ -224,7 +142,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     workers: dict[str, Worker] = {}
     common = dict(prompts=cfg.prompts, seed=cfg.seed, max_tokens=cfg.max_tokens,
                   temperature=cfg.temperature, mode=cfg.mode, threads=1,
+                  device=cfg.device, dtype=cfg.dtype, draft_device=cfg.draft_device,
                   json_schema=cfg.json_schema)  # for the rows that name a constraint
+
+    def start(key: str, what: str, **job: Any) -> None:
+        workers[key] = Worker({**common, **job}, what, cfg.stall_s)
+
     try:
         urls: dict[tuple[int, float, str], str] = {}
         direct: dict[tuple[int, str], str] = {}  # each target's server, by transport
@@ -250,32 +173,34 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
             if cfg.engine == "builtin":
-                workers[f"bare{t}"] = Worker({**common, "kind": "bare", "target": target,
-                                              "device": cfg.device, "positions": positions,
-                                              "repeat": 5})
+                start(f"bare{t}", f"the bare forward worker ({label(target)})", kind="bare",
+                      target=target, positions=positions, repeat=5)
                 plan.append({"kind": "bare", "worker": f"bare{t}", "tag": tag,
                              "target": label(target)})
             if cfg.baselines and model_format(target) == "hf":
-                workers[f"target{t}"] = Worker({**common, "kind": "target", "target": target})
+                start(f"target{t}", f"the target alone ({label(target)}, transformers)",
+                      kind="target", target=target)
                 plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
                              "target": label(target)})
-                for d, draft in enumerate(drafts):
-                    if model_format(draft) == "hf":
-                        key = f"assisted{d}.{t}"
-                        workers[key] = Worker({**common, "kind": "assisted", "target": target,
-                                               "draft": draft})
-                        plan.append({"kind": "assisted", "worker": key,
-                                     "tag": f" [{label(draft)} → {label(target)}]" if pairs
-                                     else ""})
+                assisted = ([d for d in drafts if model_format(d) == "hf"]
+                            or [d for d in [cfg.assisted_draft] if d])
+                for d, draft in enumerate(assisted):
+                    key = f"assisted{d}.{t}"
+                    start(key, f"transformers' assisted generation ({label(draft)} → "
+                          f"{label(target)})", kind="assisted", target=target, draft=draft)
+                    plan.append({"kind": "assisted", "worker": key,
+                                 "tag": f" [{label(draft)} → {label(target)}]" if pairs
+                                 else ""})
             if cfg.json_schema and cfg.engine == "builtin":  # the server's backend, masked
-                workers[f"alone{t}"] = Worker({**common, "kind": "alone", "target": target,
-                                               "device": cfg.device})
+                start(f"alone{t}", f"the target alone under the schema ({label(target)})",
+                      kind="alone", target=target)
                 plan.append({"kind": "alone", "worker": f"alone{t}", "target": label(target),
                              "constraint": "json_schema", "tag": tag + SCHEMA_TAG})
             if cfg.baselines and model_format(target) == "llama.cpp":
                 for kind in ("llama_alone", "llama_lookup"):
                     key = f"{kind}{t}"
-                    workers[key] = Worker({**common, "kind": kind, "target": target})
+                    start(key, f"{config_name(kind)} ({label(target)})", kind=kind,
+                          target=target)
                     plan.append({"kind": kind, "worker": key, "tag": tag,
                                  "target": label(target)})
                 binary = llama_speculative_binary()
@@ -283,15 +208,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                     # the peer with the same GGUF pair
                     if binary and model_format(draft) == "llama.cpp":
                         key = f"llama_speculative{d}.{t}"
-                        workers[key] = Worker({**common, "kind": "llama_speculative",
-                                               "target": target, "draft": draft,
-                                               "binary": binary})
+                        start(key, f"llama.cpp's speculative decoding ({label(draft)} → "
+                              f"{label(target)})", kind="llama_speculative", target=target,
+                              draft=draft, binary=binary)
                         plan.append({"kind": "llama_speculative", "worker": key,
                                      "target": label(target),
                                      "tag": f" [{label(draft)} → {label(target)}]"})
         for d, draft in enumerate(drafts):
-            workers[f"spececd{d}"] = Worker({**common, "kind": "spececd", "draft": draft,
-                                             "target": targets[0]})
+            start(f"spececd{d}", f"the SpecECD edge ({label(draft)} on {cfg.draft_device})",
+                  kind="spececd", draft=draft, target=targets[0])
         for (t, rtt, transport), url in urls.items():
             target = targets[t]
             over = f" over {transport}" if len(cfg.transports) > 1 else ""
@@ -325,6 +250,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                               "tag": spec["tag"] + SCHEMA_TAG
                               + ("" if drafting else UNCONSTRAINED_TAG)}
                              for drafting in (True, False)]
+        if cfg.api_rows:  # through `spececd api`, each setup started as a user starts it
+            for setup in api.SETUPS:
+                start(f"api-{setup}", f"the `spececd api` rows ({setup})", kind="api",
+                      setup=setup, draft=drafts[0], target=targets[0], stall_s=cfg.stall_s)
+            plan += api_plan()
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": [], "server": []}
                                               for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
@@ -334,8 +264,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             for entry in order:
                 request = {**entry, "pass": iteration, "limit": 2 if iteration == 0 else None}
                 measured = iteration > 0  # the first pass is the warm-up
+                doing = (f"pass {iteration} of {cfg.iterations}" if measured
+                         else "the warm-up pass") + f" ({name(entry)})"
                 before = metrics(entry["metrics"]) if measured and entry.get("metrics") else {}
-                passed = workers[entry["worker"]].run(request)
+                began = time.perf_counter()
+                passed = workers[entry["worker"]].run(request, doing)
+                if not progress:  # no bar on the terminal: a line per pass
+                    tokens, took = sum(r["tokens"] for r in passed), time.perf_counter() - began
+                    rate = f"{tokens} tokens in {took:.1f} s ({tokens / took:.1f} tokens/s)"
+                    log.info("%s: %s", doing, rate if tokens else f"{took:.1f} s")
                 if measured:
                     results[name(entry)]["passes"].append(passed)
                     if before:  # what the server counted during this pass
@@ -352,6 +289,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "backend": ", ".join(sorted({model_format(m)
                                                       for m in [*drafts, *targets]})),
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
+                         "dtype": resolved_dtype(cfg.dtype, cfg.device),
+                         "draft_device": cfg.draft_device, "stall_s": cfg.stall_s,
+                         **({"api": {"requests": api.NUM_REQUESTS,
+                                     "input_len": api.INPUT_LEN,
+                                     "output_len": api.OUTPUT_LEN,
+                                     "concurrency": api.CONCURRENCY,
+                                     "chat_requests": api.CHAT_REQUESTS,
+                                     "chat_max_tokens": api.CHAT_MAX_TOKENS}}
+                            if cfg.api_rows else {}),
                          "rtt_ms": cfg.rtt_ms, "jitter_ms": cfg.jitter_ms, "ks": cfg.ks,
                          "proactive": cfg.proactive, "trees": cfg.trees,
                          "sources": cfg.sources,
@@ -372,6 +318,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             server.wait(10)
 
 
+def api_plan() -> list[dict[str, Any]]:
+    """The rows measured through ``spececd api`` (:mod:`spececd.bench.api`), each naming
+    the worker of its setup: the concurrent clients in each setup, then the chat requests
+    unconstrained and under the schema (in-process)."""
+    plan: list[dict[str, Any]] = [
+        {"kind": "api_concurrent", "worker": f"api-{setup}", "setup": setup,
+         "concurrency": api.CONCURRENCY, "tag": f" ×{api.CONCURRENCY} concurrent, {setup}"}
+        for setup in api.SETUPS]
+    return plan + [{"kind": "api_chat", "worker": "api-in-process", "setup": "in-process",
+                    "api_constrained": constrained,
+                    "tag": SCHEMA_TAG if constrained else ", unconstrained"}
+                   for constrained in (False, True)]
+
+
 class _NoBar:
     def update(self, n: int) -> None: ...
     def set_postfix_str(self, s: str) -> None: ...
@@ -388,7 +348,9 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="bench passes", unit="pass", file=sys.stderr)
 
 
-def save(raw: dict[str, Any], out: Path) -> dict[str, Any]:
+def save(raw: dict[str, Any], out: Path) -> list[str]:
+    """bench.json, bench.csv, bench.md and, where matplotlib is installed, the plots, in
+    ``out``: the names of the files written."""
     from spececd.bench import report
 
     out.mkdir(parents=True, exist_ok=True)
@@ -396,5 +358,7 @@ def save(raw: dict[str, Any], out: Path) -> dict[str, Any]:
     (out / "bench.json").write_text(json.dumps({"summary": summary, "raw": raw}, indent=1))
     (out / "bench.csv").write_text(report.to_csv(summary))
     (out / "bench.md").write_text(report.to_markdown(summary, raw["meta"]))
-    report.plots(summary, out)
-    return summary
+    written = ["bench.json", "bench.csv", "bench.md"]
+    if report.draw(report.plots, summary, out):
+        written += list(report.PLOTS)
+    return written

@@ -24,7 +24,14 @@ Kinds:
   verify pass of that many positions costs without the server around it);
 - ``spececd``: the SpecECD edge here, the verifier on the server; each pass says whether
   to draft (``spececd``) or to let the server generate and stream while the edge only
-  reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``.
+  reads (``cloud``), which server URL to use (a delay proxy per RTT) and ``k``;
+- ``api``: ``spececd api`` started as a user starts it, measured by clients of its
+  OpenAI API (:class:`~spececd.bench.api.ApiRunner`).
+
+The target runs on the job's ``device`` in its ``dtype`` (transformers' ``auto``: float32
+on a CPU, bfloat16 on a GPU), the edge's draft on ``draft_device``. After each prompt (or
+request) the worker writes a ``{"progress": n}`` line: the runner's stall limit applies
+to each of them, not to a whole pass.
 
 Every kind generates exactly ``max_tokens`` tokens per prompt (end-of-sequence tokens do
 not stop it), so tokens/s compare like with like; except under a JSON schema (a pass or a
@@ -39,6 +46,8 @@ import logging
 import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+from spececd.bench.api import ApiRunner
 
 if TYPE_CHECKING:
     from spececd.backends.base import Backend
@@ -67,15 +76,19 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from spececd.backends.hf import resolve_device, resolve_dtype
+
         self.torch = torch
+        self.device = resolve_device(job.get("device", "cpu"))
+        dtype = resolve_dtype(job.get("dtype", "auto"), self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(job["target"])
-        self.model = AutoModelForCausalLM.from_pretrained(job["target"],
-                                                          dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            job["target"], dtype=dtype).to(self.device).eval()
         self.assistant = None
         self.universal: dict[str, Any] = {}
-        if job["kind"] == "assisted":
+        if job["kind"] == "assisted":  # the draft beside the target, as transformers has it
             self.assistant = AutoModelForCausalLM.from_pretrained(
-                job["draft"], dtype=torch.float32).eval()
+                job["draft"], dtype=dtype).to(self.device).eval()
             theirs, ours = AutoTokenizer.from_pretrained(job["draft"]).get_vocab(), \
                 self.tokenizer.get_vocab()
             if theirs.keys() == ours.keys() and theirs != ours:
@@ -90,7 +103,7 @@ class HFRunner:
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
         job = self.job
-        ids = self.torch.tensor([self.tokenizer(prompt)["input_ids"]])
+        ids = self.torch.tensor([self.tokenizer(prompt)["input_ids"]], device=self.device)
         sampling: dict[str, Any] = (
             dict(do_sample=False) if job["temperature"] == 0 else
             dict(do_sample=True, temperature=job["temperature"], top_k=0, top_p=1.0))
@@ -198,8 +211,8 @@ def target_backend(job: dict[str, Any]) -> Backend:
     """The job's target on SpecECD's own backend, as the server loads it."""
     from spececd.backends.registry import load_backend
 
-    return load_backend(job["target"], device=job.get("device", "cpu"), dtype="float32",
-                        threads=int(job.get("threads", 1)))
+    return load_backend(job["target"], device=job.get("device", "cpu"),
+                        dtype=job.get("dtype", "auto"), threads=int(job.get("threads", 1)))
 
 
 class BareRunner:
@@ -260,8 +273,9 @@ class SpecRunner:
     def __init__(self, job: dict[str, Any]) -> None:
         from spececd.backends.registry import load_backend
 
-        self.draft = load_backend(job["draft"], device="cpu", dtype="float32",
-                                  threads=int(job.get("threads", 1)))
+        # (auto: float32 on a CPU; ``dtype`` is the target's)
+        self.draft = load_backend(job["draft"], device=job.get("draft_device", "cpu"),
+                                  dtype="auto", threads=int(job.get("threads", 1)))
         self.job = job
         self.generators: dict[str, Any] = {}
 
@@ -317,8 +331,10 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     runner: (HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | AloneRunner
-             | SpecRunner)
-    if job["kind"] in ("target", "assisted"):
+             | SpecRunner | ApiRunner)
+    if job["kind"] == "api":
+        runner = ApiRunner(job)
+    elif job["kind"] in ("target", "assisted"):
         runner = HFRunner(job)
     elif job["kind"] == "alone":
         runner = AloneRunner(job)
@@ -331,13 +347,29 @@ def main() -> None:
     else:
         runner = SpecRunner(job)
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        if isinstance(runner, SpecRunner):
-            runner.configure(request)
-        results = [runner.run(prompt, job["seed"] + i)
-                   for i, prompt in enumerate(job["prompts"][:request.get("limit")])]
-        print(json.dumps({"pass": request["pass"], "results": results}), flush=True)
+    done = 0
+
+    def progress() -> None:
+        nonlocal done
+        done += 1
+        print(json.dumps({"progress": done}), flush=True)
+
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if isinstance(runner, ApiRunner):
+                results = runner.run_pass(request, progress)
+            else:
+                if isinstance(runner, SpecRunner):
+                    runner.configure(request)
+                results = []
+                for i, prompt in enumerate(job["prompts"][:request.get("limit")]):
+                    results.append(runner.run(prompt, job["seed"] + i))
+                    progress()
+            print(json.dumps({"pass": request["pass"], "results": results}), flush=True)
+    finally:
+        if isinstance(runner, ApiRunner):
+            runner.close()
 
 
 if __name__ == "__main__":

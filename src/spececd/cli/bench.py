@@ -1,18 +1,23 @@
 """``spececd bench``: SpecECD side by side with the target alone, cloud-only generation
 and transformers' assisted generation; ``spececd bench load``: one server under N
-concurrent sessions. The measuring lives in :mod:`spececd.bench`; this is the command."""
+concurrent sessions. The measuring lives in :mod:`spececd.bench`; this is the command.
+
+Both log as they go (each process's start and load time, each pass or row) and stop with
+an error naming the process that showed no progress within ``--stall-timeout``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from spececd.bench.child import STALL_S
 from spececd.bench.runner import BenchConfig
-from spececd.cli.options import default_model, demo_prompts
+from spececd.cli.options import choose_draft, default_model, demo_prompts
 from spececd.config import EdgeConfig
 from spececd.core.sampling import Mode
 from spececd.edge.options import DraftKind, Proactive, parse_k
@@ -20,7 +25,29 @@ from spececd.errors import InputError
 
 MODES = [mode.value for mode in Mode if not mode.lossy]  # the bench compares lossless runs
 PROACTIVE = [choice.value for choice in Proactive]
+log = logging.getLogger("spececd.bench.cli")
 PLAN = BenchConfig(draft="", target="", prompts=[])  # the flags' defaults: the plan's own
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """Where the models run, and how long a process may show no progress: the same flags
+    for ``bench`` and ``bench load``."""
+    p.add_argument("--device", default=PLAN.device,
+                   help=f"device for the target: the server's, the target alone's, "
+                   f"assisted generation's (default: {PLAN.device})")
+    p.add_argument("--dtype", choices=DTYPES, default=PLAN.dtype,
+                   help="the target's dtype wherever it runs (default: auto = float32 on "
+                   "a CPU, bfloat16 on a GPU)")
+    p.add_argument("--draft-device", default=PLAN.draft_device,
+                   help="device for the edge's draft, in its own dtype for that device "
+                   f"(default: {PLAN.draft_device}; the draft's runtime is its model's: "
+                   "the default draft is its fastest form this device runs, as for the "
+                   "other commands)")
+    p.add_argument("--stall-timeout", type=float, default=STALL_S, metavar="SECONDS",
+                   help="stop with an error naming the process when one shows no progress "
+                   f"for this long: a server's start, a worker's load, a pass over one "
+                   f"prompt, a load row past its duration (default: {STALL_S:g})")
 
 
 def add_parser(sub: Any) -> None:
@@ -68,7 +95,7 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--seed", type=int, default=PLAN.seed)
     bench.add_argument("--host", default="127.0.0.1", help="address for the verifier server")
     bench.add_argument("--port", type=int, default=0, help="port for the server (0: any free)")
-    bench.add_argument("--device", default="cpu", help="device for every model (default: cpu)")
+    add_device_options(bench)
     bench.add_argument("--json-schema", type=Path, metavar="FILE",
                        help="also generate under this JSON schema (a JSON file): the target "
                        "alone, cloud-only, and SpecECD with the first --k and --proactive "
@@ -76,8 +103,13 @@ def add_parser(sub: Any) -> None:
     bench.add_argument("--no-baselines", action="store_true",
                        help="skip the target alone and transformers' assisted generation "
                        "(with --json-schema, the target alone under the schema still runs)")
+    bench.add_argument("--api-rows", action="store_true",
+                       help="also measure through `spececd api`, started as a user starts "
+                       "it: 4 concurrent clients (in front of `spececd serve`, and with the "
+                       "pair in-process) and chat requests constrained and not")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
-                       help="folder for bench.json, bench.csv, bench.md and plots")
+                       help="folder for bench.json, bench.csv, bench.md and plots "
+                       "(plots: where matplotlib is installed)")
     bench_sub = bench.add_subparsers(dest="bench_command")
     load = bench_sub.add_parser(
         "load", help="N concurrent edge sessions against one server, against the server "
@@ -88,7 +120,8 @@ def add_parser(sub: Any) -> None:
                       "URLs, comma-separated, whose metrics are summed (passes, batch sizes)")
     load.add_argument("--target-model", help="target for the server started here")
     load.add_argument("--draft-model", help="draft model: its tokenizer, and the model of "
-                      "the draft clients (default: the project's draft)")
+                      "the draft clients (default: the project's draft in its fastest form "
+                      "installed here, as for the other commands)")
     load.add_argument("--clients", default="16",
                       help="concurrent clients; a list such as 1,2,4,8,16,32 gives a curve")
     load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
@@ -104,8 +137,9 @@ def add_parser(sub: Any) -> None:
     load.add_argument("--engine", default="builtin",
                       help="the server engines to run side by side: builtin, vllm, or "
                       "builtin,vllm (one server started here for each)")
-    load.add_argument("--acceptance", type=float, default=0.8,
-                      help="replay clients: acceptance per position (default: 0.8)")
+    load.add_argument("--acceptance", default="0.8",
+                      help="replay clients: acceptance per position, or several separated "
+                      "by commas (e.g. 0.6,0.8: replay rows at each) (default: 0.8)")
     load.add_argument("--k", type=int, default=4, help="drafted tokens per round")
     load.add_argument("--temperature", type=float, default=0.0,
                       help="0: greedy (default); above: sampled, verified by match (replay "
@@ -118,6 +152,7 @@ def add_parser(sub: Any) -> None:
                       "e.g. models/copy_prompts.json: text that copies itself")
     load.add_argument("--max-batch", type=int, default=32,
                       help="for the server started here: sessions per forward pass at most")
+    add_device_options(load)
     load.add_argument("--out", type=Path, default=Path("bench-out"))
     bench.set_defaults(run=run)
 
@@ -152,8 +187,8 @@ def load_prompts(path: Path) -> list[str]:
 def run_load(args: argparse.Namespace) -> int:
     from spececd.backends.base import tokenizer_fingerprint
     from spececd.backends.registry import load_backend
-    from spececd.bench import load
-    from spececd.bench.runner import start_openai_server, start_server
+    from spececd.bench import load, report
+    from spececd.bench.processes import resolved_dtype, start_openai_server, start_server
 
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
@@ -171,9 +206,17 @@ def run_load(args: argparse.Namespace) -> int:
         raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if "vllm-spec" in kinds and "vllm" not in engines:
         raise InputError("vllm-spec is a vLLM row: add vllm to --engine")
-    draft_model = args.draft_model or default_model("draft")
+    acceptances = parse_list(args.acceptance, float, "--acceptance")
+    if not all(0 <= a <= 1 for a in acceptances):
+        raise InputError(f"--acceptance takes values between 0 and 1, got {args.acceptance!r}")
+    draft = choose_draft(args.draft_model, args.draft_device)
+    draft_model = draft.model
+    log.info("draft: %s on %s", draft, args.draft_device)
+    # vLLM's own speculation loads the draft as a transformers model
+    server_draft = draft_model if draft.backend == "hf" or args.draft_model \
+        else default_model("draft")
     target_model = args.target_model or default_model("target")
-    backend = load_backend(draft_model, device="cpu", dtype="float32")
+    backend = load_backend(draft_model, device=args.draft_device, dtype="auto")
     fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
     texts = (load_prompts(args.prompts_file) if args.prompts_file
              else demo_prompts())[:args.num_prompts]
@@ -183,8 +226,9 @@ def run_load(args: argparse.Namespace) -> int:
         raise InputError("--replicas goes with --server (the balancer in front of them)")
 
     def progress(row: dict[str, Any]) -> None:
-        print(f"{row['clients']:>3} {row['kind']:<10} {row['server_tokens_per_s']:>8} "
-              f"tokens/s", file=sys.stderr)
+        print(f"{row['clients']:>3} {load.kind_label(row):<10} "
+              f"{row['server_tokens_per_s']:>8} tokens/s, {row['client_tokens_per_s']} per "
+              f"client", file=sys.stderr)
 
     rows: list[dict[str, Any]] = []
     urls: list[str] = []
@@ -193,29 +237,35 @@ def run_load(args: argparse.Namespace) -> int:
         url = args.server
         if not url:
             cfg = BenchConfig(draft=draft_model, target=target_model, prompts=[],
-                              max_batch=args.max_batch, engine=engine)
+                              max_batch=args.max_batch, engine=engine, device=args.device,
+                              dtype=args.dtype, stall_s=args.stall_timeout)
             server, ports = start_server(cfg)
             url = f"ws://127.0.0.1:{ports['websocket']}"
         urls.append(url)
         try:
             ours = [k for k in kinds if k != "vllm-spec"]
             for row in load.run_curve(url, fingerprint, prompts, clients, args.duration, ours,
-                                      args.acceptance, args.k, args.max_tokens, draft_model,
+                                      acceptances, args.k, args.max_tokens, draft_model,
                                       progress=progress, replicas=replicas,
-                                      temperature=args.temperature):
+                                      temperature=args.temperature,
+                                      stall_s=args.stall_timeout,
+                                      draft_device=args.draft_device):
                 rows.append({**row, "engine": engine})
         finally:
             if server is not None:
                 server.terminate()
                 server.wait(60)
     if "vllm-spec" in kinds:  # vLLM speculating with the draft on the server
-        server, url = start_openai_server(target_model, draft_model, args.k, args.max_batch)
+        server, url = start_openai_server(target_model, server_draft, args.k, args.max_batch,
+                                          resolved_dtype(args.dtype, args.device),
+                                          args.stall_timeout)
         urls.append(url)
         try:
             for row in load.run_curve(url, fingerprint, prompts, clients, args.duration,
-                                      ["vllm-spec"], args.acceptance, args.k,
-                                      args.max_tokens, draft_model, progress=progress,
-                                      model=target_model, temperature=args.temperature):
+                                      ["vllm-spec"], acceptances, args.k,
+                                      args.max_tokens, server_draft, progress=progress,
+                                      model=target_model, temperature=args.temperature,
+                                      stall_s=args.stall_timeout):
                 rows.append({**row, "engine": "vllm"})
         finally:
             server.terminate()
@@ -224,17 +274,27 @@ def run_load(args: argparse.Namespace) -> int:
     (args.out / "load.json").write_text(json.dumps(
         {"meta": {"servers": urls, "replicas": replicas or urls, "draft": draft_model,
                   "target": target_model, "engines": engines, "duration_s": args.duration,
-                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": args.acceptance,
-                  "temperature": args.temperature},
+                  "k": args.k, "max_tokens": args.max_tokens, "acceptance": acceptances,
+                  "temperature": args.temperature, "device": args.device,
+                  "dtype": resolved_dtype(args.dtype, args.device),
+                  "draft_device": args.draft_device},
          "rows": rows}, indent=1))
     markdown = load.table(rows)
     (args.out / "load.md").write_text(markdown)
-    load.plot(rows, args.out / "load_curve.png")
+    plotted = report.draw(load.plot, rows, args.out / "load_curve.png")
     print(markdown)
+    print(f"wrote {args.out}/load.json, load.md" + (", load_curve.png" if plotted else ""),
+          file=sys.stderr)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    # A long run is never silent: the bench's own progress shows without --verbose.
+    bench_log = logging.getLogger("spececd.bench")
+    if bench_log.getEffectiveLevel() > logging.INFO:
+        bench_log.setLevel(logging.INFO)
+    if args.stall_timeout <= 0:
+        raise InputError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
     if args.bench_command == "load":
         return run_load(args)
     from spececd.bench.runner import run_bench, save
@@ -262,7 +322,12 @@ def run(args: argparse.Namespace) -> int:
                else demo_prompts()[:args.num_prompts])
     # The file read and checked as generate's --json-schema is (InputError if not a schema).
     schema = EdgeConfig(json_schema=str(args.json_schema or "")).constraint()
-    drafts = (args.draft_model or default_model("draft")).split(",")
+    # The default draft is the other commands' (its fastest form installed here); assisted
+    # generation, transformers' own, drafts with the transformers form of it.
+    draft = choose_draft(args.draft_model, args.draft_device)
+    drafts = args.draft_model.split(",") if args.draft_model else [draft.model]
+    log.info("draft: %s on %s", ", ".join(drafts) if args.draft_model else draft,
+             args.draft_device)
     targets = (args.target_model or default_model("target")).split(",")
     cfg = BenchConfig(draft=drafts[0], target=targets[0], drafts=drafts, targets=targets,
                       prompts=prompts,
@@ -273,9 +338,13 @@ def run(args: argparse.Namespace) -> int:
                       device=args.device, jitter_ms=args.jitter_ms,
                       baselines=not args.no_baselines, transports=transports, trees=trees,
                       sources=sources,
-                      json_schema=schema.spec if schema else None)
+                      json_schema=schema.spec if schema else None,
+                      dtype=args.dtype, draft_device=args.draft_device,
+                      assisted_draft=(default_model("draft") if not args.draft_model
+                                      and draft.backend != "hf" else None),
+                      stall_s=args.stall_timeout, api_rows=args.api_rows)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
-    save(raw, args.out)
+    written = save(raw, args.out)
     print((args.out / "bench.md").read_text())
-    print(f"wrote {args.out}/bench.json, bench.csv, bench.md and plots", file=sys.stderr)
+    print(f"wrote {args.out}/{', '.join(written)}", file=sys.stderr)
     return 0
