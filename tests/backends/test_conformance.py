@@ -5,11 +5,15 @@ Runs over the torch-free toy backend (:mod:`tests.toy`, whose fresh pass is its 
 reference ``ToyModel.forward``) and, where torch is installed, the transformers backend on
 tiny Llama, Qwen2 and GPT-2 models, and the built-in runner's static path
 (:mod:`spececd.backends.static`: KV slots, padded widths, gathered batches) on the same
-models, eager, as it runs off CUDA.
+models, eager, as it runs off CUDA; and the other runtimes on the tiny models converted
+(:func:`tests.backends.conftest.converted`), each skipped with the reason where it is not
+installed: llama.cpp (against a fresh llama.cpp pass), ONNX Runtime GenAI and OpenVINO
+(against a fresh transformers pass over the same weights). Those three run chains only:
+the tree tests skip them.
 
 Tolerance: float32 on CPU, max |difference| <= 1e-4 in logits (measured ~3e-7 on the
 tiny models; incremental and full passes differ only by floating-point summation order;
-the toy's are equal).
+the toy's are equal; ≈1e-5 for the ONNX and OpenVINO exports against transformers).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from spececd.backends.base import Backend, Extend, sync
 from spececd.core.verify import tree_paths
 from spececd.errors import InputError
 from tests.reference import LOGIT_TOLERANCE as TOLERANCE
+from tests.support.conformance import transformers_fresh, worst_difference
 from tests.toy import ToyBackend, ToyModel
 
 ARCHS = ["llama", "qwen2", "gpt2"]
@@ -37,9 +42,21 @@ class Subject:
 
     backend: Backend
     fresh: Callable[[list[int]], np.ndarray]
+    trees: bool = True  # the backend attends over token trees (else: chains only)
 
 
-@pytest.fixture(params=["toy", *ARCHS, *(f"{arch}-static" for arch in ARCHS)])
+# The other runtimes, each on converted tiny models: what it imports and how to install it.
+RUNTIMES = {"llama.cpp": ("llama_cpp", "llama-cpp-python is not installed: pip install "
+                                       "'spececd[llama]'"),
+            "onnx": ("onnxruntime_genai", "ONNX Runtime GenAI is not installed: pip install "
+                                          "'spececd[onnx]'"),
+            "openvino": ("openvino", "OpenVINO is not installed: pip install "
+                                     "'spececd[openvino]'")}
+CONVERTED = ["llama.cpp-llama", "onnx-llama", "onnx-qwen2", "openvino-llama",
+             "openvino-qwen2"]
+
+
+@pytest.fixture(params=["toy", *ARCHS, *(f"{arch}-static" for arch in ARCHS), *CONVERTED])
 def subject(request: pytest.FixtureRequest) -> Subject:
     if request.param == "toy":
         toy = ToyBackend(ToyModel(seed=5))
@@ -48,6 +65,21 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     from spececd.backends.registry import load_backend
 
     tiny_models: dict[str, Path] = request.getfixturevalue("tiny_models")
+    runtime, _, name = request.param.partition("-")
+    if runtime in RUNTIMES:
+        pytest.importorskip(RUNTIMES[runtime][0], reason=RUNTIMES[runtime][1])
+        converted = request.getfixturevalue("converted")
+        folder = converted("gguf" if runtime == "llama.cpp" else runtime, name)
+        backend = load_backend(str(folder), device="cpu")
+        if runtime == "llama.cpp":  # a GGUF's own kernels: against a fresh llama.cpp pass
+            again = backend.new_sequence()
+
+            def fresh_llama(tokens: list[int]) -> np.ndarray:
+                again.truncate(0)
+                return again.extend(tokens)
+
+            return Subject(backend, fresh_llama, trees=False)
+        return Subject(backend, transformers_fresh(tiny_models[name]), trees=False)
     arch, static = request.param.removesuffix("-static"), request.param.endswith("-static")
     backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
@@ -67,28 +99,18 @@ def subject(request: pytest.FixtureRequest) -> Subject:
 
 def test_extend_truncate_match_a_fresh_forward(subject: Subject) -> None:
     backend = subject.backend
-    rng = np.random.default_rng(len(backend.description))
-    tokens = [int(t) for t in rng.integers(0, backend.vocab_size, size=120)]
-    seq = backend.new_sequence()
-    worst = 0.0
-    for _ in range(25):
-        if seq.tokens and rng.random() < 0.4:
-            seq.truncate(int(rng.integers(0, len(seq.tokens) + 1)))
-            continue
-        n = len(seq.tokens)
-        add = int(rng.integers(1, 9))
-        new = [int(t) for t in rng.integers(0, backend.vocab_size, size=add)]
-        tokens[n:n + add] = new
-        keep = int(rng.integers(0, add + 1)) if rng.random() < 0.5 else None
-        logits = seq.extend(new, keep=keep)
-        assert seq.tokens == tokens[:n + add]
-        expected = subject.fresh(tokens[:n + add])[n:]
-        expected = expected if keep is None else expected[add - keep:]
-        assert logits.shape == expected.shape
-        if logits.size:
-            worst = max(worst, float(np.abs(logits - expected).max()))
+    worst = worst_difference(backend, subject.fresh, seed=len(backend.description))
     print(f"{backend.description}: max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+def trees_of(subject: Subject) -> Backend:
+    """The subject's backend, which declares tree attention as the subject says; a
+    chains-only one skips the test."""
+    assert subject.backend.tree_attention == subject.trees
+    if not subject.trees:
+        pytest.skip(f"{subject.backend.name} runs chains only")
+    return subject.backend
 
 
 def random_tree(rng: np.random.Generator, n: int, first: int = -1) -> list[int]:
@@ -100,8 +122,7 @@ def random_tree(rng: np.random.Generator, n: int, first: int = -1) -> list[int]:
 def test_a_tree_extend_gives_each_node_its_paths_logits(subject: Subject) -> None:
     """Each node of a tree sees the cache and its ancestors only; keeping one path
     (a gather) leaves the cache a fresh forward over that path would build."""
-    backend = subject.backend
-    assert backend.tree_attention
+    backend = trees_of(subject)
     rng = np.random.default_rng(11)
     worst = 0.0
     seq = backend.new_sequence()
@@ -131,7 +152,7 @@ def test_a_tree_extend_gives_each_node_its_paths_logits(subject: Subject) -> Non
 
 def test_batched_trees_match_separate_extends(subject: Subject) -> None:
     """A batch mixing trees and chains over caches of different lengths."""
-    backend = subject.backend
+    backend = trees_of(subject)
     rng = np.random.default_rng(3)
     items, references = [], []
     for cached, n, tree in ((0, 5, True), (7, 3, False), (12, 8, True)):

@@ -1,10 +1,11 @@
-"""The llama.cpp backend: GGUF conversion with llama.cpp's own converter, the conformance
-suite, compatibility with the transformers model it came from, lossless generation with a
-GGUF target, the thread settings of every context, and the KV cache a token costs.
+"""The llama.cpp backend: GGUF conversion with llama.cpp's own converter, compatibility
+with the transformers model it came from, lossless generation with a GGUF target, the
+thread settings of every context, and the KV cache a token costs. The conformance suite
+(extend/truncate against a fresh llama.cpp evaluation, within 1e-4) runs it in
+tests/backends/test_conformance.py.
 
 Tolerance against transformers (same weights, float32 GGUF): max |Δlogit| <= 2e-3 (llama.cpp
-computes in its own kernels; ≈1e-3 was measured on these machines). Within llama.cpp,
-extend/truncate against a fresh evaluation: 1e-4.
+computes in its own kernels; ≈1e-3 was measured on these machines). Within llama.cpp: 1e-4.
 """
 
 from __future__ import annotations
@@ -24,20 +25,19 @@ from spececd.backends.llamacpp import kv_bytes_per_token  # noqa: E402
 from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.convert import convert  # noqa: E402
 from spececd.generator import Generator  # noqa: E402
+from tests.backends.conftest import Converted  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
+from tests.support.conformance import transformers_fresh, worst_difference  # noqa: E402
 
 HF_TOLERANCE = 2e-3
 SELF_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def gguf(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-         ) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("gguf")
-    return {name: convert(tiny_models[name], out / f"{name}.f32.gguf", "f32")
-            for name in ("llama", "draft")}
+def gguf(converted: Converted) -> dict[str, Path]:
+    return {name: converted("gguf", name) for name in ("llama", "draft")}
 
 
 def test_conversion_keeps_the_tokenizer(gguf: dict[str, Path],
@@ -51,32 +51,14 @@ def test_conversion_keeps_the_tokenizer(gguf: dict[str, Path],
         assert ours.tokenizer.decode(theirs.tokenizer.encode(prompt)) == prompt
 
 
-def test_extend_truncate_conformance(gguf: dict[str, Path],
-                                     tiny_models: dict[str, Path]) -> None:
+def test_extends_and_truncations_match_transformers(gguf: dict[str, Path],
+                                                   tiny_models: dict[str, Path]) -> None:
+    """The conformance loop against the transformers model the GGUF came from."""
     backend = load_backend(str(gguf["llama"]))
-    reference = load_backend(str(tiny_models["llama"]), device="cpu", dtype="float32")
-    fresh = backend.new_sequence()
-    seq = backend.new_sequence()
-    rng = np.random.default_rng(3)
-    tokens = [int(t) for t in rng.integers(0, backend.vocab_size, size=100)]
-    worst_self = worst_hf = 0.0
-    for _ in range(20):
-        if seq.tokens and rng.random() < 0.4:
-            seq.truncate(int(rng.integers(0, len(seq.tokens) + 1)))
-            continue
-        n, add = len(seq.tokens), int(rng.integers(1, 7))
-        new = [int(t) for t in rng.integers(0, backend.vocab_size, size=add)]
-        tokens[n:n + add] = new
-        logits = seq.extend(new)
-        fresh.truncate(0)
-        expected = fresh.extend(tokens[:n + add])[n:]
-        worst_self = max(worst_self, float(np.abs(logits - expected).max()))
-        model = reference.model  # type: ignore[attr-defined]
-        with torch.no_grad():
-            hf = model(torch.tensor([tokens[:n + add]])).logits[0, n:].numpy()
-        worst_hf = max(worst_hf, float(np.abs(logits - hf).max()))
-    print(f"llama.cpp: vs itself {worst_self:.2e}, vs transformers {worst_hf:.2e}")
-    assert worst_self <= SELF_TOLERANCE and worst_hf <= HF_TOLERANCE
+    worst = worst_difference(backend, transformers_fresh(tiny_models["llama"]), seed=3,
+                             steps=20, size=100)
+    print(f"llama.cpp: vs transformers {worst:.2e}")
+    assert worst <= HF_TOLERANCE
 
 
 def test_evaluations_longer_than_a_batch_return_the_positions_asked_for(

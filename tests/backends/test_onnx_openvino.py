@@ -1,5 +1,6 @@
 """The ONNX Runtime GenAI and OpenVINO backends (the NPU runtimes), on the CPU: conversion
-with ``spececd convert``, the conformance suite against transformers, rollback, lossless
+with ``spececd convert`` (the conformance suite against transformers runs them in
+tests/backends/test_conformance.py), rollback, lossless
 generation as the drafter (greedy identity and chi-square in exact mode, in-process and
 against a server), quantized drafts, ``--device npu``'s fallback and ``spececd devices``.
 
@@ -28,9 +29,11 @@ from spececd.backends.registry import load_backend, model_format  # noqa: E402
 from spececd.cli import main  # noqa: E402
 from spececd.errors import InputError  # noqa: E402
 from spececd.generator import Generator  # noqa: E402
+from tests.backends.conftest import Converted  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
+from tests.support.conformance import transformers_fresh, worst_difference  # noqa: E402
 
 FORMATS = ["onnx", "openvino"]
 TOLERANCE = 1e-4
@@ -43,59 +46,22 @@ def export(fmt: str, model: Path, out: Path, quant: str = "fp32") -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("exported")
-    return {(fmt, name): export(fmt, tiny_models[name], root / f"{fmt}-{name}")
-            for fmt in FORMATS for name in ("llama", "qwen2")}
-
-
-def hf_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].numpy()  # type: ignore[no-any-return]
-
-
-def conformance(backend: object, reference: Path, seed: int, steps: int = 20) -> float:
-    """Random extends (keeping some or all positions) and rollbacks; the worst difference
-    from a fresh transformers pass over the same tokens."""
-    rng = np.random.default_rng(seed)
-    vocab = backend.vocab_size  # type: ignore[attr-defined]
-    seq = backend.new_sequence()  # type: ignore[attr-defined]
-    tokens = [int(t) for t in rng.integers(0, vocab, size=100)]
-    worst = 0.0
-    for _ in range(steps):
-        if seq.tokens and rng.random() < 0.4:
-            seq.truncate(int(rng.integers(0, len(seq.tokens) + 1)))
-            continue
-        n, add = len(seq.tokens), int(rng.integers(1, 7))
-        new = [int(t) for t in rng.integers(0, vocab, size=add)]
-        tokens[n:n + add] = new
-        keep = int(rng.integers(0, add + 1)) if rng.random() < 0.5 else None
-        logits = seq.extend(new, keep=keep)
-        assert seq.tokens == tokens[:n + add]
-        expected = hf_logits(reference, tokens[:n + add])[n:]
-        expected = expected if keep is None else expected[add - keep:]
-        assert logits.shape == expected.shape and logits.dtype == np.float32
-        if logits.size:
-            worst = max(worst, float(np.abs(logits - expected).max()))
-    return worst
+def exported(converted: Converted) -> dict[tuple[str, str], Path]:
+    return {(fmt, name): converted(fmt, name) for fmt in FORMATS for name in ("llama", "qwen2")}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_extend_and_rollback_match_transformers(fmt: str, arch: str,
-                                                exported: dict[tuple[str, str], Path],
-                                                tiny_models: dict[str, Path]) -> None:
+def test_a_converted_model_is_its_transformers_model(fmt: str, arch: str,
+                                                     exported: dict[tuple[str, str], Path],
+                                                     tiny_models: dict[str, Path]) -> None:
+    """Recognised by its folder, with the tokenizer, sizes and float32 logits of the
+    model it came from (that its logits are the same is the conformance suite's)."""
     folder = exported[(fmt, arch)]
     assert model_format(str(folder)) == fmt
     backend = load_backend(str(folder), device="cpu")
     assert backend.name == fmt
-    worst = conformance(backend, tiny_models[arch], seed=len(arch))
-    print(f"{fmt} {arch}: max |logit difference| from transformers {worst:.2e}")
-    assert worst <= TOLERANCE
+    assert backend.new_sequence().extend([1, 2, 3]).dtype == np.float32
     reference = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
     assert tokenizer_fingerprint(backend.tokenizer, backend.vocab_size) == \
         tokenizer_fingerprint(reference.tokenizer, reference.vocab_size)
@@ -178,7 +144,7 @@ def test_a_quantized_draft_stays_lossless(fmt: str, quant: str, tiny_models: dic
                                           tmp_path: Path) -> None:
     folder = export(fmt, tiny_models["llama"], tmp_path / quant, quant)
     worst = float(np.abs(load_backend(str(folder)).new_sequence().extend(list(range(20)))
-                         - hf_logits(tiny_models["llama"], list(range(20)))).max())
+                         - transformers_fresh(tiny_models["llama"])(list(range(20)))).max())
     print(f"{fmt} {quant}: max |logit difference| from transformers {worst:.2e}")
     assert worst > TOLERANCE  # the weights did change
     with Generator.load(str(folder), str(tiny_models["llama"]), device="cpu", k=4) as gen:
@@ -194,7 +160,8 @@ def test_the_default_draft_converts_and_pairs_with_the_default_target(fmt: str,
                                                                      tmp_path: Path) -> None:
     folder = export(fmt, MODELS / "draft", tmp_path / fmt)
     backend = load_backend(str(folder))
-    worst = conformance(backend, MODELS / "draft", seed=5, steps=12)
+    worst = worst_difference(backend, transformers_fresh(MODELS / "draft"), seed=5, steps=12,
+                             size=100)
     print(f"{fmt} default draft: max |logit difference| from transformers {worst:.2e}")
     assert worst <= TOLERANCE
     with Generator.load(str(folder), str(MODELS / "target"), device="cpu", dtype="float32",

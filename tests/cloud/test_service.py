@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from spececd.backends.base import Backend, CachedSequence, Extend, tokenizer_fingerprint
+from spececd.backends.base import Backend, CachedSequence, Extend
 from spececd.cloud.builtin import BuiltinRunner
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runners import builtin_service
 from spececd.cloud.service import CloudService, Ending, Send, ServicePolicy
 from spececd.protocol import messages as m
 from spececd.protocol.errors import EngineFailed
+from tests.support.protocol import hello
 from tests.toy import ToyBackend, ToyModel, greedy
 
 PROMPT = (5, 17, 42, 99, 3)
@@ -28,11 +29,6 @@ PROMPT = (5, 17, 42, 99, 3)
 @pytest.fixture()
 def target() -> ToyBackend:
     return ToyBackend(ToyModel(seed=0))
-
-
-def hello(backend: Backend, mode: str = "match", temperature: float = 0.0) -> bytes:
-    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
-    return m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, mode, temperature, 0, 1.0, 7))
 
 
 def generated(replies: list[m.Message]) -> bool:

@@ -30,8 +30,8 @@ from spececd.generator import Generator
 from spececd.openai_api.server import Api, create_app
 from spececd.transports.http.server import serve_app
 from tests.fuzz import mutate
-from tests.loop import LoopTask
 from tests.reference import PROMPTS, hf_greedy
+from tests.support.servers import LoopTask
 from tests.trickle import trickle
 
 MODEL = "spececd"

@@ -10,34 +10,10 @@ import pytest
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.protocol import messages as m
-from spececd.protocol.cloud_session import CloudSession, Limits, State, VerifyRequest
+from spececd.protocol.cloud_session import CloudSession, State, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession
-
-FP = m.Fingerprint(100, "f" * 64)
-LIMITS = Limits(max_draft=4, max_context=32, max_message_bytes=4096)
-
-
-def hello(**kw: object) -> bytes:
-    fields = dict(protocol_version=m.PROTOCOL_VERSION, fingerprint=FP, mode="exact",
-                  temperature=1.0, top_k=0, top_p=1.0, seed=5, auth_token="")
-    fields.update(kw)
-    return m.encode(m.Hello(**fields))  # type: ignore[arg-type]
-
-
-def receive(session: CloudSession, frame: bytes) -> object:
-    """Feed one frame; what came of it: the request to run, the frame to send, or None
-    (a hint or a close). A frame never gives more than one of them."""
-    session.receive_data(frame)
-    out = [*session.events_received(), *session.data_to_send()]
-    assert len(out) <= 1, out
-    return out[0] if out else None
-
-
-def sent(session: CloudSession) -> bytes:
-    """The one frame the session queued to send since the last look."""
-    frames = session.data_to_send()
-    assert len(frames) == 1, frames
-    return frames[0]
+from tests.support.protocol import FP, LIMITS, error_of, q, receive, sent
+from tests.support.protocol import session_hello as hello
 
 
 def ready(**kw: object) -> CloudSession:
@@ -45,17 +21,6 @@ def ready(**kw: object) -> CloudSession:
     reply = receive(session, hello(auth_token=kw.get("auth_token", "")))
     assert isinstance(reply, bytes) and isinstance(m.decode(reply), m.Welcome)
     return session
-
-
-def error_of(reply: object) -> m.Error:
-    assert isinstance(reply, bytes)
-    message = m.decode(reply)
-    assert isinstance(message, m.Error), message
-    return message
-
-
-def q(token: int) -> SparseProbs:
-    return SparseProbs(np.array([token, 50]), np.array([0.75, 0.25], np.float32))
 
 
 def draft(seq: int, context_len: int, prefix: tuple[int, ...], tokens: tuple[int, ...],
@@ -352,10 +317,10 @@ def test_hint_alternatives_are_refused_where_trees_are_not_and_checked_on_the_wi
         frame = msgpack.packb([m.Hint.TYPE, 3, [5], flat])
         assert error_of(receive(trees, frame)).code == "malformed_frame"
     # An edge sends alternatives to a protocol-5 server that takes trees only.
-    for version, trees_on, sent in ((5, True, ((0, 8),)), (4, True, ()), (5, False, ())):
+    for version, trees_on, offered in ((5, True, ((0, 8),)), (4, True, ()), (5, False, ())):
         edge = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=5), trees=True)
         edge.receive(m.encode(m.Welcome("s", version, 4, 32, False, trees_on)))
-        assert m.decode(edge.hint(3, (5,), ((0, 8),))) == m.Hint(3, (5,), sent)
+        assert m.decode(edge.hint(3, (5,), ((0, 8),))) == m.Hint(3, (5,), offered)
 
 
 def test_an_engine_that_drafts_from_the_hint_itself_reports_what_it_kept() -> None:

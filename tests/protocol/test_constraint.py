@@ -12,7 +12,8 @@ from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, Limits
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import InvalidConstraint, error_for_code
-from tests.protocol.test_cloud_session import FP, LIMITS, error_of, hello, receive
+from tests.support.protocol import FP, LIMITS, error_of, receive
+from tests.support.protocol import session_hello as hello
 
 SCHEMA = Constraint("json_schema", '{"type": "object"}', strict=False)
 

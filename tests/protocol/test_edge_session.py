@@ -13,7 +13,7 @@ from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, Limits, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import AuthFailed, IncompatibleModels, OutOfOrder, UnexpectedMessage
-from tests.protocol.test_cloud_session import FP, LIMITS, q, receive, sent
+from tests.support.protocol import FP, LIMITS, q, receive, sent
 
 
 def test_the_edge_greets_with_its_threshold() -> None:

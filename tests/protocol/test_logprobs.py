@@ -15,7 +15,8 @@ from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import CloudSession, VerifyRequest
 from spececd.protocol.edge_session import EdgeSession
 from spececd.protocol.errors import MalformedFrame, UnexpectedMessage
-from tests.protocol.test_cloud_session import FP, LIMITS, error_of, hello, receive, sent
+from tests.support.protocol import FP, LIMITS, error_of, receive, sent
+from tests.support.protocol import session_hello as hello
 
 
 def rows(n: int, top: int, seed: int = 0) -> Logprobs:

@@ -8,7 +8,6 @@ worker dies.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -21,8 +20,9 @@ from spececd.generator import Generator
 from spececd.protocol import messages as m
 from spececd.protocol.errors import EngineFailed
 from spececd.transports import registry
-from tests.cloud.test_service import DyingRunner, RecordingFailingBackend, hello
-from tests.loop import LoopTask
+from tests.cloud.test_service import DyingRunner, RecordingFailingBackend
+from tests.support.protocol import hello
+from tests.support.servers import ThreadServer
 from tests.toy import ToyBackend, ToyModel, greedy
 
 pytest.importorskip("grpc")
@@ -30,42 +30,22 @@ pytest.importorskip("grpc")
 PROMPT = [5, 17, 42, 99, 3]
 
 
-class Served:
-    """``engine`` on every networked listener, on an event loop in a background thread."""
-
-    def __init__(self, engine: CloudService,
-                 request_timeout: float = registry.REQUEST_TIMEOUT) -> None:
-        bound = threading.Event()
-        self.urls: dict[str, str] = {}
-
-        def ready(urls: list[str]) -> None:
-            self.urls = {url.split("://")[0]: url for url in urls}
-            bound.set()
-
-        listeners = [registry.Listener(name, "127.0.0.1", 0, request_timeout)
-                     for name in registry.TRANSPORTS]
-        self.server = LoopTask(lambda: registry.serve(engine, listeners, None, ready))
-        assert bound.wait(10), "the server did not start"
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
 @pytest.fixture()
-def dying() -> Iterator[tuple[Served, ToyBackend, int]]:
+def dying() -> Iterator[tuple[ThreadServer, ToyBackend, int]]:
     target = ToyBackend(ToyModel(seed=0))
     expected = greedy(target, PROMPT, 8)
     poison = next(t for t in range(target.vocab_size) if t not in (*expected, *PROMPT))
     metrics = Metrics()
     runner = DyingRunner(RecordingFailingBackend(target, poison), metrics)
-    served = Served(CloudService(runner, metrics=metrics))
+    served = ThreadServer(CloudService(runner, metrics=metrics), registry.TRANSPORTS,
+                           close_engine=False)
     yield served, target, poison
     served.stop()
 
 
 @pytest.mark.parametrize("scheme", ["ws", "grpc", "http"])
 def test_a_connected_edge_gets_the_cause_at_once(
-        scheme: str, dying: tuple[Served, ToyBackend, int]) -> None:
+        scheme: str, dying: tuple[ThreadServer, ToyBackend, int]) -> None:
     served, target, poison = dying
     url = served.urls[scheme]
     gen = Generator(ToyBackend(ToyModel(seed=1)), registry.connector(url, recv_timeout=10),

@@ -11,7 +11,6 @@ threshold strategy is tested apart, for what it promises.
 
 from __future__ import annotations
 
-import asyncio
 import filecmp
 import itertools
 import random
@@ -32,8 +31,10 @@ from spececd.core.sampling import SparseProbs  # noqa: E402
 from spececd.transports import grpc_stubs  # noqa: E402
 from spececd.transports import spececd_pb2 as pb  # noqa: E402
 from spececd.transports import spececd_pb2_grpc as pb_grpc  # noqa: E402
-from spececd.transports.grpc import GrpcTransport, message_bytes, serve  # noqa: E402
+from spececd.transports.grpc import GrpcTransport, message_bytes  # noqa: E402
 from tests.fuzz import mutate, structured_junk  # noqa: E402
+from tests.support.protocol import hello  # noqa: E402
+from tests.support.servers import ThreadServer  # noqa: E402
 
 PROMPT = (5, 17, 42, 99, 3)
 
@@ -61,63 +62,7 @@ def test_counted_bytes_are_the_grpc_message_of_a_frame(size: int) -> None:
 
 # -- a server in this process ------------------------------------------------------------
 
-
-class Server:
-    """``serve(engine, ...)`` on an event loop in a thread; :meth:`stop` ends both."""
-
-    def __init__(self, engine: Any, tls: tuple[str, str] | None = None) -> None:
-        self.engine, self.port = engine, 0
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.failure: BaseException | None = None
-
-        def ready(port: int) -> None:
-            self.port = port
-            started.set()
-
-        async def main() -> None:
-            try:
-                await serve(engine, "127.0.0.1", 0, tls, ready)
-            finally:
-                engine.close()
-
-        def run() -> None:
-            self.task = self.loop.create_task(main())
-            try:
-                self.loop.run_until_complete(self.task)
-            except asyncio.CancelledError:
-                pass
-            except BaseException as exc:  # reported by the constructor
-                self.failure = exc
-                started.set()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(30) and self.failure is None, self.failure
-        self.scheme = "grpcs" if tls else "grpc"
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.port}"
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def call(self, function: Callable[[], Any]) -> Any:
-        """Run ``function`` on the server's loop (the engine is not thread-safe)."""
-        async def run() -> Any:
-            return function()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
-
-    def status(self) -> dict[str, Any]:
-        return self.call(self.engine.status)  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.task.cancel)
-            self.thread.join(30)
+GRPC = ("grpc",)  # the listener of every server here
 
 
 def engine(backend: Any, auth_token: str = "", limits: Any = None, **policy: Any) -> Any:
@@ -128,8 +73,8 @@ def engine(backend: Any, auth_token: str = "", limits: Any = None, **policy: Any
 
 
 @pytest.fixture(scope="module")
-def server(target: Any) -> Iterator[Server]:
-    running = Server(engine(target))
+def server(target: Any) -> Iterator[ThreadServer]:
+    running = ThreadServer(engine(target), GRPC)
     yield running
     running.stop()
 
@@ -139,16 +84,6 @@ def greedy(tiny_models: dict[str, Path]) -> Callable[[Sequence[int], int], list[
     from tests.reference import hf_greedy
 
     return lambda ids, n: hf_greedy(tiny_models["llama"], list(ids), n)  # computed once
-
-
-def hello(backend: Any, mode: str = "match", temperature: float = 0.0, token: str = "",
-          threshold: float = 0.0) -> bytes:
-    from spececd.backends.base import tokenizer_fingerprint
-    from spececd.protocol import messages as m
-
-    return m.encode(m.Hello(m.PROTOCOL_VERSION,
-                            tokenizer_fingerprint(backend.tokenizer, backend.vocab_size), mode,
-                            temperature, 0, 1.0, 7, token, threshold))
 
 
 def generator(draft: Any, url: str, **kw: Any) -> Any:
@@ -164,7 +99,7 @@ def generator(draft: Any, url: str, **kw: Any) -> Any:
 # -- the Session stream ---------------------------------------------------------------
 
 
-def test_session_round_trip(server: Server, target: Any,
+def test_session_round_trip(server: ThreadServer, target: Any,
                             greedy: Callable[[Sequence[int], int], list[int]]) -> None:
     from spececd.protocol import messages as m
 
@@ -189,7 +124,7 @@ def test_session_round_trip(server: Server, target: Any,
 
 @pytest.mark.parametrize("k,proactive", [(4, "off"), ("auto", "on"), (3, "stream")])
 def test_greedy_over_grpc_is_identical_to_the_target_alone(
-        k: int | str, proactive: str, server: Server, draft: Any,
+        k: int | str, proactive: str, server: ThreadServer, draft: Any,
         greedy: Callable[[Sequence[int], int], list[int]]) -> None:
     from tests.reference import PROMPTS
 
@@ -204,7 +139,7 @@ def test_greedy_over_grpc_is_identical_to_the_target_alone(
 @pytest.mark.parametrize("mode,temperature,top_p", [("exact", 0.9, 0.9), ("match", 0.8, 1.0),
                                                     ("greedy", 0.0, 1.0)])
 def test_every_mode_over_grpc_gives_the_in_process_output(
-        mode: str, temperature: float, top_p: float, server: Server, draft: Any,
+        mode: str, temperature: float, top_p: float, server: ThreadServer, draft: Any,
         target: Any) -> None:
     """Randomness depends on (seed, position) alone, so a sampled run over gRPC must give
     the very tokens of an in-process run with the same seed."""
@@ -228,7 +163,7 @@ def test_every_mode_over_grpc_gives_the_in_process_output(
     assert out.stats.rounds > 1
 
 
-def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft: Any) -> None:
+def test_a_dropped_stream_is_resumed_with_the_same_output(server: ThreadServer, draft: Any) -> None:
     with generator(draft, server.url, mode="exact", k=3, proactive="on") as gen:
         reference = gen.generate("import os", max_tokens=30, temperature=0.9, seed=5,
                                  stop_token_ids=[])
@@ -244,7 +179,7 @@ def test_a_dropped_stream_is_resumed_with_the_same_output(server: Server, draft:
 def test_stream_ends_say_why(target: Any) -> None:
     from spececd.protocol import messages as m
 
-    running = Server(engine(target, max_sessions=1, idle_timeout=1.5))
+    running = ThreadServer(engine(target, max_sessions=1, idle_timeout=1.5), GRPC)
     try:
         first = GrpcTransport(running.url)
         first.send(hello(target))
@@ -298,15 +233,15 @@ class CountingBackend:
 
 
 @pytest.fixture(scope="module")
-def counting(target: Any) -> Iterator[tuple[Server, CountingBackend]]:
+def counting(target: Any) -> Iterator[tuple[ThreadServer, CountingBackend]]:
     backend = CountingBackend(target)
-    running = Server(engine(backend))
+    running = ThreadServer(engine(backend), GRPC)
     yield running, backend
     running.stop()
 
 
 @pytest.fixture
-def stub(counting: tuple[Server, CountingBackend]) -> Iterator[Any]:
+def stub(counting: tuple[ThreadServer, CountingBackend]) -> Iterator[Any]:
     channel = grpc.insecure_channel(counting[0].target)
     yield pb_grpc.VerificationServiceStub(channel)
     channel.close()
@@ -318,7 +253,7 @@ def request(prefix: Sequence[int], draft_tokens: Sequence[int], **kw: Any) -> An
 
 
 def test_verify_draft_greedy_is_the_targets_argmax_and_reuses_the_kv_cache(
-        stub: Any, counting: tuple[Server, CountingBackend],
+        stub: Any, counting: tuple[ThreadServer, CountingBackend],
         greedy: Callable[[Sequence[int], int], list[int]]) -> None:
     server, backend = counting
     expected = greedy(PROMPT, 12)
@@ -349,7 +284,7 @@ def test_verify_draft_greedy_is_the_targets_argmax_and_reuses_the_kv_cache(
 
 
 def test_batch_verify_equals_separate_calls_and_batches_them(
-        stub: Any, counting: tuple[Server, CountingBackend]) -> None:
+        stub: Any, counting: tuple[ThreadServer, CountingBackend]) -> None:
     server = counting[0]
 
     def passes() -> float:
@@ -427,7 +362,7 @@ def test_a_bad_request_fails_its_batch_and_names_it(stub: Any) -> None:
 
 
 def test_threshold_is_labelled_lossy_and_accepts_more_as_it_falls(
-        stub: Any, server: Server, target: Any,
+        stub: Any, server: ThreadServer, target: Any,
         greedy: Callable[[Sequence[int], int], list[int]]) -> None:
     from spececd.protocol import messages as m
 
@@ -465,10 +400,10 @@ def test_threshold_is_labelled_lossy_and_accepts_more_as_it_falls(
 def test_auth_is_required_and_enforced(target: Any, draft: Any) -> None:
     from spececd.protocol import messages as m
 
-    running = Server(engine(target, auth_token="s3cret"))
+    running = ThreadServer(engine(target, auth_token="s3cret"), GRPC)
     try:
         link = GrpcTransport(running.url)
-        link.send(hello(target, token="wrong"))
+        link.send(hello(target, auth_token="wrong"))
         error = m.decode(link.recv())
         assert isinstance(error, m.Error) and error.code == "auth_failed" and error.fatal
         link.close()
@@ -505,7 +440,7 @@ def test_tls(target: Any, draft: Any, tmp_path: Path) -> None:
                     str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    running = Server(engine(target), tls=(str(cert), str(key)))
+    running = ThreadServer(engine(target), GRPC, tls=(str(cert), str(key)))
     try:
         with generator(draft, running.url, transport={"cafile": str(cert)}) as gen:
             assert len(gen.generate("x", max_tokens=6, temperature=0).token_ids) == 6
@@ -529,7 +464,7 @@ def test_oversize_frames_get_a_typed_error_and_oversize_messages_end_the_call(
     from spececd.protocol.cloud_session import Limits
     from spececd.transports.grpc import GRPC_OVERHEAD
 
-    running = Server(engine(target, limits=Limits(max_message_bytes=2000)))
+    running = ThreadServer(engine(target, limits=Limits(max_message_bytes=2000)), GRPC)
     try:
         link = GrpcTransport(running.url)
         link.send(b"\x00" * 3000)
@@ -544,7 +479,7 @@ def test_oversize_frames_get_a_typed_error_and_oversize_messages_end_the_call(
 
 
 def test_fuzzing_sessions_leaves_a_legitimate_session_unchanged(
-        server: Server, target: Any, draft: Any) -> None:
+        server: ThreadServer, target: Any, draft: Any) -> None:
     from spececd.protocol import messages as m
 
     with generator(draft, server.url, mode="exact") as gen:

@@ -13,7 +13,6 @@ import asyncio
 import http.client
 import json
 import random
-import ssl
 import subprocess
 import threading
 import time
@@ -42,52 +41,13 @@ from spececd.generator import Generator  # noqa: E402
 from spececd.protocol import messages as m  # noqa: E402
 from spececd.protocol.cloud_session import Limits  # noqa: E402
 from spececd.protocol.errors import AuthFailed  # noqa: E402
-from spececd.transports.http import HttpTransport, serve  # noqa: E402
+from spececd.transports.http import HttpTransport  # noqa: E402
 from spececd.transports.http import server as http_server  # noqa: E402
 from spececd.transports.http.client import unpack_replies  # noqa: E402
 from spececd.transports.http.links import FIRST_REPLY, Links  # noqa: E402
 from tests.fuzz import mutate  # noqa: E402
-from tests.loop import LoopTask  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
-
-
-class ThreadServer:
-    """:func:`serve` for ``engine`` on 127.0.0.1, on an event loop in a background thread."""
-
-    def __init__(self, engine: CloudService, port: int = 0,
-                 tls: tuple[str, str] | ssl.SSLContext | None = None) -> None:
-        self.engine = engine
-        bound = threading.Event()
-
-        def ready(port: int) -> None:
-            self.port = port
-            bound.set()
-
-        self.server = LoopTask(lambda: serve(engine, "127.0.0.1", port, tls, ready))
-        assert bound.wait(10), "the server did not start"
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        async def close() -> None:
-            self.engine.close()  # on its loop, like the CLI's
-            await asyncio.sleep(0.01)  # lets the tasks it cancelled finish
-
-        self.server.stop(close)
-
-    def request(self, method: str, path: str, body: bytes | dict[str, Any] | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            headers = dict(headers or {})
-            if isinstance(body, dict):
-                body = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            conn.request(method, path, body, headers)
-            response = conn.getresponse()
-            headers = {k.lower(): v for k, v in response.getheaders()}
-            return response.status, headers, response.read()
-        finally:
-            conn.close()
+from tests.support.servers import ThreadServer  # noqa: E402
 
 
 def error_code(body: bytes) -> str:

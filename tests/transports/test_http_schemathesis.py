@@ -32,8 +32,8 @@ from schemathesis.config import SchemathesisConfig  # noqa: E402
 from spececd.cloud.runners import builtin_service  # noqa: E402
 from spececd.cloud.service import ServicePolicy  # noqa: E402
 from spececd.protocol.errors import _BY_CODE  # noqa: E402
+from tests.support.servers import ThreadServer  # noqa: E402
 from tests.toy import ToyBackend, ToyModel  # noqa: E402
-from tests.transports.test_http import ThreadServer  # noqa: E402
 
 CHECKS = [status_code_conformance, response_schema_conformance, content_type_conformance]
 SETTINGS = dict(deadline=None, derandomize=True, database=None,

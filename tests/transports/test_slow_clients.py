@@ -24,8 +24,8 @@ from spececd.cloud.runners import builtin_service
 from spececd.edge.options import EdgeOptions
 from spececd.generator import Generator
 from spececd.transports import registry
+from tests.support.servers import ThreadServer
 from tests.toy import ToyBackend, ToyModel, greedy
-from tests.transports.test_engine_failure import Served
 from tests.trickle import trickle
 
 pytest.importorskip("grpc")
@@ -35,10 +35,11 @@ PROMPT = [5, 17, 42, 99, 3]
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Served, ToyBackend]]:
+def served() -> Iterator[tuple[ThreadServer, ToyBackend]]:
     target = ToyBackend(ToyModel(seed=0), pass_s=0.002)
     engine = builtin_service(target)
-    server = Served(engine, request_timeout=TIMEOUT)
+    server = ThreadServer(engine, registry.TRANSPORTS, request_timeout=TIMEOUT,
+                          close_engine=False)
     yield server, target
     server.stop()
     engine.close()
@@ -76,7 +77,7 @@ class Beside:
 
 @pytest.mark.parametrize("part", ["head", "body"])
 def test_the_http_listener_answers_a_slow_request_408(
-        served: tuple[Served, ToyBackend], part: str) -> None:
+        served: tuple[ThreadServer, ToyBackend], part: str) -> None:
     server, target = served
     port = int(server.urls["http"].rsplit(":", 1)[1])
     body = b"{}"
@@ -101,7 +102,7 @@ def test_the_http_listener_answers_a_slow_request_408(
 
 
 def test_the_websocket_listener_drops_a_slow_handshake(
-        served: tuple[Served, ToyBackend]) -> None:
+        served: tuple[ThreadServer, ToyBackend]) -> None:
     server, target = served
     port = int(server.urls["ws"].rsplit(":", 1)[1])
     handshake = (b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -116,7 +117,7 @@ def test_the_websocket_listener_drops_a_slow_handshake(
 
 @pytest.mark.slow
 def test_a_websocket_client_stalling_mid_frame_is_cut_off_by_the_keepalive(
-        served: tuple[Served, ToyBackend]) -> None:
+        served: tuple[ThreadServer, ToyBackend]) -> None:
     server, target = served
     port = int(server.urls["ws"].rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
