@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any
 
-from spececd import config
+from spececd import config, processes
 from spececd.cli.options import add_model_options, default_model, spare_cores
 from spececd.config import ServerConfig
 from spececd.errors import InputError
@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("TLS needs both --tls-cert and --tls-key")
     if cfg.engine not in ("builtin", "vllm"):
         raise InputError(f"engine must be builtin or vllm, got {cfg.engine!r}")
-    return serve(cfg, config.auth_token(cfg.auth_token_file))
+    # vLLM's engine processes, and any other, end with the server at every stage
+    with processes.ended_with_this_one():
+        return serve(cfg, config.auth_token(cfg.auth_token_file))
 
 
 def serve(cfg: ServerConfig, token: str) -> int:
@@ -158,6 +160,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
     except OSError as exc:
         raise InputError(f"cannot listen on {cfg.host}: {exc.strerror}") from None
     finally:
+        processes.exit_on_signals()  # asyncio.run gave SIGTERM back to its default action
         engine.close()
     if engine.failure:  # non-zero, so that a supervisor restarts the server
         raise EngineFailed(f"the {engine.name} engine failed ({engine.failure}); the "

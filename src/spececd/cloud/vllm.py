@@ -391,7 +391,7 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
         **extra})
     try:
         llm = AsyncLLM.from_engine_args(args)
-    except Exception:
+    except BaseException:  # SystemExit too: SIGTERM while vLLM starts (spececd.processes)
         hints.close()
         raise
     config = llm.model_config

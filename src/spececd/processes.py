@@ -1,0 +1,145 @@
+"""The processes a command starts end with it.
+
+vLLM runs its engine in processes of its own (``VLLM::EngineCore``, which starts
+``VLLM::Worker``). vLLM's shutdown ends them when the server closes its engine, but a server
+that dies of a signal's default action while the engine starts, before there is an engine
+to close, left them running under init (3.7 GB with the default target on a CPU; on a GPU
+they would hold its memory). So a command that starts such processes runs within
+:func:`ended_with_this_one`:
+
+- SIGTERM raises ``SystemExit`` in the main thread, as SIGINT raises ``KeyboardInterrupt``,
+  so that ``finally`` blocks and the engine's own shutdown run at any point of start-up. An
+  event loop may take SIGTERM over while it runs (to drain); ``asyncio.run`` gives it back
+  to the default action when it returns, so the command calls :func:`exit_on_signals`
+  again before it closes the engine.
+- On the way out, whatever this process started that still runs is ended
+  (:func:`end_descendants`): a snapshot of every descendant first, since a process whose
+  parent dies is re-parented to init and is no longer found below this one; then SIGTERM,
+  and SIGKILL for those left after a grace period.
+
+Descendants are found by walking ``/proc/*/stat`` (Linux; elsewhere none are found and only
+the signal handling applies). multiprocessing's resource tracker is left alone: it ignores
+SIGTERM, ends by itself once every process that uses it has ended, and cleans up what they
+leaked. Nothing here helps against SIGKILL of the command itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+STOPPING = (signal.SIGTERM,)  # SIGINT already raises KeyboardInterrupt
+RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
+
+log = logging.getLogger(__name__)
+
+
+def _exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_signals() -> None:
+    """SIGTERM raises ``SystemExit(143)`` in the main thread from now on."""
+    for signum in STOPPING:
+        signal.signal(signum, _exit)
+
+
+@contextlib.contextmanager
+def ended_with_this_one(grace: float = 3.0) -> Iterator[None]:
+    """Within: SIGTERM raises ``SystemExit``; on leaving, however it is left, every
+    descendant still running is ended (``grace``: seconds between SIGTERM and SIGKILL).
+    For a command's main thread (only it may set signal handlers)."""
+    previous = {signum: signal.getsignal(signum) for signum in STOPPING}
+    exit_on_signals()
+    try:
+        yield
+    finally:
+        # A signal during the (bounded) ending is ignored, rather than stopping it halfway.
+        for signum in (*STOPPING, signal.SIGINT):
+            previous.setdefault(signum, signal.getsignal(signum))
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            end_descendants(grace)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+Process = tuple[int, bytes]  # a pid and its start time: the same pid later is another process
+
+
+def descendants(pid: int = 0) -> list[Process]:
+    """Every process below ``pid`` (0: this one), parents before their children."""
+    children: dict[int, list[Process]] = {}
+    with contextlib.suppress(FileNotFoundError):  # no /proc: none found
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                fields = _stat(int(entry.name))
+                if fields is not None:
+                    # fields from the 3rd on (after "pid (name)"): the parent is the 4th,
+                    # the start time the 22nd
+                    children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    found, todo = [], [pid or os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(0), ()):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
+def end_descendants(grace: float = 3.0) -> list[int]:
+    """End every process below this one: SIGTERM, then SIGKILL for those still running
+    after ``grace`` seconds (and any started meanwhile). Returns the pids it signalled."""
+    first = _ending()
+    if first:
+        log.info("ending the %d processes this one started that still run", len(first))
+    _signal(first, signal.SIGTERM, grace)
+    left = [p for p in {*first, *_ending()} if _running(p)]
+    if left:
+        log.warning("killing %d processes that did not end within %g s of SIGTERM",
+                    len(left), grace)
+    _signal(left, signal.SIGKILL, 1.0)
+    return sorted({pid for pid, _ in (*first, *left)})
+
+
+def _ending() -> list[Process]:
+    return [p for p in descendants() if not _is_resource_tracker(p[0]) and _running(p)]
+
+
+def _signal(processes: list[Process], signum: int, wait: float) -> None:
+    """``signum`` to each of ``processes``, then up to ``wait`` seconds for them to end."""
+    for pid, _ in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    deadline = time.monotonic() + wait
+    while any(_running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat`` from its 3rd field on, or None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()  # the name, in parentheses, may hold spaces
+
+
+def _running(process: Process) -> bool:
+    fields = _stat(process[0])
+    # a zombie has ended (this process, or init once this one exits, collects it)
+    return fields is not None and fields[19] == process[1] and fields[0] != b"Z"
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return RESOURCE_TRACKER in f.read()
+    except OSError:
+        return False

@@ -1,0 +1,84 @@
+"""``spececd.processes``: what a command starts ends with it. Each case runs in a Python
+process of its own (ending descendants here would end this test run's other servers), which
+starts a tree of sleepers; the tree is read by :mod:`tests.proctree`."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.proctree import HAS_PROC, Process, running, tree
+
+if not HAS_PROC:
+    pytest.skip("descendants are found through /proc (Linux)", allow_module_level=True)
+
+# A child that starts a grandchild ignoring SIGTERM, then ignores SIGTERM itself: only
+# SIGKILL ends them, and the grandchild must be found before its parent dies.
+TREE = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    child = subprocess.Popen([sys.executable, "-c", f'''
+    import subprocess, sys
+    subprocess.Popen([sys.executable, "-c", {SLEEPER!r}])
+    exec({SLEEPER!r})
+    '''], **quiet)
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **quiet)
+    grandchildren = f"/proc/{child.pid}/task/{child.pid}/children"
+    while not open(grandchildren).read().split():
+        time.sleep(0.05)
+    """)
+
+
+def wait_for_tree(proc: subprocess.Popen[str], size: int) -> set[Process]:
+    deadline = time.monotonic() + 30
+    while len(found := tree(proc.pid)) < size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(found) == size, found
+    return found
+
+
+def test_end_descendants_ends_a_tree_that_ignores_sigterm() -> None:
+    script = TREE + textwrap.dedent("""
+        from spececd.processes import end_descendants
+        print("started", flush=True)
+        input()  # once the test has seen the tree
+        started = time.monotonic()
+        ended = end_descendants(grace=1.0)
+        print(len(ended), round(time.monotonic() - started, 1))
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+    before = wait_for_tree(proc, 3)
+    out, _ = proc.communicate("go\n", timeout=30)
+    assert proc.returncode == 0
+    count, seconds = out.split()
+    # all three: the polite one at SIGTERM, the two that ignore it at SIGKILL after the grace
+    assert int(count) == 3 and 1.0 <= float(seconds) < 3.0
+    assert not [p for p in before if running(p)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_within_ends_the_command_and_its_tree(signum: int) -> None:
+    script = TREE + textwrap.dedent("""
+        from spececd.processes import ended_with_this_one
+        with ended_with_this_one(grace=1.0):
+            print("started", flush=True)
+            time.sleep(600)  # a start-up that takes long
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+    before = wait_for_tree(proc, 3)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    # SIGTERM: SystemExit(128 + 15); SIGINT: KeyboardInterrupt, with which Python ends by
+    # SIGINT's default action
+    assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGINT), err
+    assert not [p for p in before if running(p)]
