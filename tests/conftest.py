@@ -71,6 +71,31 @@ SLOW_VARIANTS = frozenset({
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--static-path", action="store_true",
+                     help="serve every transformers target on the built-in runner's static "
+                     "path (spececd.backends.static), as on CUDA, to check that its output "
+                     "is the target's: in process and in `spececd serve` subprocesses")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--static-path"):
+        from spececd.cloud import builtin
+
+        chosen = builtin.static_path
+
+        def static_path(backend: Any, static: str, max_context: int) -> Any:
+            return chosen(backend, "on" if static == "auto" else static, max_context)
+
+        builtin.static_path = static_path  # type: ignore[assignment]
+        runners = sys.modules.get("spececd.cloud.runners")
+        if runners is not None:
+            runners.static_path = static_path  # type: ignore[attr-defined]
+        from tests.e2e.server import STATIC_ENV
+
+        os.environ[STATIC_ENV] = "1"  # servers started as subprocesses (ServerProcess)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid in SLOW_VARIANTS:

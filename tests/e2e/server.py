@@ -32,6 +32,9 @@ def free_ports(n: int) -> list[int]:
             sock.close()
 
 
+STATIC_ENV = "SPECECD_TESTS_STATIC_PATH"  # set by pytest --static-path (tests/conftest.py)
+
+
 class ServerProcess:
     """``spececd serve`` (or another serving ``command``, such as ``api``) on 127.0.0.1;
     started on construction, stopped by :meth:`stop`. ``urls``: the URL of every
@@ -51,10 +54,16 @@ class ServerProcess:
 
     def start(self, timeout: float = 90.0) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(self.env or {})}
+        # pytest --static-path: a transformers target's server on the static path
+        static = (["--static", "on"] if os.environ.get(STATIC_ENV) and self.command == "serve"
+                  and "--engine" not in self.extra and Path(str(self.target)).is_dir()
+                  and not any(Path(str(self.target)).glob("*.onnx"))
+                  and not any(Path(str(self.target)).glob("*.xml")) else [])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spececd", self.command,
              *(["--target-model", str(self.target)] if self.target else []),
-             "--device", "cpu", "--threads", "1", "--port", str(self.port), *self.extra],
+             "--device", "cpu", "--threads", "1", "--port", str(self.port), *static,
+             *self.extra],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stderr is not None

@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 
 from spececd.backends.base import Backend
-from spececd.cloud.builtin import BuiltinRunner
+from spececd.cloud.builtin import BuiltinRunner, static_path
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import ModelRunner, RunnerConfig
 from spececd.cloud.service import CloudService, ServicePolicy
@@ -62,7 +62,9 @@ def service(name: str, model: str, config: RunnerConfig, limits: Limits | None =
 def builtin_service(backend: Backend, limits: Limits | None = None,
                     policy: ServicePolicy | None = None, auth_token: str = "",
                     config: RunnerConfig | None = None) -> CloudService:
-    """The service over the built-in runner serving ``backend``, loaded already."""
-    metrics = Metrics()
-    return CloudService(BuiltinRunner(backend, metrics, config or RunnerConfig()), limits,
-                        policy, auth_token, metrics)
+    """The service over the built-in runner serving ``backend``, loaded already (on the
+    static path where ``config.static`` says: by default on CUDA)."""
+    config, limits, metrics = config or RunnerConfig(), limits or Limits(), Metrics()
+    backend = static_path(backend, config.static, limits.max_context)
+    return CloudService(BuiltinRunner(backend, metrics, config), limits, policy, auth_token,
+                        metrics)
