@@ -192,9 +192,11 @@ class StrategyChooser:
         self._leader = self.arms[0]
 
     def speed(self, arm: Arm) -> float | None:
+        """The measured speed of ``arm`` (its decayed average), or None before it ran."""
         return self._speed[arm].value
 
     def other(self, arm: Arm) -> Arm:
+        """The arm this chooser compares ``arm`` with."""
         first, second = self.arms
         return second if arm is first else first
 
@@ -322,6 +324,7 @@ class HintGate:
 
     @property
     def open(self) -> bool:
+        """Whether hints may be sent now: the gate is not closed for a pause."""
         return self._closed_for <= 0
 
     def step(self, tokens: int, kept: bool, hinted: bool) -> None:

@@ -67,6 +67,7 @@ class Logprobs:
 
     @property
     def top(self) -> int:
+        """Alternatives per token (the width of ``top_ids``)."""
         return int(self.top_ids.shape[1])
 
     def rows(self, start: int, stop: int | None = None) -> Logprobs:
@@ -87,6 +88,8 @@ class Logprobs:
 
     @classmethod
     def concat(cls, parts: Sequence[Logprobs]) -> Logprobs:
+        """The rows of ``parts``, in order, as one (raises ``ValueError`` when there are
+        none)."""
         if not parts:
             raise ValueError("nothing to concatenate")
         return cls(np.concatenate([p.chosen for p in parts]),
@@ -95,11 +98,14 @@ class Logprobs:
 
     @classmethod
     def empty(cls, top: int) -> Logprobs:
+        """No rows, ``top`` alternatives wide."""
         return cls(np.zeros(0, np.float32), np.zeros((0, top), np.int64),
                    np.zeros((0, top), np.float32))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:  # [n, vocab] -> [n, vocab] float64
+    """The float64 log-probabilities of each row of ``logits`` ``[n, vocab]``, computed
+    stably (the largest logit subtracted first)."""
     scores = logits.astype(np.float64)
     shifted = scores - scores.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]

@@ -130,6 +130,7 @@ class Constraint:
 
     @classmethod
     def of_choices(cls, choices: Sequence[str]) -> Constraint:
+        """A ``choice`` constraint: the output is one of ``choices``."""
         return cls("choice", json.dumps(list(choices)))
 
 
@@ -211,6 +212,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether sampling is greedy (temperature 0)."""
         return self.temperature == 0.0
 
     @property

@@ -58,6 +58,7 @@ class Ema:
     seen: bool = False
 
     def update(self, x: float) -> None:
+        """Fold in ``x`` (taken as it is when it is the first)."""
         self.value = x if not self.seen else (1 - self.weight) * self.value + self.weight * x
         self.seen = True
 
@@ -76,6 +77,7 @@ class LinearFit:
     _xy: float = 0.0
 
     def update(self, x: float, y: float) -> None:
+        """Fold in one observation ``(x, y)`` with the newest's weight."""
         w = self.weight if self.seen else 1.0
         self._x += w * (x - self._x)
         self._y += w * (y - self._y)
@@ -85,6 +87,7 @@ class LinearFit:
 
     @property
     def slope(self) -> float:
+        """The fitted slope, never negative; 0 until two different ``x`` were seen."""
         variance = self._xx - self._x * self._x
         if variance <= 1e-9 * max(1.0, self._xx):
             return 0.0
@@ -92,6 +95,7 @@ class LinearFit:
 
     @property
     def base(self) -> float:
+        """The fitted value at ``x = 0``, never negative."""
         return max(0.0, self._y - self.slope * self._x)
 
 
@@ -192,6 +196,8 @@ class DraftLengthPolicy:
         self._network.update(max(0.0, network_s))
 
     def expected_tokens(self, k: int) -> float:
+        """Tokens a round of ``k`` drafted tokens gains in expectation, with the acceptance
+        measured so far (:func:`expected_tokens`)."""
         return expected_tokens(self.acceptance()[:k])
 
     def cost(self, k: int, fitted: bool = False) -> float:
@@ -293,6 +299,8 @@ class RoundsEstimate:
             self._reached = self.decay * self._reached + min(drafted, accepted + 1)
 
     def drafted(self, tokens: int, seconds: float) -> None:
+        """Feed the edge's drafting: ``tokens`` drafted in ``seconds`` (ignored when either
+        is 0)."""
         if tokens > 0 and seconds > 0:
             self._draft_step.update(seconds / tokens)
 

@@ -174,14 +174,17 @@ class SparseProbs:
     probs: np.ndarray
 
     def normalized(self) -> np.ndarray:  # [m] float64
+        """The probabilities as float64, summing to 1: the distribution both sides read."""
         p = self.probs.astype(np.float64)
         return p / p.sum()  # type: ignore[no-any-return]
 
     def prob_of(self, token: int) -> float:
+        """The normalized probability of ``token`` (0 outside the support)."""
         hit = np.flatnonzero(self.ids == token)
         return float(self.normalized()[hit[0]]) if hit.size else 0.0
 
     def dense(self, vocab: int) -> np.ndarray:  # [vocab] float64
+        """The normalized distribution as a dense float64 array ``[vocab]``."""
         out = np.zeros(vocab, dtype=np.float64)
         out[self.ids] = self.normalized()
         return out
@@ -207,4 +210,5 @@ def draft_distribution(logits: np.ndarray, params: SamplingParams, max_support: 
 
 
 def sample_sparse(dist: SparseProbs, rng: np.random.Generator) -> int:
+    """Draw one token id from ``dist`` (its normalized probabilities) with ``rng``."""
     return int(dist.ids[sample(dist.normalized(), rng)])

@@ -83,6 +83,8 @@ class GenerationStats:
         self.verify_s += seconds
 
     def merge(self, other: GenerationStats) -> None:
+        """Add ``other``'s counts and times to these (per position too); fallback and lossy
+        hold if either holds."""
         for name in ("drafted", "accepted", "rounds", "own", "generated", "wall_s", "draft_s",
                      "draft_steps", "verify_s", "prefill_s", "network_s", "bytes_sent",
                      "bytes_received", "reconnects",
@@ -100,17 +102,23 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 when none was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def mean_accepted_len(self) -> float:
+        """Tokens gained per target pass: (accepted + the verifier's own) / rounds (0
+        without rounds)."""
         return (self.accepted + self.own) / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time (0 before any time passed)."""
         return self.generated / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """The statistics as a JSON-ready dict (what ``--json``, the OpenAI ``usage`` block
+        and ``bench`` report)."""
         return {
             "drafted": self.drafted,
             "accepted": self.accepted,

@@ -105,6 +105,10 @@ def verify(
     threshold: float = 0.0,  # threshold mode only, in (0, 1]
     parents: Sequence[int] | None = None,  # [n]: a tree; None: a chain
 ) -> VerifyResult:
+    """Verify one drafted block (a chain, or a tree with ``parents``) against
+    ``target_probs`` in ``mode``: the accepted tokens (a path from the root for a tree) and
+    the verifier's own token, the correction or the bonus. Raises ``ValueError`` on shapes
+    that do not match."""
     n = len(draft_tokens)
     points = target_probs.ndim == 1 and np.issubdtype(target_probs.dtype, np.integer)
     if target_probs.shape[0] != n + 1 or not (points or target_probs.ndim == 2):

@@ -76,6 +76,7 @@ class EdgeClient:
         self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
 
     def close(self) -> None:
+        """Close the link to the server (the generator is done with it)."""
         self.link.close()
 
     def generate(self, prompt_ids: Sequence[int], run: Resolved, stats: GenerationStats,

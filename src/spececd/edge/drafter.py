@@ -85,6 +85,8 @@ class Tree:
 
     @classmethod
     def of_chain(cls, tokens: tuple[int, ...], dists: tuple[SparseProbs, ...] | None) -> Tree:
+        """The chain of ``tokens`` (drawn from ``dists``, one each, or None) as a tree: each
+        node the child of the one before."""
         return cls(tokens, tuple(range(-1, len(tokens) - 1)), dists, tuple(range(len(tokens))))
 
     def trunk(self) -> Tree:
@@ -144,10 +146,12 @@ class DraftSource(Protocol):
     draft model; ``looked_up``: those proposed by lookup, also without it."""
 
     @property
-    def forced(self) -> int: ...
+    def forced(self) -> int:
+        """Tokens drafted so far that a constraint forced (no other was allowed)."""
 
     @property
-    def looked_up(self) -> int: ...
+    def looked_up(self) -> int:
+        """Tokens drafted so far by lookup, without the draft model."""
 
     def forced_among(self, history: Sequence[int], tokens: Sequence[int]
                      ) -> tuple[int, ...]:
@@ -162,10 +166,15 @@ class DraftSource(Protocol):
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]: ...
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        """A chain of up to ``k`` tokens drafted after ``history`` and, in exact mode, the
+        distribution each was drawn from (cut to its ``max_support`` most likely tokens);
+        ``seed`` makes the draws a function of the position."""
 
     def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
-             params: SamplingParams, seed: int, max_support: int) -> Tree: ...
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        """A draft of depth up to ``k`` after ``history``, branched where ``shape`` says (a
+        source that drafts chains only returns its chain)."""
 
 
 class Drafter:

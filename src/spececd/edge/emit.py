@@ -102,6 +102,9 @@ class Emitter:
         self.unverified, self.max_context = False, self.verified_context
 
     def emit(self, piece: Piece) -> RoundOutput:
+        """Take what one exchange brought (``piece``): clip it at stop tokens and
+        ``max_tokens``, extend the history, count it in the statistics, and say what to show
+        and whether the generation is finished."""
         out, finished = clip_emitted(piece.tokens, self.params.stop_token_ids, self.remaining)
         from_draft = min(piece.from_draft, len(out))
         forced = (self.forced_among(self.history, out[:from_draft])

@@ -55,17 +55,23 @@ class Link:
         self.rtt = Ema(0.0)
 
     def close(self) -> None:
+        """Say goodbye to the server (a ``Close``, when the connection still takes it) and
+        drop the connection."""
         if self.transport is not None:
             with contextlib.suppress(ConnectionError):
                 self.transport.send(m.encode(m.Close("bye")))
             self.drop()
 
     def drop(self) -> None:
+        """Close the connection without a word; the next exchange connects and greets
+        again."""
         if self.transport is not None:
             self.transport.close()
         self.transport, self._greeted = None, None
 
     def greet(self, session: EdgeSession, stats: GenerationStats) -> m.Welcome:
+        """Greet the server with ``session``'s hello (connecting, or reconnecting, as
+        needed); its ``Welcome``."""
         welcome = self.exchange(session, None, stats)
         assert isinstance(welcome, m.Welcome)
         return welcome

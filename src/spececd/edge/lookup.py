@@ -220,6 +220,7 @@ class SuffixTrie:
         return len(self.tokens)
 
     def append(self, token: int) -> None:
+        """Add ``token`` to the end of the text, counting the stretches it ends."""
         heads = [self.root, *(self._ends[-1][:self.depth - 1] if self._ends else [])]
         ends = []
         for node in heads:
@@ -232,10 +233,12 @@ class SuffixTrie:
         self._ends.append(ends)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        """Append each of ``tokens`` in order."""
         for token in tokens:
             self.append(token)
 
     def pop(self) -> None:
+        """Remove the text's last token, and the stretches it ended."""
         for node in self._ends.pop():
             node.count -= 1
             if node.count == 0:

@@ -331,6 +331,7 @@ class Resolved:
                              "from: resolve the options (EdgeOptions.resolved) first")
 
     def with_seed(self, seed: int) -> Resolved:
+        """The same options, sampling with ``seed``."""
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed))
 
 

@@ -54,7 +54,9 @@ class Strategy(Protocol):
         """Whether the server generates on its own (a generation left may still send)."""
         ...
 
-    def step(self, out: Emitter) -> list[Piece]: ...
+    def step(self, out: Emitter) -> list[Piece]:
+        """One exchange with the server as the strategy does it; what it emitted, as pieces
+        for the emitter (none when the server had nothing yet)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class Work:
     tree_width: int = 1  # candidates per position in a round's draft (if the server takes trees)
 
     def draft(self, history: Sequence[int], k: int) -> Block:
+        """A chain of up to ``k`` tokens drafted after ``history`` with the session's
+        settings (the tokens and, in exact mode, their distributions); tokens proposed
+        without a model step are not counted as draft steps."""
         assert self.params.seed is not None
         before = self.free()
         block = self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
@@ -122,6 +127,8 @@ class Rounds:
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
 
     def choose(self, limit: int) -> int:
+        """The draft length for a round with ``limit`` positions left: the policy's choice
+        when adaptive, else ``k_max`` (at most ``limit``)."""
         return self.policy.choose(limit) if self.adaptive else min(self.k_max, limit)
 
     def step(self, out: Emitter) -> list[Piece]:
@@ -145,6 +152,8 @@ class Rounds:
                       drafted=len(tree.chain))]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
+        """The round's draft after ``history``: up to ``limit`` tokens deep, its siblings
+        within ``room``."""
         tree = self.work.tree(history, self.choose(limit), room, self.policy)
         self.work.stats.draft_steps += len(tree.chain)
         return tree
@@ -155,6 +164,8 @@ class Rounds:
 
     def verdict(self, history: list[int], tree: Tree,
                 while_waiting: Callable[[], None] | None = None) -> m.Verdict:
+        """Send ``tree`` after ``history`` (its chain alone where the server takes no trees)
+        and wait for its verdict, running ``while_waiting`` meanwhile."""
         session = self.work.session
 
         def frame(greeted_now: bool) -> bytes:  # built late: a reconnect re-sends the history
@@ -182,6 +193,7 @@ class Ahead:
         self._done = False
 
     def run(self) -> None:
+        """Draft the block ahead (once: a retried exchange keeps it)."""
         if self._done:  # a retried exchange after a reconnect: the block is still valid
             return
         t0 = time.perf_counter()
@@ -190,10 +202,13 @@ class Ahead:
         self._done = True
 
     def matches(self, history: list[int]) -> bool:
+        """Whether the block drafted ahead continues ``history``: the verdict kept
+        everything and its own token was the guess."""
         return (self._done and bool(self.tokens) and len(history) == len(self.context) + 1
                 and history[-1] == self.tokens[0] and history[:-1] == self.context)
 
     def block(self, limit: int) -> Tree:
+        """The next round's draft from the block ahead, at most ``limit`` tokens."""
         n = min(self.k, limit)
         return Tree.of_chain(self.tokens[1:1 + n],
                              self.dists[1:1 + n] if self.dists is not None else None)
@@ -248,6 +263,8 @@ class CloudOnly:
         self.requested = False  # the generation under way was asked for on this connection
 
     def request(self, out: Emitter, greeted_now: bool) -> bytes | None:
+        """The ``Generate`` frame asking the server to generate from the history, or None
+        while the generation asked for on this connection is under way."""
         if self.requested and not greeted_now:
             return None  # the stream is under way: only read
         self.requested = True
@@ -265,6 +282,7 @@ class CloudOnly:
         return [self.received(reply)]
 
     def received(self, reply: Reply) -> Piece:
+        """The piece a ``Tokens`` reply brings, its time recorded as a target pass."""
         assert isinstance(reply, m.Tokens)
         self.work.stats.record_pass(reply.compute_s)
         # drafted: the hinted tokens the server verified in this step (a round, recorded as
@@ -340,6 +358,9 @@ class StreamDrafting(CloudOnly):
         return piece
 
     def lookahead(self) -> int:
+        """How far past the last token received to draft
+        (:func:`~spececd.core.policy.stream_lookahead`: from the round trip and the server's
+        step time, at most the server's ``max_draft``)."""
         welcome = self.work.session.welcome
         return stream_lookahead(self.ahead, self.work.link.rtt.value, self.server_step.value,
                                 welcome.max_draft if welcome is not None else self.ahead)

@@ -26,12 +26,21 @@ def affinity_key() -> str:
 
 
 class Transport(Protocol):
+    """A connection to the verifier, as the edge uses it; each transport's client
+    implements it. ``bytes_sent``, ``bytes_received``: what crossed it so far."""
+
     bytes_sent: int
     bytes_received: int
 
-    def send(self, frame: bytes) -> None: ...
-    def recv(self) -> bytes: ...
+    def send(self, frame: bytes) -> None:
+        """Send one whole frame (raises ``ConnectionError`` when the connection is gone)."""
+
+    def recv(self) -> bytes:
+        """The next frame, waiting for it (raises ``ConnectionError`` when the connection is
+        lost or nothing came within the transport's wait)."""
+
     def poll(self) -> bytes | None:
         """A frame that has already arrived, or None; never waits."""
-        ...
-    def close(self) -> None: ...
+
+    def close(self) -> None:
+        """Close the connection: nothing more is sent or received on it."""

@@ -103,6 +103,10 @@ class EdgeSession:
                 and self.welcome.protocol_version >= m.HINT_TREES_VERSION)
 
     def receive(self, frame: bytes) -> m.Welcome | m.Verdict | m.Tokens:
+        """Decode a frame from the server: a ``Welcome``, or the ``Verdict`` or ``Tokens``
+        answering the request pending, checked against it (its sequence number, accepted
+        count, tree path and log-probabilities). Raises the ``ProtocolError`` an ``Error``
+        frame names, and ``UnexpectedMessage`` for anything else."""
         message = m.decode(frame)
         if isinstance(message, m.Error):
             raise error_for_code(message.code, message.message)
