@@ -1,12 +1,13 @@
 """The layers of docs/how-it-works.md ("Layers"), checked: every import in src/spececd,
 function-level and ``TYPE_CHECKING`` ones included, points up the list or within its own
-layer, and the edge and the cloud never import each other.
+layer, and the edge and the cloud never import each other; and no module imports itself
+through others (imports for annotations alone aside).
 
 :data:`LAYERS` is the documented order written as a table; the page is its source, and a
 change to one is a change to the other. Top-level modules sit in the layer of what they
-need, as the page says: ``errors`` and ``processes`` under everything, ``grammar``, ``text``, ``healing``
-and ``convert`` beside the backends (each works on a tokenizer or a model file), the rest
-with the entry points.
+need, as the page says: ``errors`` and ``processes`` under everything, ``grammar``,
+``text``, ``healing`` and ``convert`` beside the backends (each works on a tokenizer or a
+model file), the rest with the entry points.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ PACKAGE = SRC / "spececd"
 # layer and the ones with a lower number, never from a higher one.
 LAYERS = {
     "errors": 0,  # the exception roots every layer raises
-    "processes": 0,  # the processes a command starts end with it (cloud/vllm.py, the CLI)
+    "processes": 0,  # the processes a command starts end with it (spececd serve)
     "core": 1,
     "protocol": 2,
     "backends": 3, "grammar": 3, "text": 3, "healing": 3, "convert": 3,
@@ -55,11 +56,25 @@ def resolve(name: str) -> str:
     return name
 
 
-def imports_in(source: str, module: str, package: str) -> set[str]:
+def type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The nodes under ``if TYPE_CHECKING:``: imports for annotations alone."""
+    skipped: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                skipped.update(ast.walk(child))
+    return skipped
+
+
+def imports_in(source: str, module: str, package: str, annotations: bool = True) -> set[str]:
     """The modules of ours that ``source`` (the text of ``module``, in ``package``)
-    imports, anywhere in it."""
+    imports, anywhere in it; ``annotations``: those under ``if TYPE_CHECKING:`` too."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skipped = set() if annotations else type_checking_only(tree)
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -76,10 +91,43 @@ def imports_in(source: str, module: str, package: str) -> set[str]:
     return found - {module}
 
 
-def imports(module: str) -> set[str]:
+def imports(module: str, annotations: bool = True) -> set[str]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    return imports_in(path.read_text(), module, package)
+    return imports_in(path.read_text(), module, package, annotations)
+
+
+def loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of ``graph``: its strongly connected components of two modules
+    or more (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
 
 
 def top(module: str) -> str:
@@ -116,6 +164,13 @@ def test_imports_follow_the_documented_layers() -> None:
     assert not stale, f"allowed arrows that are gone: remove them from ALLOWED: {stale}"
 
 
+def test_no_module_imports_itself_through_others() -> None:
+    """No import loops, function-level imports included (they only hide a loop); imports
+    for annotations alone (``if TYPE_CHECKING:``) do not count."""
+    found = loops({module: imports(module, annotations=False) for module in MODULES})
+    assert not found, f"import loops: {found}"
+
+
 def test_the_check_catches_planted_arrows() -> None:
     """A function-level import, a relative one and a name imported from a module all
     count; an arrow down the layers and one between edge and cloud are caught."""
@@ -127,6 +182,11 @@ def test_the_check_catches_planted_arrows() -> None:
     assert found == {"spececd.core.params", "spececd.cli", "spececd.cloud"}
     assert against_the_order({"spececd.edge.planted": found}) == {
         ("spececd.edge.planted", "spececd.cli"), ("spececd.edge.planted", "spececd.cloud")}
+    typed = ("from typing import TYPE_CHECKING\n"
+             "if TYPE_CHECKING:\n    from spececd.cli import main\n")
+    assert imports_in(typed, "spececd.core.x", "spececd.core") == {"spececd.cli"}
+    assert imports_in(typed, "spececd.core.x", "spececd.core", annotations=False) == set()
+    assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_table_is_the_documented_one() -> None:
