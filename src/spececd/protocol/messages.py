@@ -7,11 +7,11 @@ all (frames are tens of bytes, so each byte shows: see the README's bytes per to
 draft distribution as raw little-endian arrays (uint32 ids, float32 probabilities) so
 that the verifier reads exactly the numbers the drafter sampled from.
 
-Each message class is its own codec, as python-websockets' ``Frame`` is: its fields, its
-wire layout (``WIRE``: the kind of each field on the wire, in order; ``OPTIONAL``: how
-many trailing ones may be left off, each added after the message's first release so that
-frames from older peers still decode), its encoding (``body``) and its decoding
-(``from_body``); the :class:`Hello` also carries its version rules
+Each message class is its own codec (:class:`Codec`), as python-websockets' ``Frame``
+is: its fields, its wire layout (``WIRE``: the kind of each field on the wire, in order;
+``OPTIONAL``: how many trailing ones may be left off, each added after the message's first
+release so that frames from older peers still decode), its encoding (``body``) and its
+decoding (``from_body``); the :class:`Hello` also carries its version rules
 (:meth:`Hello.lowest_version`, :meth:`Hello.check_version`) and its mapping to and from
 :class:`~spececd.core.params.SamplingParams` (:meth:`Hello.from_params`,
 :meth:`Hello.params`). :func:`encode` and :func:`decode` only frame them.
@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
@@ -99,6 +99,25 @@ _ASK = "ask"  # [top, prompt top, mode], or None
 _PROBS = "probs"  # None or [sizes, ids u4 bytes, probs f4 bytes]
 
 TICK = 2.5e-4  # seconds per unit of time on the wire (a verify pass fits in one byte)
+
+
+class Codec(Protocol):
+    """What each message class is besides its fields: its own codec. ``TYPE`` is the
+    first element of its frames; ``WIRE`` the kind of each field on the wire, in order;
+    ``OPTIONAL`` how many trailing fields a frame may leave off."""
+
+    TYPE: ClassVar[int]
+    WIRE: ClassVar[tuple[str, ...]]
+    OPTIONAL: ClassVar[int]
+
+    def body(self) -> list[Any]:
+        """The fields after the type, as ``WIRE`` lays them out (optional ones left off
+        where the message holds their defaults, as its docstring says)."""
+
+    @classmethod
+    def from_body(cls, body: list[Any]) -> Any:
+        """The message of a ``body`` that :func:`decode` checked against ``WIRE``; raises
+        :class:`MalformedFrame` for what the kinds alone cannot check."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +253,6 @@ class Hello:
                                   f"speaks {PROTOCOL_VERSION}; upgrade the older side")
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         fp, extras, constraint, ask = (self.fingerprint, self.extras, self.constraint,
                                        self.logprobs)
         body: list[Any] = [self.protocol_version, fp.vocab_size,
@@ -261,7 +279,6 @@ class Hello:
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Hello:
-        """The hello of a checked body (see :func:`decode`)."""
         fp_hash = body[2].hex() if isinstance(body[2], bytes) else body[2]
         extras = SamplingExtras()
         if len(body) > 10:
@@ -298,7 +315,6 @@ class Welcome:
     trees: bool = False  # the server verifies token trees (protocol 4 hellos only)
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         body: list[Any] = [self.session_id, self.protocol_version, self.max_draft,
                            self.max_context]
         if self.lossy or self.trees:
@@ -309,7 +325,6 @@ class Welcome:
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Welcome:
-        """The welcome of a checked body (see :func:`decode`)."""
         return cls(*body)
 
 
@@ -329,7 +344,6 @@ class Draft:
     parents: tuple[int, ...] | None = None  # a tree: each token's parent node (-1: root)
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         body: list[Any] = [self.seq, self.context_len, _pack_ids(self.prefix),
                            _pack_ids(self.tokens)]
         if self.draft_probs is not None or self.parents is not None:
@@ -372,7 +386,6 @@ class Verdict:
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         body: list[Any] = [self.seq, self.num_accepted, self.next_token,
                            _ticks(self.verify_s)]
         replied = self.logprobs is not None or self.prompt_logprobs is not None
@@ -384,7 +397,6 @@ class Verdict:
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Verdict:
-        """The verdict of a checked body (see :func:`decode`)."""
         return cls(body[0], body[1], body[2], body[3] * TICK,
                    tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
                    *(_unpack_logprobs(v) for v in body[5:7]))
@@ -406,13 +418,11 @@ class Generate:
     stop_token_ids: tuple[int, ...] = ()
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         return [self.seq, self.context_len, _pack_ids(self.prefix), self.max_tokens,
                 list(self.stop_token_ids)]
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Generate:
-        """The request of a checked body (see :func:`decode`)."""
         return cls(body[0], body[1], _unpack_ids(body[2]), body[3], tuple(body[4]))
 
 
@@ -436,7 +446,6 @@ class Tokens:
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         body: list[Any] = [self.seq, _pack_ids(self.token_ids), self.done,
                            _ticks(self.compute_s)]
         replied = self.logprobs is not None or self.prompt_logprobs is not None
@@ -448,7 +457,6 @@ class Tokens:
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Tokens:
-        """The step of a checked body (see :func:`decode`)."""
         return cls(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6],
                    *(_unpack_logprobs(v) for v in body[6:8]))
 
@@ -469,7 +477,6 @@ class Hint:
     alternatives: tuple[tuple[int, int], ...] = ()
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         body: list[Any] = [self.position, _pack_ids(self.tokens)]
         if self.alternatives:
             body.append([v for pair in self.alternatives for v in pair])
@@ -498,12 +505,10 @@ class Close:
     reason: str = ""
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         return [self.reason]
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Close:
-        """The close of a checked body (see :func:`decode`)."""
         return cls(*body)
 
 
@@ -521,12 +526,10 @@ class Error:
     fatal: bool = False
 
     def body(self) -> list[Any]:
-        """The fields after the type, as :attr:`WIRE` lays them out."""
         return [self.code, self.message, self.seq, self.fatal]
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Error:
-        """The error of a checked body (see :func:`decode`)."""
         return cls(*body)
 
 
