@@ -3,12 +3,13 @@
 ``spececd devices`` lists :func:`available_devices`; :func:`has_npu` says whether a
 backend's runtime sees a neural processing unit, which the registry asks when a user
 writes ``--device npu``. Each runtime is asked only when it is installed, and through its
-own backend module (which alone imports it); this module imports no runtime itself and
-loads no model.
+own backend module (which alone imports it, and is imported here only then); this module
+imports no runtime itself and loads no model.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 
@@ -17,43 +18,27 @@ def is_npu(device: dict[str, str]) -> bool:
     return device["device"] == "qnn" or device["device"].split(".")[0] == "npu"
 
 
+# Each backend: the module its runtime is found by, and its module's device listing.
+_LISTINGS = {"hf": ("torch", "hf", "available_devices"),
+             "llama.cpp": ("llama_cpp", "llamacpp", "devices"),
+             "onnx": ("onnxruntime_genai", "onnx", "devices"),
+             "openvino": ("openvino", "openvino", "devices")}
+
+
 def backend_devices(backend: str) -> list[dict[str, str]]:
     """The devices ``backend``'s runtime can run a model on here (none when it is not
     installed), each ``{"device", "backend", "detail"}``."""
-    if backend == "hf":
-        if importlib.util.find_spec("torch") is None:
-            return []
-        from spececd.backends import hf
-
-        return hf.available_devices()
-    if backend == "llama.cpp":
-        if importlib.util.find_spec("llama_cpp") is None:
-            return []
-        import llama_cpp
-
-        gpu = bool(llama_cpp.llama_supports_gpu_offload())
-        return [{"device": "cpu", "backend": "llama.cpp",
-                 "detail": f"llama.cpp {llama_cpp.__version__}"
-                 + (", GPU offload available" if gpu else ", CPU build")}]
-    if backend == "onnx":
-        if importlib.util.find_spec("onnxruntime_genai") is None:
-            return []
-        from spececd.backends import onnx
-
-        return onnx.devices()
-    if backend == "openvino":
-        if importlib.util.find_spec("openvino") is None:
-            return []
-        from spececd.backends import openvino
-
-        return openvino.devices()
-    raise ValueError(f"unknown backend {backend!r}")
+    runtime, module, listing = _LISTINGS[backend]
+    if importlib.util.find_spec(runtime) is None:
+        return []
+    devices: list[dict[str, str]] = getattr(
+        importlib.import_module(f"spececd.backends.{module}"), listing)()
+    return devices
 
 
 def available_devices() -> list[dict[str, str]]:
     """Every device a model can run on here, with the backend that uses it."""
-    return [device for backend in ("hf", "llama.cpp", "onnx", "openvino")
-            for device in backend_devices(backend)]
+    return [device for backend in _LISTINGS for device in backend_devices(backend)]
 
 
 def has_npu(backend: str) -> bool:

@@ -133,6 +133,16 @@ class LlamaCppTokenizer:
         return list(self._llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True))
 
 
+def devices() -> list[dict[str, str]]:
+    """The llama.cpp build's device: the CPU, and whether it offloads layers to a GPU."""
+    import llama_cpp
+
+    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    return [{"device": "cpu", "backend": "llama.cpp",
+             "detail": f"llama.cpp {llama_cpp.__version__}"
+             + (", GPU offload available" if gpu else ", CPU build")}]
+
+
 def token_count(llm: Any) -> int:
     """The ids that are tokens: llama.cpp's vocabulary less the padding a converter appends
     to reach the model's embedding width (``[PAD151665]``..., marked unused), as in Qwen2.5
