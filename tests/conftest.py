@@ -85,7 +85,8 @@ def pytest_configure(config: pytest.Config) -> None:
         chosen = builtin.static_path
 
         def static_path(backend: Any, static: str, max_context: int) -> Any:
-            return chosen(backend, "on" if static == "auto" else static, max_context)
+            on = static == "auto" and backend.name == "hf"  # a transformers target's
+            return chosen(backend, "on" if on else static, max_context)
 
         builtin.static_path = static_path  # type: ignore[assignment]
         runners = sys.modules.get("spececd.cloud.runners")
