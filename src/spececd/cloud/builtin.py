@@ -54,7 +54,7 @@ STATIC = ("auto", "on", "off")
 def static_path(backend: Backend, static: str, max_context: int) -> Backend:
     """``backend`` on the static path (:mod:`spececd.backends.static`) where ``static``
     says: ``on`` for a transformers model, ``off`` never, ``auto`` on CUDA only (on the
-    CPU it measured slower: see docs/deploy/gpu.md in the repository)."""
+    CPU it measured slower: docs/deploy/gpu.md)."""
     if static not in STATIC:
         raise InputError(f"static must be one of {', '.join(STATIC)}, got {static!r}")
     if static == "off":

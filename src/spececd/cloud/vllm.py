@@ -394,10 +394,10 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
     except BaseException:  # SystemExit too: SIGTERM while vLLM starts (spececd.processes)
         hints.close()
         raise
-    config = llm.model_config
+    model_config = llm.model_config
     target = VllmTarget(
-        model, tokenizer, min(tokens, config.get_vocab_size()), config.max_model_len,
-        f"{model} (vLLM {vllm.__version__}, {config.dtype}, tensor parallel "
+        model, tokenizer, min(tokens, model_config.get_vocab_size()), model_config.max_model_len,
+        f"{model} (vLLM {vllm.__version__}, {model_config.dtype}, tensor parallel "
         f"{tensor_parallel_size})")
     from prometheus_client import REGISTRY
 
