@@ -21,7 +21,7 @@ def test_the_toy_path_imports_no_torch() -> None:
     """The toy backend, the shared fixtures, the engine, the in-memory transport and the
     edge loop load without torch: a heavy import creeping into any of them fails this."""
     code = ("import sys; import tests.conftest, tests.toy, spececd.transports.memory, "
-            "spececd.edge.client, spececd.cloud.unary, spececd.cloud.scheduler; "
+            "spececd.edge.client, spececd.transports.unary, spececd.cloud.scheduler; "
             "assert 'torch' not in sys.modules, 'torch was imported'; "
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}

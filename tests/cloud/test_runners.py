@@ -29,6 +29,7 @@ from spececd.cloud.service import CloudService
 from spececd.core.tokens import common_prefix
 from spececd.protocol import messages as m
 from spececd.protocol.cloud_session import GenerateRequest, Limits
+from tests.support.protocol import hello as support_hello
 from tests.toy import ToyBackend, ToyModel
 
 Greedy = Callable[[Sequence[int], int], list[int]]
@@ -156,8 +157,8 @@ def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
 
 
 def hello(target: Target) -> bytes:
-    fingerprint = tokenizer_fingerprint(target.tokenizer, target.vocab_size)
-    return m.encode(m.Hello(m.PROTOCOL_VERSION, fingerprint, "greedy", 0.0, 0, 1.0, 7))
+    """A greedy hello for ``target``."""
+    return support_hello(tokenizer_fingerprint(target.tokenizer, target.vocab_size), "greedy")
 
 
 def serve(service: CloudService, frames: Sequence[bytes], done: int,

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spececd.backends.base import Backend
+from spececd.core.params import SamplingParams
 from spececd.core.sampling import (
     VERIFIER_STREAM,
-    SamplingParams,
     greedy_tokens,
     process_logits,
     round_rng,

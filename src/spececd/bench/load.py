@@ -53,7 +53,8 @@ from typing import Any
 
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.bench.child import STALL_S, within
-from spececd.core.sampling import Mode, SamplingParams, SparseProbs
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.protocol.messages import Fingerprint
 

@@ -255,7 +255,7 @@ class AloneRunner:
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
         from spececd.bench.alone import generate_alone
-        from spececd.core.sampling import Constraint, SamplingParams
+        from spececd.core.params import Constraint, SamplingParams
 
         job, tokenizer = self.job, self.backend.tokenizer
         ids = tokenizer.encode(prompt)
@@ -297,7 +297,7 @@ class SpecRunner:
         self.constrained = bool(request.get("constraint"))
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
-        from spececd.core.sampling import Constraint
+        from spececd.core.params import Constraint
         from spececd.core.stats import GenerationStats
 
         job = self.job

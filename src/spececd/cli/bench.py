@@ -19,7 +19,7 @@ from spececd.bench.child import STALL_S
 from spececd.bench.runner import BenchConfig
 from spececd.cli.options import choose_draft, default_model, demo_prompts
 from spececd.config import EdgeConfig
-from spececd.core.sampling import Mode
+from spececd.core.params import Mode
 from spececd.edge.options import DraftKind, Proactive, parse_k
 from spececd.errors import InputError
 

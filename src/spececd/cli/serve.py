@@ -88,8 +88,6 @@ def run(args: argparse.Namespace) -> int:
                       {k: v for k, v in vars(args).items() if v is not None})
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InputError("TLS needs both --tls-cert and --tls-key")
-    if cfg.engine not in ("builtin", "vllm"):
-        raise InputError(f"engine must be builtin or vllm, got {cfg.engine!r}")
     # vLLM's engine processes, and any other, end with the server at every stage
     with processes.ended_with_this_one():
         return serve(cfg, config.auth_token(cfg.auth_token_file))

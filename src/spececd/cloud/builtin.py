@@ -29,7 +29,7 @@ from spececd.backends.base import Backend, CachedSequence
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, Pass, RunnerConfig
 from spececd.cloud.scheduler import BatchScheduler
-from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for
 from spececd.protocol.cloud_session import GenerateRequest, Limits, VerifyRequest

@@ -27,10 +27,12 @@ class Inbox:
         self._arrival.set()
 
     def put(self, frame: bytes) -> None:
+        """Queue a frame that arrived now (its arrival time is kept beside it)."""
         self._queue.put_nowait((time.perf_counter(), frame))
         self._arrival.set()
 
     def end(self) -> None:
+        """The client left: after the frames queued, :meth:`get` returns None."""
         self.ended = True
         self._queue.put_nowait(None)
         self._arrival.set()

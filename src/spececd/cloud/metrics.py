@@ -102,4 +102,5 @@ class Metrics:
                 self.accepted_by_position.labels(str(i)).inc()
 
     def exposition(self) -> bytes:
+        """Every metric in Prometheus' text format: SpecECD's, then the runner's own."""
         return b"".join(generate_latest(r) for r in (self.registry, *self.also))

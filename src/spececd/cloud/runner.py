@@ -21,7 +21,7 @@ from typing import Protocol
 
 from spececd.backends.base import Tokenizer
 from spececd.core.logprobs import Logprobs
-from spececd.core.sampling import Mode, SamplingParams
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
 from spececd.protocol.cloud_session import GenerateRequest, VerifyRequest
 
@@ -67,19 +67,29 @@ class Target(Protocol):
     :class:`~spececd.backends.base.Backend` has all of it."""
 
     @property
-    def description(self) -> str: ...
+    def description(self) -> str:
+        """The model, its runtime and settings, for logs and ``/status``."""
+        ...
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        """Token ids the target's tokenizer has (the fingerprint's)."""
+        ...
     @property
-    def max_context(self) -> int: ...
+    def max_context(self) -> int:
+        """Positions the target takes at most (the service's limit is at most this)."""
+        ...
     @property
     def kv_bytes_per_token(self) -> int:
         """0: the KV cache is not the service's to count."""
         ...
     @property
-    def tokenizer(self) -> Tokenizer: ...
+    def tokenizer(self) -> Tokenizer:
+        """The target's tokenizer (its fingerprint, constraints, the tokenizer bundle)."""
+        ...
     @property
-    def tree_attention(self) -> bool: ...
+    def tree_attention(self) -> bool:
+        """Whether the runner verifies token trees (else the hello refuses them)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,9 @@ class ModelRunner(Protocol):
         ...
 
     @property
-    def target(self) -> Target: ...
+    def target(self) -> Target:
+        """The model it serves, as the service reads it."""
+        ...
 
     def unsupported(self, mode: Mode, params: SamplingParams) -> str:
         """Why this runner cannot serve a session in ``mode`` with ``params`` ("" when it

@@ -42,8 +42,8 @@ from spececd.backends.base import tokenizer_fingerprint
 from spececd.cloud.inbox import Inbox
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import EngineStep, Generation, ModelRunner, RunnerError, Target
+from spececd.core.params import Constraint
 from spececd.core.policy import Ema
-from spececd.core.sampling import Constraint
 from spececd.core.verify import tree_depth
 from spececd.errors import InputError
 from spececd.grammar import grammars_for, warm
@@ -118,16 +118,20 @@ class Link:
 
     @property
     def key(self) -> str:
+        """The session's id, under which the runner keeps what it holds for it."""
         return self.session.session_id
 
     def put(self, frame: bytes) -> None:
+        """A frame arrived from the client (the transport's reader calls this)."""
         self.inbox.put(frame)
 
     def end(self) -> None:
+        """The client left; :meth:`CloudService.serve` returns after the frames queued."""
         self.inbox.end()
 
     @property
     def closed(self) -> bool:
+        """Whether the session has closed (a Close frame, or a fatal error answered)."""
         return self.session.state is State.CLOSED
 
     def receive(self, frame: bytes) -> None:
@@ -135,6 +139,7 @@ class Link:
         self.session.receive_data(frame)
 
     def error(self, exc: ProtocolError, seq: int = -1) -> None:
+        """Queue ``exc`` as an error frame for the request ``seq`` (-1: none)."""
         self.session.send_error(exc, seq)
 
     async def flush(self, send: Send) -> None:
@@ -519,6 +524,8 @@ class CloudService:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def release(self, link: Link, ending: Ending = Ending.CLIENT_LEFT) -> None:
+        """Close ``link``'s session, have the runner free what it holds for it, and count
+        how it ended; idempotent."""
         link.session.state, link.session.stream = State.CLOSED, None
         self.runner.forget(link.key)  # frees the KV cache
         if link in self.links:
@@ -531,6 +538,7 @@ class CloudService:
             self.evicted_idle += 1
 
     def kv_tokens(self) -> int:
+        """Tokens of KV cache the runner holds for the open sessions."""
         return sum(self.runner.kv_tokens(link.key) for link in list(self.links))
 
     def tokenizer_bundle(self) -> bytes | None:
@@ -545,6 +553,8 @@ class CloudService:
         return self.runner.alive()
 
     def ready(self) -> bool:
+        """Whether a new session would be taken (``/readyz``): alive, not draining, and
+        below the session limit."""
         return self.alive() and not self.draining and len(self.links) < self.policy.max_sessions
 
     def status(self) -> dict[str, object]:

@@ -68,14 +68,14 @@ from spececd.backends.base import Tokenizer
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import EngineStep, Pass, RunnerConfig, RunnerError
 from spececd.cloud.vllm_proposer import ADDRESS_ENV
-from spececd.core.sampling import Constraint, Mode, SamplingParams
+from spececd.core.params import Constraint, Mode, SamplingParams
+from spececd.core.tokens import common_prefix
 from spececd.core.verify import VerifyResult
 from spececd.errors import InputError
 from spececd.protocol.cloud_session import (
     GenerateRequest,
     Limits,
     VerifyRequest,
-    common_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,10 @@ class VllmRunner:
 
     def sampling(self, params: SamplingParams, start: int, max_tokens: int,
                  stop: Sequence[int] = ()) -> Any:
+        """``params`` as vLLM's ``SamplingParams`` for a request of ``max_tokens`` after a
+        context of ``start`` tokens (its seed moved by ``start``, as the built-in runner's
+        random stream is); a constraint from later than the prompt's end is a
+        :class:`RunnerError`."""
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 

@@ -165,6 +165,9 @@ class HintProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, **_: Any) -> list[list[int]]:
+        """vLLM's call after each engine step: for each request of the batch, the part
+        of its latest hint ahead of its tokens while the hint agrees with them (an empty
+        list where there is none)."""
         self._receive()
         ids = self._request_ids() if self.drafts else None
         if ids is None:

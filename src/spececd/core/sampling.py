@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The records' home is spececd.core.params. Constraint and Mode stay importable from here
-# for the modules that still take them from this one (cloud/, bench/ and cli/bench.py, see
-# issue 40) and for users who followed the API reference; SamplingParams is used below.
+# The records' home is spececd.core.params; nothing inside imports them from here. They
+# stay importable from here for users who followed the API reference (SamplingParams is
+# used below too).
 from spececd.core.params import Constraint as Constraint
 from spececd.core.params import Mode as Mode
 from spececd.core.params import SamplingParams as SamplingParams

@@ -37,7 +37,7 @@ import numpy as np
 from spececd.core.logprobs import Logprobs
 from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
-from spececd.core.tokens import common_prefix as common_prefix  # for cloud/vllm.py
+from spececd.core.tokens import common_prefix
 from spececd.core.verify import tree_depth
 from spececd.protocol import messages as m
 from spececd.protocol.errors import (

@@ -1,4 +1,4 @@
-"""Unary verification (:class:`~spececd.cloud.unary.UnarySessions`: gRPC VerifyDraft and
+"""Unary verification (:class:`~spececd.transports.unary.UnarySessions`: gRPC VerifyDraft and
 BatchVerify, HTTP verify) on an engine over the toy target: a session key keeps the
 target's KV cache between calls, a bad token id is the engine's typed error, and the auth
 token is part of the key."""
@@ -13,8 +13,8 @@ import pytest
 
 from spececd.cloud.runners import builtin_service
 from spececd.cloud.service import CloudService
-from spececd.cloud.unary import UnaryParams, UnarySessions
 from spececd.protocol.errors import AuthFailed, InvalidTokens
+from spececd.transports.unary import UnaryParams, UnarySessions
 from tests.toy import ToyBackend, ToyModel, greedy
 
 PROMPT = list(b"while True:")
