@@ -56,7 +56,12 @@ CONVERTED = ["llama.cpp-llama", "onnx-llama", "onnx-qwen2", "openvino-llama",
              "openvino-qwen2"]
 
 
-@pytest.fixture(params=["toy", *ARCHS, *(f"{arch}-static" for arch in ARCHS), *CONVERTED])
+# The static path as off CUDA (eager, slots, padded widths), and with the fixed shapes that
+# CUDA graphs are captured for (whole slots, padded batches), eagerly.
+STATIC = [*(f"{arch}-static" for arch in ARCHS), "llama-static-fixed"]
+
+
+@pytest.fixture(params=["toy", *ARCHS, *STATIC, *CONVERTED])
 def subject(request: pytest.FixtureRequest) -> Subject:
     if request.param == "toy":
         toy = ToyBackend(ToyModel(seed=5))
@@ -80,7 +85,7 @@ def subject(request: pytest.FixtureRequest) -> Subject:
 
             return Subject(backend, fresh_llama, trees=False)
         return Subject(backend, transformers_fresh(tiny_models[name]), trees=False)
-    arch, static = request.param.removesuffix("-static"), request.param.endswith("-static")
+    arch, _, static = request.param.partition("-")
     backend = load_backend(str(tiny_models[arch]), device="cpu", dtype="float32")
     model = backend.model  # type: ignore[attr-defined]
     if static:
@@ -88,7 +93,7 @@ def subject(request: pytest.FixtureRequest) -> Subject:
         from spececd.backends.static import StaticBackend
 
         assert isinstance(backend, HFBackend)
-        backend = StaticBackend(backend, max_context=200)
+        backend = StaticBackend(backend, max_context=200, fixed=static == "static-fixed")
 
     def fresh(tokens: list[int]) -> np.ndarray:
         with torch.no_grad():

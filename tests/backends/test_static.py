@@ -118,3 +118,39 @@ def test_a_trees_accepted_path_is_gathered_in_its_slot(
     assert sequence.tokens == [3, 4, 5, 21, 22]
     logits = sequence.extend([30])
     assert np.abs(logits - fresh(hf, [3, 4, 5, 21, 22, 30])[-1:]).max() <= LOGIT_TOLERANCE
+
+
+def test_fixed_shapes_pad_a_batch_and_read_whole_slots(
+        pair: tuple[HFBackend, StaticBackend]) -> None:
+    """The shapes graphs are captured for, run eagerly here: whole slots, a batch of three
+    padded to four with a row that sees only itself, gathered into the backend's own rows
+    (which still hold an earlier pass's keys past each row's length), a tree among them,
+    then a lone sequence through the same rows; each row's logits are a fresh forward's."""
+    hf, _ = pair
+    fixed = StaticBackend(hf, max_context=160, fixed=True)
+    assert fixed.fixed and fixed.graphs is None  # no CUDA here: the shapes, not the graphs
+    rng = np.random.default_rng(2)
+    streams = [[int(t) for t in rng.integers(0, fixed.vocab_size, 40)] for _ in range(3)]
+    sequences = [fixed.new_sequence() for _ in streams]
+    for sequence, stream, cached in zip(sequences, streams, (30, 5, 12), strict=True):
+        sequence.extend(stream[:cached], keep=0)
+    for round_ in range(2):
+        parents = [-1, 0, 0] if round_ else None  # a tree in the second batch
+        items = [Extend(sequences[0], streams[0][30 + 3 * round_:33 + 3 * round_], 3),
+                 Extend(sequences[1], [streams[1][5 + round_]], 1),
+                 Extend(sequences[2], streams[2][12 + 3 * round_:15 + 3 * round_], 3,
+                        parents)]
+        results = fixed.extend_batch(items)
+        assert fixed._staging is not None  # gathered into the backend's own rows
+        for item, sequence, logits in zip(items, sequences, results, strict=True):
+            context = sequence.tokens[:len(sequence.tokens) - len(item.ids)]
+            if item.parents is None:
+                expected = fresh(hf, [*context, *item.ids])[-len(item.ids):]
+            else:  # a token and its two children: each child's path is the token and it
+                expected = np.stack([fresh(hf, [*context, item.ids[0]])[-1],
+                                     fresh(hf, [*context, item.ids[0], item.ids[1]])[-1],
+                                     fresh(hf, [*context, item.ids[0], item.ids[2]])[-1]])
+            assert np.abs(logits - expected).max() <= LOGIT_TOLERANCE
+    lone = sequences[1].extend([7, 8])  # row 0 of the same tensors, its own cache gathered
+    assert np.abs(lone - fresh(hf, sequences[1].tokens)[-2:]).max() <= LOGIT_TOLERANCE
+    assert fixed.slots == 3  # the padding row's slot is the backend's own, not a sequence's

@@ -17,20 +17,24 @@ and writes at a fixed address with a fixed shape. Hence:
   the padding tokens see only themselves, are written past the sequence's length (so never
   read) and their logits are dropped. Prefills longer than the widest run at their own
   width, eagerly; a batch that would not fit a slot so runs item by item.
-- **Fixed keys.** Attention reads ``attended`` positions of a slot: on CUDA the whole slot
-  (one shape per width, for graphs), elsewhere the context rounded up to
+- **Fixed keys.** Attention reads ``attended`` positions of a slot: on fixed shapes (CUDA)
+  the whole slot (one shape per width, for graphs), elsewhere the context rounded up to
   :data:`BLOCK` (a CPU pass then costs what the context costs, as with a growing cache).
 - **Batches.** Several sequences' passes run as one batch of the same width: their slots'
-  keys and values are gathered into one batch (a copy), and the new positions written back.
-  A batch of one reads and writes its slot in place.
+  cached keys and values are gathered into one batch (a copy) and the new positions written
+  back. On fixed shapes every pass, a lone sequence's too, is padded to the narrowest of
+  :data:`BATCHES` with rows that see only themselves and gathered into the first rows of
+  the backend's own tensors (so a graph per batch size and width serves every session; the
+  copy is of the cached positions only, cheap beside a forward); a larger batch runs
+  eagerly. Elsewhere a lone sequence reads and writes its slot in place.
 
 Each pass gives the model a cache object of its own (:class:`_SlotCache`) whose ``update``
 writes the new keys and values at each row's positions and returns the attended keys and
 values, and a 4D attention mask saying what each new token sees (the cached tokens and its
 tree ancestors): transformers then runs its own attention over them, so any architecture
 transformers runs with a 4D mask works here. Graph capture (:class:`_Graphs`) runs on CUDA
-only, per slot and width for a single sequence and per batch size and width for batches; a
-capture that fails leaves that shape eager, with a warning.
+only, once per batch size and width (at most 4 x 5 graphs); a capture that fails leaves
+that shape eager, with a warning.
 
 The conformance suite holds it to the backend contract (``extend`` gives what a fresh
 forward over the same tokens gives) on the CPU, eager; CI has no GPU, so the capture itself
@@ -65,6 +69,8 @@ log = logging.getLogger(__name__)
 
 # The widths a pass over new tokens is padded to (a cloud-only step is one position).
 WIDTHS = (1, 8, 16, 32, 64)
+# The batch sizes a pass is padded to on fixed shapes (graphs); a larger batch runs eagerly.
+BATCHES = (1, 2, 4, 8)
 BLOCK = 64  # off CUDA, attention reads the context rounded up to a multiple of this
 
 
@@ -207,39 +213,51 @@ class StaticBackend(Backend):
     tree_attention = True
     thread: ModelThread  # the transformers model's own
 
-    def __init__(self, hf: HFBackend, max_context: int, graphs: bool = True) -> None:
+    def __init__(self, hf: HFBackend, max_context: int, graphs: bool = True,
+                 fixed: bool | None = None) -> None:
         self.hf, self.model, self.thread = hf, hf.model, hf.thread
         self.device, self.tokenizer, self.vocab_size = hf.device, hf.tokenizer, hf.vocab_size
         self.max_context = min(hf.max_context, max_context)
         self.kv_bytes_per_token = hf.kv_bytes_per_token
         self.room = self.max_context + WIDTHS[-1]  # a padded pass may write past the context
-        self.whole = self.device.type == "cuda"  # attend to whole slots: one shape a width
-        self.graphs = _Graphs(self.model) if graphs and self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        # Fixed shapes (whole slots, batches padded to BATCHES): on CUDA, for graphs; a test
+        # may ask for them elsewhere, to run their logic on a CPU.
+        self.fixed = cuda if fixed is None else fixed
+        self.graphs = _Graphs() if graphs and cuda and self.fixed else None
         self.description = (f"{hf.description}, static KV slots of {self.max_context} "
                             f"tokens{', CUDA graphs' if self.graphs else ''}")
         self._free: list[_Slot] = []
-        self.slots = 0  # allocated
+        self._scratch: _Slot | None = None  # a padding row's slot (fixed shapes)
+        self._staging: _Slot | None = None  # a pass's rows, gathered (fixed shapes)
+        self.slots = 0  # allocated for sequences
 
     def new_sequence(self) -> StaticSequence:
         return StaticSequence(self)
 
     def take_slot(self) -> _Slot:
+        """A slot for a new sequence: a freed one, else a new one."""
         if self._free:
             return self._free.pop()
+        self.slots += 1
+        return self._new_slot(1)
+
+    def _new_slot(self, rows: int) -> _Slot:
+        """Zeroed keys and values, per layer ``[rows, heads, room, head_dim]``."""
         config = self.model.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
 
         def zeros() -> torch.Tensor:
-            return torch.zeros((1, heads, self.room, dim), dtype=self.model.dtype,
+            return torch.zeros((rows, heads, self.room, dim), dtype=self.model.dtype,
                                device=self.device)
 
-        self.slots += 1
         layers = config.num_hidden_layers
         return _Slot([zeros() for _ in range(layers)], [zeros() for _ in range(layers)])
 
     def free_slot(self, slot: _Slot) -> None:
+        """Give a dropped sequence's slot to the next one."""
         self._free.append(slot)
 
     @_on_model_thread
@@ -256,7 +274,7 @@ class StaticBackend(Backend):
                                  f"{self.max_context}")
         width = width_for(max(counts))
         room = max(self.room, max(lengths) + width)
-        attended = attended_for(max(lengths) + width, room, self.whole)
+        attended = attended_for(max(lengths) + width, room, self.fixed)
         if attended > self.room:  # a long prefill beside a long context: each on its own
             return [self.extend_batch([item])[0] for item in items]
         rows = [layout(length, n, width, attended, None if item.parents is None
@@ -275,7 +293,17 @@ class StaticBackend(Backend):
 
     def _forward(self, slots: list[_Slot], ids: np.ndarray, rows: list[Layout],
                  attended: int) -> torch.Tensor:
-        device, dtype = self.device, self.model.dtype
+        """Logits ``[batch, width, vocab]`` of one pass; each slot's new keys and values
+        end in the slot."""
+        device, dtype, width, real = self.device, self.model.dtype, ids.shape[1], len(slots)
+        padded = next((size for size in BATCHES if size >= real), real) if self.fixed \
+            else real
+        if padded > real:  # padding rows: a scratch slot, tokens that see only themselves
+            if self._scratch is None:
+                self._scratch = self._new_slot(1)
+            slots = [*slots, *[self._scratch] * (padded - real)]
+            rows = [*rows, *[layout(0, 0, width, attended, None)] * (padded - real)]
+            ids = np.concatenate([ids, np.zeros((padded - real, width), dtype=ids.dtype)])
         writes = torch.from_numpy(np.stack([row.writes for row in rows])).to(device)
         positions = torch.from_numpy(np.stack([row.positions for row in rows])).to(device)
         allowed = torch.from_numpy(np.stack([row.allowed for row in rows])).to(device)
@@ -284,31 +312,41 @@ class StaticBackend(Backend):
         inputs = {"input_ids": torch.from_numpy(ids).to(device), "position_ids": positions,
                   "attention_mask": mask, "writes": writes}
         layers = len(slots[0].keys)
-        if len(slots) == 1:  # in place
-            keys = [tensor[:, :, :attended] for tensor in slots[0].keys]
-            values = [tensor[:, :, :attended] for tensor in slots[0].values]
-            key: tuple[Any, ...] = ("slot", id(slots[0]), ids.shape[1])
-        else:  # gathered, and the new positions written back
-            keys = [torch.cat([slot.keys[layer][:, :, :attended] for slot in slots])
-                    for layer in range(layers)]
-            values = [torch.cat([slot.values[layer][:, :, :attended] for slot in slots])
-                      for layer in range(layers)]
-            key = ("batch", len(slots), ids.shape[1])
-        if self.graphs is not None and attended == self.room and ids.shape[1] in WIDTHS:
-            logits = self.graphs.run(key, inputs, keys, values, self._run)
+        staged = self.fixed and padded in BATCHES
+        if staged:  # gathered into the first rows of the backend's own tensors
+            if self._staging is None:
+                self._staging = self._new_slot(BATCHES[-1])
+            batch = _Slot([tensor[:padded] for tensor in self._staging.keys],
+                          [tensor[:padded] for tensor in self._staging.values])
+            # Each real row's cached positions only: what lies past them is never seen
+            # (the mask), and a padding row sees only what it writes.
+            for i, (slot, row) in enumerate(zip(slots[:real], rows, strict=False)):
+                cached = int(row.writes[0])
+                for target, source in zip((*batch.keys, *batch.values),
+                                          (*slot.keys, *slot.values), strict=True):
+                    target[i, :, :cached] = source[0, :, :cached]
+        elif padded == 1:  # in place
+            batch = _Slot([tensor[:, :, :attended] for tensor in slots[0].keys],
+                          [tensor[:, :, :attended] for tensor in slots[0].values])
+        else:  # gathered anew
+            batch = _Slot([torch.cat([slot.keys[layer][:, :, :attended] for slot in slots])
+                           for layer in range(layers)],
+                          [torch.cat([slot.values[layer][:, :, :attended] for slot in slots])
+                           for layer in range(layers)])
+        if self.graphs is not None and staged and width in WIDTHS:
+            logits = self.graphs.run((padded, width), inputs, batch, self._run)
         else:
-            logits = self._run(inputs, keys, values)
-        if len(slots) > 1:
-            for i, (slot, row) in enumerate(zip(slots, rows, strict=True)):
+            logits = self._run(inputs, batch)
+        if staged or padded > 1:  # the new positions back into each real row's slot
+            for i, (slot, row) in enumerate(zip(slots[:real], rows, strict=False)):
                 start, end = int(row.writes[0]), int(row.writes[-1]) + 1
-                for layer in range(layers):
-                    slot.keys[layer][0, :, start:end] = keys[layer][i, :, start:end]
-                    slot.values[layer][0, :, start:end] = values[layer][i, :, start:end]
+                for target, source in zip((*slot.keys, *slot.values),
+                                          (*batch.keys, *batch.values), strict=True):
+                    target[0, :, start:end] = source[i, :, start:end]
         return logits
 
-    def _run(self, inputs: dict[str, torch.Tensor], keys: list[torch.Tensor],
-             values: list[torch.Tensor]) -> torch.Tensor:
-        cache = _SlotCache(keys, values, inputs["writes"])
+    def _run(self, inputs: dict[str, torch.Tensor], batch: _Slot) -> torch.Tensor:
+        cache = _SlotCache(batch.keys, batch.values, inputs["writes"])
         out = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
                          attention_mask=inputs["attention_mask"],
                          **{self.hf.cache_keyword: cache}, use_cache=True)
@@ -321,64 +359,53 @@ class StaticBackend(Backend):
         return sequence
 
 
-Run = Callable[[dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+Run = Callable[[dict[str, torch.Tensor], _Slot], torch.Tensor]
 
 
 class _Graphs:
     """CUDA graphs of the forward, one per shape key, captured on first use: the inputs are
     copied into the graph's own tensors, the graph replayed, its logits copied out. The
-    keys and values it reads and writes must be the same tensors at every replay (a slot's
-    own, or a batch's gathered copy made into the graph's own tensors here)."""
+    keys and values it reads and writes are the same tensors at every replay of a key (a
+    slot's own, or the batch size's gathered ones)."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self._graphs: dict[tuple[Any, ...], Any] = {}
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[Any, ...], tuple[Any, dict[str, torch.Tensor],
+                                                  torch.Tensor]] = {}
         self._failed: set[tuple[Any, ...]] = set()
         self._pool: Any = None  # one memory pool for every graph: they never run at once
 
-    def run(self, key: tuple[Any, ...], inputs: dict[str, torch.Tensor],
-            keys: list[torch.Tensor], values: list[torch.Tensor], run: Run) -> torch.Tensor:
+    def run(self, key: tuple[Any, ...], inputs: dict[str, torch.Tensor], batch: _Slot,
+            run: Run) -> torch.Tensor:
+        """``run(inputs, batch)``, replayed from the graph of ``key``."""
         if key in self._failed:
-            return run(inputs, keys, values)
+            return run(inputs, batch)
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._graphs[key] = self._capture(inputs, keys, values, run)
+                entry = self._graphs[key] = self._capture(inputs, batch, run)
             except Exception as exc:  # that shape stays eager
                 log.warning("could not capture a CUDA graph for %s (%s): it runs eagerly",
                             key, exc)
                 self._failed.add(key)
-                return run(inputs, keys, values)
-        graph, static_inputs, static_keys, static_values, logits = entry
-        gathered = keys[0].shape[0] > 1  # a batch's copy, into the graph's own tensors
+                return run(inputs, batch)
+        graph, static_inputs, logits = entry
         for name, tensor in inputs.items():
             static_inputs[name].copy_(tensor)
-        if gathered:
-            for target, source in zip((*static_keys, *static_values), (*keys, *values),
-                                      strict=True):
-                target.copy_(source)
         graph.replay()
-        if gathered:
-            for target, source in zip((*keys, *values), (*static_keys, *static_values),
-                                      strict=True):
-                target.copy_(source)
-        return logits.clone()  # type: ignore[no-any-return]
+        return logits.clone()
 
-    def _capture(self, inputs: dict[str, torch.Tensor], keys: list[torch.Tensor],
-                 values: list[torch.Tensor], run: Run) -> tuple[Any, ...]:
+    def _capture(self, inputs: dict[str, torch.Tensor], batch: _Slot,
+                 run: Run) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
         static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
-        batch = keys[0].shape[0] > 1
-        static_keys = [tensor.clone() for tensor in keys] if batch else keys
-        static_values = [tensor.clone() for tensor in values] if batch else values
         stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up passes, as capture requires
-            for _ in range(2):
-                run(static_inputs, static_keys, static_values)
+        with torch.cuda.stream(stream):  # warm-up passes, as capture requires; they write
+            for _ in range(2):  # the same keys and values the real pass writes next
+                run(static_inputs, batch)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = run(static_inputs, static_keys, static_values)
-        return graph, static_inputs, static_keys, static_values, logits
+            logits = run(static_inputs, batch)
+        return graph, static_inputs, logits
