@@ -38,6 +38,7 @@ Heavy imports (torch, llama_cpp, ...) live in each backend's own module.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -144,6 +145,17 @@ class ModelThread:
         if self.here():
             return fn(*args, **kwargs)
         return self.executor.submit(fn, *args, **kwargs).result()
+
+
+def on_model_thread(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` of a backend or a sequence whose ``thread`` is a :class:`ModelThread`,
+    run on that thread."""
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        thread = args[0].thread  # type: ignore[attr-defined]
+        assert isinstance(thread, ModelThread), "on_model_thread: an owner with a ModelThread"
+        return thread.call(method, *args, **kwargs)
+    return call
 
 
 class Backend(Protocol):

@@ -13,16 +13,16 @@ thread has no team, so it gets a thread of its own (:func:`model_thread`): a dra
 target of one thread each then run side by side on two cores, a draft step beside a
 verification pass of another session.
 
-This module is the only one that imports torch and transformers for inference.
+This module and its static path (:mod:`spececd.backends.static`) are the only ones that
+import torch and transformers for inference.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,10 +39,9 @@ from spececd.backends.base import (
     CachedSequence,
     Extend,
     ModelThread,
-    P,
-    R,
     contiguous,
     is_chain,
+    on_model_thread,
     resolve_keep,
     tree_layout,
 )
@@ -74,14 +73,6 @@ def model_thread(threads: int) -> ModelThread:
     return torch_thread()
 
 
-def _on_model_thread(method: Callable[P, R]) -> Callable[P, R]:
-    """``method`` of a backend or a sequence, run on its model's thread."""
-    @functools.wraps(method)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        owner = args[0]
-        assert isinstance(owner, HFBackend | HFSequence)
-        return owner.thread.call(method, *args, **kwargs)
-    return call
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -169,7 +160,7 @@ class HFSequence:
     def thread(self) -> ModelThread:
         return self._backend.thread
 
-    @_on_model_thread
+    @on_model_thread
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], keep: int | None = None,
                parents: Sequence[int] | None = None) -> np.ndarray:
@@ -229,7 +220,7 @@ class HFSequence:
             self._cache.crop(-remove)
         del self._tokens[n:]
 
-    @_on_model_thread
+    @on_model_thread
     def select(self, n: int, positions: Sequence[int]) -> None:
         if contiguous(n, positions):
             self.truncate(n + len(positions))
@@ -293,7 +284,7 @@ class HFBackend(Backend):
             raise TypeError("extend_batch takes sequences made by this backend")
         return sequence
 
-    @_on_model_thread
+    @on_model_thread
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """``extend`` for several sequences in one forward pass, ids non-empty. Caches of

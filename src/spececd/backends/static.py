@@ -43,7 +43,6 @@ is exercised only by ``scripts/gpu-bench.sh`` on a lent GPU.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -58,8 +57,7 @@ from spececd.backends.base import (
     CachedSequence,
     Extend,
     ModelThread,
-    P,
-    R,
+    on_model_thread,
     resolve_keep,
     tree_layout,
 )
@@ -74,14 +72,6 @@ BATCHES = (1, 2, 4, 8)
 BLOCK = 64  # off CUDA, attention reads the context rounded up to a multiple of this
 
 
-def _on_model_thread(method: Callable[P, R]) -> Callable[P, R]:
-    """``method`` of a backend or a sequence, run on its model's thread."""
-    @functools.wraps(method)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        owner = args[0]
-        assert isinstance(owner, StaticBackend | StaticSequence)
-        return owner.thread.call(method, *args, **kwargs)
-    return call
 
 
 def width_for(n: int) -> int:
@@ -191,7 +181,7 @@ class StaticSequence:
     def truncate(self, n: int) -> None:
         del self._tokens[n:]  # the slot's tensors are written over by the next pass
 
-    @_on_model_thread
+    @on_model_thread
     @torch.inference_mode()
     def select(self, n: int, positions: Sequence[int]) -> None:
         keep = [*range(n), *positions]
@@ -260,7 +250,7 @@ class StaticBackend(Backend):
         """Give a dropped sequence's slot to the next one."""
         self._free.append(slot)
 
-    @_on_model_thread
+    @on_model_thread
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """One pass over every item's new tokens (see the module docstring); equal to
