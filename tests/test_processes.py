@@ -78,7 +78,6 @@ def test_a_signal_within_ends_the_command_and_its_tree(signum: int) -> None:
     before = wait_for_tree(proc, 3)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
-    # SIGTERM: SystemExit(128 + 15); SIGINT: KeyboardInterrupt, with which Python ends by
-    # SIGINT's default action
-    assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGINT), err
+    # SystemExit(128 + signal), for SIGINT too (vLLM's start-up swallows KeyboardInterrupt)
+    assert proc.returncode == 128 + signum, err
     assert not [p for p in before if running(p)]

@@ -7,11 +7,13 @@ to close, left them running under init (3.7 GB with the default target on a CPU;
 they would hold its memory). So a command that starts such processes runs within
 :func:`ended_with_this_one`:
 
-- SIGTERM raises ``SystemExit`` in the main thread, as SIGINT raises ``KeyboardInterrupt``,
-  so that ``finally`` blocks and the engine's own shutdown run at any point of start-up. An
-  event loop may take SIGTERM over while it runs (to drain); ``asyncio.run`` gives it back
-  to the default action when it returns, so the command calls :func:`exit_on_signals`
-  again before it closes the engine.
+- SIGTERM and SIGINT raise ``SystemExit(128 + signal)`` in the main thread, so that
+  ``finally`` blocks and the engine's own shutdown run at any point of start-up. Not
+  ``KeyboardInterrupt`` for SIGINT: vLLM's start-up swallows that one and goes on starting
+  (``vllm.utils.network_utils.zmq_socket_ctx`` in vLLM 0.32). An event loop may take
+  SIGTERM over while it runs (to drain); ``asyncio.run`` gives it back to the default
+  action when it returns, so the command calls :func:`exit_on_signals` again before it
+  closes the engine.
 - On the way out, whatever this process started that still runs is ended
   (:func:`end_descendants`): a snapshot of every descendant first, since a process whose
   parent dies is re-parented to init and is no longer found below this one; then SIGTERM,
@@ -33,7 +35,7 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
-STOPPING = (signal.SIGTERM,)  # SIGINT already raises KeyboardInterrupt
+STOPPING = (signal.SIGTERM, signal.SIGINT)
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 
 log = logging.getLogger(__name__)
@@ -44,14 +46,15 @@ def _exit(signum: int, frame: FrameType | None) -> None:
 
 
 def exit_on_signals() -> None:
-    """SIGTERM raises ``SystemExit(143)`` in the main thread from now on."""
+    """SIGTERM and SIGINT raise ``SystemExit(128 + signal)`` in the main thread from now
+    on."""
     for signum in STOPPING:
         signal.signal(signum, _exit)
 
 
 @contextlib.contextmanager
 def ended_with_this_one(grace: float = 3.0) -> Iterator[None]:
-    """Within: SIGTERM raises ``SystemExit``; on leaving, however it is left, every
+    """Within: SIGTERM and SIGINT raise ``SystemExit``; on leaving, however it is left, every
     descendant still running is ended (``grace``: seconds between SIGTERM and SIGKILL).
     For a command's main thread (only it may set signal handlers)."""
     previous = {signum: signal.getsignal(signum) for signum in STOPPING}
@@ -60,8 +63,7 @@ def ended_with_this_one(grace: float = 3.0) -> Iterator[None]:
         yield
     finally:
         # A signal during the (bounded) ending is ignored, rather than stopping it halfway.
-        for signum in (*STOPPING, signal.SIGINT):
-            previous.setdefault(signum, signal.getsignal(signum))
+        for signum in STOPPING:
             signal.signal(signum, signal.SIG_IGN)
         try:
             end_descendants(grace)
