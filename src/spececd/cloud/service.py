@@ -4,9 +4,11 @@
 :class:`~spececd.protocol.cloud_session.CloudSession` and the frames that arrived for it),
 draining, idle eviction, the metrics and the one loop that runs a cloud-only generation
 (stream drafting). Model work is a :class:`~spececd.cloud.runner.ModelRunner`'s: the
-built-in one (:mod:`spececd.cloud.builtin`) or vLLM (:mod:`spececd.cloud.vllm`). The
-service calls the runner; the runner never calls the service. A transport does three
-things and nothing else::
+built-in one (:mod:`spececd.cloud.builtin`) or vLLM (:mod:`spececd.cloud.vllm`), put under
+the service by :mod:`spececd.cloud.runners`; this module imports neither. The service calls
+the runner; the runner never calls the service, and returns what a pass or a step produced,
+which only the service writes into the session. A transport does three things and nothing
+else::
 
     link = service.open()                 # a client connected
     link.put(frame) ... link.end()        # from its reader, as frames arrive
