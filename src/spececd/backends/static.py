@@ -72,8 +72,6 @@ BATCHES = (1, 2, 4, 8)
 BLOCK = 64  # off CUDA, attention reads the context rounded up to a multiple of this
 
 
-
-
 def width_for(n: int) -> int:
     """The width a pass over ``n`` new tokens runs at: the narrowest of :data:`WIDTHS`
     that holds them, else ``n`` itself (a long prefill)."""
@@ -120,7 +118,8 @@ def layout(length: int, n: int, width: int, attended: int,
 
 
 class _Slot:
-    """One sequence's keys and values, per layer ``[1, heads, room, head_dim]``."""
+    """Keys and values, per layer ``[rows, heads, room, head_dim]``: one row for a
+    sequence's slot, a row per sequence for a pass's batch."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.keys, self.values = keys, values
@@ -131,8 +130,6 @@ class _SlotCache:
     writes a layer's new keys and values at each row's ``writes`` and returns the attended
     keys and values. Nothing else of transformers' cache API is asked for when the mask is
     a 4D one."""
-
-    is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                  writes: torch.Tensor) -> None:
