@@ -4,6 +4,7 @@ starts a tree of sleepers; the tree is read by :mod:`tests.proctree`."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,16 +23,18 @@ if not HAS_PROC:
 TREE = textwrap.dedent("""
     import signal, subprocess, sys, time
     SLEEPER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    child = subprocess.Popen([sys.executable, "-c", f'''
+
+    def start_tree():
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        child = subprocess.Popen([sys.executable, "-c", f'''
     import subprocess, sys
     subprocess.Popen([sys.executable, "-c", {SLEEPER!r}])
     exec({SLEEPER!r})
     '''], **quiet)
-    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **quiet)
-    grandchildren = f"/proc/{child.pid}/task/{child.pid}/children"
-    while not open(grandchildren).read().split():
-        time.sleep(0.05)
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **quiet)
+        grandchildren = f"/proc/{child.pid}/task/{child.pid}/children"
+        while not open(grandchildren).read().split():
+            time.sleep(0.05)
     """)
 
 
@@ -46,6 +49,7 @@ def wait_for_tree(proc: subprocess.Popen[str], size: int) -> set[Process]:
 def test_end_descendants_ends_a_tree_that_ignores_sigterm() -> None:
     script = TREE + textwrap.dedent("""
         from spececd.processes import end_descendants
+        start_tree()
         print("started", flush=True)
         input()  # once the test has seen the tree
         started = time.monotonic()
@@ -69,6 +73,7 @@ def test_a_signal_within_ends_the_command_and_its_tree(signum: int) -> None:
     script = TREE + textwrap.dedent("""
         from spececd.processes import ended_with_this_one
         with ended_with_this_one(grace=1.0):
+            start_tree()
             print("started", flush=True)
             time.sleep(600)  # a start-up that takes long
         """)
@@ -81,3 +86,33 @@ def test_a_signal_within_ends_the_command_and_its_tree(signum: int) -> None:
     # SystemExit(128 + signal), for SIGINT too (vLLM's start-up swallows KeyboardInterrupt)
     assert proc.returncode == 128 + signum, err
     assert not [p for p in before if running(p)]
+
+
+def test_what_ran_before_is_spared() -> None:
+    """A caller with processes of its own (a test process and its servers) keeps them."""
+    script = TREE + textwrap.dedent("""
+        from spececd.processes import ended_with_this_one
+        start_tree()
+        with ended_with_this_one(grace=1.0):
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            print("started", flush=True)
+            input()  # once the test has seen the tree
+        print("left", flush=True)
+        input()  # until the test has looked
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    before: set[Process] = set()
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "started\n"
+        before = wait_for_tree(proc, 4)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "left\n"
+        assert len([p for p in before if running(p)]) == 3  # the three started before
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid, _ in [p for p in before if running(p)]:
+            os.kill(pid, signal.SIGKILL)

@@ -14,10 +14,11 @@ they would hold its memory). So a command that starts such processes runs within
   SIGTERM over while it runs (to drain); ``asyncio.run`` gives it back to the default
   action when it returns, so the command calls :func:`exit_on_signals` again before it
   closes the engine.
-- On the way out, whatever this process started that still runs is ended
+- On the way out, whatever this process started within it that still runs is ended
   (:func:`end_descendants`): a snapshot of every descendant first, since a process whose
   parent dies is re-parented to init and is no longer found below this one; then SIGTERM,
-  and SIGKILL for those left after a grace period.
+  and SIGKILL for those left after a grace period. Processes that were there before are
+  spared (a caller in a test process keeps its own servers).
 
 Descendants are found by walking ``/proc/*/stat`` (Linux; elsewhere none are found and only
 the signal handling applies). multiprocessing's resource tracker is left alone: it ignores
@@ -32,7 +33,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from types import FrameType
 
 STOPPING = (signal.SIGTERM, signal.SIGINT)
@@ -55,8 +56,9 @@ def exit_on_signals() -> None:
 @contextlib.contextmanager
 def ended_with_this_one(grace: float = 3.0) -> Iterator[None]:
     """Within: SIGTERM and SIGINT raise ``SystemExit``; on leaving, however it is left, every
-    descendant still running is ended (``grace``: seconds between SIGTERM and SIGKILL).
-    For a command's main thread (only it may set signal handlers)."""
+    descendant started within and still running is ended (``grace``: seconds between
+    SIGTERM and SIGKILL). For a command's main thread (only it may set signal handlers)."""
+    before = set(descendants())
     previous = {signum: signal.getsignal(signum) for signum in STOPPING}
     exit_on_signals()
     try:
@@ -66,7 +68,7 @@ def ended_with_this_one(grace: float = 3.0) -> Iterator[None]:
         for signum in STOPPING:
             signal.signal(signum, signal.SIG_IGN)
         try:
-            end_descendants(grace)
+            end_descendants(grace, spare=before)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -94,14 +96,15 @@ def descendants(pid: int = 0) -> list[Process]:
     return found
 
 
-def end_descendants(grace: float = 3.0) -> list[int]:
-    """End every process below this one: SIGTERM, then SIGKILL for those still running
-    after ``grace`` seconds (and any started meanwhile). Returns the pids it signalled."""
-    first = _ending()
+def end_descendants(grace: float = 3.0, spare: Collection[Process] = ()) -> list[int]:
+    """End every process below this one but those in ``spare``: SIGTERM, then SIGKILL for
+    those still running after ``grace`` seconds (and any started meanwhile). Returns the
+    pids it signalled."""
+    first = _ending(spare)
     if first:
         log.info("ending the %d processes this one started that still run", len(first))
     _signal(first, signal.SIGTERM, grace)
-    left = [p for p in {*first, *_ending()} if _running(p)]
+    left = [p for p in {*first, *_ending(spare)} if _running(p)]
     if left:
         log.warning("killing %d processes that did not end within %g s of SIGTERM",
                     len(left), grace)
@@ -109,8 +112,9 @@ def end_descendants(grace: float = 3.0) -> list[int]:
     return sorted({pid for pid, _ in (*first, *left)})
 
 
-def _ending() -> list[Process]:
-    return [p for p in descendants() if not _is_resource_tracker(p[0]) and _running(p)]
+def _ending(spare: Collection[Process]) -> list[Process]:
+    return [p for p in descendants()
+            if p not in spare and not _is_resource_tracker(p[0]) and _running(p)]
 
 
 def _signal(processes: list[Process], signum: int, wait: float) -> None:

@@ -37,12 +37,15 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
 
 
 class Server:
-    """``spececd serve`` on the default target; ``processes``: every process seen below it."""
+    """``spececd serve`` on the default target, or another ``command``; ``processes``: every
+    process seen below it."""
 
-    def __init__(self, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *extra: str, env: dict[str, str] | None = None,
+                 command: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spececd", "serve", "--target-model", str(TARGET),
-             "--device", "cpu", "--dtype", "float32", "--port", "0", *extra],
+            [sys.executable, "-m", "spececd", "-v",
+             *(command or ("serve", "--target-model", str(TARGET), "--device", "cpu",
+                           "--dtype", "float32", "--port", "0", *extra))],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         self.started = time.monotonic()
@@ -74,7 +77,7 @@ class Server:
             time.sleep(0.05)
         self._record()
         self.proc.send_signal(signum)
-        status = self.proc.wait(60)
+        status = self.proc.wait(120)
         deadline = time.monotonic() + 10  # what ends once the server has gone (pipes closed)
         while (left := [p for p in self.processes if running(p)]) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -96,12 +99,16 @@ def after(seconds: float) -> Callable[[Server], bool]:
     return lambda server: time.monotonic() - server.started >= seconds
 
 
-def loading(server: Server) -> bool:
-    """The target's weights are mapped: the built-in engine is loading it."""
+def starting(server: Server) -> bool:
+    """The built-in engine loads the target (its weights are mapped) or checks it (its
+    check's session is open), and the server does not serve yet: a load may be too short
+    to be seen, the check lasts till "serving"."""
     try:
-        return str(TARGET) in Path(f"/proc/{server.proc.pid}/maps").read_text()
+        mapped = str(TARGET) in Path(f"/proc/{server.proc.pid}/maps").read_text()
     except OSError:
-        return False
+        mapped = False
+    checking = any("session opened" in line for line in server.log)
+    return (mapped or checking) and not server.serving.is_set()
 
 
 def below(name: str) -> Callable[[Server], bool]:
@@ -114,14 +121,31 @@ def serving(server: Server) -> bool:
 
 
 @pytest.mark.parametrize(("stage", "status"), [
-    pytest.param(loading, 143, id="loading"),  # SIGTERM raised SystemExit(128 + 15)
+    pytest.param(starting, 143, id="starting"),  # SIGTERM raised SystemExit(128 + 15)
     pytest.param(serving, 0, id="serving"),  # drained
 ])
 def test_the_builtin_engine_stops_at_every_stage(stage: Callable[[Server], bool],
                                                  status: int) -> None:
     server = Server("--engine", "builtin", "--threads", "1")
     try:
-        assert server.stop_when(stage, 120) == status
+        got = server.stop_when(stage, 120)
+        assert got == status, f"exit status {got}; stderr: {''.join(server.log[-20:])}"
+    finally:
+        server.kill()
+
+
+def test_the_bench_ends_its_servers_with_it(tiny_models: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    """``spececd bench`` runs its servers in sessions of their own: SIGTERM's default action
+    left the one it had started serving (its workers ended as their pipes closed)."""
+    server = Server(command=(
+        "bench", "--draft-model", str(tiny_models["draft"]), "--target-model",
+        str(tiny_models["llama"]), "--num-prompts", "2", "--max-tokens", "16",
+        "--out", str(tmp_path / "out")))
+    try:
+        # once its server serves: its workers have started
+        got = server.stop_when(below("spececd.bench.worker"), 120)
+        assert got == 143, f"exit status {got}; stderr: {''.join(server.log[-20:])}"
     finally:
         server.kill()
 
@@ -149,8 +173,9 @@ def test_the_vllm_engine_ends_with_the_server_at_every_stage(
     signum = signal.SIGINT if status == 130 else signal.SIGTERM
     server = Server(*VLLM, env=VLLM_ENV)
     try:
-        assert server.stop_when(stage, 400, signum) in ((-signal.SIGTERM, 143)
-                                                        if status is None else (status,))
+        got = server.stop_when(stage, 400, signum)
+        assert got in ((-signal.SIGTERM, 143) if status is None else (status,)), (
+            f"exit status {got}; stderr: {''.join(server.log[-20:])}")
     finally:
         server.kill()
     assert any(seen in name for name in server.processes.values()) or not seen

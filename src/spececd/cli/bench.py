@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spececd import processes
 from spececd.bench.child import STALL_S
 from spececd.bench.runner import BenchConfig
 from spececd.cli.options import choose_draft, default_model, demo_prompts
@@ -289,6 +290,11 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    with processes.ended_with_this_one():  # its servers and workers end with it, however
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     # A long run is never silent: the bench's own progress shows without --verbose.
     bench_log = logging.getLogger("spececd.bench")
     if bench_log.getEffectiveLevel() > logging.INFO:
