@@ -94,9 +94,6 @@ def pytest_configure(config: pytest.Config) -> None:
             return chosen(backend, "on" if on else static, max_context)
 
         builtin.static_path = static_path  # type: ignore[assignment]
-        runners = sys.modules.get("spececd.cloud.runners")
-        if runners is not None:
-            runners.static_path = static_path  # type: ignore[attr-defined]
         from tests.e2e.server import STATIC_ENV
 
         os.environ[STATIC_ENV] = "1"  # servers started as subprocesses (ServerProcess)

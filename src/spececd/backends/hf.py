@@ -189,13 +189,10 @@ class HFSequence:
 
     def _layer(self, layer: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This cache's keys and values at ``layer``, left-padded with ``pad`` zeros."""
-        config = self._backend.model.config.get_text_config(decoder=True)
         if self._tokens:
             keys, values = self._cache.layers[layer].keys, self._cache.layers[layer].values
         else:
-            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            dim = getattr(config, "head_dim", None) or \
-                config.hidden_size // config.num_attention_heads
+            _, heads, dim = self._backend.kv_shape
             keys = values = torch.zeros((1, heads, 0, dim), dtype=self._backend.model.dtype,
                                         device=self._backend.device)
         if pad:
@@ -269,9 +266,14 @@ class HFBackend(Backend):
         self.tokenizer = HFTokenizer(hf_tokenizer, eos_token_ids(
             source, hf_tokenizer, self.model.generation_config))
         text = config.get_text_config(decoder=True)
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.kv_bytes_per_token = (2 * text.num_hidden_layers * heads * head_dim
+        # The KV cache's shape: layers, key/value heads, head size.
+        self.kv_shape = (int(text.num_hidden_layers),
+                         int(getattr(text, "num_key_value_heads", None)
+                             or text.num_attention_heads),
+                         int(getattr(text, "head_dim", None)
+                             or text.hidden_size // text.num_attention_heads))
+        layers, heads, head_dim = self.kv_shape
+        self.kv_bytes_per_token = (2 * layers * heads * head_dim
                                    * torch.tensor([], dtype=torch_dtype).element_size())
         self.description = f"{model} ({type(self.model).__name__}, {torch_dtype}, {self.device})"
         self.cache_keyword = cache_keyword(self.model)

@@ -231,16 +231,12 @@ class StaticBackend(Backend):
 
     def _new_slot(self, rows: int) -> _Slot:
         """Zeroed keys and values, per layer ``[rows, heads, room, head_dim]``."""
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or \
-            config.hidden_size // config.num_attention_heads
+        layers, heads, dim = self.hf.kv_shape
 
         def zeros() -> torch.Tensor:
             return torch.zeros((rows, heads, self.room, dim), dtype=self.model.dtype,
                                device=self.device)
 
-        layers = config.num_hidden_layers
         return _Slot([zeros() for _ in range(layers)], [zeros() for _ in range(layers)])
 
     def free_slot(self, slot: _Slot) -> None:

@@ -14,7 +14,8 @@ import importlib
 from dataclasses import dataclass
 
 from spececd.backends.base import Backend
-from spececd.cloud.builtin import BuiltinRunner, static_path
+from spececd.cloud import builtin
+from spececd.cloud.builtin import BuiltinRunner
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import ModelRunner, RunnerConfig
 from spececd.cloud.service import CloudService, ServicePolicy
@@ -65,6 +66,6 @@ def builtin_service(backend: Backend, limits: Limits | None = None,
     """The service over the built-in runner serving ``backend``, loaded already (on the
     static path where ``config.static`` says: by default on CUDA)."""
     config, limits, metrics = config or RunnerConfig(), limits or Limits(), Metrics()
-    backend = static_path(backend, config.static, limits.max_context)
+    backend = builtin.static_path(backend, config.static, limits.max_context)
     return CloudService(BuiltinRunner(backend, metrics, config), limits, policy, auth_token,
                         metrics)
