@@ -118,11 +118,18 @@ def layout(length: int, n: int, width: int, attended: int,
 
 
 class _Slot:
-    """Keys and values, per layer ``[rows, heads, room, head_dim]``: one row for a
-    sequence's slot, a row per sequence for a pass's batch."""
+    """Keys and values in one tensor, ``data`` ``[2, layers, rows, heads, positions,
+    head_dim]`` (one row for a sequence's slot, a row per sequence for a pass's batch), so
+    that a row is copied in one operation; ``keys`` and ``values`` are its layers' views,
+    ``[rows, heads, positions, head_dim]``."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        self.keys, self.values = keys, values
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.keys, self.values = list(data[0]), list(data[1])
+
+    def first(self, positions: int) -> _Slot:
+        """A view of the first ``positions`` positions."""
+        return _Slot(self.data[:, :, :, :, :positions])
 
 
 class _SlotCache:
@@ -185,8 +192,7 @@ class StaticSequence:
         if keep != list(range(len(keep))):
             slot = self.slot()
             index = torch.tensor(keep, dtype=torch.long, device=self._backend.device)
-            for tensor in (*slot.keys, *slot.values):
-                tensor[:, :, :len(keep)] = tensor.index_select(2, index)
+            slot.data[:, :, :, :, :len(keep)] = slot.data.index_select(4, index)
         self._tokens = [self._tokens[i] for i in keep]
 
 
@@ -230,14 +236,10 @@ class StaticBackend(Backend):
         return self._new_slot(1)
 
     def _new_slot(self, rows: int) -> _Slot:
-        """Zeroed keys and values, per layer ``[rows, heads, room, head_dim]``."""
+        """Zeroed keys and values for ``rows`` sequences, ``room`` positions each."""
         layers, heads, dim = self.hf.kv_shape
-
-        def zeros() -> torch.Tensor:
-            return torch.zeros((rows, heads, self.room, dim), dtype=self.model.dtype,
-                               device=self.device)
-
-        return _Slot([zeros() for _ in range(layers)], [zeros() for _ in range(layers)])
+        return _Slot(torch.zeros((2, layers, rows, heads, self.room, dim),
+                                 dtype=self.model.dtype, device=self.device))
 
     def free_slot(self, slot: _Slot) -> None:
         """Give a dropped sequence's slot to the next one."""
@@ -294,28 +296,20 @@ class StaticBackend(Backend):
         mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
         inputs = {"input_ids": torch.from_numpy(ids).to(device), "position_ids": positions,
                   "attention_mask": mask, "writes": writes}
-        layers = len(slots[0].keys)
         staged = self.fixed and padded in BATCHES
         if staged:  # gathered into the first rows of the backend's own tensors
             if self._staging is None:
                 self._staging = self._new_slot(BATCHES[-1])
-            batch = _Slot([tensor[:padded] for tensor in self._staging.keys],
-                          [tensor[:padded] for tensor in self._staging.values])
+            batch = _Slot(self._staging.data[:, :, :padded])
             # Each real row's cached positions only: what lies past them is never seen
             # (the mask), and a padding row sees only what it writes.
             for i, (slot, row) in enumerate(zip(slots[:real], rows, strict=False)):
                 cached = int(row.writes[0])
-                for target, source in zip((*batch.keys, *batch.values),
-                                          (*slot.keys, *slot.values), strict=True):
-                    target[i, :, :cached] = source[0, :, :cached]
+                batch.data[:, :, i, :, :cached] = slot.data[:, :, 0, :, :cached]
         elif padded == 1:  # in place
-            batch = _Slot([tensor[:, :, :attended] for tensor in slots[0].keys],
-                          [tensor[:, :, :attended] for tensor in slots[0].values])
+            batch = slots[0].first(attended)
         else:  # gathered anew
-            batch = _Slot([torch.cat([slot.keys[layer][:, :, :attended] for slot in slots])
-                           for layer in range(layers)],
-                          [torch.cat([slot.values[layer][:, :, :attended] for slot in slots])
-                           for layer in range(layers)])
+            batch = _Slot(torch.cat([slot.first(attended).data for slot in slots], dim=2))
         if self.graphs is not None and staged and width in WIDTHS:
             logits = self.graphs.run((padded, width), inputs, batch, self._run)
         else:
@@ -323,9 +317,7 @@ class StaticBackend(Backend):
         if staged or padded > 1:  # the new positions back into each real row's slot
             for i, (slot, row) in enumerate(zip(slots[:real], rows, strict=False)):
                 start, end = int(row.writes[0]), int(row.writes[-1]) + 1
-                for target, source in zip((*slot.keys, *slot.values),
-                                          (*batch.keys, *batch.values), strict=True):
-                    target[0, :, start:end] = source[i, :, start:end]
+                slot.data[:, :, 0, :, start:end] = batch.data[:, :, i, :, start:end]
         return logits
 
     def _run(self, inputs: dict[str, torch.Tensor], batch: _Slot) -> torch.Tensor:
