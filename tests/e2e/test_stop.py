@@ -100,15 +100,17 @@ def after(seconds: float) -> Callable[[Server], bool]:
 
 
 def starting(server: Server) -> bool:
-    """The built-in engine loads the target (its weights are mapped) or checks it (its
-    check's session is open), and the server does not serve yet: a load may be too short
-    to be seen, the check lasts till "serving"."""
+    """The server is starting: it catches SIGTERM (``ended_with_this_one`` is in force:
+    SIGTERM's bit in ``SigCgt``), and does not serve yet. That holds from before the target
+    loads until "serving"; waiting for the load itself or the engine check raced them, as
+    the default target loads and checks within one poll at times (seen in CI)."""
     try:
-        mapped = str(TARGET) in Path(f"/proc/{server.proc.pid}/maps").read_text()
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
     except OSError:
-        mapped = False
-    checking = any("session opened" in line for line in server.log)
-    return (mapped or checking) and not server.serving.is_set()
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines()
+                   if line.startswith("SigCgt:")), 0)
+    return bool(caught >> (signal.SIGTERM - 1) & 1) and not server.serving.is_set()
 
 
 def below(name: str) -> Callable[[Server], bool]:
