@@ -18,8 +18,10 @@ calls' ``arguments`` are the model's own JSON text of the arguments object, the 
 whole or streamed.
 
 A call cut off by the token limit (``flush(cut_off=True)``) is never content: as OpenAI
-and vLLM report one, it is a call with the arguments written so far (JSON cut short), once
-its name is whole, and nothing before that.
+and vLLM report one, it is a call with the arguments written so far, once its name is
+whole, and nothing before that. Those arguments are always a start of the arguments
+object's own JSON text, up to where the object closes: never the text that wraps the call
+(the call object's closing brace, a cut end tag, a separator).
 
 Nothing here knows about HTTP, the chat template or the grammar that forces a call
 (:mod:`spececd.openai_api.tools`).
@@ -75,7 +77,9 @@ def _from_object(obj: dict[str, Any], text: str, arguments_key: str) -> ToolCall
 
 def _partial_call(text: str, keys: tuple[str, ...]) -> ToolCall | None:
     """The call a cut-off ``text`` began: its name once whole, and the arguments text
-    written so far (None: it was cut within or before its name)."""
+    written so far (None: it was cut within or before its name): the start of the
+    arguments object, up to where it closes (:func:`_object_prefix`), never the text
+    that wraps the call (its closing brace, the start of an end tag)."""
     head = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"'
     match = re.match(head + r'\s*(?:,\s*"(?:' + "|".join(keys) + r')"\s*:\s*(.*))?',
                      text, re.DOTALL)
@@ -85,7 +89,70 @@ def _partial_call(text: str, keys: tuple[str, ...]) -> ToolCall | None:
         name = json.loads(f'"{match[1]}"')
     except json.JSONDecodeError:
         return None
-    return ToolCall(name, (match[2] or "").rstrip()) if name else None
+    return ToolCall(name, _object_prefix(match[2] or "")) if name else None
+
+
+# JSON's tokens: whole (a string, number, literal or punctuation), and one cut short by the
+# end of the text (a prefix of a string, number or literal).
+_CHARS = r'(?:[^"\\]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*'
+_INT = r"-?(?:0|[1-9][0-9]*)"
+_TOKEN = re.compile(rf'\s*(?:(?P<scalar>"{_CHARS}"|{_INT}(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?'
+                    r"|true|false|null)|(?P<mark>[{}\[\],:]))")
+_CUT = re.compile(rf'\s*(?:(?P<key>"{_CHARS}(?:\\(?:u[0-9a-fA-F]{{0,3}})?)?)|-|{_INT}\.?[0-9]*'
+                  rf"|{_INT}(?:\.[0-9]+)?[eE][+-]?[0-9]*"
+                  r"|t(?:r(?:ue?)?)?|f(?:a(?:l(?:se?)?)?)?|n(?:u(?:ll?)?)?)?\Z")
+# What may come next: a value, an object's key, the colon after it, a comma or a close.
+_VALUE, _KEY, _COLON, _NEXT = "value", "key", "colon", "next"
+
+
+def _object_prefix(text: str) -> str:
+    """The longest start of ``text`` that is the start of a JSON object, ending where the
+    object closes: a cut-off call's arguments as the model wrote them, without what
+    follows the object (the wrapper's brace, an end tag) or anything from where the text
+    stops being JSON. Strings may hold raw control characters, as xgrammar lets them."""
+    closers: list[str] = []  # the open containers' closing marks, innermost last
+    expect, may_close, pos = _VALUE, False, 0
+    number_at = -1  # where the last token began, when it is a number (it may go on)
+    while (token := _TOKEN.match(text, pos)) is not None:
+        mark = token["mark"]
+        if not closers and mark != "{":  # the arguments are an object
+            break
+        if mark is None:  # a string, number or literal
+            if expect == _KEY and token["scalar"].startswith('"'):
+                expect, may_close = _COLON, False
+            elif expect == _VALUE:
+                expect, may_close = _NEXT, True
+            else:
+                break
+        elif mark in "{[" and expect == _VALUE:
+            closers.append("}" if mark == "{" else "]")
+            expect, may_close = (_KEY if mark == "{" else _VALUE), True
+        elif mark == closers[-1] and may_close:
+            closers.pop()
+            if not closers:
+                return text[:token.end()]  # whole: what follows wraps the call
+            expect, may_close = _NEXT, True
+        elif mark == "," and expect == _NEXT:
+            expect, may_close = (_KEY if closers[-1] == "}" else _VALUE), False
+        elif mark == ":" and expect == _COLON:
+            expect, may_close = _VALUE, False
+        else:
+            break
+        pos = token.end()
+        number = mark is None and token["scalar"][0] in "-0123456789"
+        number_at = token.start("scalar") if number else -1
+    if closers and (_cut_at(text, pos, expect)
+                    or (number_at >= 0 and _CUT.match(text, number_at) is not None)):
+        return text  # cut within a token (a number cut short may look whole)
+    return text[:pos]
+
+
+def _cut_at(text: str, pos: int, expect: str) -> bool:
+    """Whether ``text`` from ``pos`` is space, then a token cut short that may come where
+    ``expect`` says."""
+    cut = _CUT.match(text, pos)
+    return cut is not None and (not cut[0].strip() or expect == _VALUE
+                                or (expect == _KEY and cut["key"] is not None))
 
 
 def _raw_arguments(text: str, key: str) -> str | None:
