@@ -133,6 +133,44 @@ def test_a_call_cut_off_by_max_tokens_is_a_call_never_content(client: Any,
     assert names in ([], ["get_weather"])
 
 
+def reply_call(client: Any, stream: bool, **request: Any) -> tuple[str, list[dict[str, str]]]:
+    """The finish reason and the calls of a chat reply, whole or assembled from its
+    stream."""
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        return choice.finish_reason, [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in choice.message.tool_calls or ()]
+    calls: list[dict[str, str]] = []
+    finish = ""
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for part in chunk.choices[0].delta.tool_calls or ():
+            if part.id is not None:
+                calls.append({"name": part.function.name, "arguments": ""})
+            calls[part.index]["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return finish, calls
+
+
+def test_a_cut_call_carries_a_start_of_its_own_arguments(client: Any) -> None:
+    """Cut by max_tokens where the call closes (the arguments' last tokens, the call's
+    closing brace, the end tag's pieces), whole and streamed: the arguments are a start of
+    the whole call's, never with the text that wraps them (every other cut:
+    test_tool_parsers.py)."""
+    request: dict[str, Any] = dict(model="spececd", messages=ASK, tools=[WEATHER],
+                                   tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(max_tokens=60, **request)
+    (call,) = whole.choices[0].message.tool_calls
+    arguments, spent = call.function.arguments, whole.usage.completion_tokens
+    for max_tokens in range(max(spent - 6, 1), spent):
+        for stream in (False, True):
+            finish, calls = reply_call(client, stream, max_tokens=max_tokens, **request)
+            assert finish == "length", (max_tokens, stream)
+            assert len(calls) <= 1 and all(
+                c["name"] == "get_weather" and arguments.startswith(c["arguments"])
+                for c in calls), (max_tokens, stream, calls, arguments)
+
+
 def test_openai_sdk_parse(client: Any) -> None:
     reply = client.chat.completions.parse(
         model="spececd", messages=[{"role": "user", "content": "Jason is 25 years old."}],
