@@ -164,12 +164,17 @@ class Grammars:
                 raise ebnf_error from None
 
 
+XGRAMMAR_MISSING = (
+    "constraints (structured outputs: JSON schema, regex, choice, grammar) and forced tool "
+    "calls need xgrammar, which SpecECD's `hf` extra installs (and its `grammar` extra "
+    "alone): in SpecECD's folder, `pip install torch==2.13.0 && pip install -e '.[hf]'`")
+
+
 def _xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError:
-        raise InputError("constraints (JSON schema, regex, choice, grammar) need xgrammar: "
-                         "pip install 'spececd[grammar]'") from None
+        raise InputError(XGRAMMAR_MISSING) from None
     return xgrammar
 
 
