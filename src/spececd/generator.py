@@ -81,6 +81,15 @@ log = logging.getLogger(__name__)
 UNBOUNDED_CONTEXT = 1 << 30  # an edge with no draft model: the server's welcome bounds it
 
 
+class PromptTooLong(InputError):
+    """A prompt of ``tokens`` that leaves no room to generate in the models' ``context``."""
+
+    def __init__(self, tokens: int, context: int) -> None:
+        super().__init__(f"the prompt has {tokens} tokens; the models' context holds "
+                         f"{context}, leaving no room to generate: shorten the prompt")
+        self.tokens, self.context = tokens, context
+
+
 @dataclass(frozen=True)
 class StreamChunk:
     token_ids: tuple[int, ...]
@@ -344,8 +353,7 @@ class Generator:
         check_token_ids(ids, self.vocab_size, "the prompt")
         limit = self.max_context
         if len(ids) >= limit:
-            raise InputError(f"the prompt has {len(ids)} tokens; the models' context holds "
-                             f"{limit}, leaving no room to generate: shorten the prompt")
+            raise PromptTooLong(len(ids), limit)
         return ids
 
     def params(self, **sampling: Any) -> SamplingParams:

@@ -29,7 +29,7 @@ lossless ones), :class:`~spececd.edge.options.Proactive` and
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -67,6 +67,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: no padding is added to the events
 
 
 class FieldError(InputError):
@@ -147,6 +148,17 @@ class Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_left_out(cls, data: Any) -> Any:
+        """A null where the field takes none is the field left out, as OpenAI and vLLM
+        read it (clients send ``"temperature": null``): the field's default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items() if value is not None
+                or key not in fields or type(None) in get_args(fields[key].annotation)}
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -313,6 +325,26 @@ class ChatRequest(Sampling):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields that change nothing here (IGNORED): taken, their types checked, and
+    # ignored, as vLLM takes them. Values are not held to OpenAI's lists, which grow: a
+    # value OpenAI adds is still ignored.
+    store: bool | None = None  # nothing is stored
+    metadata: dict[str, str] | None = None  # of a stored completion
+    service_tier: str | None = None  # one tier
+    reasoning_effort: str | None = None  # the models served do not reason
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None  # the verifier reuses cached prefixes by itself
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    # OpenAI's fields for what SpecECD does not do: refused when they ask for it
+    # (unsupported()), as OpenAI refuses them for a model without it.
+    modalities: list[str] | None = None  # ["text"] is what any model here writes
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI for tools
+    function_call: str | dict[str, Any] | None = None  # deprecated for tool_choice
 
     @model_validator(mode="after")
     def _tool_choice(self) -> ChatRequest:
@@ -330,6 +362,12 @@ class ChatRequest(Sampling):
         return self
 
 
+# Chat fields of OpenAI's that are taken and ignored (docs/guide/openai-api.md lists them).
+IGNORED = ("user", "store", "metadata", "service_tier", "reasoning_effort", "verbosity",
+           "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+           "safety_identifier", "stream_options.include_obfuscation")
+
+
 def unsupported(request: Sampling) -> tuple[str, str] | None:
     """The first field set to something SpecECD does not do (yet), and why; None if
     none."""
@@ -345,6 +383,18 @@ def unsupported(request: Sampling) -> tuple[str, str] | None:
         checks += [
             ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
              "top_logprobs needs logprobs: true"),
+            ("modalities", bool(set(request.modalities or ()) - {"text"}),
+             "this model writes text only (modalities [\"text\"]), not audio"),
+            ("audio", request.audio is not None, "this model writes no audio"),
+            ("web_search_options", request.web_search_options is not None,
+             "this model has no web search"),
+            ("moderation", request.moderation is not None,
+             "this server runs no moderation model (moderate with a model of your own)"),
+            ("functions", request.functions is not None, "functions (deprecated by OpenAI) "
+             "are not taken: send each as a tool, {\"type\": \"function\", \"function\": "
+             "...}, in tools"),
+            ("function_call", request.function_call is not None, "function_call "
+             "(deprecated by OpenAI) is not taken: send tool_choice"),
         ]
     for name, is_set, why in checks:
         if is_set:

@@ -56,11 +56,12 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from spececd.core.logprobs import TokenLogprob
@@ -69,8 +70,9 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
-from spececd.generator import AsyncGenerator, Generator, StreamChunk
+from spececd.generator import AsyncGenerator, Generator, PromptTooLong, StreamChunk
 from spececd.grammar import grammars_for, warm
+from spececd.openai_api import schema
 from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES
 from spececd.openai_api.schema import (
     ChatRequest,
@@ -316,12 +318,7 @@ class Api:
         longest = max(len(ids) for ids in prompts)
         room = context - longest
         if max_tokens is not None and max_tokens > room:  # as OpenAI and vLLM: refused
-            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
-                else "max_tokens"
-            raise ApiError(400, f"This model's maximum context length is {context} tokens. "
-                           f"However, you requested {longest + max_tokens} tokens ({longest} "
-                           f"in the prompt, {max_tokens} for the completion). Reduce the "
-                           f"prompt, or {param} to at most {room}", param=param)
+            raise context_exceeded(context, longest, body, limit_param(body))
         # The body's sampling fields by their SamplingParams names, and what OpenAI's
         # meaning of some makes of them here.
         sampling: dict[str, Any] = {name: getattr(body, name) for name in SAMPLING_SETTINGS
@@ -682,6 +679,34 @@ def create_app(api: Api) -> FastAPI:
     return app
 
 
+def limit_param(body: Sampling) -> str:
+    """The field that holds the request's limit on generated tokens."""
+    return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
+        else "max_tokens"
+
+
+def context_exceeded(context: int, prompt: int, body: Sampling, param: str) -> ApiError:
+    """OpenAI's context overflow, in its words (which frameworks look for, with its code
+    ``context_length_exceeded``): ``prompt`` tokens and the request's ``max_tokens`` (or
+    ``max_completion_tokens``) past the model's ``context``; ``param``: the field to
+    change (the prompt, or the limit)."""
+    if isinstance(body, ChatRequest):
+        what, limit = "messages", body.max_completion_tokens or body.max_tokens
+    else:
+        assert isinstance(body, CompletionRequest)
+        what, limit = "prompt", body.max_tokens
+    head = f"This model's maximum context length is {context} tokens. However, "
+    if limit is None:
+        message = (f"{head}your {what} resulted in {prompt} tokens, which leaves no room "
+                   f"for the completion. Please reduce the length of the {what}.")
+    else:
+        room = context - prompt
+        message = (f"{head}you requested {prompt + limit} tokens ({prompt} in the {what}, "
+                   f"{limit} for the completion). Please reduce the length of the {what}"
+                   + (f", or {limit_param(body)} to at most {room}." if room > 0 else "."))
+    return ApiError(400, message, param=param, code="context_length_exceeded")
+
+
 def too_large(message: str) -> ApiError:
     return ApiError(413, f"{message}: send a shorter request", code="request_too_large")
 
@@ -710,7 +735,9 @@ def completion_prompts(gen: Generator, body: CompletionRequest) -> list[list[int
                        param="prompt")
     try:
         return [gen.prompt_ids(p) for p in many]
-    except InputError as exc:  # empty, an id out of range, longer than the context
+    except PromptTooLong as exc:
+        raise context_exceeded(exc.context, exc.tokens, body, "prompt") from None
+    except InputError as exc:  # empty, an id out of range
         raise FieldError("prompt", str(exc)) from None
 
 
@@ -719,6 +746,8 @@ def chat_prompt(gen: Generator, body: ChatRequest, tools: ToolPlan) -> list[int]
     field at fault."""
     try:
         return gen.chat_ids(template_messages(body.messages), tools.tools)
+    except PromptTooLong as exc:
+        raise context_exceeded(exc.context, exc.tokens, body, "messages") from None
     except FieldError:
         raise
     except InputError as exc:  # a template that takes no tools, or refuses the messages
@@ -741,14 +770,20 @@ def echoed_prompts(gen: Generator, body: CompletionRequest, prompts: list[list[i
 
 
 def on_validation(exc: RequestValidationError) -> JSONResponse:
-    """Pydantic's first complaint, in OpenAI's shape, naming the field."""
-    error = exc.errors()[0]
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    param = loc[0] if loc else None  # the request's field; the rest is pydantic's path
-    raised = (error.get("ctx") or {}).get("error")
+    """Pydantic's complaint in OpenAI's shape and words: ``param`` the field's path in the
+    request (``messages[0].content``), without pydantic's names for the members of a union
+    or its ``[key]``, and where the value fits none of a union's members, what each takes."""
+    errors = exc.errors()
+    raised = (errors[0].get("ctx") or {}).get("error")
     if isinstance(raised, FieldError):  # a check across fields names its own
         return JSONResponse(ApiError(400, str(raised), param=raised.param).body(),
                             status_code=400)
+    paths = [field_path(error, exc.body) for error in errors]
+    deepest = max(paths, key=len)
+    # The errors at that path: one, or each member's of a union none of which fits.
+    found = [error for error, path in zip(errors, paths, strict=True) if path == deepest]
+    error = found[0]
+    param = ".".join(deepest).replace(".[", "[") or None
     if param is None and error.get("type") in (  # no body, or not an object
             "missing", "model_attributes_type", "model_type", "dict_type"):
         message = ("the request needs a JSON object as its body, sent with the header "
@@ -759,11 +794,58 @@ def on_validation(exc: RequestValidationError) -> JSONResponse:
     elif error.get("type") == "json_invalid":
         message = "We could not parse the JSON body of your request: send valid JSON"
     elif error.get("type") == "missing":
-        message = f"you must provide the `{param}` parameter"
+        message = f"Missing required parameter: '{param}'."
     else:  # a field's value, or the body's as a whole (a check across fields)
-        where = ".".join(loc)
-        # pydantic's prefix to a validator's own message says nothing to a client
-        said = re.sub(r"^(Value error|Assertion failed), ", "", str(error.get("msg")))
-        message = f"{where}: {said}" if where else said
+        saids = list(dict.fromkeys(expected(e) for e in found))
+        said = ", or ".join([saids[0], *(re.sub(r"^Input should be ", "", other)
+                                         for other in saids[1:])])
+        message = f"{param}: {said}" if param else said
     return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
+
+def field_path(error: Any, body: Any) -> list[str]:
+    """Where in the request ``error`` is: the parts of pydantic's ``loc`` that name keys
+    and indices of ``body`` (and the field found missing), each index as ``[i]``."""
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    path: list[str] = []
+    node = body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            path.append(str(part))
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(f"[{part}]")
+            node = node[part]
+        elif i == len(loc) - 1 and error.get("type") == "missing":
+            path.append(str(part))
+        # else: pydantic's name for a union's member, or "[key]": no part of the request
+    return path
+
+
+def expected(error: Any) -> str:
+    """What pydantic says a value should be, in a client's words: one of our objects
+    by its shape, without pydantic's parsing details or its "Value error, "."""
+    if error.get("type") in ("model_type", "model_attributes_type"):  # pydantic's words
+        # ours, by its shape where pydantic names it (a union's member)
+        names = [(error.get("ctx") or {}).get("class_name"), *reversed(error.get("loc", ()))]
+        model = next((getattr(schema, name) for name in names if isinstance(name, str)
+                      and isinstance(getattr(schema, name, None), type)
+                      and issubclass(getattr(schema, name), BaseModel)), None)
+        return "Input should be an object" + (f" {shape(model)}" if model else "")
+    said = re.sub(r"^(Value error|Assertion failed), ", "", str(error.get("msg")))
+    return re.sub(r", unable to parse .*$", "", said)
+
+
+def shape(model: type[BaseModel]) -> str:
+    """An object of a request model, its required fields only: ``{"type": "function",
+    "function": {"name": ...}}``."""
+    parts = []
+    for name, info in model.model_fields.items():
+        if not info.is_required():
+            continue
+        kind, args = info.annotation, get_args(info.annotation)
+        value = (json.dumps(args[0]) if get_origin(kind) is Literal and len(args) == 1
+                 else shape(kind) if isinstance(kind, type) and issubclass(kind, BaseModel)
+                 else "...")
+        parts.append(f'"{info.alias or name}": {value}')
+    return "{" + ", ".join(parts) + "}"
