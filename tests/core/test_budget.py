@@ -26,7 +26,7 @@ from spececd.core.budget import (
 from spececd.core.params import Mode
 from spececd.core.sampling import SparseProbs
 from spececd.core.verify import VerifyResult, verify
-from tests.core.test_verify import SETTINGS, pairs_p_value, simulate
+from tests.core.test_verify import SETTINGS, VerifyFn, pairs_p_value, simulate
 
 
 def decoding(worth: Sequence[float]) -> Offer:
@@ -139,6 +139,14 @@ def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
 
 # -- lossless by construction, and the planted bug that is not ---------------------------
 
+def verify_prefix(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                  rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
+                  depth: int) -> VerifyResult:
+    """Verify the draft cut to its first ``depth`` tokens, as the scheduler does."""
+    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
+    return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
+
+
 def cut_by_draft_confidence(draft_tokens: Sequence[int], target_probs: np.ndarray,
                             rng: np.random.Generator, mode: Mode,
                             draft_probs: Sequence[SparseProbs]) -> VerifyResult:
@@ -149,9 +157,7 @@ def cut_by_draft_confidence(draft_tokens: Sequence[int], target_probs: np.ndarra
     depth = 0
     while depth < len(draft_tokens) and float(draft_probs[depth].probs.max()) >= 0.3:
         depth += 1
-    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
-    result = verify(tokens, target_probs[:depth + 1], rng, mode, probs)
-    return VerifyResult(result.num_accepted, result.next_token)
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
 
 
 def cut_by_the_drawn_tokens_probability(
@@ -163,8 +169,7 @@ def cut_by_the_drawn_tokens_probability(
     depth = 0
     while depth < len(draft_tokens) and draft_probs[depth].prob_of(draft_tokens[depth]) >= 0.3:
         depth += 1
-    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
-    return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
 
 
 def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np.ndarray,
@@ -174,9 +179,7 @@ def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np
     rejection, so the token there is a bonus drawn from the target where a correction from
     the residual was due."""
     seen = verify(draft_tokens, target_probs, copy.deepcopy(rng), mode, draft_probs)
-    depth = seen.num_accepted
-    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
-    return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, seen.num_accepted)
 
 
 def test_a_cut_chosen_before_the_pass_is_lossless() -> None:
@@ -186,18 +189,16 @@ def test_a_cut_chosen_before_the_pass_is_lossless() -> None:
     assert p_value > 0.001
 
 
-def test_a_cut_chosen_from_the_pass_fails_the_test() -> None:
-    setting = SETTINGS[1]
-    p_value = pairs_p_value(simulate(setting, cut_before_the_first_rejection).pairs,
-                            setting.params)
-    print(f"planted bug, cut before the first rejection: chi-square p={p_value:.3g}")
-    assert p_value < 0.001
+PLANTED = [pytest.param("cut before the first rejection", cut_before_the_first_rejection,
+                        id="first-rejection"),
+           pytest.param("cut by the drawn token's probability",
+                        cut_by_the_drawn_tokens_probability, id="drawn-token",
+                        marks=pytest.mark.slow)]
 
 
-@pytest.mark.slow
-def test_a_cut_that_reads_the_drawn_token_fails_the_test() -> None:
+@pytest.mark.parametrize("name,buggy", PLANTED)
+def test_a_planted_cut_fails_the_test(name: str, buggy: VerifyFn) -> None:
     setting = SETTINGS[1]
-    p_value = pairs_p_value(simulate(setting, cut_by_the_drawn_tokens_probability).pairs,
-                            setting.params)
-    print(f"planted bug, cut by the drawn token's probability: chi-square p={p_value:.3g}")
+    p_value = pairs_p_value(simulate(setting, buggy).pairs, setting.params)
+    print(f"planted bug, {name}: chi-square p={p_value:.3g}")
     assert p_value < 0.001

@@ -7,11 +7,14 @@ a budget, as a loaded server's would."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
+from spececd.cloud.runner import RunnerConfig
+from spececd.cloud.runners import builtin_service
 from spececd.core.params import SamplingParams
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
@@ -26,23 +29,29 @@ N = 40
 
 
 class Budgeted(MemoryTransport):
-    """A link that records the frames it sends and gives every verdict and tokens frame
-    the budget ``budget``."""
+    """A link that records the frames it sends (``sent``) and both ways (``log``), and
+    gives every verdict and tokens frame the budget ``budget`` (None: as the server sent
+    them)."""
 
-    def __init__(self, server: LocalServer, budget: int) -> None:
+    def __init__(self, server: LocalServer, budget: int | None = None,
+                 rewrite: bool = True) -> None:
         super().__init__(server)
-        self.budget = budget
+        self.budget, self.rewrite = budget, rewrite
         self.sent: list[m.Message] = []
+        self.log: list[m.Message] = []
 
     def send(self, frame: bytes) -> None:
         self.sent.append(m.decode(frame))
+        self.log.append(self.sent[-1])
         super().send(frame)
 
     def _received(self, frame: bytes | None) -> bytes:
         data = super()._received(frame)
         reply = m.decode(data)
-        if isinstance(reply, m.Verdict | m.Tokens):
-            return m.encode(dataclasses.replace(reply, budget=self.budget))
+        if self.rewrite and isinstance(reply, m.Verdict | m.Tokens):
+            reply = dataclasses.replace(reply, budget=self.budget)
+            data = m.encode(reply)
+        self.log.append(reply)
         return data
 
 
@@ -110,3 +119,48 @@ def test_an_edge_greets_an_older_server_without_the_budget(
     hellos = [f for t in opened for f in t.sent if isinstance(f, m.Hello)]
     versions = [h.protocol_version for h in hellos]  # auto's stream session greets too
     assert versions[0] == m.BUDGET_VERSION and set(versions[1:]) == {2}
+
+
+def test_edges_under_a_loaded_server_follow_the_budget_it_sends(
+        toy: tuple[ToyBackend, ToyBackend]) -> None:
+    """Four edges drafting 6 a round against a server held to 12 positions a pass: its
+    verdicts carry budgets, each edge's next draft stays within the budget it was told,
+    and every output is the target's own."""
+    draft, target = toy
+    target.pass_s = 0.003  # passes long enough for the edges' rounds to meet in them
+    server = LocalServer(builtin_service(target, config=RunnerConfig(token_budget="12")))
+    prompts = [list(b"for key in "), list(b"def f(x):"), list(b"import os"), list(b"x = [")]
+    links = [Budgeted(server, rewrite=False) for _ in prompts]
+    outputs: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        client = EdgeClient(Drafter(draft), lambda: links[i], fingerprint, draft.max_context)
+        resolved = EdgeOptions().with_settings(k=6, proactive="off").resolved(
+            Site(in_process=False))
+        run = Resolved(resolved, SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+        try:
+            outputs[i] = [t for out in client.generate(prompts[i], run, GenerationStats())
+                          for t in out.token_ids]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        server.close()
+    told = 0
+    for i, link in enumerate(links):
+        assert outputs[i] == greedy(target, prompts[i], N)
+        budget = None
+        for message in link.log:
+            if isinstance(message, m.Verdict):
+                budget = message.budget
+                told += budget is not None
+            elif isinstance(message, m.Draft) and budget is not None:
+                assert len(message.tokens) <= budget
+    assert told > 0

@@ -56,11 +56,11 @@ from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Pass, RunnerError
 from spececd.core.budget import (
-    START_BUDGET,
     DepthAcceptance,
     Offer,
     PassCost,
     cut_draft,
+    pass_budget,
     plan,
     tree_nodes,
 )
@@ -290,11 +290,7 @@ class BatchScheduler:
 
     def budget(self, rows: int) -> int | None:
         """Positions a pass of ``rows`` sessions may compute (None: no budget)."""
-        if self.token_budget is not None:
-            return self.token_budget or None
-        if not self.cost.fitted:
-            return START_BUDGET
-        return self.cost.budget(rows, self.pass_latency_s)
+        return pass_budget(self.token_budget, self.cost, rows, self.pass_latency_s)
 
     async def _run(self, wake: asyncio.Event) -> None:
         while True:

@@ -39,7 +39,14 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import zmq
 
-from spececd.core.budget import START_BUDGET, DepthAcceptance, Offer, PassCost, plan, tree_nodes
+from spececd.core.budget import (
+    DepthAcceptance,
+    Offer,
+    PassCost,
+    pass_budget,
+    plan,
+    tree_nodes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +145,7 @@ class ProposalBudget:
 
     def budget(self, rows: int) -> int | None:
         """Positions a step of ``rows`` requests may compute (None: no budget)."""
-        if self.token_budget is not None:
-            return self.token_budget or None
-        if not self.cost.fitted:
-            return START_BUDGET
-        return self.cost.budget(rows, self.aim_s)
+        return pass_budget(self.token_budget, self.cost, rows, self.aim_s)
 
     def cut(self, keys: Sequence[str | None], sampled: Sequence[Sequence[int]],
             proposals: Sequence[list[int]]) -> list[list[int]]:

@@ -121,6 +121,17 @@ class PassCost:
         return max(rows, int(spare / self.per_position))
 
 
+def pass_budget(token_budget: int | None, cost: PassCost, rows: int, aim_s: float) -> int | None:
+    """Positions a pass of ``rows`` sessions may compute (None: no budget), for a
+    ``token_budget`` of that many positions (0: none) or None (``auto``: from ``cost``
+    within ``aim_s``, :data:`START_BUDGET` until it is fitted)."""
+    if token_budget is not None:
+        return token_budget or None
+    if not cost.fitted:
+        return START_BUDGET
+    return cost.budget(rows, aim_s)
+
+
 @dataclass
 class DepthAcceptance:
     """A session's acceptance by depth of its drafts: of the drafts verified as deep as
