@@ -36,6 +36,7 @@ class Recording(ToyBackend):
         self.batches: list[list[CachedSequence]] = []
 
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        assert items, "a pass of nothing (transformers' extend_batch refuses one)"
         self.batches.append([item.sequence for item in items])
         if any(POISON in item.ids for item in items):
             raise RuntimeError("scripted: the pass failed")
@@ -314,3 +315,21 @@ def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
         assert out == greedy(backend, prompt, len(out))
     assert any(cuts) and not all(cuts)
     assert any(budget is not None and budget < 5 for budget in budgets)
+
+
+def test_prompts_joining_together_go_in_chunks_and_are_all_answered(
+        executor: ThreadPoolExecutor) -> None:
+    """Three long prompts queued at once under a budget of 64: passes of chunks alone
+    (nothing to verify yet), no session starved, each answered as a whole prefill would."""
+    backend, rng = Recording(), np.random.default_rng(9)
+    work = []
+    for n in (150, 90, 120):
+        prompt = [int(t) for t in rng.integers(0, POISON, n)]
+        expected = greedy(backend, prompt, 3)
+        work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
+    results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
+                  [(sequence, req) for sequence, req, _ in work])
+    for (_, _, expected), result in zip(work, results, strict=True):
+        assert isinstance(result, Pass)
+        assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
+    assert len(backend.batches) > 360 // 64  # in chunks: the budget held

@@ -142,7 +142,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         items.append(Extend(sequence, [*feed, *request.tokens], keep, parents))
         prompt_rows.append(prompt)
     t = time.perf_counter()
-    all_logits = backend.extend_batch(items)
+    all_logits = backend.extend_batch(items) if items else []  # a pass of chunks alone
     forward += time.perf_counter() - t
     results, logprobs = [], []
     for i, ((sequence, request), logits, prompt) in enumerate(
