@@ -74,6 +74,8 @@ class ServerConfig:
     max_draft: int = _LIMITS.max_draft
     max_batch: int = _RUNNER.max_batch
     max_kv_bytes: int = _RUNNER.max_kv_bytes
+    token_budget: str = _RUNNER.token_budget  # positions per pass: auto, off or a number
+    pass_latency_ms: float = _RUNNER.pass_latency_ms  # the latency aim bounding auto's
     max_message_bytes: int = _LIMITS.max_message_bytes
     idle_timeout: float = _POLICY.idle_timeout
     # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
@@ -221,6 +223,8 @@ def _convert(value: Any, kind: type) -> Any:
             raise InputError(f"expected {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # a setting of words or a number (token_budget = 256)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InputError(f"expected {kind.__name__}, got {value!r}")
     return value

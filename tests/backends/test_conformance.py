@@ -229,3 +229,32 @@ def test_batched_extend_matches_separate_extends(subject: Subject) -> None:
             worst = max(worst, float(np.abs(logits - expected).max()))
     print(f"{backend.description}: batched max |logit difference| {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_a_whole_prefill(
+        subject: Subject) -> None:
+    """The token budget prefills prompts in chunks (``keep=0`` extends, several sequences'
+    chunks of different sizes batched together, :mod:`spececd.cloud.scheduler`); the
+    verification after them must see what it sees after one whole prefill."""
+    backend = subject.backend
+    rng = np.random.default_rng(23)
+    prompts = [[int(t) for t in rng.integers(0, backend.vocab_size, size=n)] for n in (90, 57)]
+    draft = [int(t) for t in rng.integers(0, backend.vocab_size, size=4)]
+    chunked = [backend.new_sequence() for _ in prompts]
+    for sizes in ((17, 9), (33, 40), (39, 7)):  # the chunks of each pass: both prompts'
+        items = [Extend(seq, prompt[len(seq.tokens):min(len(seq.tokens) + size,
+                                                        len(prompt) - 1)], 0)
+                 for seq, prompt, size in zip(chunked, prompts, sizes, strict=True)]
+        assert all(len(out) == 0 for out in backend.extend_batch(
+            [item for item in items if item.ids]))
+    assert [len(seq.tokens) for seq in chunked] == [len(p) - 1 for p in prompts]
+    worst = 0.0
+    for seq, prompt in zip(chunked, prompts, strict=True):
+        whole = backend.new_sequence()
+        whole.extend(prompt[:-1], keep=0)
+        expected = whole.extend([prompt[-1], *draft])
+        logits = seq.extend([prompt[-1], *draft])
+        worst = max(worst, float(np.abs(logits - expected).max()),
+                    float(np.abs(logits - subject.fresh([*prompt, *draft])[-5:]).max()))
+    print(f"{backend.description}: chunked prefill max |logit difference| {worst:.2e}")
+    assert worst <= TOLERANCE

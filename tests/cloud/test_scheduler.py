@@ -19,6 +19,7 @@ import pytest
 from spececd.backends.base import CachedSequence, Extend
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
+from spececd.core.budget import DepthAcceptance
 from spececd.core.params import Mode, SamplingParams
 from spececd.protocol.cloud_session import VerifyRequest
 from tests.toy import ToyBackend, ToyModel, greedy
@@ -35,6 +36,7 @@ class Recording(ToyBackend):
         self.batches: list[list[CachedSequence]] = []
 
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        assert items, "a pass of nothing (transformers' extend_batch refuses one)"
         self.batches.append([item.sequence for item in items])
         if any(POISON in item.ids for item in items):
             raise RuntimeError("scripted: the pass failed")
@@ -245,3 +247,89 @@ def test_a_lone_short_pass_runs_on_the_loops_thread_and_a_batch_on_the_executor(
     assert [len(batch) for batch in backend.batches] == [1, 1, 1, 2]
     for (_, _, expected), result in zip(work, results, strict=True):
         assert result.result.num_accepted == 3 and result.result.next_token == expected[3]
+
+
+# -- the token budget -------------------------------------------------------------------
+
+def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
+        executor: ThreadPoolExecutor) -> None:
+    """Sessions decoding get their verification in the first pass; a long prompt queued
+    with them is prefilled in chunks (``keep=0`` extends in a forward of their own) and
+    answered once it is all in, with the result a whole prefill gives."""
+    backend = Recording()
+    decoding = []
+    for prompt in PROMPTS[:3]:
+        expected = greedy(backend, prompt, 4)
+        sequence = backend.new_sequence()
+        sequence.extend(prompt[:-1], keep=0)  # its cache holds what it has seen
+        decoding.append((sequence, request(prompt, expected[:3]), expected))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, POISON, 200)]
+    joining = greedy(backend, prompt, 4)
+    work = [*decoding, (backend.new_sequence(), request(prompt, joining[:3]), joining)]
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=40)
+    results = run(scheduler, [(sequence, req) for sequence, req, _ in work])
+    for (_, _, expected), result in zip(work, results, strict=True):
+        assert isinstance(result, Pass)
+        assert (result.result.num_accepted, result.result.next_token) == (3, expected[3])
+    first = backend.batches[:2]  # the first pass: the joiner's chunk, then the verifications
+    assert first[0] == [work[3][0]] and first[1] == [sequence for sequence, _, _ in decoding]
+    assert all(isinstance(r, Pass) and r.batch == 3 for r in results[:3])
+    passes = [batch for batch in backend.batches if work[3][0] in batch]
+    # A chunk beside the others; then, alone in the queue, the rest whole (a lone session's
+    # pass is never held to a budget).
+    assert len(passes) == 2
+    assert isinstance(results[3], Pass) and results[3].batch == 1
+
+
+def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
+        executor: ThreadPoolExecutor) -> None:
+    """Six sessions decode 40 tokens each, drafting 5 a round (a wrong token now and then),
+    under a budget of 10 positions a pass: the budget cuts drafts (and tells each session
+    its budget), and every session's output is the target's own greedy output."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=10)
+    rng = np.random.default_rng(2)
+    cuts, budgets = [], []
+
+    async def session(prompt: list[int]) -> list[int]:
+        sequence, acceptance = backend.new_sequence(), DepthAcceptance()
+        context = list(prompt)
+        while len(context) - len(prompt) < 40:
+            draft = greedy(backend, context, 5)
+            if rng.random() < 0.3:
+                draft[int(rng.integers(0, 5))] = 0
+            done = await scheduler.verify(sequence, request(context, draft),
+                                          acceptance=acceptance)
+            cuts.append(done.verified < len(draft))
+            budgets.append(done.budget)
+            context += [*draft[:done.result.num_accepted], done.result.next_token]
+        return context[len(prompt):]
+
+    async def main() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(session(p) for p in [*PROMPTS, list(b"q")]))
+        finally:
+            scheduler.close()
+
+    for prompt, out in zip([*PROMPTS, list(b"q")], asyncio.run(main()), strict=True):
+        assert out == greedy(backend, prompt, len(out))
+    assert any(cuts) and not all(cuts)
+    assert any(budget is not None and budget < 5 for budget in budgets)
+
+
+def test_prompts_joining_together_go_in_chunks_and_are_all_answered(
+        executor: ThreadPoolExecutor) -> None:
+    """Three long prompts queued at once under a budget of 64: passes of chunks alone
+    (nothing to verify yet), no session starved, each answered as a whole prefill would."""
+    backend, rng = Recording(), np.random.default_rng(9)
+    work = []
+    for n in (150, 90, 120):
+        prompt = [int(t) for t in rng.integers(0, POISON, n)]
+        expected = greedy(backend, prompt, 3)
+        work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
+    results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
+                  [(sequence, req) for sequence, req, _ in work])
+    for (_, _, expected), result in zip(work, results, strict=True):
+        assert isinstance(result, Pass)
+        assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
+    assert len(backend.batches) > 360 // 64  # in chunks: the budget held

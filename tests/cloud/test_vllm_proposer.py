@@ -60,3 +60,20 @@ def test_vllms_rejection_sampler_spreads_sampling_settings_soundly() -> None:
     top_k = expand_batch_to_tokens(torch.tensor([5, 0, 40], dtype=torch.int32),
                                    torch.tensor([3, 3, 5], dtype=torch.int32), 5)
     assert top_k.tolist() == [5, 5, 5, 40, 40]
+
+
+def test_the_proposer_proposes_within_the_budget_by_worth() -> None:
+    """vLLM's steps under the server's token budget: each request's proposal is cut to its
+    leading tokens worth their place, learnt from how many of its proposals steps kept."""
+    from spececd.cloud.vllm_proposer import ProposalBudget
+
+    budget = ProposalBudget(token_budget=3 + 6, aim_s=0.1, clock=iter(range(100)).__next__)
+    keys = ["good", "poor", None]  # the last row: a request of no edge's
+    proposals = [[1, 2, 3, 4], [5, 6, 7, 8], []]
+    out = budget.cut(keys, [[0], [0], [0]], proposals)
+    assert sum(map(len, out)) == 6 and out[2] == []  # three tokens, six drafted positions
+    for _ in range(20):  # "good" keeps everything it is offered, "poor" nothing
+        kept = budget._proposed
+        out = budget.cut(keys, [[0] * (kept["good"] + 1), [0], [0]], proposals)
+    assert out[0] == [1, 2, 3, 4] and len(out[1]) <= 2
+    assert ProposalBudget(0, 0.1).cut(keys, [[0]] * 3, proposals) == proposals  # off

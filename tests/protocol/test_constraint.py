@@ -20,11 +20,12 @@ SCHEMA = Constraint("json_schema", '{"type": "object"}', strict=False)
 
 def test_the_hello_carries_the_constraint_and_the_prompts_length() -> None:
     params = SamplingParams(seed=1, prompt_len=7, constraint=SCHEMA)
-    message = m.decode(EdgeSession(FP, Mode.MATCH, params).hello())
+    message = m.decode(EdgeSession(FP, Mode.MATCH, params, budget=False).hello())
     assert isinstance(message, m.Hello)
     assert (message.protocol_version, message.constraint) == (6, SCHEMA)
     assert message.extras.prompt_len == 7
-    plain = m.decode(EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=7)).hello())
+    plain = m.decode(EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=7),
+                                 budget=False).hello())
     assert isinstance(plain, m.Hello) and plain.protocol_version == 2  # older servers serve it
     assert plain.constraint is None
 

@@ -63,6 +63,10 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
     plain = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5))
     penalized = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5,
                                                            presence_penalty=0.5))
+    # Each offers the budget (7) first; a server that refuses it gets the lowest version.
+    for edge in (plain, penalized):
+        assert edge.hello_message.protocol_version == m.BUDGET_VERSION
+        assert edge.older_server() and not edge.older_server()
     assert plain.hello_message.protocol_version == 2
     assert plain.hello_message.extras == m.SamplingExtras()  # prompt_len matters to no one
     assert penalized.hello_message.protocol_version == 3
@@ -76,7 +80,7 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
 
 
 def test_the_edge_checks_the_verdicts_path_against_its_tree() -> None:
-    edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=5), trees=True)
+    edge = EdgeSession(FP, Mode.EXACT, SamplingParams(seed=5), trees=True, budget=False)
     assert edge.hello_message.protocol_version == 4
     edge.receive(m.encode(m.Welcome("s", 4, 4, 32, False, True)))
     assert edge.trees

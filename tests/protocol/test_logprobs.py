@@ -107,11 +107,11 @@ def test_the_prompts_logprobs_are_asked_for_once_per_hello() -> None:
 
 def test_the_edge_asks_with_protocol_6_and_checks_what_comes_back() -> None:
     params = SamplingParams(temperature=0, seed=1, logprobs=3, prompt_logprobs=0)
-    edge = EdgeSession(FP, Mode.GREEDY, params)
+    edge = EdgeSession(FP, Mode.GREEDY, params, budget=False)
     greeting = m.decode(edge.hello())
     assert isinstance(greeting, m.Hello) and greeting.protocol_version == 6
     assert greeting.logprobs == m.LogprobsAsk(3, 0)
-    assert m.decode(EdgeSession(FP, Mode.GREEDY, SamplingParams(seed=1)).hello()) \
+    assert m.decode(EdgeSession(FP, Mode.GREEDY, SamplingParams(seed=1), budget=False).hello()) \
         .protocol_version == 2  # type: ignore[union-attr]
     edge.receive(m.encode(m.Welcome("s", 6, 4, 64)))
     edge.draft([1, 2, 3], (4, 5), None)

@@ -65,6 +65,14 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-kv-bytes", type=int, help="KV cache bytes across sessions at most; "
                    "the least recently used idle sessions' caches are freed and rebuilt on "
                    "their next round (default: 0 = no cap)")
+    g.add_argument("--token-budget", help="built-in engine: positions (context and drafted "
+                   "tokens) one pass computes at most: auto (learned from what passes cost, "
+                   "within --pass-latency-ms), off (everything queued in one pass) or a "
+                   "number; sessions decoding get their token first, drafts are cut to what "
+                   "their positions are worth, prompts are prefilled in chunks in the rest "
+                   f"(default: {d.token_budget})")
+    g.add_argument("--pass-latency-ms", type=float, help="the latency aim of one pass that "
+                   f"bounds --token-budget auto (default: {d.pass_latency_ms:g})")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {d.idle_timeout})")
     g.add_argument("--request-timeout", type=float, help="seconds a client has to send a "
@@ -88,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                       {k: v for k, v in vars(args).items() if v is not None})
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InputError("TLS needs both --tls-cert and --tls-key")
+    cfg.runner().budget()  # a bad --token-budget says so before any model loads
     # vLLM's engine processes, and any other, end with the server at every stage
     with processes.ended_with_this_one():
         return serve(cfg, config.auth_token(cfg.auth_token_file))

@@ -14,6 +14,12 @@ It has no generation of its own: the service steps a cloud-only generation by ve
 the hint ahead of the context (an empty draft when there is none: one token of the
 target's own), built when the step starts.
 
+Under load each pass is held to the token budget (``config.token_budget``; see
+:mod:`spececd.cloud.scheduler`). Each session's acceptance by depth is kept here beside its
+cache, shrunk toward its draft source's over every session (a model's draft with its
+probabilities, a draft of token ids alone, a tree), so that the scheduler knows what each
+session's positions are worth.
+
 A session with a constraint has a :class:`~spececd.grammar.ConstraintMatcher` here, beside
 its cache, which every pass masks the target's logits with (see
 :mod:`spececd.cloud.scheduler`); like the cache it is rebuilt from the context if lost.
@@ -29,6 +35,7 @@ from spececd.backends.base import Backend, CachedSequence
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Generation, Pass, RunnerConfig
 from spececd.cloud.scheduler import BatchScheduler
+from spececd.core.budget import DepthAcceptance
 from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.errors import InputError
 from spececd.grammar import ConstraintMatcher, grammars_for
@@ -74,8 +81,9 @@ def static_path(backend: Backend, static: str, max_context: int) -> Backend:
 
 
 class BuiltinRunner:
-    """See the module docstring; of ``config``, it reads ``max_batch`` and
-    ``max_kv_bytes`` (the KV cache bytes held across sessions at most, 0: no cap)."""
+    """See the module docstring; of ``config``, it reads ``max_batch``, ``max_kv_bytes``
+    (the KV cache bytes held across sessions at most, 0: no cap), ``token_budget`` and
+    ``pass_latency_ms``."""
 
     name = "builtin"
 
@@ -89,8 +97,12 @@ class BuiltinRunner:
         self.executor: Executor = backend.thread.executor if backend.thread is not None else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
         self.scheduler = BatchScheduler(backend, self.executor, metrics, config.max_batch,
-                                        inline=self._own_executor)
+                                        inline=self._own_executor,
+                                        token_budget=config.budget(),
+                                        pass_latency_s=config.pass_latency_ms / 1e3)
         self._caches: dict[str, CachedSequence] = {}
+        self._acceptance: dict[str, DepthAcceptance] = {}
+        self._sources: dict[str, DepthAcceptance] = {}  # by draft source, every session's
         self._matchers: dict[str, ConstraintMatcher] = {}
         self._busy: set[str] = set()  # sessions with a verification queued or running
         self._last_used: dict[str, float] = {}
@@ -108,7 +120,8 @@ class BuiltinRunner:
         matcher = None if constraint is None else self._matcher(key, constraint)
         self._busy.add(key)
         try:
-            return await self.scheduler.verify(sequence, request, matcher)
+            return await self.scheduler.verify(sequence, request, matcher,
+                                               self._accepting(key, request))
         except BaseException:
             self._caches.pop(key, None)  # a failed pass may have left it half-updated
             self._matchers.pop(key, None)
@@ -116,6 +129,17 @@ class BuiltinRunner:
         finally:
             self._busy.discard(key)
             self._last_used[key] = time.monotonic()
+
+    def _accepting(self, key: str, request: VerifyRequest) -> DepthAcceptance:
+        """``key``'s acceptance by depth, for the draft source ``request`` shows (new when
+        the session's source changed)."""
+        source = ("tree" if request.parents is not None
+                  else "probs" if request.draft_probs is not None else "ids")
+        prior = self._sources.setdefault(source, DepthAcceptance())
+        acceptance = self._acceptance.get(key)
+        if acceptance is None or acceptance.prior is not prior:
+            acceptance = self._acceptance[key] = DepthAcceptance(prior)
+        return acceptance
 
     def _matcher(self, key: str, constraint: Constraint) -> ConstraintMatcher:
         """``key``'s matcher for ``constraint`` (compiled when the hello was answered, so
@@ -152,6 +176,7 @@ class BuiltinRunner:
 
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
+        self._acceptance.pop(key, None)
         self._matchers.pop(key, None)
         self._last_used.pop(key, None)
 

@@ -18,6 +18,16 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
   (the pass on the model's thread: the forward plus logits processing, verification,
   sampling and the caches' rollback) and ``spececd_pass_seconds`` (the pass as the event
   loop sees it: the work plus the hand-offs);
+- the token budget (:mod:`spececd.core.budget`), one observation per pass of the built-in
+  engine (on vLLM, whose steps are its own, its ``vllm:spec_decode_*`` metrics count the
+  proposed and accepted tokens of each step):
+  ``spececd_pass_prompt_tokens`` (context tokens prefilled: prompts, their chunks, resumes),
+  ``spececd_pass_offered_positions`` (drafted positions the sessions sent),
+  ``spececd_pass_verified_positions`` (of them, verified: the budget cuts the rest) and
+  ``spececd_pass_accepted_tokens`` (of them, kept); ``spececd_goodput_tokens_per_second``
+  (tokens the passes emitted, accepted drafts and the target's own, per second of pass
+  work, over the last passes) and ``spececd_token_budget`` (positions a pass may compute
+  now; 0: no budget);
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
 - ``spececd_errors_total{code}``: typed errors answered, by code;
 - ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
@@ -29,6 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (0, 1, 4, 16, 64, 256, 1024, 4096)
+GOODPUT_WEIGHT = 0.2  # of the newest pass in the goodput gauge
 
 
 class Metrics:
@@ -66,6 +78,25 @@ class Metrics:
         self.pass_seconds = Histogram("spececd_pass_seconds",
                                       "A pass as the event loop sees it, hand-offs included",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.pass_prompt_tokens = Histogram(
+            "spececd_pass_prompt_tokens", "Context tokens a pass prefilled (prompts, chunks)",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.pass_offered = Histogram(
+            "spececd_pass_offered_positions", "Drafted positions offered to a pass",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.pass_verified = Histogram(
+            "spececd_pass_verified_positions", "Drafted positions a pass verified",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.pass_accepted = Histogram(
+            "spececd_pass_accepted_tokens", "Drafted tokens a pass kept",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.goodput = Gauge("spececd_goodput_tokens_per_second",
+                             "Tokens emitted per second of pass work, over the last passes",
+                             registry=r)
+        self.token_budget = Gauge("spececd_token_budget",
+                                  "Positions a pass may compute now (0: no budget)",
+                                  registry=r)
+        self._goodput = 0.0
         self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
@@ -82,6 +113,22 @@ class Metrics:
         self.pass_seconds.observe(seconds)
         for wait in waits:
             self.pass_queue.observe(wait)
+
+    def record_budget(self, prompt: int, offered: int, verified: int, accepted: int,
+                      answered: int, work_s: float, budget: int | None) -> None:
+        """One pass under the token budget: ``prompt`` context tokens prefilled,
+        ``offered`` drafted positions sent, ``verified`` of them verified, ``accepted`` of
+        those kept, ``answered`` sessions given a token, in ``work_s`` seconds of work;
+        ``budget``: positions a pass may compute now (None: no budget)."""
+        self.pass_prompt_tokens.observe(prompt)
+        self.pass_offered.observe(offered)
+        self.pass_verified.observe(verified)
+        self.pass_accepted.observe(accepted)
+        if work_s > 0:
+            rate = (answered + accepted) / work_s
+            self._goodput += GOODPUT_WEIGHT * (rate - self._goodput) if self._goodput else rate
+            self.goodput.set(self._goodput)
+        self.token_budget.set(budget or 0)
 
     def record_pass(self, drafted: int, accepted: int, generated: int, seconds: float,
                     is_round: bool) -> None:

@@ -23,6 +23,7 @@ from spececd.backends.base import Tokenizer
 from spececd.core.logprobs import Logprobs
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.verify import VerifyResult
+from spececd.errors import InputError
 from spececd.protocol.cloud_session import GenerateRequest, VerifyRequest
 
 
@@ -32,7 +33,10 @@ class RunnerConfig:
     (``device``, ``dtype``, ``threads``: 0 for the runner's choice, ``npu``), how many
     sessions one pass verifies at most (``max_batch``), the KV bytes held across sessions
     at most (``max_kv_bytes``, 0: no cap; the built-in runner), the built-in runner's static
-    path (``static``: ``auto`` on a GPU only, ``on``, ``off``) and vLLM's own settings."""
+    path (``static``: ``auto`` on a GPU only, ``on``, ``off``), the positions one pass
+    computes at most (``token_budget``: ``auto``, learned from what passes cost and bounded
+    by ``pass_latency_ms``; ``off``: everything queued in one pass; or a number; see
+    :mod:`spececd.core.budget`) and vLLM's own settings."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -41,8 +45,26 @@ class RunnerConfig:
     max_batch: int = 32
     max_kv_bytes: int = 0
     static: str = "auto"
+    token_budget: str = "auto"
+    pass_latency_ms: float = 100.0
     tensor_parallel_size: int = 1  # vLLM only
     engine_args: str = ""  # vLLM only: a JSON object of further engine arguments
+
+    def budget(self) -> int | None:
+        """``token_budget`` as a number of positions per pass: None for ``auto``, 0 for
+        ``off``. Raises :class:`~spececd.errors.InputError` for anything else, or for a
+        ``pass_latency_ms`` not above 0."""
+        if not self.pass_latency_ms > 0:
+            raise InputError(f"pass_latency_ms must be above 0, got {self.pass_latency_ms:g}")
+        value = str(self.token_budget).strip().lower()
+        if value == "auto":
+            return None
+        if value == "off":
+            return 0
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+        raise InputError(f"token_budget takes auto, off or a number of positions above 0, "
+                         f"got {self.token_budget!r}")
 
 
 class RunnerError(Exception):
@@ -52,14 +74,18 @@ class RunnerError(Exception):
 
 @dataclass(frozen=True)
 class Pass:
-    """A verification's outcome: its result, the duration of the pass it ran in, and how
-    many sessions that pass verified together."""
+    """A verification's outcome: its result, the duration of the pass it ran in, how many
+    sessions that pass verified together, how many leading draft positions it verified
+    (``verified``; -1: all), and the session's budget for its next request (``budget``:
+    the leading positions the server expects to verify; None: no limit)."""
 
     result: VerifyResult
     seconds: float
     batch: int
     logprobs: Logprobs | None = None  # of the tokens it emits, when the session asked
     prompt_logprobs: Logprobs | None = None  # of the context (echo), when the request asked
+    budget: int | None = None
+    verified: int = -1
 
 
 class Target(Protocol):

@@ -22,14 +22,27 @@ the first request after a hello that asked for the prompt's, of every context to
 the first (the context is then fed whole, its cached part too, keeping every row). Under a
 constraint they are the masked distribution's, as vLLM reports them.
 
-Batching changes nothing but floating-point rounding: every session's tokens, RNG stream
-and acceptance decisions are its own. The scheduler knows nothing of sessions beyond the
-cache each job runs on.
+Under load each pass is held to a **token budget** (:mod:`spececd.core.budget`):
+``token_budget`` positions per pass, or (``auto``) the most a pass of the rows queued
+computes within ``pass_latency_s``, from what passes have cost on this runner (fitted as
+it runs). Sessions decoding go first, each with its token; drafts' positions follow in
+order of their worth (each session's acceptance by depth, :class:`DepthAcceptance`) while
+they pay; prompts fill the rest in chunks (a session whose prompt is not all in gets no
+result until it is: its chunks extend its cache, pass after pass, at the head of the
+queue). A draft cut to a leading prefix before the pass is a shorter draft: lossless. A pass
+whose work fits the budget, or that holds one session, runs whole. Each result carries the
+session's budget for its next request (:attr:`Pass.budget`): the leading positions of its
+own worth the level the last passes verified (None while the budget does not bind).
+
+Batching and budgets change nothing but floating-point rounding: every session's tokens, RNG
+stream and acceptance decisions are its own (the randomness is per position). The scheduler
+knows nothing of sessions beyond the cache and the acceptance each job comes with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -42,8 +55,18 @@ import numpy as np
 from spececd.backends.base import Backend, CachedSequence, Extend, sync
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import Pass, RunnerError
+from spececd.core.budget import (
+    DepthAcceptance,
+    Offer,
+    PassCost,
+    cut_draft,
+    pass_budget,
+    plan,
+    tree_nodes,
+)
 from spececd.core.logprobs import Logprobs, distribution_logprobs, log_softmax, token_logprobs
 from spececd.core.sampling import VERIFIER_STREAM, greedy_tokens, process_logits, round_rng
+from spececd.core.tokens import common_prefix
 from spececd.core.verify import VerifyResult, tree_paths, verify
 from spececd.grammar import ConstraintMatcher, mask_logits
 from spececd.protocol.cloud_session import VerifyRequest
@@ -52,6 +75,8 @@ log = logging.getLogger(__name__)
 
 PROMPT_BLOCK = 256  # rows of a prompt's logits turned into log-probabilities at a time
 INLINE_BELOW_S = 0.025  # a lone session's pass this short runs on the loop's thread
+LEVEL_WEIGHT = 0.3  # of the newest pass, in the level the sessions' budgets follow
+MOST_BUDGET = 64  # positions a session's budget names at most (its limit cuts it further)
 
 
 class VerificationError(RunnerError):
@@ -70,22 +95,40 @@ class Verified:
     work_s: float
     # Per job, when asked: the emitted tokens' log-probabilities and the prompt's.
     logprobs: list[tuple[Logprobs | None, Logprobs | None]] = field(default_factory=list)
+    positions: int = 0  # positions the pass computed (new context and drafts, chunks too)
+    prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
-                      matchers: Sequence[ConstraintMatcher | None] = ()) -> Verified:
+                      matchers: Sequence[ConstraintMatcher | None] = (),
+                      chunks: Sequence[tuple[CachedSequence, tuple[int, ...], int]] = ()
+                      ) -> Verified:
     """Verify each request's tokens (a chain or a tree) after its context on its own cached
     sequence, all in one target forward pass (``Backend.extend_batch``). A tree's cache
     then keeps the accepted path only (``CachedSequence.select``). ``matchers``: each
-    job's constraint matcher (None, or none given: unconstrained), moved to its context."""
+    job's constraint matcher (None, or none given: unconstrained), moved to its context.
+    ``chunks``: ``(sequence, context, n)``, prefill the next ``n`` tokens of ``context``
+    that ``sequence`` lacks, in a forward pass of their own (so that no row of the
+    verifications is padded to a chunk's width); nothing is returned for them."""
     began = time.perf_counter()
-    forward = 0.0
+    forward, positions, prompt_tokens = 0.0, 0, 0
+    if chunks:
+        prefills = []
+        for sequence, context, n in chunks:
+            prefills.append(Extend(sequence, sync(sequence, context)[:n], 0))
+        t = time.perf_counter()
+        backend.extend_batch(prefills)
+        forward += time.perf_counter() - t
+        positions += sum(len(item.ids) for item in prefills)
+        prompt_tokens += sum(len(item.ids) for item in prefills)
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
     for sequence, request in work:
         if request.prompt_logprobs:
             sequence.truncate(0)  # every context position's logits, the cached ones too
         feed = sync(sequence, request.context)
+        positions += len(feed) + len(request.tokens)
+        prompt_tokens += len(feed) - 1
         parents, prompt, keep = None, None, len(request.tokens) + 1
         if request.parents is not None:
             if len(feed) > 1:  # a new context (a prompt, a resume): in first, as a chain, so
@@ -99,7 +142,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         items.append(Extend(sequence, [*feed, *request.tokens], keep, parents))
         prompt_rows.append(prompt)
     t = time.perf_counter()
-    all_logits = backend.extend_batch(items)
+    all_logits = backend.extend_batch(items) if items else []  # a pass of chunks alone
     forward += time.perf_counter() - t
     results, logprobs = [], []
     for i, ((sequence, request), logits, prompt) in enumerate(
@@ -120,7 +163,8 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             sequence.select(start, [start + node for node in result.path])
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
-    return Verified(results, forward, time.perf_counter() - began, logprobs)
+    return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
+                    prompt_tokens)
 
 
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
@@ -179,6 +223,22 @@ class _Job:
     future: asyncio.Future[Pass]
     queued: float  # perf_counter when submitted
     matcher: ConstraintMatcher | None = None
+    acceptance: DepthAcceptance | None = None  # the session's, by depth (its budget's worth)
+
+    def offer(self) -> Offer:
+        """The job as the budget's planner sees it (before the pass, from the request and
+        the cache only)."""
+        request, cached = self.request, self.sequence.tokens
+        context = request.context
+        held = len(cached)
+        if not (held < len(context) and cached[-1:] == list(context[held - 1:held])):
+            held = common_prefix(cached, context[:-1])  # behind or diverged: cut to this
+        if request.prompt_logprobs:
+            held = 0
+        nodes = tree_nodes(request.parents, len(request.tokens))
+        acceptance = self.acceptance or DepthAcceptance()
+        return Offer(len(context) - 1 - held, tuple(acceptance.worth(len(nodes))), nodes,
+                     chunkable=not request.prompt_logprobs)
 
 
 class BatchScheduler:
@@ -188,33 +248,49 @@ class BatchScheduler:
     232 µs of a 4.2 ms step; cloud-only generation 1.048 times as fast, side by side).
     Blocking the loop for a pass costs a lone session nothing; a batch of several, or a
     long pass, still goes to the executor, so the loop reads what arrives meanwhile for
-    the next batch."""
+    the next batch.
+
+    ``token_budget``: positions per pass at most (0: no budget), or None (``auto``): learned,
+    the most a pass computes within ``pass_latency_s`` (see the module docstring and
+    :meth:`~spececd.core.budget.PassCost.budget`)."""
 
     def __init__(self, backend: Backend, executor: Executor, metrics: Metrics,
-                 max_batch: int = 32, inline: bool = False) -> None:
+                 max_batch: int = 32, inline: bool = False, token_budget: int | None = 0,
+                 pass_latency_s: float = 0.1) -> None:
         self.backend = backend
         self.executor = executor
         self.metrics = metrics
         self.max_batch = max_batch
         self.inline = inline
+        self.token_budget = token_budget
+        self.pass_latency_s = pass_latency_s
+        self.cost = PassCost()  # what a pass costs here, by rows and positions
+        self.level = 0.0  # the least worth verified, smoothed over passes (sessions' budgets)
         self._short = False  # the last pass took under INLINE_BELOW_S
         self._queue: list[_Job] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def verify(self, sequence: CachedSequence, request: VerifyRequest,
-                     matcher: ConstraintMatcher | None = None) -> Pass:
+                     matcher: ConstraintMatcher | None = None,
+                     acceptance: DepthAcceptance | None = None) -> Pass:
         """Run ``request`` on ``sequence`` in the next batch (masked by ``matcher``, its
-        session's constraint). Raises :class:`VerificationError` when the pass fails for
-        this job."""
+        session's constraint; its draft cut by the budget by ``acceptance``, the session's,
+        which the pass's outcome updates). Raises :class:`VerificationError` when the pass
+        fails for this job."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._wake is None:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(self._wake))
         future: asyncio.Future[Pass] = loop.create_future()
-        self._queue.append(_Job(sequence, request, future, time.perf_counter(), matcher))
+        self._queue.append(_Job(sequence, request, future, time.perf_counter(), matcher,
+                                acceptance))
         self._wake.set()
         return await future
+
+    def budget(self, rows: int) -> int | None:
+        """Positions a pass of ``rows`` sessions may compute (None: no budget)."""
+        return pass_budget(self.token_budget, self.cost, rows, self.pass_latency_s)
 
     async def _run(self, wake: asyncio.Event) -> None:
         while True:
@@ -224,40 +300,73 @@ class BatchScheduler:
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
                 batch = [job for job in batch if not job.future.done()]  # cancelled: left
                 if batch:
-                    await self._pass(batch)
+                    waiting = await self._pass(batch)
+                    self._queue[:0] = waiting  # prompts not all in: first in the next pass
 
-    async def _pass(self, batch: list[_Job]) -> None:
-        """One batched forward pass; if it fails, each job alone, so that one bad request
-        fails only itself."""
+    async def _pass(self, batch: list[_Job]) -> list[_Job]:
+        """One batched forward pass within the budget; the jobs it only prefilled a chunk
+        of, to run again. If it fails, each job alone, so that one bad request fails only
+        itself."""
+        offers = [job.offer() for job in batch]
+        chosen = plan(offers, self.budget(len(batch)), self.cost)
+        work, matchers, chunks, verified, waiting = [], [], [], [], []
+        for job, offer, depth, chunk in zip(batch, offers, chosen.depths, chosen.chunks,
+                                            strict=True):
+            if depth is None:
+                if chunk:
+                    chunks.append((job.sequence, job.request.context, chunk))
+                waiting.append(job)
+                continue
+            request = job.request
+            if depth < len(offer.nodes):
+                tokens, probs, parents = cut_draft(request.tokens, request.draft_probs,
+                                                   request.parents, depth)
+                request = dataclasses.replace(request, tokens=tokens, draft_probs=probs,
+                                              parents=parents)
+            work.append((job.sequence, request))
+            matchers.append(job.matcher)
+            verified.append((job, depth, len(job.request.tokens)))  # positions offered
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        work = [(job.sequence, job.request) for job in batch]
-        matchers = [job.matcher for job in batch]
         try:
             if self.inline and self._short and len(batch) == 1:
-                verified = run_verifications(self.backend, work, matchers)
+                done = run_verifications(self.backend, work, matchers, chunks)
             else:
-                verified = await loop.run_in_executor(
-                    self.executor, run_verifications, self.backend, work, matchers)
+                done = await loop.run_in_executor(
+                    self.executor, run_verifications, self.backend, work, matchers, chunks)
         except Exception as exc:
             if len(batch) == 1:
                 log.exception("verification failed")
                 if not batch[0].future.done():
                     batch[0].future.set_exception(VerificationError(
                         f"{type(exc).__name__}: {exc}"))
-                return
+                return []
             log.exception("batched verification failed; retrying one by one")
             for job in batch:
-                await self._pass([job])
-            return
+                self._queue[:0] = await self._pass([job])
+            return []
         seconds = time.perf_counter() - start
-        self._short = verified.work_s < INLINE_BELOW_S
-        self.metrics.record_batch(len(batch), verified.forward_s, verified.work_s, seconds,
-                                  [start - job.queued for job in batch])
-        for job, result, logprobs in zip(batch, verified.results, verified.logprobs,
-                                         strict=True):
+        self._short = done.work_s < INLINE_BELOW_S
+        self.cost.update(len(work) + len(chunks), done.positions, done.work_s)
+        self.level += LEVEL_WEIGHT * (chosen.level - self.level)
+        self.metrics.record_batch(len(work), done.forward_s, done.work_s, seconds,
+                                  [start - job.queued for job, _, _ in verified])
+        self.metrics.record_budget(
+            done.prompt, sum(offered for _, _, offered in verified),
+            sum(len(request.tokens) for _, request in work),
+            sum(result.num_accepted for result in done.results), len(done.results),
+            done.work_s, self.budget(len(batch)))
+        for (job, depth, _), result, logprobs in zip(verified, done.results, done.logprobs,
+                                                     strict=True):
+            budget = None
+            if job.acceptance is not None:
+                job.acceptance.observe(depth, result.num_accepted)
+                if self.level > 1e-3:
+                    budget = job.acceptance.budget(self.level, MOST_BUDGET)
             if not job.future.done():
-                job.future.set_result(Pass(result, seconds, len(batch), *logprobs))
+                job.future.set_result(Pass(result, seconds, len(work), *logprobs,
+                                           budget=budget, verified=depth))
+        return waiting
 
     def close(self) -> None:
         if self._task is not None:

@@ -371,11 +371,13 @@ class CloudService:
             self._failed(link, request.seq, exc)
             return
         drafted = len(request.tokens) if request.parents is None else tree_depth(request.parents)
+        if done.verified >= 0:  # the budget cut the draft: what was verified counts
+            drafted = min(drafted, done.verified)
         self._record(link, drafted, done.result.num_accepted, 1, done.seconds,
                      is_round=True)  # a tree counts its positions
         link.session.verdict(request, done.result.num_accepted, done.result.next_token,
                              done.seconds, done.result.path, done.logprobs,
-                             done.prompt_logprobs)
+                             done.prompt_logprobs, done.budget)
 
     async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
         """A cloud-only generation, one ``Tokens`` frame per step, on any runner.
@@ -462,7 +464,7 @@ class CloudService:
                 result = done.result
                 out = session.tokens(request, result.num_accepted, result.next_token,
                                      done.seconds, result.path, done.logprobs,
-                                     done.prompt_logprobs)
+                                     done.prompt_logprobs, done.budget, done.verified)
             else:
                 step = await self._engine_step(link, generation, take)
                 if step is None:

@@ -67,7 +67,7 @@ import msgpack  # type: ignore[import-untyped]
 from spececd.backends.base import Tokenizer
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.runner import EngineStep, Pass, RunnerConfig, RunnerError
-from spececd.cloud.vllm_proposer import ADDRESS_ENV
+from spececd.cloud.vllm_proposer import ADDRESS_ENV, BUDGET_ENV, LATENCY_ENV
 from spececd.core.params import Constraint, Mode, SamplingParams
 from spececd.core.tokens import common_prefix
 from spececd.core.verify import VerifyResult
@@ -382,7 +382,10 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
     max_context = min(limits.max_context, positions or limits.max_context)
     tokenizer, tokens = load_tokenizer(model)  # before vLLM starts: a failure leaves nothing
     hints = HintChannel()
-    os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it
+    os.environ[ADDRESS_ENV] = hints.address  # vLLM's processes inherit it, and the budget
+    budget = config.budget()
+    os.environ[BUDGET_ENV] = "auto" if budget is None else str(budget)
+    os.environ[LATENCY_ENV] = str(config.pass_latency_ms)
     args = AsyncEngineArgs(**{
         "model": model, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
         "max_model_len": max_context, "max_num_seqs": config.max_batch,

@@ -14,7 +14,15 @@ The proposer also checks, in that process, the one piece of vLLM's rejection sam
 was found broken (:func:`repair_rejection_sampler`), and repairs it, before it proposes for
 sampled requests.
 
-This module imports nothing of SpecECD's and nothing heavy: it runs inside vLLM's worker.
+Under load the proposer holds vLLM's steps to the server's token budget
+(:class:`ProposalBudget`, ``$SPECECD_TOKEN_BUDGET`` and ``$SPECECD_PASS_LATENCY_MS``, set
+by the server from ``--token-budget`` and ``--pass-latency-ms``): it proposes, of each
+request's hint, the leading tokens worth their place in the step (the planner of
+:mod:`spececd.core.budget`, fed by the time between its calls, a step, and by how many of
+each request's proposals the step kept). vLLM keeps its own chunked prefill.
+
+This module imports nothing heavy (of SpecECD's, the budget's pure planner only): it runs
+inside vLLM's worker.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -30,9 +39,21 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import zmq
 
+from spececd.core.budget import (
+    DepthAcceptance,
+    Offer,
+    PassCost,
+    pass_budget,
+    plan,
+    tree_nodes,
+)
+
 log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "SPECECD_HINTS"
+BUDGET_ENV = "SPECECD_TOKEN_BUDGET"  # positions per step: "auto", "0" (off) or a number
+LATENCY_ENV = "SPECECD_PASS_LATENCY_MS"  # the latency aim bounding auto's
+STALE_STEPS = 5.0  # a gap between calls this many predicted steps long was idle time
 
 
 def request_key(engine_request_id: str) -> str:
@@ -105,6 +126,71 @@ def repair_rejection_sampler() -> bool:
     return False
 
 
+class ProposalBudget:
+    """The token budget on vLLM's side: which leading part of each request's proposal a
+    step verifies. ``token_budget``: positions per step (0: no budget; None: ``auto``,
+    the most a step computes within ``aim_s``, from the fitted step cost). Its
+    measurements: the time between two calls (one engine step, of the rows and positions
+    proposed at the first) and, per request, how many of its last proposal the step kept
+    (the tokens it sampled, less one)."""
+
+    def __init__(self, token_budget: int | None, aim_s: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.token_budget, self.aim_s, self.clock = token_budget, aim_s, clock
+        self.cost = PassCost()
+        self.source = DepthAcceptance()  # every request's, the prior of each one's
+        self.requests: dict[str, DepthAcceptance] = {}
+        self._proposed: dict[str, int] = {}  # request: tokens proposed at the last call
+        self._last: tuple[float, int, int] | None = None  # time, rows, positions
+
+    def budget(self, rows: int) -> int | None:
+        """Positions a step of ``rows`` requests may compute (None: no budget)."""
+        return pass_budget(self.token_budget, self.cost, rows, self.aim_s)
+
+    def cut(self, keys: Sequence[str | None], sampled: Sequence[Sequence[int]],
+            proposals: Sequence[list[int]]) -> list[list[int]]:
+        """``proposals`` for the rows ``keys`` (None: a row of no request of the server's),
+        each cut to the leading tokens the budget verifies; ``sampled``: the tokens the step
+        just taken sampled for each row (its kept proposal and one of its own)."""
+        now = self.clock()
+        if self._last is not None:
+            then, rows, positions = self._last
+            if not (self.cost.fitted and now - then > STALE_STEPS
+                    * max(self.cost.predict(rows, positions), 1e-6)):
+                self.cost.update(rows, positions, now - then)
+        for key, tokens in zip(keys, sampled, strict=True):
+            if key is not None and self._proposed.get(key):
+                accepted = max(0, min(len(tokens) - 1, self._proposed[key]))
+                self._accepting(key).observe(self._proposed[key], accepted)
+        offers = [Offer(0, tuple(self._accepting(key).worth(len(p))) if key else (),
+                        tree_nodes(None, len(p)) if key else ())
+                  for key, p in zip(keys, proposals, strict=True)]
+        chosen = plan(offers, self.budget(len(keys)), self.cost)
+        out = [p[:depth or 0] for p, depth in zip(proposals, chosen.depths, strict=True)]
+        self._proposed = {key: len(p) for key, p in zip(keys, out, strict=True)
+                          if key is not None}
+        self._last = (now, len(keys), len(keys) + sum(map(len, out)))
+        return out
+
+    def _accepting(self, key: str) -> DepthAcceptance:
+        acceptance = self.requests.get(key)
+        if acceptance is None:
+            acceptance = self.requests[key] = DepthAcceptance(self.source)
+        return acceptance
+
+    def forget(self, key: str) -> None:
+        """The server forgot a request's draft (it ended)."""
+        self.requests.pop(key, None)
+
+
+def budget_from_environment() -> ProposalBudget:
+    """The budget the server asked for through the environment (none set: ``auto`` at
+    100 ms, as the server's defaults)."""
+    text = os.environ.get(BUDGET_ENV, "auto").strip().lower()
+    value = None if text == "auto" else 0 if text == "off" else int(text)
+    return ProposalBudget(value, float(os.environ.get(LATENCY_ENV, "100")) / 1e3)
+
+
 class HintProposer:
     """vLLM's ``custom_class`` proposer; see the module docstring. The channel's messages
     are msgpack lists: ``[request id, start, tokens]`` sets a request's draft,
@@ -113,6 +199,7 @@ class HintProposer:
     def __init__(self, vllm_config: Any) -> None:
         self.limit = int(vllm_config.speculative_config.num_speculative_tokens)
         self.drafts: dict[str, tuple[int, list[int]]] = {}
+        self.budget = budget_from_environment()
         self._runner: Any = None
         # Whether sampled requests' drafts may be proposed: vLLM's verification of them is
         # sound here (greedy requests' are verified by argmax, which the fault spares).
@@ -138,6 +225,7 @@ class HintProposer:
                 return
             if len(message) == 1:
                 self.drafts.pop(message[0], None)
+                self.budget.forget(message[0])
             else:
                 self.drafts[message[0]] = (int(message[1]), list(message[2]))
 
@@ -173,12 +261,15 @@ class HintProposer:
         if ids is None:
             return [[] for _ in sampled_token_ids]
         out: list[list[int]] = []
+        keys: list[str | None] = []
         for row in range(len(sampled_token_ids)):
-            draft = self.drafts.get(request_key(ids[row])) if row < len(ids) else None
+            key = request_key(ids[row]) if row < len(ids) else None
+            draft = self.drafts.get(key) if key is not None else None
+            keys.append(key if draft is not None else None)
             if draft is None or not (self.sampled or
                                      ids[row] in self._runner.input_batch.greedy_reqs):
                 out.append([])
                 continue
             n = int(num_tokens_no_spec[row])
             out.append(proposal(token_ids_cpu[row, :n], draft[0], draft[1], self.limit))
-        return out
+        return self.budget.cut(keys, sampled_token_ids, out)

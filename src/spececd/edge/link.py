@@ -31,7 +31,7 @@ from spececd.edge.transport import Transport
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
-from spececd.protocol.errors import Draining
+from spececd.protocol.errors import Draining, VersionMismatch
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class Link:
         # server's part of it is a look-up), on connections already open (opening an HTTP
         # link is another round trip): stream drafting reads it.
         self.rtt = Ema(0.0)
+        # The server refused a protocol-7 hello: every session greets it without the budget.
+        self.older_server = False
 
     def close(self) -> None:
         """Say goodbye to the server (a ``Close``, when the connection still takes it) and
@@ -94,10 +96,21 @@ class Link:
                 sent, received = transport.bytes_sent, transport.bytes_received
                 greeted_now = self._greeted is not session
                 if greeted_now:
+                    if self.older_server:
+                        session.older_server()
                     hello = session.hello(checked=self._greeted is not None)
                     t0 = time.perf_counter()
                     transport.send(hello)
-                    welcome = session.receive(transport.recv())
+                    try:
+                        welcome = session.receive(transport.recv())
+                    except VersionMismatch:
+                        if not session.older_server():
+                            raise
+                        self.older_server = True
+                        log.info("the server speaks an older protocol; greeting it again "
+                                 "without the budget")
+                        self.drop()  # the refusal closed the session
+                        continue
                     if not opened:
                         self.rtt.update(time.perf_counter() - t0)
                     assert isinstance(welcome, m.Welcome)

@@ -128,7 +128,11 @@ class Rounds:
 
     def choose(self, limit: int) -> int:
         """The draft length for a round with ``limit`` positions left: the policy's choice
-        when adaptive, else ``k_max`` (at most ``limit``)."""
+        when adaptive, else ``k_max`` (at most ``limit``), and never past the server's
+        budget (the positions it expects to verify: it would cut the rest)."""
+        budget = self.work.session.budget
+        if budget is not None:
+            limit = min(limit, budget)
         return self.policy.choose(limit) if self.adaptive else min(self.k_max, limit)
 
     def step(self, out: Emitter) -> list[Piece]:
@@ -360,9 +364,14 @@ class StreamDrafting(CloudOnly):
     def lookahead(self) -> int:
         """How far past the last token received to draft
         (:func:`~spececd.core.policy.stream_lookahead`: from the round trip and the server's
-        step time, at most the server's ``max_draft``)."""
-        welcome = self.work.session.welcome
-        return stream_lookahead(self.ahead, self.work.link.rtt.value, self.server_step.value,
+        step time, at most the server's ``max_draft``), no deeper than the server's budget
+        past where it will be (it verifies no more of a hint in a step)."""
+        session = self.work.session
+        welcome, budget = session.welcome, session.budget
+        if budget == 0:
+            return 0  # the server verifies no hint now: draft nothing
+        depth = self.ahead if budget is None else min(self.ahead, budget)
+        return stream_lookahead(depth, self.work.link.rtt.value, self.server_step.value,
                                 welcome.max_draft if welcome is not None else self.ahead)
 
     def step(self, out: Emitter) -> list[Piece]:

@@ -36,14 +36,22 @@ class EdgeSession:
     """
 
     def __init__(self, fingerprint: m.Fingerprint, mode: Mode, params: SamplingParams,
-                 auth_token: str = "", threshold: float = 0.0, trees: bool = False) -> None:
+                 auth_token: str = "", threshold: float = 0.0, trees: bool = False,
+                 budget: bool = True) -> None:
         """``trees``: ask for token trees (a protocol-4 hello; the welcome says whether
-        the server verifies them)."""
+        the server verifies them). ``budget``: offer to read the server's budget (a
+        protocol-7 hello; an older server refuses it, and :meth:`older_server` then
+        greets at the lowest version that carries the rest)."""
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
         # The lowest version that carries what is asked, so that older servers still serve.
         self.hello_message = m.Hello.from_params(params, fingerprint, mode.value, auth_token,
-                                                 threshold, trees)
+                                                 threshold, trees, budget)
+        self._without_budget = m.Hello.from_params(params, fingerprint, mode.value,
+                                                   auth_token, threshold, trees)
+        # Positions of the next draft or hint the server expects to verify, as its last
+        # reply said (None: any, or a server that does not say).
+        self.budget: int | None = None
         # The prompt's log-probabilities are asked for until a reply brings them (a hello
         # after a reconnect does not ask again).
         self.prompt_pending = self.hello_message.logprobs.prompt_top >= 0
@@ -56,6 +64,7 @@ class EdgeSession:
         """The greeting; ``checked``: this connection already carried a hello whose
         fingerprint the server accepted, so this one leaves it out."""
         self.welcome, self.server_len, self._pending = None, 0, None
+        self.budget = None
         hello = self.hello_message
         if not self.prompt_pending and hello.logprobs.prompt_top >= 0:
             hello = dataclasses.replace(hello, logprobs=dataclasses.replace(
@@ -63,6 +72,14 @@ class EdgeSession:
         if checked:
             hello = dataclasses.replace(hello, fingerprint=m.SAME_FINGERPRINT)
         return m.encode(hello)
+
+    def older_server(self) -> bool:
+        """The server refused this session's hello with ``version_mismatch``: whether a
+        hello of a lower version (without the budget) may serve, now :attr:`hello_message`."""
+        if self.hello_message.protocol_version <= self._without_budget.protocol_version:
+            return False
+        self.hello_message = self._without_budget
+        return True
 
     @property
     def trees(self) -> bool:
@@ -128,11 +145,13 @@ class EdgeSession:
             self.server_len = (pending.context_len + len(pending.prefix)
                                + message.num_accepted + 1)
             self._pending = None
+            self.budget = message.budget
             return message
         if isinstance(message, m.Tokens) and isinstance(pending, m.Generate) \
                 and message.seq == pending.seq:
             self._check_logprobs(message, pending, len(message.token_ids))
             self.server_len += len(message.token_ids)
+            self.budget = message.budget
             if message.done:
                 self._pending = None
             return message

@@ -28,13 +28,13 @@ Exchange (docs/how-it-works.md, "A request's path"; the rules in docs/protocol.m
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s, path,
-                                                      logprobs, prompt_logprobs)
+                                                      logprobs, prompt_logprobs, budget)
     ...
     Close ->
 
 or, for cloud-only generation, ``Generate(seq, context_len, prefix, max_tokens, stops)``
 answered by a stream of ``Tokens(seq, token_ids, done, compute_s, drafted, accepted,
-logprobs, prompt_logprobs)``.
+logprobs, prompt_logprobs, budget)``.
 While such a stream runs the edge may send ``Hint(position, tokens, alternatives)`` frames
 (stream drafting): drafted tokens for the positions from ``position`` on, continuing the
 previous hint or replacing it, and (protocol 5, trees) other candidates for some of those
@@ -54,6 +54,13 @@ accepted drafts and its own), a ``Tokens`` frame those of its ``token_ids``, and
 reply after a hello that asked for the prompt's (echo) those of its request's context
 after the first token (:mod:`spececd.core.logprobs`), each as raw little-endian arrays.
 Frames of a session that asked for none are unchanged.
+
+The server's budget (protocol 7, to an edge whose hello says 7): under load the server
+verifies only the leading positions of each draft that are worth their place in its pass,
+and a ``Verdict`` or ``Tokens`` frame then says how many positions it expects to verify of
+the session's next draft or hint (``budget``); left off while it verifies whatever comes.
+An edge that follows it drafts no positions that would be cut; one that ignores it loses
+nothing but the drafting (a cut draft is verified as the shorter draft it begins with).
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -76,16 +83,20 @@ from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame, VersionMismatch
 
-PROTOCOL_VERSION = 6  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
+PROTOCOL_VERSION = 7  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
 # 6: the Hello's constraint (a schema, regex, choice or grammar the output must match),
-# log-probabilities and token healing (heal_ids)
+# log-probabilities and token healing (heal_ids); 7: the server's budget in replies
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
 # version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
 # with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
-COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6)
+COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6, 7)
 TREES_VERSION = 4  # the lowest hello that offers token trees
+# The lowest hello whose edge reads the budget in verdicts and tokens frames. An edge offers
+# it by default and, answered version_mismatch by an older server, greets again at the
+# lowest version that carries the rest of what it asks for (no budget then).
+BUDGET_VERSION = 7
 HINT_TREES_VERSION = 5  # the lowest welcome whose server takes alternatives in hints
 
 # The kinds of field on the wire (WIRE of each message; :func:`_check` knows each).
@@ -198,9 +209,10 @@ class Hello:
     @classmethod
     def from_params(cls, params: SamplingParams, fingerprint: Fingerprint, mode: str,
                     auth_token: str = "", threshold: float = 0.0, trees: bool = False,
-                    ) -> Hello:
+                    budget: bool = False) -> Hello:
         """The hello that asks for ``params`` (whose ``seed`` must be set), speaking the
-        lowest version that carries it; ``trees``: offer token trees (version 4 at least).
+        lowest version that carries it; ``trees``: offer token trees (version 4 at least);
+        ``budget``: read the server's budget in replies (version 7 at least).
         ``max_tokens`` and ``stop_token_ids`` stay with the edge; the prompt's length
         travels only where the server needs it (penalties over the output, a constraint,
         token healing)."""
@@ -217,7 +229,8 @@ class Hello:
         hello = cls(0, fingerprint, mode, params.temperature, params.top_k, params.top_p,
                     params.seed, auth_token, threshold, extras, params.constraint, ask,
                     params.heal_ids)
-        version = max(hello.lowest_version(), TREES_VERSION if trees else 0)
+        version = max(hello.lowest_version(), TREES_VERSION if trees else 0,
+                      BUDGET_VERSION if budget else 0)
         return cls(version, fingerprint, mode, params.temperature, params.top_k,
                    params.top_p, params.seed, auth_token, threshold, extras,
                    params.constraint, ask, params.heal_ids)
@@ -370,13 +383,13 @@ class Draft:
 @dataclass(frozen=True)
 class Verdict:
     """The verifier's answer to a draft. Wire: ``[seq, num_accepted, next_token, verify
-    ticks, path?, logprobs?, prompt_logprobs?]`` (``path`` ``None`` for a chain when the
-    log-probabilities follow)."""
+    ticks, path?, logprobs?, prompt_logprobs?, budget?]`` (``path`` ``None`` for a chain
+    when a later field follows, the log-probabilities ``None`` when the budget follows)."""
 
     TYPE: ClassVar[int] = 4
     WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS,
-                                       _LOGPROBS)
-    OPTIONAL: ClassVar[int] = 3
+                                       _LOGPROBS, _INT)
+    OPTIONAL: ClassVar[int] = 4
     seq: int
     num_accepted: int
     next_token: int
@@ -384,22 +397,28 @@ class Verdict:
     path: tuple[int, ...] | None = None  # a tree's accepted nodes, root first
     logprobs: Logprobs | None = None  # of the num_accepted + 1 tokens emitted (protocol 6)
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
+    # Protocol 7: positions of the next draft the server expects to verify (None: any).
+    budget: int | None = None
 
     def body(self) -> list[Any]:
         body: list[Any] = [self.seq, self.num_accepted, self.next_token,
                            _ticks(self.verify_s)]
-        replied = self.logprobs is not None or self.prompt_logprobs is not None
+        budgeted = self.budget is not None
+        replied = self.logprobs is not None or self.prompt_logprobs is not None or budgeted
         if self.path is not None or replied:
             body.append(list(self.path) if self.path is not None else None)
         if replied:
             body += [_pack_logprobs(self.logprobs), _pack_logprobs(self.prompt_logprobs)]
+        if budgeted:
+            body.append(self.budget)
         return body
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Verdict:
+        logprobs, prompt_logprobs = _logprobs_pair(body[5:7])
         return cls(body[0], body[1], body[2], body[3] * TICK,
                    tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
-                   *(_unpack_logprobs(v) for v in body[5:7]))
+                   logprobs, prompt_logprobs, _budget(body, 7))
 
 
 @dataclass(frozen=True)
@@ -429,13 +448,13 @@ class Generate:
 @dataclass(frozen=True)
 class Tokens:
     """One step of a cloud-only generation. Wire: ``[seq, token_ids, done, compute ticks,
-    drafted?, accepted?, logprobs?, prompt_logprobs?]`` (the counts go together, as do the
-    log-probabilities)."""
+    drafted?, accepted?, logprobs?, prompt_logprobs?, budget?]`` (the counts go together,
+    as do the log-probabilities, ``None`` when the budget follows)."""
 
     TYPE: ClassVar[int] = 8
     WIRE: ClassVar[tuple[str, ...]] = (_INT, _IDS, _BOOL, _INT, _INT, _INT, _LOGPROBS,
-                                       _LOGPROBS)
-    OPTIONAL: ClassVar[int] = 4
+                                       _LOGPROBS, _INT)
+    OPTIONAL: ClassVar[int] = 5
     seq: int
     token_ids: tuple[int, ...]
     done: bool
@@ -444,21 +463,28 @@ class Tokens:
     accepted: int = 0  # of those, kept: the first ``accepted`` of ``token_ids``
     logprobs: Logprobs | None = None  # of token_ids (protocol 6)
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
+    # Protocol 7: positions of the next hint the server expects to verify (None: any).
+    budget: int | None = None
 
     def body(self) -> list[Any]:
         body: list[Any] = [self.seq, _pack_ids(self.token_ids), self.done,
                            _ticks(self.compute_s)]
-        replied = self.logprobs is not None or self.prompt_logprobs is not None
+        budgeted = self.budget is not None
+        replied = self.logprobs is not None or self.prompt_logprobs is not None or budgeted
         if self.drafted or self.accepted or replied:
             body += [self.drafted, self.accepted]
         if replied:
             body += [_pack_logprobs(self.logprobs), _pack_logprobs(self.prompt_logprobs)]
+        if budgeted:
+            body.append(self.budget)
         return body
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Tokens:
-        return cls(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, *body[4:6],
-                   *(_unpack_logprobs(v) for v in body[6:8]))
+        logprobs, prompt_logprobs = _logprobs_pair(body[6:8])
+        drafted, accepted = (body[4], body[5]) if len(body) > 5 else (0, 0)
+        return cls(body[0], _unpack_ids(body[1]), body[2], body[3] * TICK, drafted, accepted,
+                   logprobs, prompt_logprobs, _budget(body, 8))
 
 
 @dataclass(frozen=True)
@@ -561,6 +587,22 @@ def decode(frame: bytes) -> Message:
             or not all(map(_check, cls.WIRE, body)):
         raise MalformedFrame(f"message type {kind} has missing or mistyped fields")
     return cls.from_body(body)
+
+
+def _logprobs_pair(values: list[Any]) -> tuple[Logprobs | None, Logprobs | None]:
+    """A reply's log-probabilities of its tokens and of the prompt, each None where left
+    off."""
+    emitted, prompt = (*values, None, None)[:2]
+    return _unpack_logprobs(emitted), _unpack_logprobs(prompt)
+
+
+def _budget(body: list[Any], index: int) -> int | None:
+    """A reply's budget, at ``index`` of its ``body`` (None: left off)."""
+    if len(body) <= index:
+        return None
+    if body[index] < 0:
+        raise MalformedFrame(f"a budget of {body[index]} positions")
+    return int(body[index])
 
 
 def _pack_probs(dists: tuple[SparseProbs, ...] | None) -> list[Any] | None:

@@ -1,0 +1,323 @@
+"""The server's token budget per pass: how many positions one batched verification pass may
+compute, and which (docs/deploy/many-clients.md).
+
+A pass computes, for each session in it, the context tokens the server's cache lacks (one,
+the session's last token, for a session that is decoding; a whole prompt for one that just
+joined) and the positions of its draft. While the batch is small a pass costs about the same
+whatever it holds; once rows x positions fill the device it grows with every position, and
+every session in the pass waits for it. So the server holds each pass to a budget of
+positions:
+
+- :class:`PassCost` fits what a pass costs on this runner, as it runs: ``seconds ~ base +
+  per_row * rows + per_position * positions``, least squares over exponentially weighted
+  passes. With a latency aim, the budget is the most positions a pass of the rows queued
+  may compute within it, or within :data:`HEADROOM` times what the sessions' tokens alone
+  cost where those already take longer (a device full of rows still speculates where it
+  pays): :meth:`PassCost.budget`.
+- :func:`plan` then decides, before the pass, what each queued session gets. Every session
+  that is decoding gets its token (the position after its context); a session still
+  prefilling gets a chunk of its prompt, and no result until its prompt is in. Positions of
+  drafts are taken in order of their worth, the chance that the position is reached and
+  kept (the product of the session's acceptance by depth up to it,
+  :class:`DepthAcceptance`), while they pay: a position worth less than what the pass's
+  tokens per second already give per position's cost would lower them. Prompts' chunks
+  fill the rest, a share of the budget kept for them so that joining is never starved.
+- Lossless by construction: a leading prefix of a draft (:func:`cut_draft`), chosen from
+  costs and past acceptance, is simply a shorter draft; the verifier never sees the rest.
+  Whether a position is kept may depend on what precedes it, never on the pass's outputs
+  nor on the token drafted there (not even the draft's own probability of that token: a
+  position kept because of the token drawn there no longer holds a sample of the draft's
+  distribution, which verification assumes; the draft's distribution there, before its
+  draw, is fair). tests/core/test_budget.py plants both bugs.
+- The budget bites only when the batch fills it: a pass whose whole work fits, or that
+  holds one session, runs whole.
+
+:func:`plan` also returns the *level*: the least worth a verified position had to have. A
+session's budget, told to its edge (the verdict's ``budget``), is the number of leading
+positions of its own whose worth reaches the level (:meth:`DepthAcceptance.budget`), so the
+edge drafts no positions that will be cut.
+
+Pure: no clock, no I/O; the caller feeds measured seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spececd.core.sampling import SparseProbs
+
+PRIOR_ACCEPT = 0.6  # a position's acceptance before anything is measured
+PRIOR_WEIGHT = 4.0  # pseudo-rounds a session's estimate is shrunk over, toward its source's
+PREFILL_SHARE = 0.25  # of a binding budget, kept for prompts' chunks while any wait
+MIN_CHUNK = 16  # prompt tokens a pass prefills at least while any wait
+START_BUDGET = 256  # positions per pass (auto) until the pass cost is fitted
+FIT_PASSES = 8  # passes seen before the fit is used
+HEADROOM = 1.5  # a pass may take this many times its sessions' tokens alone, past the aim
+
+
+@dataclass
+class PassCost:
+    """A pass's seconds against its rows and positions, ``base + per_row * rows +
+    per_position * positions``, by least squares over passes weighted by ``decay`` per
+    pass (the newest weighs most). Coefficients are never negative: one that fits negative
+    is left out and the rest refitted."""
+
+    decay: float = 0.97
+    passes: int = 0
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _coef: np.ndarray = field(default_factory=lambda: np.zeros(3))
+
+    def update(self, rows: int, positions: int, seconds: float) -> None:
+        """Fold in one pass of ``rows`` sessions computing ``positions`` positions."""
+        x = np.array([1.0, rows, positions])
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * seconds
+        self.passes += 1
+        self._coef = self._solve()
+
+    def _solve(self) -> np.ndarray:
+        active = [0, 1, 2]
+        while True:
+            xx = self._xx[np.ix_(active, active)] + 1e-9 * np.eye(len(active))
+            solved = np.linalg.lstsq(xx, self._xy[active], rcond=None)[0]
+            if solved.min() >= 0 or len(active) == 1:
+                coef = np.zeros(3)
+                coef[active] = np.maximum(solved, 0.0)
+                coef[coef < 1e-9] = 0.0  # under a nanosecond: rounding, not a cost
+                return coef
+            active.pop(int(np.argmin(solved)))
+
+    @property
+    def fitted(self) -> bool:
+        """Whether enough passes were seen for the fit to be used."""
+        return self.passes >= FIT_PASSES
+
+    @property
+    def per_position(self) -> float:
+        """Seconds one more position adds to a pass."""
+        return float(self._coef[2])
+
+    def predict(self, rows: int, positions: int) -> float:
+        """Seconds a pass of ``rows`` sessions computing ``positions`` positions costs."""
+        return float(self._coef @ np.array([1.0, rows, positions]))
+
+    def budget(self, rows: int, aim_s: float) -> int | None:
+        """Positions a pass of ``rows`` sessions may compute: within ``aim_s`` seconds, or
+        :data:`HEADROOM` times the pass of their tokens alone if that is longer (None:
+        positions cost nothing)."""
+        return self.positions_within(rows, max(aim_s, HEADROOM * self.predict(rows, rows)))
+
+    def positions_within(self, rows: int, seconds: float) -> int | None:
+        """The most positions a pass of ``rows`` sessions may compute within ``seconds``
+        (at least ``rows``: every session's token); None when positions cost nothing."""
+        if self.per_position <= 0:
+            return None
+        spare = seconds - float(self._coef[0] + self._coef[1] * rows)
+        return max(rows, int(spare / self.per_position))
+
+
+def pass_budget(token_budget: int | None, cost: PassCost, rows: int, aim_s: float) -> int | None:
+    """Positions a pass of ``rows`` sessions may compute (None: no budget), for a
+    ``token_budget`` of that many positions (0: none) or None (``auto``: from ``cost``
+    within ``aim_s``, :data:`START_BUDGET` until it is fitted)."""
+    if token_budget is not None:
+        return token_budget or None
+    if not cost.fitted:
+        return START_BUDGET
+    return cost.budget(rows, aim_s)
+
+
+@dataclass
+class DepthAcceptance:
+    """A session's acceptance by depth of its drafts: of the drafts verified as deep as
+    depth ``i`` whose first ``i - 1`` tokens were kept, how many kept the ``i``-th,
+    forgotten by ``decay`` per round. Shrunk toward ``prior`` (its draft source's, over
+    every session; None: :data:`PRIOR_ACCEPT`, then each depth toward the one before)."""
+
+    prior: DepthAcceptance | None = None
+    decay: float = 0.95
+    _kept: list[float] = field(default_factory=list)
+    _reached: list[float] = field(default_factory=list)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """One round that verified ``verified`` leading positions and kept ``accepted``."""
+        grow = verified - len(self._kept)
+        if grow > 0:
+            self._kept += [0.0] * grow
+            self._reached += [0.0] * grow
+        self._kept = [k * self.decay for k in self._kept]
+        self._reached = [r * self.decay for r in self._reached]
+        for i in range(min(verified, accepted + 1)):
+            self._reached[i] += 1
+            if i < accepted:
+                self._kept[i] += 1
+        if self.prior is not None:
+            self.prior.observe(verified, accepted)
+
+    def rates(self, depth: int) -> list[float]:
+        """Estimated acceptance at each of the first ``depth`` positions, given the ones
+        before it were kept."""
+        base = self.prior.rates(depth) if self.prior is not None else None
+        out, previous = [], PRIOR_ACCEPT
+        for i in range(depth):
+            prior = base[i] if base is not None else previous
+            kept = self._kept[i] if i < len(self._kept) else 0.0
+            reached = self._reached[i] if i < len(self._reached) else 0.0
+            previous = (kept + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+            out.append(previous)
+        return out
+
+    def worth(self, depth: int) -> list[float]:
+        """The worth of each of the first ``depth`` positions: the chance that it is
+        reached and kept."""
+        out, survive = [], 1.0
+        for rate in self.rates(depth):
+            survive *= rate
+            out.append(survive)
+        return out
+
+    def budget(self, level: float, most: int) -> int:
+        """How many leading positions (at most ``most``) are worth at least ``level``."""
+        if level <= 0:
+            return most
+        return sum(1 for w in self.worth(most) if w >= level)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One queued verification as :func:`plan` sees it: ``prefill`` context tokens the
+    server's cache lacks before the last one (0 for a session decoding), whether they may
+    be split into chunks (``chunkable``), and its draft: ``worth[j]`` of depth ``j + 1``
+    and ``nodes[j]`` the positions verifying it as deep as ``j + 1`` computes (``j + 1``
+    for a chain; a tree's nodes of at most that depth)."""
+
+    prefill: int
+    worth: tuple[float, ...]
+    nodes: tuple[int, ...]
+    chunkable: bool = True
+
+    @property
+    def whole(self) -> int:
+        """Positions the whole request computes: its new context and its whole draft."""
+        return self.prefill + 1 + (self.nodes[-1] if self.nodes else 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a pass does with each offer: ``depths[i]`` leading draft positions verified, or
+    None when it only prefills ``chunks[i]`` context tokens (and answers nothing yet);
+    ``level``: the least worth a verified position had to have (0: the budget did not
+    bind)."""
+
+    depths: tuple[int | None, ...]
+    chunks: tuple[int, ...]
+    level: float
+
+    def positions(self, offers: Sequence[Offer]) -> int:
+        """Positions the pass computes."""
+        total = 0
+        for offer, depth, chunk in zip(offers, self.depths, self.chunks, strict=True):
+            total += chunk if depth is None else offer.prefill + 1 + _nodes(offer, depth)
+        return total
+
+
+def _nodes(offer: Offer, depth: int) -> int:
+    return offer.nodes[depth - 1] if depth > 0 else 0
+
+
+def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = None) -> Plan:
+    """Within ``budget`` positions (None: no budget), what each of ``offers`` gets (see the
+    module docstring); ``cost``, when fitted, stops drafts' positions where they no longer
+    pay. Every offer not prefilling gets its token, whatever the budget."""
+    whole = Plan(tuple(len(o.nodes) for o in offers), (0,) * len(offers), 0.0)
+    if budget is None or len(offers) <= 1 or sum(o.whole for o in offers) <= budget:
+        return whole
+    joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
+    deciding = [i for i in range(len(offers)) if i not in joining]
+    used = sum(offers[i].prefill + 1 for i in deciding)  # every decoding session's token
+    waiting = sum(offers[i].prefill + 1 for i in joining)
+    spare = max(0, budget - used)
+    kept = min(waiting, max(MIN_CHUNK, int(PREFILL_SHARE * spare))) if joining else 0
+    drafts = max(0, spare - kept)
+    # Drafts' positions by worth, each session's in order (its worth never grows with depth).
+    depths = dict.fromkeys(deciding, 0)
+    heap = [(-offers[i].worth[0] / offers[i].nodes[0], i) for i in deciding if offers[i].nodes]
+    heapq.heapify(heap)
+    rows, tokens, positions, level = len(deciding), float(len(deciding)), used, 0.0
+    fitted = cost is not None and cost.fitted and cost.per_position > 0
+    while heap:
+        _, i = heapq.heappop(heap)
+        offer, depth = offers[i], depths[i]
+        step = offer.nodes[depth] - _nodes(offer, depth)
+        worth = offer.worth[depth]
+        if step > drafts:
+            level = max(level, worth)
+            continue  # this session's next depth does not fit; shallower ones may
+        if fitted:
+            assert cost is not None
+            rate = tokens / max(cost.predict(rows, positions), 1e-9)
+            if worth < rate * cost.per_position * step:
+                level = max(level, worth)
+                break  # no position left is worth its cost
+        depths[i] = depth + 1
+        drafts -= step
+        positions += step
+        tokens += worth
+        if depth + 1 < len(offer.nodes):
+            heapq.heappush(heap, (-offer.worth[depth + 1] / (offer.nodes[depth + 1]
+                                                              - offer.nodes[depth]), i))
+    # Prompts: whole where they fit, else a chunk, first come first served.
+    room = max(budget - positions, kept) if joining else 0
+    out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
+    chunks = [0] * len(offers)
+    for i in joining:
+        offer = offers[i]
+        if offer.whole <= room:
+            out_depths[i] = len(offer.nodes)
+            room -= offer.whole
+        elif room > 0:
+            chunks[i] = min(offer.prefill, room)
+            room -= chunks[i]
+    return Plan(tuple(out_depths), tuple(chunks), level)
+
+
+def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
+              parents: Sequence[int] | None, depth: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None]:
+    """A draft's leading ``depth`` positions: a chain's first ``depth`` tokens, or a tree's
+    nodes at most ``depth`` deep (their order kept, parents renumbered). Verifying it is
+    verifying a draft that never went further: lossless whenever ``depth`` is chosen
+    without the verification's outcome."""
+    if parents is None:
+        return (tuple(tokens[:depth]),
+                tuple(draft_probs[:depth]) if draft_probs is not None else None, None)
+    levels: list[int] = []
+    kept: list[int] = []
+    index: dict[int, int] = {}
+    for i, parent in enumerate(parents):
+        levels.append(1 if parent < 0 else levels[parent] + 1)
+        if levels[i] <= depth:
+            index[i] = len(kept)
+            kept.append(i)
+    return (tuple(tokens[i] for i in kept),
+            tuple(draft_probs[i] for i in kept) if draft_probs is not None else None,
+            tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept))
+
+
+def tree_nodes(parents: Sequence[int] | None, size: int) -> tuple[int, ...]:
+    """For a draft of ``size`` tokens (a tree with ``parents``), the positions verifying
+    it as deep as ``1, 2, ...`` computes: :attr:`Offer.nodes`."""
+    if parents is None:
+        return tuple(range(1, size + 1))
+    levels: list[int] = []
+    for parent in parents:
+        levels.append(1 if parent < 0 else levels[parent] + 1)
+    deepest = max(levels, default=0)
+    counts = np.bincount(levels, minlength=deepest + 1)[1:]
+    return tuple(int(c) for c in np.cumsum(counts))
+

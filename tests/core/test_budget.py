@@ -1,0 +1,204 @@
+"""The token budget per pass (:mod:`spececd.core.budget`): the planner's choices, the pass
+cost fit, cutting a draft to a leading prefix, and statistical proof that a cut chosen
+before the pass is lossless while one chosen from the pass's outcome is not.
+
+The statistical tests reuse the verification tests' toy Markov models and loop
+(:func:`tests.core.test_verify.simulate`): 20,000 draws of the first two emitted tokens
+against the target's own distribution, by chi-square."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from spececd.core.budget import (
+    MIN_CHUNK,
+    DepthAcceptance,
+    Offer,
+    PassCost,
+    cut_draft,
+    plan,
+    tree_nodes,
+)
+from spececd.core.params import Mode
+from spececd.core.sampling import SparseProbs
+from spececd.core.verify import VerifyResult, verify
+from tests.core.test_verify import SETTINGS, VerifyFn, pairs_p_value, simulate
+
+
+def decoding(worth: Sequence[float]) -> Offer:
+    return Offer(0, tuple(worth), tree_nodes(None, len(worth)))
+
+
+def test_a_pass_that_fits_or_holds_one_session_runs_whole() -> None:
+    offers = [decoding([0.9, 0.8, 0.1]), Offer(50, (0.5,), (1,))]
+    assert plan(offers, 56).depths == (3, 1)  # 3 + 1 + 50 + 1 + 1 positions fit
+    assert plan(offers, 55).depths == (3, None)
+    assert plan(offers, None).depths == (3, 1)
+    lone = plan([Offer(500, (0.2,) * 8, tree_nodes(None, 8))], 16)
+    assert lone.depths == (8,) and lone.chunks == (0,) and lone.level == 0
+
+
+def test_drafts_are_cut_by_worth_and_every_session_gets_its_token() -> None:
+    offers = [decoding([0.9, 0.8, 0.7, 0.1]), decoding([0.5, 0.2]), decoding([])]
+    chosen = plan(offers, 3 + 4)  # three tokens, four drafted positions
+    assert chosen.depths == (3, 1, 0)  # 0.9, 0.8, 0.7, 0.5 beat 0.2 and 0.1
+    assert chosen.chunks == (0, 0, 0)
+    assert chosen.level == pytest.approx(0.2)
+    assert plan(offers, 2).depths == (0, 0, 0)  # below the tokens: the tokens still go
+
+
+def test_drafts_stop_where_a_position_no_longer_pays() -> None:
+    cost = PassCost()
+    for rows, positions in ((1, 1), (2, 10), (4, 4), (8, 40), (3, 30), (6, 6), (2, 2), (5, 9)):
+        cost.update(rows, positions, 0.010 + 0.001 * positions)  # 1 ms a position
+    # Tokens per second so far: 2 tokens in 12 ms, so a position must bring 2/12 of a token.
+    offers = [decoding([0.9, 0.5, 0.15, 0.1]), decoding([0.6, 0.12])]
+    assert plan(offers, 7, cost).depths == (2, 1)
+    assert plan(offers, 7).depths == (3, 2)  # without the cost, the budget alone decides
+
+
+def test_prompts_fill_the_rest_in_chunks_and_always_move() -> None:
+    offers = [decoding([0.9] * 4), decoding([0.9] * 4), Offer(300, (), ()),
+              Offer(200, (0.5,), (1,))]
+    chosen = plan(offers, 64)
+    assert chosen.depths[:2] == (4, 4) and chosen.depths[2:] == (None, None)
+    assert chosen.chunks == (0, 0, 54, 0)  # first come, first served: the rest of 64
+    # Drafts that could take everything leave a prompt its share.
+    crowded = [decoding([0.99] * 60), Offer(300, (), ())]
+    squeezed = plan(crowded, 64)
+    assert squeezed.chunks[1] >= MIN_CHUNK and squeezed.positions(crowded) <= 64 + MIN_CHUNK
+
+
+def test_no_session_is_starved() -> None:
+    """Pass after pass under a tight budget: every decoding session gets its token in every
+    pass, and every prompt is in after finitely many."""
+    rng = np.random.default_rng(1)
+    prompts = {i: int(rng.integers(50, 400)) for i in range(6)}  # joining: tokens left
+    passes = 0
+    while prompts:
+        offers = [decoding([0.95] * 8) for _ in range(20)]
+        offers += [Offer(left, (0.9,) * 4, tree_nodes(None, 4)) for left in prompts.values()]
+        chosen = plan(offers, 40)
+        assert all(depth is not None for depth in chosen.depths[:20])
+        for key, depth, chunk in zip(list(prompts), chosen.depths[20:], chosen.chunks[20:],
+                                     strict=True):
+            if depth is not None:
+                del prompts[key]
+            else:
+                prompts[key] -= chunk
+        passes += 1
+        assert passes < 300
+    print(f"6 prompts in beside 20 decoding sessions after {passes} passes")
+
+
+def test_the_pass_cost_fit_recovers_rows_and_positions() -> None:
+    cost = PassCost()
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        rows, positions = int(rng.integers(1, 64)), int(rng.integers(1, 600))
+        cost.update(rows, positions, 0.004 + 0.002 * rows + 0.0005 * positions)
+    assert cost.fitted
+    assert cost.per_position == pytest.approx(0.0005, rel=1e-3)
+    assert cost.predict(10, 100) == pytest.approx(0.004 + 0.02 + 0.05, rel=1e-3)
+    assert cost.positions_within(10, 0.074) == 100
+    # A device full of rows: the budget is half as much again as their tokens alone.
+    assert cost.budget(64, 0.01) == cost.positions_within(64, 1.5 * cost.predict(64, 64))
+    flat = PassCost()
+    for rows in range(1, 10):
+        flat.update(rows, 5 * rows, 0.01)  # positions cost nothing: no budget
+    assert flat.per_position == 0 and flat.budget(9, 0.005) is None
+
+
+def test_acceptance_by_depth_follows_what_was_verified() -> None:
+    source = DepthAcceptance()
+    session = DepthAcceptance(source)
+    for _ in range(30):
+        session.observe(4, 1)  # the second position is always rejected
+    rates = session.rates(4)
+    assert rates[0] > 0.9 and rates[1] < 0.2
+    assert session.budget(0.5, 8) == 1 and session.budget(0.0, 8) == 8
+    assert DepthAcceptance(source).rates(2)[1] < 0.3  # a new session starts from its source's
+    session.observe(0, 0)  # a cut to nothing teaches nothing
+    assert session.rates(4) == pytest.approx(rates, rel=0.1)
+
+
+def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
+    probs = tuple(SparseProbs.from_dense(np.eye(5)[t]) for t in (1, 2, 3))
+    tokens, kept, parents = cut_draft((1, 2, 3), probs, None, 2)
+    assert tokens == (1, 2) and kept == probs[:2] and parents is None
+    # A tree: 0 and 1 at depth 1, 2 under 0, 3 under 2, 4 under 1.
+    tree = (-1, -1, 0, 2, 1)
+    assert tree_nodes(tree, 5) == (2, 4, 5)
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 2) == ((7, 8, 9, 11), None, (-1, -1, 0, 1))
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, ())
+
+
+# -- lossless by construction, and the planted bug that is not ---------------------------
+
+def verify_prefix(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                  rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
+                  depth: int) -> VerifyResult:
+    """Verify the draft cut to its first ``depth`` tokens, as the scheduler does."""
+    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
+    return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
+
+
+def cut_by_draft_confidence(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                            rng: np.random.Generator, mode: Mode,
+                            draft_probs: Sequence[SparseProbs]) -> VerifyResult:
+    """A cut chosen before the pass from the draft's own probabilities: keep position
+    ``j`` while the draft was sure there (its distribution's top probability at least
+    0.3), from none to all. Whether a position is kept depends on the tokens before it,
+    never on the one drawn there."""
+    depth = 0
+    while depth < len(draft_tokens) and float(draft_probs[depth].probs.max()) >= 0.3:
+        depth += 1
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
+
+
+def cut_by_the_drawn_tokens_probability(
+        draft_tokens: Sequence[int], target_probs: np.ndarray, rng: np.random.Generator,
+        mode: Mode, draft_probs: Sequence[SparseProbs]) -> VerifyResult:
+    """Planted bug: a cut that reads the drafted token itself (keep it while the draft gave
+    it at least 0.3). Kept tokens are then no longer samples of the draft's distribution,
+    which verification assumes they are."""
+    depth = 0
+    while depth < len(draft_tokens) and draft_probs[depth].prob_of(draft_tokens[depth]) >= 0.3:
+        depth += 1
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
+
+
+def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                                   rng: np.random.Generator, mode: Mode,
+                                   draft_probs: Sequence[SparseProbs]) -> VerifyResult:
+    """Planted bug: the cut chosen after seeing the pass's outcome, just before the first
+    rejection, so the token there is a bonus drawn from the target where a correction from
+    the residual was due."""
+    seen = verify(draft_tokens, target_probs, copy.deepcopy(rng), mode, draft_probs)
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, seen.num_accepted)
+
+
+def test_a_cut_chosen_before_the_pass_is_lossless() -> None:
+    setting = SETTINGS[1]  # T = 1, the draft model's own distribution
+    p_value = pairs_p_value(simulate(setting, cut_by_draft_confidence).pairs, setting.params)
+    print(f"cut by the draft's confidence: chi-square p={p_value:.4f}")
+    assert p_value > 0.001
+
+
+PLANTED = [pytest.param("cut before the first rejection", cut_before_the_first_rejection,
+                        id="first-rejection"),
+           pytest.param("cut by the drawn token's probability",
+                        cut_by_the_drawn_tokens_probability, id="drawn-token",
+                        marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name,buggy", PLANTED)
+def test_a_planted_cut_fails_the_test(name: str, buggy: VerifyFn) -> None:
+    setting = SETTINGS[1]
+    p_value = pairs_p_value(simulate(setting, buggy).pairs, setting.params)
+    print(f"planted bug, {name}: chi-square p={p_value:.3g}")
+    assert p_value < 0.001

@@ -1,0 +1,166 @@
+"""The edge hears its budget (protocol 7): the server's verdicts and tokens frames say how
+many positions of the next draft or hint it expects to verify, and the edge drafts no more
+than that; against a server older than protocol 7 the edge greets again without asking for
+it. The toy pair, in process, no torch: a transport rewrites the server's replies to carry
+a budget, as a loaded server's would."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from spececd.backends.base import tokenizer_fingerprint
+from spececd.cloud.runner import RunnerConfig
+from spececd.cloud.runners import builtin_service
+from spececd.core.params import SamplingParams
+from spececd.core.stats import GenerationStats
+from spececd.edge.client import EdgeClient
+from spececd.edge.drafter import Drafter
+from spececd.edge.options import EdgeOptions, Resolved, Site
+from spececd.protocol import messages as m
+from spececd.transports.memory import LocalServer, MemoryTransport, local_verifier
+from tests.toy import ToyBackend, greedy
+
+PROMPT = list(b"for key in ")
+N = 40
+
+
+class Budgeted(MemoryTransport):
+    """A link that records the frames it sends (``sent``) and both ways (``log``), and
+    gives every verdict and tokens frame the budget ``budget`` (None: as the server sent
+    them)."""
+
+    def __init__(self, server: LocalServer, budget: int | None = None,
+                 rewrite: bool = True) -> None:
+        super().__init__(server)
+        self.budget, self.rewrite = budget, rewrite
+        self.sent: list[m.Message] = []
+        self.log: list[m.Message] = []
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append(m.decode(frame))
+        self.log.append(self.sent[-1])
+        super().send(frame)
+
+    def _received(self, frame: bytes | None) -> bytes:
+        data = super()._received(frame)
+        reply = m.decode(data)
+        if self.rewrite and isinstance(reply, m.Verdict | m.Tokens):
+            reply = dataclasses.replace(reply, budget=self.budget)
+            data = m.encode(reply)
+        self.log.append(reply)
+        return data
+
+
+@pytest.fixture()
+def verifier(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[LocalServer]:
+    server = local_verifier(toy[1])
+    yield server
+    server.close()
+
+
+def generate(draft: ToyBackend, transport: MemoryTransport, **options: object) -> list[int]:
+    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    client = EdgeClient(Drafter(draft), lambda: transport, fingerprint, draft.max_context)
+    run = Resolved(EdgeOptions().with_settings(**options).resolved(Site(in_process=False)),
+                   SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+    try:
+        return [t for out in client.generate(PROMPT, run, GenerationStats())
+                for t in out.token_ids]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("proactive", ["off", "on"])
+def test_rounds_draft_no_more_than_the_budget(toy: tuple[ToyBackend, ToyBackend],
+                                              verifier: LocalServer, proactive: str) -> None:
+    draft, target = toy
+    transport = Budgeted(verifier, budget=2)
+    assert generate(draft, transport, k=6, proactive=proactive) == greedy(target, PROMPT, N)
+    hello = transport.sent[0]
+    assert isinstance(hello, m.Hello) and hello.protocol_version == m.BUDGET_VERSION
+    drafts = [len(f.tokens) for f in transport.sent if isinstance(f, m.Draft)]
+    assert drafts[0] == 6 and max(drafts[1:]) == 2  # the first before any budget was heard
+
+
+def test_stream_drafting_hints_no_deeper_than_the_budget(toy: tuple[ToyBackend, ToyBackend],
+                                                         verifier: LocalServer) -> None:
+    draft, target = toy
+    target.pass_s = 0.002  # a step long enough for hints to go out between them
+    transport = Budgeted(verifier, budget=0)
+    assert generate(draft, transport, k=6, proactive="stream") == greedy(target, PROMPT, N)
+    assert not [f for f in transport.sent[2:] if isinstance(f, m.Hint)]  # 0: no hints at all
+
+
+def test_an_edge_greets_an_older_server_without_the_budget(
+        toy: tuple[ToyBackend, ToyBackend], verifier: LocalServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    draft, target = toy
+    monkeypatch.setattr(m, "COMPATIBLE_VERSIONS", (2, 3, 4, 5, 6))  # a protocol-6 server
+    opened: list[Budgeted] = []
+
+    def connect() -> Budgeted:
+        opened.append(Budgeted(verifier, budget=3))
+        return opened[-1]
+
+    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    client = EdgeClient(Drafter(draft), connect, fingerprint, draft.max_context)
+    run = Resolved(EdgeOptions().with_settings(k=4).resolved(Site(in_process=False)),
+                   SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+    try:
+        out = [t for o in client.generate(PROMPT, run, GenerationStats()) for t in o.token_ids]
+    finally:
+        client.close()
+    assert out == greedy(target, PROMPT, N)
+    assert len(opened) == 2  # refused, then greeted again on a new connection
+    hellos = [f for t in opened for f in t.sent if isinstance(f, m.Hello)]
+    versions = [h.protocol_version for h in hellos]  # auto's stream session greets too
+    assert versions[0] == m.BUDGET_VERSION and set(versions[1:]) == {2}
+
+
+def test_edges_under_a_loaded_server_follow_the_budget_it_sends(
+        toy: tuple[ToyBackend, ToyBackend]) -> None:
+    """Four edges drafting 6 a round against a server held to 12 positions a pass: its
+    verdicts carry budgets, each edge's next draft stays within the budget it was told,
+    and every output is the target's own."""
+    draft, target = toy
+    target.pass_s = 0.003  # passes long enough for the edges' rounds to meet in them
+    server = LocalServer(builtin_service(target, config=RunnerConfig(token_budget="12")))
+    prompts = [list(b"for key in "), list(b"def f(x):"), list(b"import os"), list(b"x = [")]
+    links = [Budgeted(server, rewrite=False) for _ in prompts]
+    outputs: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+        client = EdgeClient(Drafter(draft), lambda: links[i], fingerprint, draft.max_context)
+        resolved = EdgeOptions().with_settings(k=6, proactive="off").resolved(
+            Site(in_process=False))
+        run = Resolved(resolved, SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+        try:
+            outputs[i] = [t for out in client.generate(prompts[i], run, GenerationStats())
+                          for t in out.token_ids]
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        server.close()
+    told = 0
+    for i, link in enumerate(links):
+        assert outputs[i] == greedy(target, prompts[i], N)
+        budget = None
+        for message in link.log:
+            if isinstance(message, m.Verdict):
+                budget = message.budget
+                told += budget is not None
+            elif isinstance(message, m.Draft) and budget is not None:
+                assert len(message.tokens) <= budget
+    assert told > 0
