@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from spececd.bench import api, load, report
+from spececd.bench import api, load_report, report
 from spececd.bench.runner import api_plan, name, save
 
 META = {"draft": "d", "target": "t", "backend": "hf", "transport": "websocket",
@@ -111,7 +111,7 @@ def test_without_matplotlib_the_figures_are_written_and_the_plots_skipped(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     with caplog.at_level(logging.WARNING, logger="spececd.bench"):
         written = save(raw(), tmp_path)
-        drawn = report.draw(load.plot, [], tmp_path / "load_curve.png")
+        drawn = report.draw(load_report.plot, [], tmp_path / "load_curve.png")
     assert written == ["bench.json", "bench.csv", "bench.md"] and not drawn
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv", "bench.json",
                                                           "bench.md"]

@@ -102,7 +102,8 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
 
 def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     result = bench_load(tiny_models, tmp_path, "--clients", "1,3", "--duration", "2",
-                        "--acceptance", "0.9", "--kind", "replay,replay-stream,cloud-only")
+                        "--warmup-s", "0.5", "--acceptance", "0.9", "--kind",
+                        "replay,replay-stream,cloud-only")
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "load.json").read_text())["rows"]
     assert [(r["clients"], r["kind"]) for r in rows] == [
@@ -111,13 +112,17 @@ def test_bench_load_reports_a_curve(tiny_models: dict[str, Path], tmp_path: Path
     for r in rows:
         assert r["tokens"] > 0 and r["round_latency_ms"]["p50"] > 0
         assert r["engine"] == "builtin" and r["token_latency_ms"]["p50"] > 0
+        # 16 tokens a generation: several begin in the window, each with its first token
+        assert r["generations"] > 0 and r["ttft_ms"]["p50"] > 0
+        assert r["arrival"] == "all" and r["duration_s"] == 2 and "steady" in r
     replay = [r for r in rows if r["kind"] == "replay"]
     cloud = [r for r in rows if r["kind"] == "cloud-only"]
     # Cloud-only needs one pass per token (less when batched); replay at acceptance 0.9
     # gains several tokens per pass.
     assert all(r["passes_per_token"] < 0.5 for r in replay)
     assert cloud[0]["passes_per_token"] == pytest.approx(1.0, abs=0.01)
-    assert (tmp_path / "load_curve.png").is_file() and (tmp_path / "load.md").is_file()
+    for name in ("load_curve.png", "load.md", "load.csv"):
+        assert (tmp_path / name).is_file(), name
     # Replay's acceptance as measured: near the 0.9 it replays at, greedy
     assert all(0.6 < r["acceptance"] <= 1 for r in replay)
     assert all(r["acceptance"] is None for r in cloud)

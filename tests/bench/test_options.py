@@ -106,8 +106,8 @@ def test_a_load_curve_runs_replay_at_each_acceptance(monkeypatch: pytest.MonkeyP
     acceptances = bench_cli.parse_list(args.acceptance, float, "--acceptance")
     monkeypatch.setattr(load, "target_traces", lambda *a: [[1, 2]] * 64)
     monkeypatch.setattr(load, "run_load", lambda url, fp, prompts, n, duration, kind, rate,
-                        *rest: {"clients": n, "kind": kind, "acceptance_target": rate})
-    rows = load.run_curve("ws://x", None, [[1]], [1, 64], 1.0,  # type: ignore[arg-type]
+                        *rest, **kw: {"clients": n, "kind": kind, "acceptance_target": rate})
+    rows = load.run_curve([("ws://x", {})], None, [[1]], [1, 64], 1.0,  # type: ignore[arg-type]
                           args.kind.split(","), acceptances, 4, 8, "draft")
     assert [(r["clients"], r["kind"], r["acceptance_target"]) for r in rows] == [
         (n, kind, rate) for n in (1, 64)

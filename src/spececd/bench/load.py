@@ -28,35 +28,45 @@ Client kinds, labelled in every report:
 The baseline is the same server generating for the same N users by itself (cloud-only
 generation; its decode steps are batched across users by its engine's scheduler).
 
-Reported: server tokens/s, per-client tokens/s, round latency and per-token latency
+Each client generates its prompt again and again; the clients start at once or staggered
+over a ramp, and a row is measured over a window that opens after every client has had its
+first token and a warm-up (:mod:`spececd.bench.window`, which also says whether the window
+was steady). Reported, from that window: server tokens/s, per-client tokens/s, time to
+first token, round latency of sessions already decoding and per-token latency
 percentiles, the batch-size distribution and target forward passes (engine steps) per
-generated token (from the server's Prometheus metrics, as differences over the run: the
+generated token (from the server's Prometheus metrics, as differences over the window: the
 built-in engine's batch histogram, or vLLM's ``vllm:iteration_tokens_total``).
 
 A curve (:func:`run_curve`) runs every kind at every number of clients, replay clients
-at each acceptance asked for; each row, and the replay clients' traces before them, has
-the stall limit of :mod:`spececd.bench.child` on top of its duration.
+at each acceptance asked for, each arrival, on each server in turn (one per token budget);
+each row, and the replay clients' traces before them, has the stall limit of
+:mod:`spececd.bench.child` on top of its schedule. The tables and plot:
+:mod:`spececd.bench.load_report`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import multiprocessing
-import multiprocessing.pool
 import random
-import statistics
 import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.bench.child import STALL_S, within
+from spececd.bench.load_report import arrival_label, kind_label
+from spececd.bench.window import RAMP_S, WARMUP_S, ClientResult, Window, window_figures
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
 from spececd.protocol.messages import Fingerprint
+
+log = logging.getLogger(__name__)
 
 
 class ReplayDrafter:
@@ -88,23 +98,6 @@ class ReplayDrafter:
         return tuple(tokens), None
 
 
-@dataclass
-class ClientResult:
-    tokens: int = 0
-    latencies: list[float] = field(default_factory=list)  # seconds per round (per token
-    # for cloud-only)
-    token_latencies: list[float] = field(default_factory=list)  # a round's seconds over
-    # its tokens, once for each of them
-    seconds: float = 0.0  # time spent generating (model loading excluded)
-    drafted: int = 0  # drafted tokens verified, and accepted, over the client's generations
-    accepted: int = 0
-
-    def record(self, seconds: float, tokens: int) -> None:
-        self.latencies.append(seconds)
-        self.tokens += tokens
-        self.token_latencies.extend([seconds / tokens] * tokens if tokens else [])
-
-
 def metrics(*urls: str) -> dict[str, float]:
     """The Prometheus metrics of the servers at ``urls`` (their WebSocket or HTTP URLs),
     summed: behind a balancer, every replica's."""
@@ -120,13 +113,13 @@ def metrics(*urls: str) -> dict[str, float]:
 
 
 def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k: int,
-          max_tokens: int, cloud_only: bool, deadline: float, seed: int,
+          max_tokens: int, cloud_only: bool, window: Window, offset: float, seed: int,
           stream: bool = False, temperature: float = 0.0, source: str = "model"
           ) -> ClientResult:
-    """One edge session generating, again and again, until ``deadline``: greedily, or
-    sampled at ``temperature`` (verified by match, as stream drafting verifies), drafting
-    with ``drafter`` (``source`` "model") or without a model (``source`` "lookup" or
-    "suffix", ``drafter`` None)."""
+    """One edge session generating, again and again, from ``offset`` seconds after the
+    ``window``'s start until it closes: greedily, or sampled at ``temperature`` (verified
+    by match, as stream drafting verifies), drafting with ``drafter`` (``source`` "model")
+    or without a model (``source`` "lookup" or "suffix", ``drafter`` None)."""
     from spececd.edge.client import EdgeClient
     from spececd.edge.options import DraftKind, EdgeOptions, Proactive, Resolved
     from spececd.transports.registry import connector
@@ -140,42 +133,49 @@ def drive(url: str, drafter: Any, fingerprint: Fingerprint, prompt: list[int], k
                                draft_source=DraftKind(source)),
                    SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens))
     result = ClientResult()
-    start = time.perf_counter()
+    window.ready()
+    window.wait_start(offset)
     try:
-        while time.perf_counter() < deadline:
+        while time.monotonic() < window.closes:
             stats = GenerationStats()
-            last = time.perf_counter()
+            last, first = time.monotonic(), True
             for out in client.generate(prompt, run, stats, cloud_only):
-                now = time.perf_counter()
-                result.record(now - last, len(out.token_ids))
-                last = now
-                if now >= deadline:
+                now = time.monotonic()
+                if not result.events:
+                    window.join()
+                result.record(now, now - last, len(out.token_ids), first)
+                last, first = now, False
+                if now >= window.closes:
                     break
             result.drafted += stats.drafted
             result.accepted += stats.accepted
     finally:
         client.close()
-    result.seconds = time.perf_counter() - start
     return result
 
 
 def drive_openai(url: str, model: str, prompt: list[int], max_tokens: int,
-                 deadline: float, temperature: float = 0.0) -> ClientResult:
-    """One client of an OpenAI-compatible server (vLLM's) completing, again and again,
-    until ``deadline`` (greedily, or sampled at ``temperature``)."""
+                 window: Window, offset: float, temperature: float = 0.0) -> ClientResult:
+    """One client of an OpenAI-compatible server (vLLM's) completing, again and again, from
+    ``offset`` seconds after the ``window``'s start until it closes (greedily, or sampled at
+    ``temperature``). Completions are not streamed: each is one round, and none is a first
+    token."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300)
     result = ClientResult()
-    start = time.perf_counter()
-    while time.perf_counter() < deadline:
-        last = time.perf_counter()
+    window.ready()
+    window.wait_start(offset)
+    while time.monotonic() < window.closes:
+        last = time.monotonic()
         done = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
                                          temperature=temperature,
                                          extra_body={"ignore_eos": True})
-        result.record(time.perf_counter() - last,
-                      done.usage.completion_tokens if done.usage else 0)
-    result.seconds = time.perf_counter() - start
+        if not result.events:
+            window.join()
+        now = time.monotonic()
+        result.record(now, now - last, done.usage.completion_tokens if done.usage else 0,
+                      False)
     return result
 
 
@@ -187,8 +187,16 @@ def engine_steps(counters: dict[str, float]) -> float:
     return sum(vllm) if vllm else counters.get("spececd_batch_size_count", 0.0)
 
 
+_window: Window | None = None  # a draft process's (set as the pool starts it)
+
+
+def _enter(window: Window) -> None:
+    global _window
+    _window = window
+
+
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,
-                   seconds: float, seed: int, stream: bool = False,
+                   offset: float, seed: int, stream: bool = False,
                    temperature: float = 0.0, device: str = "cpu") -> ClientResult:
     import torch
     from transformers.utils import logging as hf_logging
@@ -196,12 +204,17 @@ def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_to
     from spececd.backends.registry import load_backend
     from spececd.edge.drafter import Drafter
 
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    backend = load_backend(draft_model, device=device, dtype="auto")
-    fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
-    return drive(url, Drafter(backend), fingerprint, prompt, k, max_tokens, False,
-                 time.perf_counter() + seconds, seed, stream, temperature)
+    assert _window is not None
+    try:
+        torch.set_num_threads(1)
+        hf_logging.disable_progress_bar()
+        backend = load_backend(draft_model, device=device, dtype="auto")
+        fingerprint = tokenizer_fingerprint(backend.tokenizer, backend.vocab_size)
+        return drive(url, Drafter(backend), fingerprint, prompt, k, max_tokens, False,
+                     _window, offset, seed, stream, temperature)
+    except BaseException:
+        _window.leave()
+        raise
 
 
 def target_traces(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
@@ -235,174 +248,148 @@ def run_load(url: str, fingerprint: Fingerprint, prompts: list[list[int]], clien
              max_tokens: int = 64, draft_model: str | None = None,
              traces: list[list[int]] | None = None,
              replicas: Sequence[str] = (), model: str = "",
-             temperature: float = 0.0, draft_device: str = "cpu") -> dict[str, Any]:
+             temperature: float = 0.0, draft_device: str = "cpu",
+             warmup_s: float = WARMUP_S, ramp_s: float = 0.0) -> dict[str, Any]:
     """Run ``clients`` sessions of ``kind`` (``replay``, ``draft``, ``lookup``, ``suffix``,
     ``cloud-only``, or ``vllm-spec``: clients of the OpenAI server at ``url`` serving
-    ``model``; ``-stream``: stream drafting) for
-    ``duration`` seconds; return the measured figures. ``replicas``: where the server
-    metrics are read when ``url`` is a balancer (default: ``url`` itself); draft clients
-    run their model on ``draft_device``."""
+    ``model``; ``-stream``: stream drafting), client ``i`` starting ``i * ramp_s /
+    clients`` seconds in (0: all at once); measure a window of ``duration`` seconds that
+    opens ``warmup_s`` after every client has had its first token (:class:`Window`), and
+    return its figures. ``replicas``: where the server metrics are read when ``url`` is a
+    balancer (default: ``url`` itself); draft clients run their model on
+    ``draft_device``."""
     if kind.startswith("replay") and traces is None:
         traces = target_traces(url, fingerprint, prompts, max_tokens, clients, temperature)
-    before = metrics(*(replicas or [url]))
-    start = time.perf_counter()
-    deadline = start + duration
-    if kind == "vllm-spec":
-        with multiprocessing.pool.ThreadPool(clients) as openai_clients:
-            results = openai_clients.starmap(drive_openai, [
-                (url, model, prompts[i % len(prompts)], max_tokens, deadline, temperature)
-                for i in range(clients)])
-    elif kind.startswith("draft"):
-        assert draft_model is not None
-        with multiprocessing.get_context("spawn").Pool(clients) as pool:
-            results = pool.starmap(_draft_process, [
-                (url, draft_model, prompts[i % len(prompts)], k, max_tokens, duration, i,
-                 kind == "draft-stream", temperature, draft_device)
-                for i in range(clients)])
-    else:
-        results = [ClientResult() for _ in range(clients)]
+    window = Window()
+    source = kind.removesuffix("-stream") if kind.startswith(("lookup", "suffix")) \
+        else "model"
 
-        source = kind.removesuffix("-stream") if kind.startswith(("lookup", "suffix")) \
-            else "model"
+    def client(i: int) -> ClientResult:
+        prompt, offset = prompts[i % len(prompts)], i * ramp_s / clients
+        if kind == "vllm-spec":
+            return drive_openai(url, model, prompt, max_tokens, window, offset, temperature)
+        drafter = (ReplayDrafter(prompt, traces[i], acceptance, fingerprint.vocab_size,
+                                 seed=i) if kind.startswith("replay") and traces else None)
+        return drive(url, drafter, fingerprint, prompt, k, max_tokens, kind == "cloud-only",
+                     window, offset, i, kind.endswith("-stream"), temperature, source)
 
-        def run(i: int) -> None:
-            prompt = prompts[i % len(prompts)]
-            drafter = (ReplayDrafter(prompt, traces[i], acceptance,
-                                     fingerprint.vocab_size, seed=i) if traces else None)
-            results[i] = drive(url, drafter, fingerprint, prompt, k, max_tokens,
-                               kind == "cloud-only", deadline, i, kind.endswith("-stream"),
-                               temperature, source)
+    with contextlib.ExitStack() as stack:
+        if kind.startswith("draft"):
+            assert draft_model is not None
+            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+                clients, initializer=_enter, initargs=(window,)))
+            pending = pool.starmap_async(_draft_process, [
+                (url, draft_model, prompts[i % len(prompts)], k, max_tokens,
+                 i * ramp_s / clients, i, kind == "draft-stream", temperature, draft_device)
+                for i in range(clients)], chunksize=1)
 
-        # daemons: clients blocked on a server that hangs must not keep the bench alive
-        threads = [threading.Thread(target=run, args=(i,), daemon=True)
-                   for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    # Clients generate for ``duration`` each; draft processes start after loading their
-    # model, so the window is the longest a client spent generating, not the wall time.
-    wall = max(r.seconds for r in results) or (time.perf_counter() - start)
-    after = metrics(*(replicas or [url]))
-    tokens = sum(r.tokens for r in results)
+            def finished() -> bool:
+                return pending.ready()
+
+            def collect() -> list[ClientResult]:
+                return pending.get()
+        else:
+            results = [ClientResult() for _ in range(clients)]
+
+            def run(i: int) -> None:
+                try:
+                    results[i] = client(i)
+                except Exception:
+                    log.exception("client %d of %d (%s) failed", i, clients, kind)
+                    window.leave()
+
+            # daemons: clients blocked on a server that hangs must not keep the bench alive
+            threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                       for i in range(clients)]
+            for thread in threads:
+                thread.start()
+
+            def finished() -> bool:
+                return not any(thread.is_alive() for thread in threads)
+
+            def collect() -> list[ClientResult]:
+                for thread in threads:
+                    thread.join()
+                return results
+
+        while sum(window.counts[::2]) < clients and not finished():  # draft models loading
+            time.sleep(0.05)
+        started = window.start()
+        while sum(window.counts[1:]) < clients and not finished():
+            time.sleep(0.05)
+        joined, join_s = window.counts[1], time.monotonic() - started
+        opened = time.monotonic() + warmup_s
+        window.close_at(opened + duration)
+        time.sleep(max(0.0, opened - time.monotonic()))
+        before = metrics(*(replicas or [url]))
+        time.sleep(max(0.0, opened + duration - time.monotonic()))
+        after = metrics(*(replicas or [url]))
+        results = collect()
+    figures = window_figures(results, opened, opened + duration, max_tokens, joined)
     drafted = sum(r.drafted for r in results)
-    latencies = sorted(x for r in results for x in r.latencies)
-    token_latencies = sorted(x for r in results for x in r.token_latencies)
     passes = engine_steps(after) - engine_steps(before)
     batched = after.get("spececd_batch_size_sum", 0) - before.get("spececd_batch_size_sum", 0)
     batches = (after.get("spececd_batch_size_count", 0)  # the built-in engine's passes
                - before.get("spececd_batch_size_count", 0))
     buckets = {key.split('"')[1]: int(after[key] - before.get(key, 0)) for key in after
                if key.startswith("spececd_batch_size_bucket")}
-
-    def percentile(q: float, values: list[float] = latencies) -> float:
-        if not values:
-            return 0.0
-        return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 2)
-
-    return {
+    tokens = figures["tokens"]
+    row = {
         "clients": clients, "kind": kind,
         "acceptance_target": acceptance if kind.startswith("replay") else None,
         "temperature": temperature,
-        # what the verifier accepted of the clients' drafts (vllm-spec: not seen here)
+        "arrival": "stagger" if ramp_s else "all", "ramp_s": ramp_s,
+        "warmup_s": warmup_s, "join_s": round(join_s, 2),
+        # what the verifier accepted of the clients' drafts over the whole run (vllm-spec:
+        # not seen here)
         "acceptance": round(sum(r.accepted for r in results) / drafted, 4) if drafted else None,
-        "duration_s": round(wall, 2),
-        "server_tokens_per_s": round(tokens / wall, 2),
-        "client_tokens_per_s": round(statistics.median(r.tokens / wall for r in results), 2),
-        "round_latency_ms": {"p50": percentile(0.5), "p95": percentile(0.95),
-                             "p99": percentile(0.99)},
-        "token_latency_ms": {"p50": percentile(0.5, token_latencies),
-                             "p95": percentile(0.95, token_latencies)},
+        "duration_s": duration,
+        **figures,
         "forward_passes": int(passes),
         "passes_per_token": round(passes / tokens, 4) if tokens else None,
         "mean_batch": round(batched / batches, 2) if batches else None,  # vLLM: none
         "batch_size_buckets": buckets,  # cumulative counts, Prometheus style
-        "tokens": tokens,
     }
+    if not row["steady"]:
+        log.warning("%d %s clients, arrival %s: the window was not steady (%s): lengthen "
+                    "--duration or --warmup-s", clients, kind_label(row), arrival_label(row),
+                    row["steady_note"])
+    return row
 
 
-def run_curve(url: str, fingerprint: Fingerprint, prompts: list[list[int]],
-              clients: list[int], duration: float, kinds: list[str],
-              acceptance: float | Sequence[float], k: int, max_tokens: int,
+def run_curve(servers: Sequence[tuple[str, dict[str, Any]]], fingerprint: Fingerprint,
+              prompts: list[list[int]], clients: list[int], duration: float,
+              kinds: list[str], acceptance: float | Sequence[float], k: int, max_tokens: int,
               draft_model: str | None, progress: Any = None, replicas: Sequence[str] = (),
               model: str = "", temperature: float = 0.0, stall_s: float = STALL_S,
-              draft_device: str = "cpu") -> list[dict[str, Any]]:
+              draft_device: str = "cpu", warmup_s: float = WARMUP_S,
+              arrivals: Sequence[str] = ("all",), ramp_s: float = RAMP_S
+              ) -> list[dict[str, Any]]:
     """For each N in ``clients``, each kind in turn (replay kinds once for each of
-    ``acceptance``); the cloud-only baseline beside them. ``model``: the model name an
-    OpenAI server (``vllm-spec``) serves. A row that has not finished ``stall_s`` after
-    its duration stops the curve (:class:`~spececd.bench.child.Stalled`)."""
+    ``acceptance``), each of ``arrivals`` (``all`` at once, or ``stagger``-ed over
+    ``ramp_s``), a row on each of ``servers`` in turn (interleaved: (URL, what to add to its
+    rows)). ``model``: the model name an OpenAI server (``vllm-spec``) serves. A row that
+    has not finished ``stall_s`` after its schedule stops the curve
+    (:class:`~spececd.bench.child.Stalled`)."""
     acceptances = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
     traces = (within("the replay clients' traces (the server generating alone)", stall_s,
-                     target_traces, url, fingerprint, prompts, max_tokens, max(clients),
-                     temperature)
+                     target_traces, servers[0][0], fingerprint, prompts, max_tokens,
+                     max(clients), temperature)
               if any(kind.startswith("replay") for kind in kinds) else None)
     rows = []
     for n in clients:
         for kind in kinds:
             for rate in acceptances if kind.startswith("replay") else acceptances[:1]:
-                rows.append(within(
-                    f"the run of {n} {kind} clients", duration + stall_s, run_load, url,
-                    fingerprint, prompts, n, duration, kind, rate, k, max_tokens,
-                    draft_model, traces, replicas, model, temperature, draft_device))
-                if progress is not None:
-                    progress(rows[-1])
+                for arrival in arrivals:
+                    ramp = ramp_s if arrival == "stagger" else 0.0
+                    for url, tags in servers:
+                        rows.append({**within(
+                            f"the run of {n} {kind} clients", ramp + warmup_s + duration
+                            + stall_s, functools.partial(
+                                run_load, url, fingerprint, prompts, n, duration, kind, rate,
+                                k, max_tokens, draft_model, traces, replicas, model,
+                                temperature, draft_device, warmup_s=warmup_s, ramp_s=ramp)),
+                            **tags})
+                        if progress is not None:
+                            progress(rows[-1])
     return rows
-
-
-def _engine(row: dict[str, Any]) -> str:
-    """The engine a row's server ran (rows of older runs name none: the built-in one)."""
-    return str(row.get("engine", "builtin"))
-
-
-def kind_label(row: dict[str, Any]) -> str:
-    """A row's kind, with the acceptance replayed at and the temperature where they apply."""
-    label = str(row["kind"]) + (f" (replaying at {row['acceptance_target']})"
-                                if row.get("acceptance_target") is not None else "")
-    if row.get("temperature"):
-        label += f", temperature {row['temperature']:g}"
-    return label
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """One line per row; each row's ratio is against cloud-only on the same engine."""
-    lines = ["| clients | engine | kind | server tokens/s | per client | × cloud-only | "
-             "acceptance | p50 / p95 / p99 round ms | p50 / p95 ms per token | passes/token | "
-             "mean batch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    baseline = {(_engine(r), r["clients"]): r["server_tokens_per_s"] for r in rows
-                if r["kind"] == "cloud-only"}
-    for r in rows:
-        lat, per_token = r["round_latency_ms"], r.get("token_latency_ms", {})
-        base = baseline.get((_engine(r), r["clients"]))
-        ratio = (f"{r['server_tokens_per_s'] / base:.2f}"
-                 if base and r["kind"] != "cloud-only" else "–")
-        lines.append(f"| {r['clients']} | {_engine(r)} | {kind_label(r)} | "
-                     f"{r['server_tokens_per_s']} | {r['client_tokens_per_s']} | {ratio} | "
-                     f"{r.get('acceptance') if r.get('acceptance') is not None else '–'} | "
-                     f"{lat['p50']} / {lat['p95']} / {lat['p99']} | "
-                     f"{per_token.get('p50', '–')} / {per_token.get('p95', '–')} | "
-                     f"{r['passes_per_token']} | {r['mean_batch']} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict[str, Any]], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    engines = {_engine(r) for r in rows}
-    for line in dict.fromkeys((_engine(r), kind_label(r)) for r in rows):
-        points = sorted((r["clients"], r["server_tokens_per_s"]) for r in rows
-                        if (_engine(r), kind_label(r)) == line)
-        name = line[1] if len(engines) == 1 else f"{line[1]} [{line[0]}]"
-        ax.plot(*zip(*points, strict=True), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("server tokens/s")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

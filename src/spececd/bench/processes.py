@@ -110,12 +110,14 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
 def server_command(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
                    ) -> list[str]:
     """``spececd serve`` for ``cfg.target`` on ``cfg.device`` in ``cfg.dtype``, one torch
-    thread, a listener for each of ``transports``."""
+    thread, a listener for each of ``transports``, and ``cfg.token_budget`` where set."""
     ports = {"websocket": "--port", "grpc": "--grpc-port", "http": "--http-port"}
     listen = [arg for name in ("websocket", "grpc", "http")
               for arg in (ports[name], str(cfg.port) if name in transports else "-1")]
     # vLLM: 16 draft slots per step at most (vLLM reserves them per request)
     engine = ["--engine", "vllm", "--max-draft", "16"] if cfg.engine == "vllm" else []
+    if cfg.token_budget is not None:
+        engine += ["--token-budget", cfg.token_budget]
     return [sys.executable, "-m", "spececd", "serve", "--target-model", cfg.target, "--host",
             cfg.host, *listen, "--device", cfg.device, "--threads", "1",
             "--dtype", cfg.dtype, "--max-batch", str(cfg.max_batch), "--max-sessions", "256",
@@ -126,7 +128,8 @@ def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
                  ) -> tuple[subprocess.Popen[str], dict[str, int]]:
     """``spececd serve`` (:func:`server_command`); the process and each transport's port,
     once it says it is serving. Its stderr is read and dropped from then on."""
-    what = f"the verifier server ({label(cfg.target)}, {cfg.engine} engine)"
+    what = f"the verifier server ({label(cfg.target)}, {cfg.engine} engine" + (
+        f", token budget {cfg.token_budget})" if cfg.token_budget is not None else ")")
     log.info("%s: starting on %s%s", what, cfg.device,
              f" in {resolved_dtype(cfg.dtype, cfg.device)}"
              if model_format(cfg.target) == "hf" else "")

@@ -79,6 +79,8 @@ class BenchConfig:
     assisted_draft: str | None = None
     stall_s: float = STALL_S  # a process that shows no progress for this long stops the run
     api_rows: bool = False  # the rows measured through `spececd api` (spececd.bench.api)
+    # The server's `--token-budget` (auto, off or a number); None: not passed (its default)
+    token_budget: str | None = None
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spececd import processes
+from spececd.bench import window
 from spececd.bench.child import STALL_S
 from spececd.bench.runner import BenchConfig
 from spececd.cli.options import choose_draft, default_model, demo_prompts
@@ -125,7 +126,20 @@ def add_parser(sub: Any) -> None:
                       "installed here, as for the other commands)")
     load.add_argument("--clients", default="16",
                       help="concurrent clients; a list such as 1,2,4,8,16,32 gives a curve")
-    load.add_argument("--duration", type=float, default=20.0, help="seconds per run")
+    load.add_argument("--duration", type=float, default=20.0,
+                      help="seconds each row is measured, after its clients have joined "
+                      "and warmed up (default: 20); a window too short to be steady is "
+                      "flagged")
+    load.add_argument("--warmup-s", type=float, default=window.WARMUP_S,
+                      help="seconds between the last client's first token and the measured "
+                      f"window (default: {window.WARMUP_S:g})")
+    load.add_argument("--arrival", default="all",
+                      help="how the clients join: all (at once), stagger (client i of N "
+                      "after i x --ramp-s / N seconds), or all,stagger for rows of each "
+                      "(default: all)")
+    load.add_argument("--ramp-s", type=float, default=window.RAMP_S,
+                      help="--arrival stagger: seconds over which the clients join "
+                      f"(default: {window.RAMP_S:g})")
     load.add_argument("--kind", default="replay,cloud-only",
                       help="replay (no model, chosen acceptance, rounds), replay-stream (the "
                       "same, stream drafting), draft (real drafter processes; draft-stream: "
@@ -153,6 +167,10 @@ def add_parser(sub: Any) -> None:
                       "e.g. models/copy_prompts.json: text that copies itself")
     load.add_argument("--max-batch", type=int, default=32,
                       help="for the server started here: sessions per forward pass at most")
+    load.add_argument("--token-budget",
+                      help="for the servers started here: their --token-budget values, "
+                      "comma-separated (e.g. auto,off: one server for each, every row run "
+                      "on each in turn; default: the server's own default, not passed)")
     add_device_options(load)
     load.add_argument("--out", type=Path, default=Path("bench-out"))
     bench.set_defaults(run=run)
@@ -188,7 +206,7 @@ def load_prompts(path: Path) -> list[str]:
 def run_load(args: argparse.Namespace) -> int:
     from spececd.backends.base import tokenizer_fingerprint
     from spececd.backends.registry import load_backend
-    from spececd.bench import load, report
+    from spececd.bench import load, load_report, report
     from spececd.bench.processes import resolved_dtype, start_openai_server, start_server
 
     clients = [int(c) for c in parse_list(args.clients, int, "--clients")]
@@ -207,6 +225,20 @@ def run_load(args: argparse.Namespace) -> int:
         raise InputError(f"--temperature must be >= 0, got {args.temperature}")
     if "vllm-spec" in kinds and "vllm" not in engines:
         raise InputError("vllm-spec is a vLLM row: add vllm to --engine")
+    arrivals = [a.strip() for a in args.arrival.split(",") if a.strip()]
+    if not arrivals or not set(arrivals) <= set(window.ARRIVALS):
+        raise InputError(f"--arrival takes {', '.join(window.ARRIVALS)}, comma-separated; "
+                         f"got {args.arrival!r}")
+    if args.duration <= 0 or args.warmup_s < 0 or args.ramp_s < 0:
+        raise InputError("--duration must be > 0 seconds, --warmup-s and --ramp-s >= 0")
+    budgets: list[str | None] = (
+        [b.strip() for b in args.token_budget.split(",") if b.strip()]
+        if args.token_budget else [None])
+    if not budgets:
+        raise InputError("--token-budget is empty: give values such as auto,off")
+    if args.server and args.token_budget:
+        raise InputError("--token-budget is for the servers started here: give it to the "
+                         "server at --server as it starts (spececd serve --token-budget)")
     acceptances = parse_list(args.acceptance, float, "--acceptance")
     if not all(0 <= a <= 1 for a in acceptances):
         raise InputError(f"--acceptance takes values between 0 and 1, got {args.acceptance!r}")
@@ -227,33 +259,45 @@ def run_load(args: argparse.Namespace) -> int:
         raise InputError("--replicas goes with --server (the balancer in front of them)")
 
     def progress(row: dict[str, Any]) -> None:
-        print(f"{row['clients']:>3} {load.kind_label(row):<10} "
-              f"{row['server_tokens_per_s']:>8} tokens/s, {row['client_tokens_per_s']} per "
-              f"client", file=sys.stderr)
+        ttft, rounds = row.get("ttft_ms") or {}, row.get("round_latency_ms") or {}
+        print(f"{row['clients']:>3} {load_report.kind_label(row):<10} {row['arrival']:<7} "
+              f"{row.get('token_budget') or '':<5} {row['server_tokens_per_s']:>8} "
+              f"tokens/s, {row['client_tokens_per_s']} per client, TTFT p50 "
+              f"{ttft.get('p50', '–')} ms, round p50 {rounds.get('p50', '–')} p99 "
+              f"{rounds.get('p99', '–')} ms" + ("" if row["steady"] else ", NOT STEADY"),
+              file=sys.stderr)
+
+    def curve(servers: list[tuple[str, dict[str, Any]]], curve_kinds: list[str],
+              **extra: Any) -> list[dict[str, Any]]:
+        return load.run_curve(servers, fingerprint, prompts, clients, args.duration,
+                              curve_kinds, acceptances, args.k, args.max_tokens,
+                              extra.pop("draft", draft_model), progress=progress,
+                              temperature=args.temperature, stall_s=args.stall_timeout,
+                              warmup_s=args.warmup_s, arrivals=arrivals,
+                              ramp_s=args.ramp_s, **extra)
 
     rows: list[dict[str, Any]] = []
     urls: list[str] = []
-    for engine in engines:
-        server = None
-        url = args.server
-        if not url:
-            cfg = BenchConfig(draft=draft_model, target=target_model, prompts=[],
-                              max_batch=args.max_batch, engine=engine, device=args.device,
-                              dtype=args.dtype, stall_s=args.stall_timeout)
-            server, ports = start_server(cfg)
-            url = f"ws://127.0.0.1:{ports['websocket']}"
-        urls.append(url)
+    ours = [k for k in kinds if k != "vllm-spec"]
+    for engine in engines if ours else []:
+        started = []  # one server for each token budget, every row run on each in turn
         try:
-            ours = [k for k in kinds if k != "vllm-spec"]
-            for row in load.run_curve(url, fingerprint, prompts, clients, args.duration, ours,
-                                      acceptances, args.k, args.max_tokens, draft_model,
-                                      progress=progress, replicas=replicas,
-                                      temperature=args.temperature,
-                                      stall_s=args.stall_timeout,
-                                      draft_device=args.draft_device):
-                rows.append({**row, "engine": engine})
+            servers: list[tuple[str, dict[str, Any]]] = []
+            for budget in budgets:
+                url = args.server
+                if not url:
+                    cfg = BenchConfig(draft=draft_model, target=target_model, prompts=[],
+                                      max_batch=args.max_batch, engine=engine,
+                                      device=args.device, dtype=args.dtype,
+                                      stall_s=args.stall_timeout, token_budget=budget)
+                    server, ports = start_server(cfg)
+                    started.append(server)
+                    url = f"ws://127.0.0.1:{ports['websocket']}"
+                urls.append(url)
+                servers.append((url, {"engine": engine, "token_budget": budget}))
+            rows += curve(servers, ours, replicas=replicas, draft_device=args.draft_device)
         finally:
-            if server is not None:
+            for server in started:
                 server.terminate()
                 server.wait(60)
     if "vllm-spec" in kinds:  # vLLM speculating with the draft on the server
@@ -262,12 +306,8 @@ def run_load(args: argparse.Namespace) -> int:
                                           args.stall_timeout)
         urls.append(url)
         try:
-            for row in load.run_curve(url, fingerprint, prompts, clients, args.duration,
-                                      ["vllm-spec"], acceptances, args.k,
-                                      args.max_tokens, server_draft, progress=progress,
-                                      model=target_model, temperature=args.temperature,
-                                      stall_s=args.stall_timeout):
-                rows.append({**row, "engine": "vllm"})
+            rows += curve([(url, {"engine": "vllm"})], ["vllm-spec"], draft=server_draft,
+                          model=target_model)
         finally:
             server.terminate()
             server.wait(60)
@@ -275,17 +315,20 @@ def run_load(args: argparse.Namespace) -> int:
     (args.out / "load.json").write_text(json.dumps(
         {"meta": {"servers": urls, "replicas": replicas or urls, "draft": draft_model,
                   "target": target_model, "engines": engines, "duration_s": args.duration,
+                  "warmup_s": args.warmup_s, "arrivals": arrivals, "ramp_s": args.ramp_s,
+                  "token_budgets": budgets, "steady_spread": window.STEADY_SPREAD,
                   "k": args.k, "max_tokens": args.max_tokens, "acceptance": acceptances,
                   "temperature": args.temperature, "device": args.device,
                   "dtype": resolved_dtype(args.dtype, args.device),
                   "draft_device": args.draft_device},
          "rows": rows}, indent=1))
-    markdown = load.table(rows)
+    markdown = load_report.table(rows)
     (args.out / "load.md").write_text(markdown)
-    plotted = report.draw(load.plot, rows, args.out / "load_curve.png")
+    (args.out / "load.csv").write_text(load_report.to_csv(rows))
+    plotted = report.draw(load_report.plot, rows, args.out / "load_curve.png")
     print(markdown)
-    print(f"wrote {args.out}/load.json, load.md" + (", load_curve.png" if plotted else ""),
-          file=sys.stderr)
+    print(f"wrote {args.out}/load.json, load.md, load.csv"
+          + (", load_curve.png" if plotted else ""), file=sys.stderr)
     return 0
 
 
