@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 
 class Arm(enum.Enum):
     """The ways to speculate against a server that :class:`StrategyChooser` picks from, in
-    pairs: rounds or streaming, and within rounds, block-ahead or plain."""
+    pairs: rounds or streaming; within rounds, block-ahead or plain; within streaming,
+    hints or none (cloud-only generation, the server alone)."""
 
     ROUNDS = "rounds"  # rounds: draft, send, wait
     STREAM = "stream"  # stream drafting: the server generates, drafts follow as hints
     AHEAD = "block-ahead"  # rounds that draft the next block while the verdict is awaited
     PLAIN = "plain"  # rounds that draft only after the verdict
+    CLOUD = "cloud-only"  # the server generates, the edge only reads: no drafting at all
 
 
 STAGES = (16, 32, 64, 128, 256)  # where a generation's stages end, in tokens generated
