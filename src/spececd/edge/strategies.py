@@ -45,6 +45,9 @@ from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
 
 STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
+# auto, streaming: the server alone is measured only where hints bring less than this many
+# times its own step's speed
+CLOUD_CAP_MARGIN = 1.25
 
 Block: TypeAlias = tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]  # tokens, dists
 
@@ -327,7 +330,11 @@ class StreamDrafting(CloudOnly):
         self.gate = gate or HintGate()  # closed while hints keep arriving too late
         self.estimate = estimate
         # --proactive auto: hints (Arm.STREAM) or none (Arm.CLOUD), whichever brings more
-        # tokens per second here; None: always hints (as the gate allows).
+        # tokens per second here; None: always hints (as the gate allows). The server
+        # alone is not measured while hints bring more than its step allows
+        # (RoundsEstimate.cloud_only: the fitted step without hints, the edge's overhead
+        # left out, so erring for it; and a margin, the fit's base being extrapolated
+        # where every step verified hints).
         self.hints = hints
         self.arm = hints.start() if hints is not None else Arm.STREAM
         self.settled = math.inf  # when a change of arm has reached back here (perf_counter)
@@ -376,6 +383,9 @@ class StreamDrafting(CloudOnly):
     def step(self, out: Emitter) -> list[Piece]:
         if self.hints is None:
             return self.exchange(out)
+        if self.estimate is not None:  # the server's own step bounds what it alone brings
+            self.hints.cap(Arm.CLOUD,
+                           CLOUD_CAP_MARGIN * self.estimate.cloud_only() or math.inf)
         t0 = time.perf_counter()
         pieces = self.exchange(out)
         now = time.perf_counter()
