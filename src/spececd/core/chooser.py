@@ -1,8 +1,9 @@
 """Which way to speculate against a server, chosen from measured speed.
 
 :class:`StrategyChooser` picks, per edge session, between two :class:`Arm` s: rounds
-(draft, send, wait) or stream drafting (the server generates, drafts follow as hints),
-and within rounds, drafting the next block ahead or not. The caller reports each
+(draft, send, wait) or streaming (the server generates); within rounds, drafting the
+next block ahead or not; within streaming, drafts sent as hints or none at all
+(cloud-only generation, the server alone, where no drafting pays). The caller reports each
 exchange's tokens, seconds and how far into its generation it began; the chooser says
 which arm to go on with. Arms are compared over the same stages of generations
 (:func:`stage`, :func:`relative_speed`), because text grows more predictable along a

@@ -10,8 +10,8 @@ own statistics (drafting, rounds, timings) and never emits.
 - :class:`BlockAhead`: the same, drafting the next block while the verdict is in flight;
 - :class:`CloudOnly`: the server generates every token and streams it (the baseline);
 - :class:`StreamDrafting`: cloud-only generation with drafts streamed ahead as hints;
-- :class:`Adaptive`: plain or block-ahead rounds or stream drafting, whichever is faster
-  here (:class:`~spececd.core.policy.StrategyChooser`);
+- :class:`Adaptive`: plain or block-ahead rounds, stream drafting or the server alone,
+  whichever is faster here (:class:`~spececd.core.policy.StrategyChooser`);
 - :class:`DraftAlone`: the fallback when the verifier is unreachable, unverified.
 """
 
@@ -320,7 +320,9 @@ class StreamDrafting(CloudOnly):
 
     What it measures of the server's steps, the hints' acceptance and the draft's speed
     also goes to ``estimate``, which outlives the generation: what rounds would bring on
-    this link (for ``--proactive auto``)."""
+    this link (for ``--proactive auto``). Within ``--proactive auto`` a ``hints`` chooser
+    also decides, from the tokens per second each brings, whether to send hints at all
+    or let the server generate alone (cloud-only generation), at any step."""
 
     def __init__(self, work: Work, ahead: int, gate: HintGate | None = None,
                  estimate: RoundsEstimate | None = None,
@@ -454,10 +456,13 @@ class StreamDrafting(CloudOnly):
 
 
 class Adaptive:
-    """``--proactive auto`` against a server: rounds (in the session's mode) or stream
-    drafting (by match, on a session of its own on the same link, whose cache the server
-    shares), whichever the ``chooser`` finds faster on this link, and within rounds,
-    block-ahead or plain, whichever the ``rounds_chooser`` finds faster. All are lossless,
+    """``--proactive auto`` against a server: rounds (in the session's mode) or streaming
+    (by match, on a session of its own on the same link, whose cache the server shares),
+    whichever the ``chooser`` finds faster on this link; within rounds, block-ahead or
+    plain, whichever the ``rounds_chooser`` finds faster; within streaming, hints or none
+    (cloud-only generation), whichever the ``hints_chooser`` finds faster, switched at any
+    step (:class:`StreamDrafting`). Rounds' kept drafts go to ``estimate`` too. All are
+    lossless,
     so the output's distribution does not depend on the choice (for a seed, the tokens may,
     as with ``k`` auto in exact mode). A generation under way switches between the kinds
     of rounds, and to streaming, at once; streaming goes on to the end of its generation
