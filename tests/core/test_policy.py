@@ -494,6 +494,22 @@ def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:
     assert estimate.acceptance() > 0.99
 
 
+def test_rounds_that_ran_bound_their_own_estimate_where_hints_were_never_verified() -> None:
+    # The GGUF target at 20 ms: every hint arrives after the server passed it, so steps
+    # verify none, and the hints leave the acceptance at its prior (every draft kept):
+    # rounds would seem to bring k_max + 1 tokens a round trip, well over the server alone,
+    # and be probed again and again. Once rounds ran, what they kept counts.
+    estimate = RoundsEstimate()
+    for _ in range(100):
+        estimate.step(0, 0, 0.0026)  # cloud-only steps of 2.6 ms: 385 tokens/s
+    assert estimate.acceptance() == 1.0
+    assert estimate.speed(8, 0.02) > estimate.cloud_only()
+    for _ in range(20):  # rounds of 8 drafts keeping 2 (a round's own token besides)
+        estimate.round(8, 2)
+    assert estimate.acceptance() == pytest.approx(42 / 62, abs=0.02)  # kept / reached
+    assert estimate.speed(8, 0.02) < 0.5 * estimate.cloud_only()
+
+
 # -- the hint gate (stream drafting) ----------------------------------------------------
 
 
