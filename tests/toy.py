@@ -126,8 +126,8 @@ class ToySequence:
         rows = [backend.model.row(ids[p] if p >= 0 else last, ids[j], start + int(depth[j]) - 1)
                 for j, p in enumerate(parents)]
         backend.calls.append(n)
-        if backend.pass_s:
-            time.sleep(backend.pass_s)
+        if backend.pass_s or backend.position_s:
+            time.sleep(backend.pass_s + backend.position_s * max(0, n - 1))
         self._tokens.extend(ids)
         logits = np.stack(rows) if rows else np.zeros((0, VOCAB), dtype=np.float32)
         return logits[n - keep:]
@@ -143,13 +143,16 @@ class ToyBackend(Backend):
     """A :class:`~spececd.backends.base.Backend` over a :class:`ToyModel`. ``calls``: the
     number of tokens each ``extend`` fed, in order (to check what a cache re-feeds).
     ``pass_s``: seconds each ``extend`` sleeps, for a target as slow as a real one next to
-    the edge (stream drafting's hints then reach the server before its next step)."""
+    the edge (stream drafting's hints then reach the server before its next step), and
+    ``position_s`` more for each position it feeds past the first (a target whose verify
+    passes cost more than its steps, as llama.cpp's do on a CPU)."""
 
     name = "toy"
     tree_attention = True
 
-    def __init__(self, model: ToyModel, max_context: int = 4096, pass_s: float = 0.0) -> None:
-        self.model, self.pass_s = model, pass_s
+    def __init__(self, model: ToyModel, max_context: int = 4096, pass_s: float = 0.0,
+                 position_s: float = 0.0) -> None:
+        self.model, self.pass_s, self.position_s = model, pass_s, position_s
         self.description = f"toy model (seed {model.seed}, numpy)"
         self.vocab_size = VOCAB
         self.max_context = max_context

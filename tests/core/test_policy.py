@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -310,6 +312,119 @@ def test_within_rounds_the_faster_kind_wins_and_switches_take_effect_at_once() -
     assert wide.leader() is Arm.AHEAD
 
 
+# -- auto as a whole: rounds or the server generating, with hints or without -----------
+
+
+@dataclass
+class Auto:
+    """The three choosers of ``--proactive auto`` as the edge nests them
+    (:class:`~spececd.edge.strategies.Adaptive`): rounds or streaming; within rounds,
+    block-ahead or plain, switched at once; within streaming, hints or none (cloud-only
+    generation), switched at once too (the server's generation goes on either way). A
+    switch from rounds to streaming takes effect at once, one from streaming to rounds at
+    the next generation."""
+
+    outer: StrategyChooser = field(default_factory=StrategyChooser)
+    kinds: StrategyChooser = field(
+        default_factory=lambda: StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN)))
+    hints: StrategyChooser = field(
+        default_factory=lambda: StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD)))
+
+    def run(self, speed: Callable[[int, int], dict[Arm, float]], generations: int,
+            tokens: int = 64, estimate: float = 1.4) -> list[tuple[Arm, int, float]]:
+        """Generations of ``tokens``, each segment at ``speed(generation, position)[arm]``
+        tokens per second for the way that ran it (PLAIN, AHEAD, STREAM with hints, CLOUD
+        without): (way, tokens, seconds) per segment. Once rounds ran, the client caps
+        them at ``estimate`` times their speed (:class:`RoundsEstimate`, from what they
+        kept, errs that much for them)."""
+        out = []
+        for g in range(generations):
+            if any(way in (Arm.PLAIN, Arm.AHEAD) for way, _, _ in out):
+                self.outer.cap(Arm.ROUNDS, estimate * max(speed(g, 0)[Arm.PLAIN],
+                                                          speed(g, 0)[Arm.AHEAD]))
+            arm, kind, hint, done = self.outer.start(), self.kinds.start(), None, 0
+            while done < tokens:
+                if arm is Arm.STREAM and hint is None:
+                    hint = self.hints.start()  # a stream, requested
+                way = kind if arm is Arm.ROUNDS else hint
+                assert way is not None
+                n = min(self.outer.segment, tokens - done)
+                seconds = n / speed(g, done)[way]
+                out.append((way, n, seconds))
+                following = self.outer.record(arm, n, seconds, position=done)
+                if arm is Arm.ROUNDS:
+                    kind = self.kinds.record(kind, n, seconds, position=done)
+                    arm = following
+                else:
+                    hint = self.hints.record(hint, n, seconds)  # not by stage
+                done += n
+        return out
+
+
+def seconds(segments: list[tuple[Arm, int, float]]) -> float:
+    return sum(s for _, _, s in segments)
+
+
+def ways(segments: list[tuple[Arm, int, float]]) -> list[Arm]:
+    return [way for way, _, _ in segments]
+
+
+# GGUF target (a 2.6 ms step) at RTT 20 ms: every hint arrives stale and costs the server a
+# little, rounds pay the round trip each (measured: rounds 0.40 of cloud-only, stream
+# drafting 0.90-0.99).
+GGUF_20 = {Arm.PLAIN: 134.0, Arm.AHEAD: 131.0, Arm.STREAM: 310.0, Arm.CLOUD: 335.0}
+
+
+def test_where_no_drafting_pays_auto_runs_at_cloud_onlys_rate() -> None:
+    # Without the server alone among its choices, auto streamed at stream drafting's
+    # 0.93 of cloud-only at best; now it reads (after measuring the others once) at
+    # cloud-only's rate, over a benchmark's worth of tokens (14 generations of 64) and
+    # more so over a session.
+    auto = Auto()
+    segments = auto.run(lambda g, p: GGUF_20, generations=14)
+    warm = 2 * 4  # a benchmark's warm-up pass: two generations of four segments
+    cloud = 12 * 64 / GGUF_20[Arm.CLOUD]
+    assert cloud / seconds(segments[warm:]) > 0.97
+    assert auto.outer.leader() is Arm.STREAM and auto.hints.leader() is Arm.CLOUD
+    later = auto.run(lambda g, p: GGUF_20, generations=100)
+    assert 100 * 64 / GGUF_20[Arm.CLOUD] / seconds(later) > 0.98
+    assert ways(later).count(Arm.CLOUD) > 0.95 * len(later)
+
+
+def test_auto_keeps_up_with_the_best_of_its_choices_at_every_rtt() -> None:
+    # Speeds in the shape of the default pair's at RTT 0, 20 and 50 ms (rounds fastest at
+    # 0; stream drafting from 20 on), a whole benchmark's worth of tokens: auto pays for
+    # measuring, but stays within 10% of the best fixed way, and never under cloud-only.
+    for speed in ({Arm.PLAIN: 150.0, Arm.AHEAD: 140.0, Arm.STREAM: 120.0, Arm.CLOUD: 80.0},
+                  {Arm.PLAIN: 85.0, Arm.AHEAD: 90.0, Arm.STREAM: 105.0, Arm.CLOUD: 75.0},
+                  {Arm.PLAIN: 50.0, Arm.AHEAD: 52.0, Arm.STREAM: 80.0, Arm.CLOUD: 70.0}):
+        segments = Auto().run(lambda g, p, speed=speed: speed, generations=14)
+        rate = 12 * 64 / seconds(segments[8:])  # after the warm-up pass
+        assert rate > 0.9 * max(speed.values()) and rate > speed[Arm.CLOUD]
+
+
+def test_hints_that_stop_paying_are_dropped_mid_generation() -> None:
+    # Streaming with hints at 1.4 times the server alone, until, in the fourth
+    # generation's middle, the draft stops following the text: hints then cost the
+    # server, and the edge stops sending them within that generation, without waiting
+    # for the next one (the server's generation goes on either way).
+    def speed(g: int, position: int) -> dict[Arm, float]:
+        late = (g, position) >= (3, 32) and g < 6
+        return {Arm.PLAIN: 40.0, Arm.AHEAD: 40.0, Arm.STREAM: 60.0 if late else 140.0,
+                Arm.CLOUD: 100.0}
+
+    auto = Auto(hints=StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD), max_probe=256))
+    segments = auto.run(speed, generations=14, tokens=64)
+    fourth = segments[3 * 4:4 * 4]  # four 16-token segments a generation
+    assert ways(fourth)[:2] == [Arm.STREAM, Arm.STREAM]
+    assert Arm.CLOUD in ways(fourth)[2:]
+    assert ways(segments[4 * 4:6 * 4]).count(Arm.CLOUD) >= 6  # and stays there meanwhile
+    # The draft follows again: hints are back by the next probe (max_probe tokens on),
+    # and the probes of cloud-only that follow are spaced out again.
+    assert auto.hints.leader() is Arm.STREAM
+    assert ways(segments[-20:]).count(Arm.STREAM) >= 16
+
+
 def test_stream_drafting_drafts_past_where_the_server_will_be() -> None:
     assert stream_lookahead(8, 0.0, 0.01, 64) == 8  # no round trip measured yet
     assert stream_lookahead(8, 0.05, 0.0, 64) == 8  # no server step measured yet
@@ -377,6 +492,22 @@ def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:
     for _ in range(400):  # the text grows predictable: every hint kept
         estimate.step(4, 4, 0.01)
     assert estimate.acceptance() > 0.99
+
+
+def test_rounds_that_ran_bound_their_own_estimate_where_hints_were_never_verified() -> None:
+    # The GGUF target at 20 ms: every hint arrives after the server passed it, so steps
+    # verify none, and the hints leave the acceptance at its prior (every draft kept):
+    # rounds would seem to bring k_max + 1 tokens a round trip, well over the server alone,
+    # and be probed again and again. Once rounds ran, what they kept counts.
+    estimate = RoundsEstimate()
+    for _ in range(100):
+        estimate.step(0, 0, 0.0026)  # cloud-only steps of 2.6 ms: 385 tokens/s
+    assert estimate.acceptance() == 1.0
+    assert estimate.speed(8, 0.02) > estimate.cloud_only()
+    for _ in range(20):  # rounds of 8 drafts keeping 2 (a round's own token besides)
+        estimate.round(8, 2)
+    assert estimate.acceptance() == pytest.approx(42 / 62, abs=0.02)  # kept / reached
+    assert estimate.speed(8, 0.02) < 0.5 * estimate.cloud_only()
 
 
 # -- the hint gate (stream drafting) ----------------------------------------------------

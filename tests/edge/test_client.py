@@ -251,6 +251,34 @@ def test_auto_streams_from_the_start_where_rounds_cannot_win() -> None:
         server.close()
 
 
+def test_auto_reads_where_hints_cost_the_server_more_than_they_bring() -> None:
+    """A target whose steps cost 1 ms and each position a verify pass adds 4 ms more, a
+    draft that agrees half the time: the server keeps enough hints for the hint gate to
+    stay open, but each costs it more than it brings, and rounds pay the same per
+    position. Auto (after measuring rounds and hints) lets the server generate alone,
+    within the generation it finds that in, at cloud-only's rate; the output stays the
+    target's own. Before the server alone was one of auto's choices, it streamed hints
+    to the end, at about a third of that."""
+    draft, target = toy_pair(agreement=0.5)
+    target.pass_s, target.position_s = 0.001, 0.004
+    server = local_verifier(target)
+    edge = client(draft, server, proactive="auto")
+    try:
+        late = GenerationStats()
+        for g in range(8):
+            prompt = PROMPTS[g % len(PROMPTS)]
+            stats = GenerationStats()
+            assert generate(edge, prompt, stats, max_tokens=64) == greedy(target, prompt, 64)
+            if g >= 5:
+                late.merge(stats)
+        assert edge.client.chooser.leader() is Arm.STREAM
+        assert edge.client.hints_chooser.leader() is Arm.CLOUD
+        assert late.auto_cloud_tokens > 0.8 * late.generated
+    finally:
+        edge.close()
+        server.close()
+
+
 def test_a_lookup_that_finds_nothing_sends_no_hint(toy: tuple[ToyBackend, ToyBackend],
                                                    verifier: LocalServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,15 @@ def _tps(passes: list[list[dict[str, Any]]]) -> list[float]:
     return [sum(r["tokens"] for r in p) / sum(r["wall_s"] for r in p) for p in passes if p]
 
 
+def _ratios(passes: list[list[dict[str, Any]]], cloud: list[list[dict[str, Any]]]
+            ) -> list[float]:
+    """A configuration's speed over cloud-only's, pass by pass: each measured pass against
+    cloud-only's pass of the same iteration (run minutes apart at most, under the same
+    load), so that the spread says how far one pass of it may fall."""
+    return [mine / theirs for mine, theirs in zip(_tps(passes), _tps(cloud), strict=False)
+            if theirs > 0]
+
+
 def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:
     total: dict[str, Any] = {"generations": 0}
     for results in passes:
@@ -106,6 +115,8 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     cloud_tps = {(c["rtt_ms"], _work(c)): statistics.median(_tps(c["passes"]))
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
+    cloud_passes = {(c["rtt_ms"], _work(c)): c["passes"]
+                    for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
     # Each target's own autoregressive speed: the target alone in-process (transformers or
     # llama.cpp; under a constraint, SpecECD's backend masked) where it ran, else the
     # server generating alone at the lowest RTT.
@@ -157,6 +168,11 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
         cloud = cloud_tps.get((c.get("rtt_ms"), _work(c)))
         if cloud:
             row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
+            ratios = _ratios(c["passes"], cloud_passes.get((c.get("rtt_ms"), _work(c)), []))
+            if ratios:  # the spread over passes, each against cloud-only's in that pass
+                row["speedup_vs_cloud_min"] = round(min(ratios), 3)
+                row["speedup_vs_cloud_max"] = round(max(ratios), 3)
+                row["speedup_vs_cloud_passes"] = [round(r, 3) for r in ratios]
         if c["kind"] == "llama_speculative":  # what llama.cpp itself counted
             drafted = sum(r.get("llama_stats", {}).get("drafted", 0) for r in results)
             accepted = sum(r.get("llama_stats", {}).get("accepted", 0) for r in results)
@@ -210,7 +226,7 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 row["draft_steps_per_round"] = round(s.get("draft_steps", 0) / rounds, 3)
             step_s = steps.get(_work(c))
             if c.get("proactive") == "auto":  # what share each arm generated
-                for arm in ("stream", "plain"):
+                for arm in ("stream", "cloud", "plain"):
                     row[f"auto_{arm}_share"] = round(s.get(f"auto_{arm}_tokens", 0)
                                                      / max(1, s.get("generated", 0)), 3)
             later = rounds - s["generations"]  # rounds after each generation's first
@@ -289,7 +305,8 @@ def _budget(c: dict[str, Any], s: dict[str, Any]) -> dict[str, float]:
 
 
 COLUMNS = ["config", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
-           "speedup_vs_target", "speedup_vs_cloud", "acceptance_rate", "mean_accepted_len",
+           "speedup_vs_target", "speedup_vs_cloud", "speedup_vs_cloud_min",
+           "speedup_vs_cloud_max", "acceptance_rate", "mean_accepted_len",
            "alpha_iid", "c", "v", "bare_v", "tax", "positions_per_pass", "bound",
            "achieved_over_bound", "tokens_per_pass",
            "positions_per_token", "edge_wait_share", "bytes_per_token", "ttft_ms", "label",
@@ -316,6 +333,15 @@ def _cell(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _spread(row: dict[str, Any]) -> str:
+    """The ratio to cloud-only, and its spread over passes where there are several."""
+    text = _cell(row.get("speedup_vs_cloud"))
+    low, high = row.get("speedup_vs_cloud_min"), row.get("speedup_vs_cloud_max")
+    if low is not None and high is not None and len(row.get("speedup_vs_cloud_passes", [])) > 1:
+        text += f" ({_cell(low)}–{_cell(high)})"
+    return text
+
+
 def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# SpecECD benchmark",
@@ -331,7 +357,8 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"draft on {meta.get('draft_device', 'cpu')} · {meta['started']} "
         f"({meta['duration_s']} s)",
         "",
-        "| configuration | tokens/s (min–max) | × target | × cloud-only | acceptance "
+        "| configuration | tokens/s (min–max) | × target | × cloud-only (min–max of "
+        "passes) | acceptance "
         "| tokens/round | α | c | v | bound | achieved/bound | ms/token "
         "draft·net·verify·other | bytes/token | TTFT ms | label |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -343,7 +370,7 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append(
             f"| {r['config']} | {_cell(r['tokens_per_s'])} ({_cell(r['tokens_per_s_min'])}–"
             f"{_cell(r['tokens_per_s_max'])}) | {_cell(r.get('speedup_vs_target'))} | "
-            f"{_cell(r.get('speedup_vs_cloud'))} | {_cell(r.get('acceptance_rate'))} | "
+            f"{_spread(r)} | {_cell(r.get('acceptance_rate'))} | "
             f"{_cell(r.get('mean_accepted_len'))} | {_cell(r.get('alpha_iid'))} | "
             f"{_cell(r.get('c'))} | {_cell(r.get('v'))} | "
             f"{_cell(r.get('bound'))} | {_cell(r.get('achieved_over_bound'))} | {split_text} | "
@@ -427,10 +454,13 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     auto = [r for r in rows if "auto_stream_share" in r]
     if auto:
         lines += ["", "Share of the tokens `auto` generated by each strategy:", ""]
-        lines += [f"- {r['config']}: stream drafting {r['auto_stream_share']:.2f}, plain "
-                  f"rounds {r['auto_plain_share']:.2f}, block-ahead rounds "
+        lines += [f"- {r['config']}: stream drafting "
+                  f"{r['auto_stream_share'] - r.get('auto_cloud_share', 0.0):.2f}, the server "
+                  f"alone {r.get('auto_cloud_share', 0.0):.2f}, plain rounds "
+                  f"{r['auto_plain_share']:.2f}, block-ahead rounds "
                   f"{max(0.0, 1 - r['auto_stream_share'] - r['auto_plain_share']):.2f}"
                   for r in auto]
+    lines += _auto_table(rows)
     positions = [r for r in rows if r.get("acceptance_by_position")]
     if positions:
         lines += ["", "Acceptance by draft position:", ""]
@@ -438,6 +468,44 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                                                   r["acceptance_by_position"])
                   for r in positions]
     return "\n".join(lines) + "\n"
+
+
+def _auto_table(rows: list[dict[str, Any]]) -> list[str]:
+    """`auto` beside the settings it chooses between, at each RTT (and pair): each one's
+    ratio to cloud-only, median and the min–max over passes, and `auto` over the best
+    of the others' medians."""
+    settings = ("off", "on", "stream", "auto")
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if (r["kind"] == "spececd" and r.get("proactive") in settings and r.get("k") == "auto"
+                and not r.get("constraint") and "speedup_vs_cloud" in r):
+            key = _AT_RTT.sub("", config_key(r)) + f" @ RTT {r['rtt_ms']:g} ms"
+            groups.setdefault(key, {})[r["proactive"]] = r
+    groups = {key: group for key, group in groups.items() if "auto" in group and len(group) > 1}
+    if not groups:
+        return []
+    lines = ["", "`auto` beside the settings it chooses between: × cloud-only, median "
+             "(min–max over passes, each against cloud-only's pass of the same iteration), "
+             "and `auto` over the best other setting's median:", "",
+             "| configuration | plain | block-ahead | stream | **auto** | auto ÷ best |",
+             "|---|---|---|---|---|---|"]
+    for key, group in groups.items():
+        others = [group[p]["speedup_vs_cloud"] for p in settings[:3] if p in group]
+        best = max(others, default=None)
+        lines.append(f"| {key} | " + " | ".join(
+            _spread(group[p]) if p in group else "–" for p in settings[:3])
+            + f" | **{_spread(group['auto'])}** | "
+            + (f"{group['auto']['speedup_vs_cloud'] / best:.3f} |" if best else "– |"))
+    return lines
+
+
+def config_key(row: dict[str, Any]) -> str:
+    """A row's configuration without its proactive setting (the group `auto` is in)."""
+    config: str = row["config"]
+    return config.replace(f" {_SETTING[row['proactive']]}", "", 1)
+
+
+_SETTING = {"off": "plain", "on": "proactive", "stream": "stream", "auto": "auto"}
 
 
 def draw(plot: Callable[..., None], *args: Any) -> bool:

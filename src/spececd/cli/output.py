@@ -60,6 +60,9 @@ def summary_line(stats: GenerationStats) -> str:
                  f"tokens kept")
     if stats.auto_stream_tokens:
         line += f" · {stats.auto_stream_tokens} by stream drafting (auto: faster on this link)"
+    if stats.auto_cloud_tokens:
+        line += (f" ({stats.auto_cloud_tokens} of them by the server alone: hints did not "
+                 f"pay on this link)")
     if stats.auto_plain_tokens:
         line += f" · {stats.auto_plain_tokens} by plain rounds (auto: faster than block-ahead)"
     if stats.fallback:

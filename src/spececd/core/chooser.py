@@ -1,8 +1,9 @@
 """Which way to speculate against a server, chosen from measured speed.
 
 :class:`StrategyChooser` picks, per edge session, between two :class:`Arm` s: rounds
-(draft, send, wait) or stream drafting (the server generates, drafts follow as hints),
-and within rounds, drafting the next block ahead or not. The caller reports each
+(draft, send, wait) or streaming (the server generates); within rounds, drafting the
+next block ahead or not; within streaming, drafts sent as hints or none at all
+(cloud-only generation, the server alone, where no drafting pays). The caller reports each
 exchange's tokens, seconds and how far into its generation it began; the chooser says
 which arm to go on with. Arms are compared over the same stages of generations
 (:func:`stage`, :func:`relative_speed`), because text grows more predictable along a
@@ -24,12 +25,14 @@ from dataclasses import dataclass, field
 
 class Arm(enum.Enum):
     """The ways to speculate against a server that :class:`StrategyChooser` picks from, in
-    pairs: rounds or streaming, and within rounds, block-ahead or plain."""
+    pairs: rounds or streaming; within rounds, block-ahead or plain; within streaming,
+    hints or none (cloud-only generation, the server alone)."""
 
     ROUNDS = "rounds"  # rounds: draft, send, wait
     STREAM = "stream"  # stream drafting: the server generates, drafts follow as hints
     AHEAD = "block-ahead"  # rounds that draft the next block while the verdict is awaited
     PLAIN = "plain"  # rounds that draft only after the verdict
+    CLOUD = "cloud-only"  # the server generates, the edge only reads: no drafting at all
 
 
 STAGES = (16, 32, 64, 128, 256)  # where a generation's stages end, in tokens generated

@@ -294,6 +294,13 @@ class RoundsEstimate:
         took ``seconds`` (leave out a step that also ran over a new context)."""
         if seconds > 0:
             self._verify.update(drafted, seconds)
+        self.round(drafted, accepted)
+
+    def round(self, drafted: int, accepted: int) -> None:
+        """Feed a draft of ``drafted`` tokens of which the first ``accepted`` were kept: a
+        step's hints (:meth:`step`), or a round that ran (``--proactive auto`` probing
+        rounds), so that once rounds were measured their estimate keeps what they
+        measured, and hints that all arrived too late to be verified leave the prior."""
         if drafted > 0:
             self._accepted = self.decay * self._accepted + accepted
             self._reached = self.decay * self._reached + min(drafted, accepted + 1)

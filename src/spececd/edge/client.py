@@ -72,8 +72,11 @@ class EdgeClient:
         # while streaming), with the server's draft limit as last welcomed.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
         self.rounds_estimate, self.max_draft = RoundsEstimate(), 0
-        # Within rounds: block-ahead or plain.
+        # Within rounds: block-ahead or plain; within streaming: hints, or none (the server
+        # alone, cloud-only generation), switched at any step (the server's generation
+        # goes on either way).
         self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
+        self.hints_chooser = StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD))
 
     def close(self) -> None:
         """Close the link to the server (the generator is done with it)."""
@@ -184,8 +187,9 @@ class EdgeClient:
             return CloudOnly(work)
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
-            return Adaptive(work, stream, self.chooser, self.rounds_chooser, self.hint_gate,
-                            self.rounds_estimate, arm, k_max, adaptive=options.k is None)
+            return Adaptive(work, stream, self.chooser, self.rounds_chooser,
+                            self.hints_chooser, self.hint_gate, self.rounds_estimate, arm,
+                            k_max, adaptive=options.k is None)
         if options.proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max, gate=self.hint_gate,
                                   estimate=self.rounds_estimate)

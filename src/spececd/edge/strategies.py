@@ -10,13 +10,14 @@ own statistics (drafting, rounds, timings) and never emits.
 - :class:`BlockAhead`: the same, drafting the next block while the verdict is in flight;
 - :class:`CloudOnly`: the server generates every token and streams it (the baseline);
 - :class:`StreamDrafting`: cloud-only generation with drafts streamed ahead as hints;
-- :class:`Adaptive`: plain or block-ahead rounds or stream drafting, whichever is faster
-  here (:class:`~spececd.core.policy.StrategyChooser`);
+- :class:`Adaptive`: plain or block-ahead rounds, stream drafting or the server alone,
+  whichever is faster here (:class:`~spececd.core.policy.StrategyChooser`);
 - :class:`DraftAlone`: the fallback when the verifier is unreachable, unverified.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
 
 STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
+# auto, streaming: the server alone is measured only where hints bring less than this many
+# times its own step's speed
+CLOUD_CAP_MARGIN = 1.25
 
 Block: TypeAlias = tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]  # tokens, dists
 
@@ -320,14 +324,26 @@ class StreamDrafting(CloudOnly):
 
     What it measures of the server's steps, the hints' acceptance and the draft's speed
     also goes to ``estimate``, which outlives the generation: what rounds would bring on
-    this link (for ``--proactive auto``)."""
+    this link (for ``--proactive auto``). Within ``--proactive auto`` a ``hints`` chooser
+    also decides, from the tokens per second each brings, whether to send hints at all
+    or let the server generate alone (cloud-only generation), at any step."""
 
     def __init__(self, work: Work, ahead: int, gate: HintGate | None = None,
-                 estimate: RoundsEstimate | None = None) -> None:
+                 estimate: RoundsEstimate | None = None,
+                 hints: StrategyChooser | None = None) -> None:
         super().__init__(work)
         self.ahead = ahead
         self.gate = gate or HintGate()  # closed while hints keep arriving too late
         self.estimate = estimate
+        # --proactive auto: hints (Arm.STREAM) or none (Arm.CLOUD), whichever brings more
+        # tokens per second here; None: always hints (as the gate allows). The server
+        # alone is not measured while hints bring more than its step allows
+        # (RoundsEstimate.cloud_only: the fitted step without hints, the edge's overhead
+        # left out, so erring for it; and a margin, the fit's base being extrapolated
+        # where every step verified hints).
+        self.hints = hints
+        self.arm = hints.start() if hints is not None else Arm.STREAM
+        self.settled = math.inf  # when a change of arm has reached back here (perf_counter)
         self.prefill = False  # the next step also runs over the context it was asked from
         self.draft: list[int] = []  # drafted tokens after the history
         self.sent = 0  # how many of them the server has been sent
@@ -339,6 +355,7 @@ class StreamDrafting(CloudOnly):
     def restarted(self) -> None:
         self.sent = 0  # a new connection's generation has no hints yet
         self.prefill = True
+        self.settled = math.inf  # from the first tokens on (the request's prefill is no arm's)
 
     def received(self, reply: Reply) -> Piece:
         piece = super().received(reply)
@@ -375,8 +392,33 @@ class StreamDrafting(CloudOnly):
                                 welcome.max_draft if welcome is not None else self.ahead)
 
     def step(self, out: Emitter) -> list[Piece]:
+        if self.hints is None:
+            return self.exchange(out)
+        if self.estimate is not None:  # the server's own step bounds what it alone brings
+            self.hints.cap(Arm.CLOUD,
+                           CLOUD_CAP_MARGIN * self.estimate.cloud_only() or math.inf)
+        t0 = time.perf_counter()
+        pieces = self.exchange(out)
+        now = time.perf_counter()
+        tokens = sum(len(piece.tokens) for piece in pieces)
+        if self.settled == math.inf and tokens:
+            self.settled = now  # the generation's first tokens: measured from here
+        elif t0 >= self.settled:
+            # Over whole generations, not stage by stage: either arm runs anywhere in a
+            # generation, so a probe speaks for now, where a stage's old speeds would
+            # outweigh it until measured there again.
+            arm = self.hints.record(self.arm, tokens, now - t0)
+            if arm is not self.arm:
+                # What the server does changes when the switch reaches it, and what the
+                # edge receives half a round trip later: neither arm's until then.
+                self.arm, self.settled = arm, now + self.work.link.rtt.value
+        return pieces
+
+    def exchange(self, out: Emitter) -> list[Piece]:
+        """One exchange: draft ahead and send a hint, taking whatever tokens have arrived,
+        or, when there is nothing to draft (or hints are off), wait for the next tokens."""
         want = min(self.lookahead(), min(out.remaining, out.room) - 1) - len(self.draft)
-        if not (self.requested and want > 0 and self.gate.open
+        if not (self.requested and want > 0 and self.gate.open and self.arm is Arm.STREAM
                 and self.work.link.transport is not None):
             return super().step(out)  # ask for the generation, or wait for the next tokens
         draft_step, server_step = self.draft_step.value, self.server_step.value
@@ -423,10 +465,13 @@ class StreamDrafting(CloudOnly):
 
 
 class Adaptive:
-    """``--proactive auto`` against a server: rounds (in the session's mode) or stream
-    drafting (by match, on a session of its own on the same link, whose cache the server
-    shares), whichever the ``chooser`` finds faster on this link, and within rounds,
-    block-ahead or plain, whichever the ``rounds_chooser`` finds faster. All are lossless,
+    """``--proactive auto`` against a server: rounds (in the session's mode) or streaming
+    (by match, on a session of its own on the same link, whose cache the server shares),
+    whichever the ``chooser`` finds faster on this link; within rounds, block-ahead or
+    plain, whichever the ``rounds_chooser`` finds faster; within streaming, hints or none
+    (cloud-only generation), whichever the ``hints_chooser`` finds faster, switched at any
+    step (:class:`StreamDrafting`). Rounds' kept drafts go to ``estimate`` too. All are
+    lossless,
     so the output's distribution does not depend on the choice (for a seed, the tokens may,
     as with ``k`` auto in exact mode). A generation under way switches between the kinds
     of rounds, and to streaming, at once; streaming goes on to the end of its generation
@@ -435,17 +480,18 @@ class Adaptive:
     that cannot win (:meth:`~spececd.edge.client.EdgeClient.bound_rounds`)."""
 
     def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser,
-                 rounds_chooser: StrategyChooser, gate: HintGate, estimate: RoundsEstimate,
-                 arm: Arm, k_max: int, adaptive: bool) -> None:
+                 rounds_chooser: StrategyChooser, hints_chooser: StrategyChooser,
+                 gate: HintGate, estimate: RoundsEstimate, arm: Arm, k_max: int,
+                 adaptive: bool) -> None:
         self.stream_work, self.chooser, self.gate = stream, chooser, gate
         self.estimate = estimate
-        self.rounds_chooser = rounds_chooser
+        self.rounds_chooser, self.hints_chooser = rounds_chooser, hints_chooser
         self.arm, self.k_max = arm, k_max
         self.rounds: dict[Arm, Rounds] = {Arm.AHEAD: BlockAhead(rounds, k_max, adaptive),
                                           Arm.PLAIN: Rounds(rounds, k_max, adaptive)}
         self.kind = rounds_chooser.start()  # the kind of rounds
         self.current: Strategy = (self.rounds[self.kind] if arm is Arm.ROUNDS
-                                  else StreamDrafting(stream, k_max, gate, estimate))
+                                  else self.streaming())
         # The first exchange of an arm carries one-off costs (the prompt's prefill, a new
         # hello, the request of a stream) that would make whichever arm starts a
         # generation look slower: it is not measured. Nor is the first round of a kind of
@@ -457,16 +503,29 @@ class Adaptive:
     def streams(self) -> bool:
         return self.arm is Arm.STREAM
 
+    def streaming(self) -> StreamDrafting:
+        """The server generating from the history as it stands: with hints, or without
+        (cloud-only generation), whichever the ``hints_chooser`` finds faster."""
+        return StreamDrafting(self.stream_work, self.k_max, self.gate, self.estimate,
+                              self.hints_chooser)
+
     def step(self, out: Emitter) -> list[Piece]:
         position = out.generated  # the arms are compared stage by stage of a generation
         t0 = time.perf_counter()
-        pieces = self.current.step(out)
+        current = self.current
+        hinting = isinstance(current, StreamDrafting) and current.arm is Arm.STREAM
+        pieces = current.step(out)
         seconds = time.perf_counter() - t0
         tokens = sum(len(piece.tokens) for piece in pieces)
+        stats = self.stream_work.stats
         if self.arm is Arm.STREAM:
-            self.stream_work.stats.auto_stream_tokens += tokens
+            stats.auto_stream_tokens += tokens
+            stats.auto_cloud_tokens += 0 if hinting else tokens
         elif self.kind is Arm.PLAIN:
-            self.stream_work.stats.auto_plain_tokens += tokens
+            stats.auto_plain_tokens += tokens
+        if isinstance(current, Rounds):  # what rounds keep, for the estimate of rounds
+            for piece in pieces:
+                self.estimate.round(piece.drafted or 0, piece.from_draft)
         if not self.warm:
             self.warm = self.kind_warm = bool(pieces)
             return pieces
@@ -479,8 +538,7 @@ class Adaptive:
         self.kind_warm = True
         if arm is Arm.STREAM:
             self.arm, self.warm = arm, False
-            self.current = StreamDrafting(self.stream_work, self.k_max, self.gate,
-                                          self.estimate)
+            self.current = self.streaming()
         elif kind is not self.kind:  # the same session: no hello, no prefill
             self.kind, self.current, self.kind_warm = kind, self.rounds[kind], False
         return pieces
