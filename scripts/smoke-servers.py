@@ -52,10 +52,15 @@ class Server:
         PROCESSES.append(self.proc)
         self.serving = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
-        if not self.serving.wait(START_TIMEOUT):
-            fail(f"`spececd {' '.join(args)}` did not start within {START_TIMEOUT} s", self)
-        serving = next(line for line in self.log if "serving" in line)
-        self.urls = re.findall(r"\b(?:wss?|grpcs?|https?)://[\w.:\[\]-]+", serving)
+        self.serving.wait(START_TIMEOUT)
+        serving = [line for line in self.log if line.startswith("spececd: serving")]
+        if not serving:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)  # its stderr closed: its status, once it has one
+            why = (f"ended with status {self.proc.poll()}" if self.proc.poll() is not None
+                   else f"did not say it serves within {START_TIMEOUT} s")
+            fail(f"`spececd {' '.join(args)}` {why}", self)
+        self.urls = re.findall(r"\b(?:wss?|grpcs?|https?)://[\w.:\[\]-]+", serving[0])
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
