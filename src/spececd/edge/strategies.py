@@ -471,9 +471,8 @@ class Adaptive:
     plain, whichever the ``rounds_chooser`` finds faster; within streaming, hints or none
     (cloud-only generation), whichever the ``hints_chooser`` finds faster, switched at any
     step (:class:`StreamDrafting`). Rounds' kept drafts go to ``estimate`` too. All are
-    lossless,
-    so the output's distribution does not depend on the choice (for a seed, the tokens may,
-    as with ``k`` auto in exact mode). A generation under way switches between the kinds
+    lossless, so the output's distribution does not depend on the choice (for a seed, the
+    tokens may, as with ``k`` auto in exact mode). A generation under way switches between the kinds
     of rounds, and to streaming, at once; streaming goes on to the end of its generation
     (the server's generation cannot be taken back mid-way). Streaming feeds ``estimate``,
     what rounds would bring, with which the client spares the chooser probes of rounds
