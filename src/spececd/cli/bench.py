@@ -268,10 +268,10 @@ def run_load(args: argparse.Namespace) -> int:
               file=sys.stderr)
 
     def curve(servers: list[tuple[str, dict[str, Any]]], curve_kinds: list[str],
-              **extra: Any) -> list[dict[str, Any]]:
+              draft: str, **extra: Any) -> list[dict[str, Any]]:
         return load.run_curve(servers, fingerprint, prompts, clients, args.duration,
                               curve_kinds, acceptances, args.k, args.max_tokens,
-                              extra.pop("draft", draft_model), progress=progress,
+                              draft, progress=progress,
                               temperature=args.temperature, stall_s=args.stall_timeout,
                               warmup_s=args.warmup_s, arrivals=arrivals,
                               ramp_s=args.ramp_s, **extra)
@@ -295,7 +295,8 @@ def run_load(args: argparse.Namespace) -> int:
                     url = f"ws://127.0.0.1:{ports['websocket']}"
                 urls.append(url)
                 servers.append((url, {"engine": engine, "token_budget": budget}))
-            rows += curve(servers, ours, replicas=replicas, draft_device=args.draft_device)
+            rows += curve(servers, ours, draft_model, replicas=replicas,
+                          draft_device=args.draft_device)
         finally:
             for server in started:
                 server.terminate()
@@ -306,7 +307,7 @@ def run_load(args: argparse.Namespace) -> int:
                                           args.stall_timeout)
         urls.append(url)
         try:
-            rows += curve([(url, {"engine": "vllm"})], ["vllm-spec"], draft=server_draft,
+            rows += curve([(url, {"engine": "vllm"})], ["vllm-spec"], server_draft,
                           model=target_model)
         finally:
             server.terminate()
