@@ -1,9 +1,10 @@
-// Builds the browser edge into dist/ (ignored by git): the page, its stylesheet, one bundle
+// Builds the browser edge into dist/ (ignored by git): the page, its stylesheet (the
+// playground's, and this page's own rules), one bundle
 // of its JavaScript (esbuild, no CDN at run time) and ONNX Runtime Web's WebAssembly files,
 // which the bundle loads from beside itself. `spececd serve` serves dist/ at / on its
 // WebSocket port; any static host can serve it too.
 import { build } from "esbuild";
-import { copyFileSync, mkdirSync, readdirSync, rmSync } from "node:fs";
+import { copyFileSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -21,7 +22,13 @@ await build({
   outfile: join(out, "app.js"),
   logLevel: "warning",
 });
-for (const name of ["index.html", "style.css"]) copyFileSync(join(here, name), join(out, name));
+copyFileSync(join(here, "index.html"), join(out, "index.html"));
+// One look for both pages: the playground's stylesheet, then this page's own rules.
+const playground = readFileSync(
+  join(here, "..", "src", "spececd", "openai_api", "playground.html"), "utf8");
+const shared = playground.slice(playground.indexOf("<style>") + 7, playground.indexOf("</style>"));
+if (!shared.trim()) throw new Error("no <style> in the playground's page");
+writeFileSync(join(out, "style.css"), shared + readFileSync(join(here, "style.css"), "utf8"));
 // The runtime's WebAssembly, the build with WebGPU (JSEP) that the default bundle loads.
 const ort = join(here, "node_modules", "onnxruntime-web", "dist");
 for (const name of readdirSync(ort)) {

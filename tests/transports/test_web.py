@@ -56,7 +56,7 @@ def test_the_draft_offered_to_pages_is_served_and_nothing_beside_it(page: Path) 
 
 
 def test_a_folder_that_is_no_onnx_draft_is_refused_at_start(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="genai_config.json"):
+    with pytest.raises(InputError, match=r"genai_config\.json"):
         WebEdge.checked(str(tmp_path))
 
 

@@ -9,6 +9,7 @@ import { Link } from "./link.js";
 import { HybridSource, LookupSource, ModelSource } from "./sources.js";
 import { TargetTokenizer } from "./tokenizer.js";
 import { NgramLookup } from "./lookup.js";
+import { decodeFrame } from "./protocol.js";
 
 const $ = (id) => document.getElementById(id);
 const MAX_SUPPORT = 64; // exact mode: the draft distribution is cut to this many tokens
@@ -180,4 +181,4 @@ $("server").value = defaultServer();
 $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";
-window.spececd = { run, connect, loaded, defaultServer, NgramLookup };
+window.spececd = { run, connect, loaded, defaultServer, NgramLookup, decodeFrame };
