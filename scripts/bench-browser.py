@@ -36,7 +36,8 @@ def main() -> int:
     parser.add_argument("--prompts", default="models/copy_prompts.json")
     parser.add_argument("--num-prompts", type=int, default=0, help="0: all")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="draft length of the model runs")
+    parser.add_argument("--k", default="4", help="draft length of the model runs: a number, "
+                        "or auto (the page's; the Python edge's runs need a number)")
     parser.add_argument("--lookup-k", type=int, default=8)
     parser.add_argument("--draft-model", default="models/draft-onnx",
                         help="the Python edge's draft (the one the server offers pages)")
@@ -44,6 +45,7 @@ def main() -> int:
                         help="which runs, of cloud, lookup, model, hybrid, python")
     parser.add_argument("--chromium", default="/usr/lib/chromium/chromium")
     args = parser.parse_args()
+    k: int | str = args.k if args.k == "auto" else int(args.k)
 
     from playwright.sync_api import sync_playwright
 
@@ -59,7 +61,8 @@ def main() -> int:
     python = None
     if "python" in sources:
         draft = load_backend(args.draft_model, device="cpu")
-        options = EdgeOptions(k=args.k, proactive=Proactive.OFF, draft_source=DraftKind.MODEL)
+        options = EdgeOptions(k=None if k == "auto" else int(k), proactive=Proactive.OFF,
+                              draft_source=DraftKind.MODEL)
         python = Generator.remote(draft, args.server,
                                   connector(args.server, auth_token=args.token),
                                   auth_token=args.token, options=options)
@@ -73,7 +76,7 @@ def main() -> int:
         warm = {"prompt": prompts[0], "token": args.token, "maxTokens": 8, "temperature": 0}
         for source in sources:  # load the tokenizer and the draft before timing
             if source in ("lookup", "model", "hybrid"):
-                tab.evaluate(RUN, {**warm, "source": source, "k": args.k})
+                tab.evaluate(RUN, {**warm, "source": source, "k": k})
         for i, prompt in enumerate(prompts):
             for source in sources:
                 if source == "python":
@@ -88,7 +91,7 @@ def main() -> int:
                     row = tab.evaluate(RUN, {
                         "prompt": prompt, "token": args.token, "maxTokens": args.max_tokens,
                         "temperature": 0, "source": source,
-                        "k": args.lookup_k if source == "lookup" else args.k})
+                        "k": args.lookup_k if source == "lookup" else k})
                 total = totals.setdefault(source, dict.fromkeys(
                     ("generated", "wall", "drafted", "accepted"), 0.0))
                 for key in total:

@@ -141,6 +141,18 @@ def test_lookup_in_javascript_proposes_what_the_python_lookup_proposes(tab: Any)
             (tokens, match_len), (history, k)
 
 
+def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> None:
+    """k = auto: long drafts where drafts are kept and cheap, short where a draft step
+    costs as much as a round and most are rejected, the most the limit allows at first."""
+    chosen = tab.evaluate("""() => [[0.001, 4], [0.05, 0], [0.5, 1]].map(([step, kept]) => {
+        const length = new spececd.DraftLength(8);
+        const first = length.choose(20);
+        for (let i = 0; i < 10; i++) length.observe(4, kept, 4 * step, 0.05);
+        return [first, length.choose(20), length.choose(3)];
+    })""")
+    assert chosen == [[8, 8, 3], [8, 1, 1], [8, 1, 1]]
+
+
 def test_fields_a_newer_server_adds_are_ignored(tab: Any) -> None:
     """The protocol's optional trailing fields: a verdict or welcome from a newer server
     (a field this page does not know after those it reads) decodes as before."""

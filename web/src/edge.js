@@ -18,6 +18,53 @@ export function clipEmitted(tokens, stopIds, remaining) {
   return [out, out.length === remaining];
 }
 
+/**
+ * The draft length for each round, chosen from what this generation measured (Leviathan
+ * et al. 2023's expected tokens per round over the round's time, as the Python edge's
+ * DraftLengthPolicy chooses): each drafted position is kept with probability `alpha`
+ * (estimated from where rounds stopped), a round of k drafts gains (1 - alpha^(k+1)) /
+ * (1 - alpha) tokens and costs k draft steps and one round trip. Until a few rounds are
+ * measured, and for drafts that cost nothing (lookup), it drafts `kMax`.
+ */
+export class DraftLength {
+  constructor(kMax) {
+    this.kMax = kMax;
+    this.kept = 0; // drafted positions accepted
+    this.stops = 0; // rounds that stopped at a rejected draft
+    this.rounds = 0;
+    this.stepSeconds = 0; // a draft step, moving average
+    this.stepped = false; // whether a draft step was measured
+    this.roundSeconds = 0; // a round's time besides drafting, moving average
+  }
+
+  choose(limit) {
+    const most = Math.min(this.kMax, limit);
+    if (this.rounds < 3 || most <= 1) return most;
+    const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
+    let best = 1, bestRate = 0;
+    for (let k = 1; k <= most; k++) {
+      const rate = (1 - alpha ** (k + 1)) / (1 - alpha) / (k * this.stepSeconds + this.roundSeconds);
+      if (rate > bestRate) [best, bestRate] = [k, rate];
+    }
+    return best;
+  }
+
+  /** A round drafted `k` tokens in `draftSeconds` (null: looked up, no draft step), of
+   * which `accepted` were kept, and took `roundSeconds` besides. */
+  observe(k, accepted, draftSeconds, roundSeconds) {
+    const ema = (old, x) => (this.rounds ? 0.8 * old + 0.2 * x : x);
+    if (k > 0 && draftSeconds !== null) {
+      this.stepSeconds = this.stepped ? 0.8 * this.stepSeconds + 0.2 * draftSeconds / k
+        : draftSeconds / k;
+      this.stepped = true;
+    }
+    this.roundSeconds = ema(this.roundSeconds, roundSeconds);
+    this.kept += accepted;
+    if (accepted < k) this.stops += 1;
+    this.rounds += 1;
+  }
+}
+
 /** Statistics of one generation, as the Python edge counts them. */
 export class Stats {
   constructor() {
@@ -48,7 +95,8 @@ export class Stats {
 /**
  * Generate after `promptIds` against the verifier `link` reaches.
  * `options`: {fingerprint, authToken, params: {maxTokens, temperature, topK, topP, seed,
- * stopIds}, mode ("exact" or "match"), k, maxSupport, source (null: cloud-only), healIds
+ * stopIds}, mode ("exact" or "match"), k (a number, or "auto"), maxSupport, source (null:
+ * cloud-only), healIds
  * (token healing's mask for the first position, or null)};
  * `onPiece({tokens, fromDraft, lookedUp})` gets what each exchange emitted.
  */
@@ -65,7 +113,8 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   const history = Array.from(promptIds);
   const maxContext = welcome.maxContext;
   const settings = { mode: options.mode, params, maxSupport: options.maxSupport };
-  const kMax = Math.min(options.k, welcome.maxDraft);
+  // A number: that many drafts a round (at most); "auto": chosen each round, up to 8.
+  const length = new DraftLength(Math.min(options.k === "auto" ? 8 : options.k, welcome.maxDraft));
   let finished = false;
 
   const emit = (tokens, fromDraft, lookedUp, drafted, done) => {
@@ -108,12 +157,18 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - 1);
         const t0 = performance.now();
-        const block = await source.draft(history, Math.min(kMax, limit), settings);
-        stats.draftSeconds += (performance.now() - t0) / 1000;
+        const k = options.k === "auto" ? length.choose(limit) : Math.min(length.kMax, limit);
+        const block = await source.draft(history, k, settings);
+        const t1 = performance.now();
         const verdict = await link.exchange(session,
           () => session.draft(history, block.tokens, block.dists));
+        const draftSeconds = (t1 - t0) / 1000;
+        stats.draftSeconds += draftSeconds;
         stats.verifySeconds += verdict.verifyS;
         const n = verdict.numAccepted;
+        // Looked-up tokens cost no draft step.
+        length.observe(block.tokens.length, n, block.lookedUp === block.tokens.length ? null
+          : draftSeconds, (performance.now() - t1) / 1000);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           block.tokens.length, false);
       }

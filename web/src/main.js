@@ -4,7 +4,7 @@
 // and the statistics of one generation.
 
 import { pickRuntime, ModelDrafter } from "./drafter.js";
-import { generate } from "./edge.js";
+import { DraftLength, generate } from "./edge.js";
 import { Link } from "./link.js";
 import { HybridSource, LookupSource, ModelSource } from "./sources.js";
 import { TargetTokenizer } from "./tokenizer.js";
@@ -92,7 +92,7 @@ async function run(options, onPiece = () => {}) {
     fingerprint: tokenizer.fingerprint, authToken: options.token || "",
     params: { maxTokens: options.maxTokens ?? 96, temperature, topK: options.topK ?? 0,
       topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
-    mode: options.mode || "exact", k: options.k ?? 8, maxSupport: MAX_SUPPORT, source,
+    mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
     healIds: healing ? healing.allowed : null,
   }, onPiece);
   const text = tokenizer.decode(result.tokens);
@@ -133,7 +133,7 @@ function form() {
     server: $("server").value.trim(), token: $("token").value,
     prompt: $("prompt").value, maxTokens: Number($("max-tokens").value),
     temperature: Number($("temperature").value), seed: Number($("seed").value),
-    k: Number($("k").value), runtime: $("runtime-choice").value,
+    k: $("k").value.trim() === "auto" ? "auto" : Number($("k").value), runtime: $("runtime-choice").value,
     source: document.querySelector("input[name=source]:checked").value,
   };
 }
@@ -181,4 +181,4 @@ $("server").value = defaultServer();
 $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";
-window.spececd = { run, connect, loaded, defaultServer, NgramLookup, decodeFrame };
+window.spececd = { run, connect, loaded, defaultServer, NgramLookup, DraftLength, decodeFrame };
