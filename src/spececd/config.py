@@ -84,6 +84,9 @@ class ServerConfig:
     auth_token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # An ONNX Runtime GenAI draft folder the browser edge's page may download and draft
+    # with ("": none; the page drafts by lookup).
+    web_draft: str = ""
 
     def limits(self) -> Limits:
         """The limits every session is held to: this section's settings of those names."""

@@ -86,6 +86,10 @@ def add_parser(sub: Any) -> None:
                    "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
     g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
     g.add_argument("--tls-key", help="TLS private key (PEM)")
+    g.add_argument("--web-draft", help="an ONNX Runtime GenAI draft folder (e.g. "
+                   "models/draft-onnx) that the browser edge's page, served at / on the "
+                   "WebSocket port, may download and draft with (default: none; the page "
+                   "drafts by lookup)")
     g.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="logs on stderr as text or as JSON lines (with session ids)")
     p.set_defaults(run=run)
@@ -107,6 +111,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
     from spececd.backends.registry import model_format
     from spececd.cloud import runners
     from spececd.transports import registry
+    from spececd.transports.web import WebEdge
 
     listeners = [registry.Listener(name, cfg.host, port, cfg.request_timeout)
                  for name, port in
@@ -114,6 +119,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
                  if port >= 0]
     if not listeners:
         raise InputError("no transport to serve: give --port, --grpc-port or --http-port")
+    web = WebEdge.checked(cfg.web_draft)
     model = cfg.target_model or default_model("target")
     # All cores but one unless --threads says (transformers, built-in runner): an edge on
     # this machine, and the server's own event loop, keep one, where idle OpenMP workers
@@ -132,7 +138,8 @@ def serve(cfg: ServerConfig, token: str) -> int:
         # run fails here, with the cause, rather than on the first edge's request.
         await engine.check()
         serving = asyncio.ensure_future(registry.serve(
-            engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None, ready))
+            engine, listeners, (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None, ready,
+            web))
 
         async def drain(why: str) -> None:
             try:

@@ -21,6 +21,7 @@ from typing import Any
 from spececd.cloud.service import CloudService
 from spececd.edge.transport import Transport
 from spececd.errors import InputError
+from spececd.transports.web import WebEdge
 
 TRANSPORTS = ("websocket", "grpc", "http")
 # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).
@@ -73,10 +74,12 @@ class Listener:
 
 
 async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str, str] | None = None,
-                ready: Callable[[list[str]], None] | None = None) -> None:
+                ready: Callable[[list[str]], None] | None = None,
+                web: WebEdge | None = None) -> None:
     """Open every listener on this event loop and serve until cancelled; ``ready`` gets
     their URLs (with the ports they bound) once all are listening. ``tls``: the PEM
-    certificate and key, for every listener."""
+    certificate and key, for every listener; ``web``: what the WebSocket listener offers
+    browsers (None: the page alone)."""
     urls: dict[int, str] = {}
     bound = asyncio.Event()
     tasks = []
@@ -91,9 +94,10 @@ async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str,
             if len(urls) == len(listeners):
                 bound.set()
 
+        extra = {"web": web} if listener.transport == "websocket" and web is not None else {}
         tasks.append(asyncio.ensure_future(
             module.serve(engine, listener.host, listener.port, tls, on_ready,
-                         request_timeout=listener.request_timeout)))
+                         request_timeout=listener.request_timeout, **extra)))
 
     async def announce() -> None:
         await bound.wait()

@@ -5,7 +5,8 @@ Server: :func:`serve` puts an :class:`~spececd.cloud.service.CloudService` behin
 goes into it, and every reply goes back as a binary frame. How the link ends decides the
 close code: 1000 when the session closed, 1001 after the idle timeout, 1013 when the
 server was full. Plain HTTP on the same port: the operators' endpoints of
-:mod:`spececd.transports.ops` (health, readiness, status, metrics, the tokenizer).
+:mod:`spececd.transports.ops` (health, readiness, status, metrics, the tokenizer) and the
+browser edge's page (:mod:`spececd.transports.web`).
 
 Client: :class:`WebSocketTransport` is a blocking transport for the edge loop. Every way
 the link can fail (refused, reset, closed, timed out) surfaces as ``ConnectionError``, which
@@ -35,6 +36,7 @@ from spececd.edge.transport import AFFINITY_HEADER, affinity_key
 from spececd.transports import ops
 from spececd.transports.registry import REQUEST_TIMEOUT
 from spececd.transports.tls import client_ssl_context, server_ssl_context
+from spececd.transports.web import WebEdge
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,27 @@ __all__ = ["WebSocketTransport", "client_ssl_context", "serve", "server_ssl_cont
 WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the socket refuses
 
 
-def _http_handler(engine: CloudService) -> Callable[[ServerConnection, Request],
-                                                    Response | None]:
+def _http_handler(engine: CloudService, web: WebEdge) -> Callable[[ServerConnection, Request],
+                                                                 Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         endpoint = ops.BY_PATH.get(request.path)
-        if endpoint is None:
-            return None  # a WebSocket upgrade
-        reply = endpoint.answer(engine)
+        reply: ops.Reply | None
+        if endpoint is not None:
+            reply = endpoint.answer(engine)
+        elif request.headers.get("Upgrade", "").lower() == "websocket":
+            return None  # a WebSocket upgrade (at / too, where a browser gets the page)
+        else:
+            reply = web.answer(request.path)
+            if reply is None:
+                return None  # the upgrade refuses it (426)
         response = connection.respond(HTTPStatus(reply.status), "")  # Date, Connection: close
         for name in ("Content-Type", "Content-Length"):
             del response.headers[name]
         response.headers["Content-Type"] = reply.content_type
         response.headers["Content-Length"] = str(len(reply.body))
+        if endpoint is None or endpoint.name.startswith("tokenizer"):
+            # The page and the tokenizer it reads, for a page served from another origin.
+            response.headers["Access-Control-Allow-Origin"] = "*"
         return dataclasses.replace(response, body=reply.body)
 
     return process_request
@@ -84,16 +95,17 @@ def _handler(engine: CloudService) -> Callable[[ServerConnection], Awaitable[Non
 
 async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
                 ready: Callable[[int], None] | None = None,
-                request_timeout: float = REQUEST_TIMEOUT) -> None:
+                request_timeout: float = REQUEST_TIMEOUT, web: WebEdge | None = None) -> None:
     """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
     the port bound (``port`` 0: any free one); a handshake not done within
-    ``request_timeout`` seconds is dropped."""
+    ``request_timeout`` seconds is dropped; ``web``: what plain GETs other than the
+    operators' endpoints answer (the browser edge's page and draft; default: the page)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
     # open_timeout: a handshake not done within the request timeout (a client sending it
     # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
-                        compression=None, process_request=_http_handler(engine),
+                        compression=None, process_request=_http_handler(engine, web or WebEdge()),
                         open_timeout=request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))

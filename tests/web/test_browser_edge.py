@@ -1,0 +1,292 @@
+"""The browser edge (web/) in a real headless Chromium against a real `spececd serve`: the
+page tokenizes with the server's tokenizer in JavaScript, drafts by lookup or with the draft
+model on ONNX Runtime Web (WASM: this Chromium has no WebGPU adapter), and verifies over
+the server's WebSocket in SpecECD's own protocol. One server (auth required, the ONNX draft
+offered to pages) and one browser for the module.
+
+Chromium is Debian's, driven by Playwright; the page is web/dist, built by `npm ci && npm
+run build` in web/ (the README's test command does it). Set SPECECD_SCREENSHOT to a path to
+keep a screenshot of the page (docs/browser-edge.png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from spececd.transports.web import BUILT  # noqa: E402
+from tests.builders import MODELS, requires_default_pair  # noqa: E402
+from tests.chisq import chi_square_p  # noqa: E402
+from tests.e2e.server import ServerProcess  # noqa: E402
+
+CHROMIUM = Path("/usr/lib/chromium/chromium")
+TOKEN = "browser-edge-test-token"
+HELDOUT = json.loads((MODELS / "heldout_prompts.json").read_text())
+COPY = json.loads((MODELS / "copy_prompts.json").read_text())
+MAX_TOKENS = 40
+
+pytestmark = [
+    requires_default_pair,
+    pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (Debian's "
+                       "chromium package; Playwright's own browser download is not used)"),
+    pytest.mark.skipif(not (BUILT / "index.html").is_file(), reason="the browser edge is not "
+                       "built: run `npm ci && npm run build` in web/"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    token = tmp_path_factory.mktemp("auth") / "token"
+    token.write_text(TOKEN + "\n")
+    proc = ServerProcess(MODELS / "target", "--auth-token-file", str(token),
+                         "--web-draft", str(MODELS / "draft-onnx"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tab(server: ServerProcess) -> Iterator[Any]:
+    """One tab on the page the server serves, kept across the module's tests (the page
+    keeps its tokenizer, draft model and link)."""
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        page.errors = []
+        page.hosts = set()
+        page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+        page.on("console", lambda message: message.type == "error"
+                and page.errors.append(message.text))
+        page.on("request", lambda request: page.hosts.add(
+            urlsplit(request.url).hostname or ""))
+        page.goto(f"http://127.0.0.1:{server.port}/")
+        page.wait_for_function("window.spececd !== undefined")
+        page.evaluate("async () => { await spececd.connect(spececd.defaultServer()); }")
+        yield page
+        context.close()
+        browser.close()
+
+
+def run(tab: Any, **options: Any) -> dict[str, Any]:
+    """One generation in the page (window.spececd.run), with the server's token."""
+    result: dict[str, Any] = tab.evaluate(
+        """async (options) => {
+            const r = await spececd.run(options);
+            const s = r.stats;
+            return {text: r.text, tokens: r.tokens, promptIds: r.promptIds, healIds: r.healIds,
+                    runtime: r.runtime, reconnects: r.reconnects, drafted: s.drafted,
+                    accepted: s.accepted, rounds: s.rounds, lookedUp: s.lookedUpAccepted,
+                    tps: s.tokensPerSecond};
+        }""", {"token": TOKEN, "maxTokens": MAX_TOKENS, "temperature": 0, **options})
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> Iterator[Any]:
+    """The Python edge against the same server (the target alone: cloud-only), as the
+    reference the page's text must equal."""
+    from spececd.generator import Generator
+    from spececd.transports.registry import connector
+
+    gen = Generator.remote(None, server.url, connector(server.url, auth_token=TOKEN),
+                           auth_token=TOKEN)
+    yield gen
+    gen.close()
+
+
+def test_the_pages_tokenizer_and_healing_are_the_python_edges(tab: Any, reference: Any
+                                                               ) -> None:
+    from spececd.healing import heal
+
+    ids = tab.evaluate("(prompts) => prompts.map((p) => spececd.loaded.tokenizer.encode(p))",
+                       HELDOUT + COPY)
+    tokenizer = reference.tokenizer
+    assert ids == [tokenizer.encode(p) for p in HELDOUT + COPY]
+    masks = tab.evaluate("(all) => all.map((ids) => spececd.loaded.tokenizer.heal(ids))", ids)
+    for prompt_ids, mask in zip(ids, masks, strict=True):
+        healing = heal(prompt_ids, tokenizer, reference.vocab_size)
+        if healing is None:
+            assert mask is None
+        else:
+            assert mask == {"promptIds": list(healing.prompt_ids),
+                            "allowed": list(healing.allowed), "dropped": healing.dropped}
+    assert any(mask is not None for mask in masks)  # the held-out prompts end in newlines
+
+
+def test_lookup_in_javascript_proposes_what_the_python_lookup_proposes(tab: Any) -> None:
+    from spececd.edge.lookup import NgramLookup
+
+    rng = random.Random(5)
+    cases = [([rng.randrange(5) for _ in range(rng.randrange(0, 40))], rng.randrange(1, 9),
+              rng.choice([(4, 2), (6, 2), (3, 1)])) for _ in range(300)]
+    got = tab.evaluate("""(cases) => cases.map(([history, k, [maxN, minN]]) => {
+        const lookup = new spececd.NgramLookup(maxN, minN);
+        return [lookup.propose(history, k), lookup.matchLen];
+    })""", cases)
+    for (history, k, (max_n, min_n)), (tokens, match_len) in zip(cases, got, strict=True):
+        lookup = NgramLookup(max_ngram=max_n, min_ngram=min_n)
+        assert (list(lookup.propose(history, k).tokens), lookup.match_len) == \
+            (tokens, match_len), (history, k)
+
+
+def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> None:
+    """k = auto: long drafts where drafts are kept and cheap, short where a draft step
+    costs as much as a round and most are rejected, the most the limit allows at first."""
+    chosen = tab.evaluate("""() => [[0.001, 4], [0.05, 0], [0.5, 1]].map(([step, kept]) => {
+        const length = new spececd.DraftLength(8);
+        const first = length.choose(20);
+        for (let i = 0; i < 10; i++) length.observe(4, kept, 4 * step, 0.05);
+        return [first, length.choose(20), length.choose(3)];
+    })""")
+    assert chosen == [[8, 8, 3], [8, 1, 1], [8, 1, 1]]
+
+
+def test_fields_a_newer_server_adds_are_ignored(tab: Any) -> None:
+    """The protocol's optional trailing fields: a verdict or welcome from a newer server
+    (a field this page does not know after those it reads) decodes as before."""
+    import msgpack  # type: ignore[import-untyped]
+
+    from spececd.protocol import messages as m
+
+    frames = [m.encode(m.Verdict(7, 2, 99, 0.01)), m.encode(m.Welcome("s", 6, 16, 512))]
+    newer = [msgpack.packb([*msgpack.unpackb(frame), None, None, None, 123])
+             for frame in frames]
+    decoded = tab.evaluate("(frames) => frames.map((f) => spececd.decodeFrame("
+                           "new Uint8Array(f).buffer))", [list(f) for f in frames + newer])
+    assert decoded[0] == decoded[2] == {"type": "verdict", "seq": 7, "numAccepted": 2,
+                                        "nextToken": 99, "verifyS": 0.01}
+    assert decoded[1] == decoded[3] == {"type": "welcome", "sessionId": "s",
+                                        "protocolVersion": 6, "maxDraft": 16,
+                                        "maxContext": 512, "lossy": False}
+
+
+@pytest.mark.parametrize("source", ["lookup", "model", "hybrid"])
+def test_greedy_text_is_the_target_alones(tab: Any, reference: Any, source: str) -> None:
+    # The model drafts slowly on WASM here (about 20 ms a step on a loaded core): fewer.
+    prompts = {"lookup": [*HELDOUT[:2], COPY[0]], "model": [HELDOUT[1]],
+               "hybrid": [COPY[7]]}[source]
+    for prompt in prompts:
+        page = run(tab, prompt=prompt, source=source)
+        alone = reference.generate(prompt, cloud_only=True, max_tokens=MAX_TOKENS,
+                                   temperature=0, token_healing=True)
+        assert page["tokens"] == alone.token_ids
+        assert page["text"] == alone.text
+    assert page["runtime"] == ("none (lookup)" if source == "lookup" else "wasm")
+    # Drafts were accepted, looked up where lookup drafts (the last prompt but the model's
+    # copies itself).
+    assert page["accepted"] > 0
+    assert (page["lookedUp"] > 0) == (source != "model")
+    assert tab.errors == []
+
+
+@pytest.mark.parametrize("source", ["lookup", pytest.param("model", marks=pytest.mark.slow)])
+def test_sampled_tokens_follow_the_targets_distribution(tab: Any, source: str) -> None:
+    """The first generated token of many seeds, drafted in the page and verified in exact
+    mode (lookup: one-hot drafts of a token the text repeats; the model: its sparse
+    distribution), against the target's own distribution at that position."""
+    from spececd.backends.registry import load_backend
+    from spececd.core.params import SamplingParams
+    from spececd.core.sampling import process_logits
+
+    ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)",
+                       "    total = compute(left, right)\n    count = compute(left")
+    draws = 160
+    firsts = tab.evaluate("""async ([ids, draws, source, token]) => {
+        const firsts = [];
+        let drafted = 0;
+        for (let seed = 0; seed < draws; seed++) {
+            const r = await spececd.run({promptIds: ids, source, token, maxTokens: 2, k: 2,
+                temperature: 1, topK: 20, seed, mode: "exact"});
+            firsts.push(r.tokens[0]);
+            drafted += r.stats.drafted;
+        }
+        return [firsts, drafted];
+    }""", [ids, draws, source, TOKEN])
+    tokens, drafted = firsts
+    assert drafted > 0  # the page drafted (and sent) the position the draws come from
+    sequence = load_backend(str(MODELS / "target"), device="cpu", dtype="float32"
+                            ).new_sequence()
+    probs = process_logits(sequence.extend(ids, keep=1), SamplingParams(temperature=1.0,
+                                                                        top_k=20))[0]
+    observed = np.bincount(tokens, minlength=probs.size)
+    assert chi_square_p(observed, probs * draws) > 0.001
+
+
+def test_a_dropped_socket_resumes_with_the_same_text(tab: Any) -> None:
+    whole = run(tab, prompt=COPY[1], source="lookup")
+    resumed = tab.evaluate("""async ([prompt, token, max]) => {
+        let pieces = 0;
+        const r = await spececd.run({prompt, token, maxTokens: max, temperature: 0,
+                                     source: "lookup"}, () => {
+            // The socket drops under the page after its second round.
+            if (++pieces === 2) spececd.loaded.link.socket.ws.close();
+        });
+        return {tokens: r.tokens, reconnects: r.reconnects};
+    }""", [COPY[1], TOKEN, MAX_TOKENS])
+    assert resumed["reconnects"] >= 1
+    assert resumed["tokens"] == whole["tokens"]
+
+
+def test_a_wrong_token_is_refused(tab: Any) -> None:
+    refused = tab.evaluate("""async (prompt) => {
+        try {
+            await spececd.run({prompt, token: "wrong", source: "lookup"});
+            return null;
+        } catch (exc) {
+            return exc.code;
+        }
+    }""", HELDOUT[0])
+    assert refused == "auth_failed"
+
+
+def test_the_page_shows_both_runs_side_by_side(tab: Any, tmp_path: Path) -> None:
+    tab.fill("#token", TOKEN)
+    tab.fill("#prompt", COPY[7])
+    tab.fill("#max-tokens", "64")
+    tab.click("label:has(input[name=source][value=hybrid])")
+    tab.check("#compare")
+    tab.click("#generate")
+    tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=60_000)
+    assert tab.evaluate("document.body.dataset.state") == "done", tab.text_content("#error")
+
+    def text(selector: str) -> str:
+        return str(tab.eval_on_selector_all(
+            selector, "els => els.map(e => e.textContent).join('')"))
+
+    assert text("#out-spec .tok") == text("#out-cloud .tok")
+    assert tab.locator("#out-spec .tok.lookup").count() > 0
+    assert tab.locator("#out-cloud .tok:not(.target)").count() == 0
+    assert tab.text_content("#runtime") == "wasm"
+    speculative, alone = (float(tab.text_content(s) or "nan")
+                          for s in ("#stat-tps", "#stat-tps-cloud"))
+    assert float(tab.text_content("#speedup") or "nan") == pytest.approx(
+        speculative / alone, abs=0.011)
+    assert tab.errors == []
+    assert tab.hosts == {"127.0.0.1"}  # nothing from outside: no CDN
+
+    shot = tmp_path / "browser-edge.png"
+    tab.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("SPECECD_SCREENSHOT"):
+        keep = Path(os.environ["SPECECD_SCREENSHOT"])
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, keep)
+
+
+def test_the_page_says_what_the_server_refused(tab: Any) -> None:
+    tab.fill("#token", "wrong")
+    tab.click("#generate")
+    tab.wait_for_function("document.body.dataset.state === 'error'", timeout=30_000)
+    assert "auth_failed" in (tab.text_content("#error") or "")
+    tab.fill("#token", TOKEN)

@@ -1,0 +1,39 @@
+// Builds the browser edge into dist/ (ignored by git): the page, its stylesheet (the
+// playground's, and this page's own rules), one bundle
+// of its JavaScript (esbuild, no CDN at run time) and ONNX Runtime Web's WebAssembly files,
+// which the bundle loads from beside itself. `spececd serve` serves dist/ at / on its
+// WebSocket port; any static host can serve it too.
+import { build } from "esbuild";
+import { copyFileSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const out = join(here, "dist");
+rmSync(out, { recursive: true, force: true });
+mkdirSync(out);
+await build({
+  entryPoints: [join(here, "src", "main.js")],
+  bundle: true,
+  format: "esm",
+  minify: true,
+  sourcemap: false,
+  target: "es2022",
+  outfile: join(out, "app.js"),
+  logLevel: "warning",
+});
+copyFileSync(join(here, "index.html"), join(out, "index.html"));
+// One look for both pages: the playground's stylesheet, then this page's own rules.
+const playground = readFileSync(
+  join(here, "..", "src", "spececd", "openai_api", "playground.html"), "utf8");
+const shared = playground.slice(playground.indexOf("<style>") + 7, playground.indexOf("</style>"));
+if (!shared.trim()) throw new Error("no <style> in the playground's page");
+writeFileSync(join(out, "style.css"), shared + readFileSync(join(here, "style.css"), "utf8"));
+// The runtime's WebAssembly, the build with WebGPU (JSEP) that the default bundle loads.
+const ort = join(here, "node_modules", "onnxruntime-web", "dist");
+for (const name of readdirSync(ort)) {
+  if (/^ort-wasm-simd-threaded\.jsep\.(wasm|mjs)$/.test(name)) {
+    copyFileSync(join(ort, name), join(out, name));
+  }
+}
+console.log(`built ${out}`);

@@ -1,0 +1,160 @@
+// The draft model in the page: an ONNX Runtime GenAI folder (its genai_config.json names
+// the inputs and outputs) on ONNX Runtime Web, WebGPU where the browser has it, else WASM.
+// As src/spececd/edge/drafter.py drafts: one KV cache kept across rounds and cut lazily to
+// the longest prefix it shares with the (authoritative) history, so a rejected block costs
+// nothing extra; the last drafted token is never fed, the next call feeds it if the verifier
+// kept it. In exact sampling mode it samples from the processed distribution cut to its
+// `maxSupport` most likely tokens and reports exactly that; in match mode from the whole
+// processed distribution; at temperature 0 it takes the argmax and reports nothing.
+
+import * as ort from "onnxruntime-web";
+import { argmax, positionRng, processLogits, sample, sparse } from "./sampling.js";
+
+const DRAFTER_STREAM = 1; // the draws' stream, apart from any other the page may add
+
+/** The runtime the page drafts on: "webgpu" where asked (or "auto") and available, else
+ * "wasm". */
+export async function pickRuntime(asked) {
+  if (asked === "wasm") return "wasm";
+  const gpu = typeof navigator !== "undefined" ? navigator.gpu : undefined;
+  if (gpu) {
+    try {
+      if (await gpu.requestAdapter()) return "webgpu";
+    } catch { /* no adapter */ }
+  }
+  if (asked === "webgpu") throw new Error("this browser has no WebGPU adapter: draft on wasm");
+  return "wasm";
+}
+
+async function fetchBytes(url) {
+  const reply = await fetch(url);
+  if (!reply.ok) throw new Error(`GET ${url}: HTTP ${reply.status}`);
+  return new Uint8Array(await reply.arrayBuffer());
+}
+
+export class ModelDrafter {
+  /** Load the draft folder at `base` (its genai_config.json, model file and external data)
+   * on `runtime` ("wasm" or "webgpu"). */
+  static async load(base, runtime, wasmPaths) {
+    if (wasmPaths) ort.env.wasm.wasmPaths = wasmPaths;
+    ort.env.wasm.numThreads = 1; // pages without cross-origin isolation have one anyway
+    const config = JSON.parse(new TextDecoder().decode(await fetchBytes(`${base}/genai_config.json`)));
+    const decoder = config.model.decoder;
+    const file = decoder.filename;
+    const model = await fetchBytes(`${base}/${file}`);
+    // The weights beside the graph, where the export put them there (a 404: none).
+    const externalData = [];
+    const data = await fetch(`${base}/${file}.data`);
+    if (data.ok) {
+      externalData.push({ path: `${file}.data`, data: new Uint8Array(await data.arrayBuffer()) });
+    }
+    const session = await ort.InferenceSession.create(model, {
+      executionProviders: [runtime], externalData, graphOptimizationLevel: "all" });
+    return new ModelDrafter(session, config, runtime);
+  }
+
+  constructor(session, config, runtime) {
+    const decoder = config.model.decoder;
+    this.session = session;
+    this.runtime = runtime;
+    this.vocabSize = config.model.vocab_size;
+    this.layers = decoder.num_hidden_layers;
+    this.kvHeads = decoder.num_key_value_heads;
+    this.headSize = decoder.head_size;
+    this.names = { ...decoder.inputs, ...decoder.outputs };
+    this.tokens = []; // what the KV cache holds
+    this.past = null; // {name: Tensor} of the cache, [1, heads, tokens, head]
+    this.stepSeconds = 0; // model time, all calls
+    this.steps = 0;
+    this.lookedUp = 0; // a model drafts: nothing is looked up
+  }
+
+  /** Cut the cache to its first `n` tokens. */
+  truncate(n) {
+    if (n >= this.tokens.length) return;
+    this.tokens.length = n;
+    if (n === 0) {
+      this.past = null;
+      return;
+    }
+    const cut = {};
+    for (const [name, tensor] of Object.entries(this.past)) {
+      const [, heads, length, head] = tensor.dims;
+      const data = tensor.data;
+      const out = new Float32Array(heads * n * head);
+      for (let h = 0; h < heads; h++) {
+        out.set(data.subarray(h * length * head, (h * length + n) * head), h * n * head);
+      }
+      cut[name] = new ort.Tensor("float32", out, [1, heads, n, head]);
+    }
+    this.past = cut;
+  }
+
+  /** Run `ids` after the cache; the logits of the last position [vocab]. */
+  async extend(ids) {
+    const t0 = performance.now();
+    const pastLen = this.tokens.length;
+    const total = pastLen + ids.length;
+    const feeds = {
+      [this.names.input_ids]: new ort.Tensor("int64", BigInt64Array.from(ids, BigInt), [1, ids.length]),
+      [this.names.attention_mask]: new ort.Tensor("int64", new BigInt64Array(total).fill(1n), [1, total]),
+    };
+    for (let l = 0; l < this.layers; l++) {
+      for (const kind of ["key", "value"]) {
+        const present = this.names[`present_${kind}_names`].replace("%d", l);
+        feeds[this.names[`past_${kind}_names`].replace("%d", l)] = this.past ? this.past[present]
+          : new ort.Tensor("float32", new Float32Array(0), [1, this.kvHeads, 0, this.headSize]);
+      }
+    }
+    const out = await this.session.run(feeds);
+    const past = {};
+    for (let l = 0; l < this.layers; l++) {
+      for (const kind of ["key", "value"]) {
+        const name = this.names[`present_${kind}_names`].replace("%d", l);
+        past[name] = out[name];
+      }
+    }
+    this.past = past;
+    this.tokens.push(...ids);
+    const logits = out[this.names.logits];
+    const vocab = logits.dims[2];
+    const last = logits.data.subarray((ids.length - 1) * vocab, ids.length * vocab);
+    this.stepSeconds += (performance.now() - t0) / 1000;
+    this.steps += 1;
+    return last.subarray(0, this.vocabSize);
+  }
+
+  /** Up to `k` tokens drafted after `history` and, in exact sampling mode, the distribution
+   * each was drawn from (see the module's comment). */
+  async draft(history, k, { mode, params, maxSupport }) {
+    let kept = 0;
+    const held = this.tokens;
+    while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
+    // At least one token to feed: the logits of the history's last position.
+    kept = Math.min(kept, history.length - 1);
+    this.truncate(kept);
+    let feed = history.slice(kept);
+    const report = mode === "exact" && params.temperature > 0;
+    const tokens = [], dists = [];
+    for (let i = 0; i < k; i++) {
+      const logits = await this.extend(feed);
+      let token;
+      if (params.temperature === 0) {
+        token = argmax(logits);
+      } else {
+        const probs = processLogits(logits, params);
+        const rng = positionRng(params.seed, DRAFTER_STREAM * 1_000_003 + history.length + i);
+        if (report) {
+          const dist = sparse(probs, maxSupport);
+          token = dist.ids[sample(dist.probs, rng)];
+          dists.push(dist);
+        } else {
+          token = sample(probs, rng);
+        }
+      }
+      tokens.push(token);
+      feed = [token];
+    }
+    return { tokens, dists: report ? dists : null, lookedUp: 0 };
+  }
+}

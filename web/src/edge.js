@@ -1,0 +1,181 @@
+// The page's generation loop (src/spececd/edge/client.py's plain rounds and cloud-only
+// generation): greet the verifier, then draft up to k tokens, send them, take the accepted
+// drafts and the verifier's own token, until a stop token, max_tokens or the context limit.
+// The page holds the authoritative history; stop tokens and max_tokens are applied here,
+// exactly (src/spececd/core/stopping.py's clip_emitted).
+
+import { EdgeSession } from "./protocol.js";
+
+/** The tokens to emit (at most `remaining`, up to and including the first stop token) and
+ * whether the generation is finished. */
+export function clipEmitted(tokens, stopIds, remaining) {
+  const out = [];
+  for (const token of tokens) {
+    if (out.length === remaining) return [out, true];
+    out.push(token);
+    if (stopIds.includes(token)) return [out, true];
+  }
+  return [out, out.length === remaining];
+}
+
+/**
+ * The draft length for each round, chosen from what this generation measured (Leviathan
+ * et al. 2023's expected tokens per round over the round's time, as the Python edge's
+ * DraftLengthPolicy chooses): each drafted position is kept with probability `alpha`
+ * (estimated from where rounds stopped), a round of k drafts gains (1 - alpha^(k+1)) /
+ * (1 - alpha) tokens and costs k draft steps and one round trip. Until a few rounds are
+ * measured, and for drafts that cost nothing (lookup), it drafts `kMax`.
+ */
+export class DraftLength {
+  constructor(kMax) {
+    this.kMax = kMax;
+    this.kept = 0; // drafted positions accepted
+    this.stops = 0; // rounds that stopped at a rejected draft
+    this.rounds = 0;
+    this.stepSeconds = 0; // a draft step, moving average
+    this.stepped = false; // whether a draft step was measured
+    this.roundSeconds = 0; // a round's time besides drafting, moving average
+  }
+
+  choose(limit) {
+    const most = Math.min(this.kMax, limit);
+    if (this.rounds < 3 || most <= 1) return most;
+    const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
+    let best = 1, bestRate = 0;
+    for (let k = 1; k <= most; k++) {
+      const rate = (1 - alpha ** (k + 1)) / (1 - alpha) / (k * this.stepSeconds + this.roundSeconds);
+      if (rate > bestRate) [best, bestRate] = [k, rate];
+    }
+    return best;
+  }
+
+  /** A round drafted `k` tokens in `draftSeconds` (null: looked up, no draft step), of
+   * which `accepted` were kept, and took `roundSeconds` besides. */
+  observe(k, accepted, draftSeconds, roundSeconds) {
+    const ema = (old, x) => (this.rounds ? 0.8 * old + 0.2 * x : x);
+    if (k > 0 && draftSeconds !== null) {
+      this.stepSeconds = this.stepped ? 0.8 * this.stepSeconds + 0.2 * draftSeconds / k
+        : draftSeconds / k;
+      this.stepped = true;
+    }
+    this.roundSeconds = ema(this.roundSeconds, roundSeconds);
+    this.kept += accepted;
+    if (accepted < k) this.stops += 1;
+    this.rounds += 1;
+  }
+}
+
+/** Statistics of one generation, as the Python edge counts them. */
+export class Stats {
+  constructor() {
+    this.generated = 0;
+    this.rounds = 0;
+    this.drafted = 0;
+    this.accepted = 0;
+    this.lookedUpAccepted = 0;
+    this.draftSeconds = 0;
+    this.verifySeconds = 0;
+    this.wallSeconds = 0;
+  }
+
+  get acceptance() {
+    return this.drafted ? this.accepted / this.drafted : 0;
+  }
+
+  /** (accepted + rounds) / rounds: tokens gained per target pass. */
+  get meanAcceptedLength() {
+    return this.rounds ? (this.accepted + this.rounds) / this.rounds : 0;
+  }
+
+  get tokensPerSecond() {
+    return this.wallSeconds ? this.generated / this.wallSeconds : 0;
+  }
+}
+
+/**
+ * Generate after `promptIds` against the verifier `link` reaches.
+ * `options`: {fingerprint, authToken, params: {maxTokens, temperature, topK, topP, seed,
+ * stopIds}, mode ("exact" or "match"), k (a number, or "auto"), maxSupport, source (null:
+ * cloud-only), healIds
+ * (token healing's mask for the first position, or null)};
+ * `onPiece({tokens, fromDraft, lookedUp})` gets what each exchange emitted.
+ */
+export async function generate(link, promptIds, options, onPiece = () => {}) {
+  const { params, source } = options;
+  const cloudOnly = source === null;
+  const stats = new Stats();
+  const started = performance.now();
+  const session = new EdgeSession({ fingerprint: options.fingerprint,
+    mode: cloudOnly ? "match" : options.mode, temperature: params.temperature,
+    topK: params.topK, topP: params.topP, seed: params.seed, authToken: options.authToken,
+    healIds: options.healIds || null, promptLen: promptIds.length });
+  const welcome = await link.exchange(session, null);
+  const history = Array.from(promptIds);
+  const maxContext = welcome.maxContext;
+  const settings = { mode: options.mode, params, maxSupport: options.maxSupport };
+  // A number: that many drafts a round (at most); "auto": chosen each round, up to 8.
+  const length = new DraftLength(Math.min(options.k === "auto" ? 8 : options.k, welcome.maxDraft));
+  let finished = false;
+
+  const emit = (tokens, fromDraft, lookedUp, drafted, done) => {
+    const [out, clipped] = clipEmitted(tokens, params.stopIds, params.maxTokens - stats.generated);
+    const kept = Math.min(fromDraft, out.length);
+    history.push(...tokens);
+    stats.generated += out.length;
+    if (drafted !== null) {
+      // Where the text ended inside this round, only its drafted positions up to the end
+      // count (src/spececd/edge/emit.py).
+      stats.rounds += 1;
+      stats.drafted += out.length < tokens.length ? Math.min(drafted, out.length) : drafted;
+      stats.accepted += kept;
+    }
+    stats.lookedUpAccepted += Math.min(lookedUp, kept);
+    finished = clipped || done || history.length >= maxContext;
+    onPiece({ tokens: out, fromDraft: kept, lookedUp: Math.min(lookedUp, kept) });
+  };
+
+  try {
+    if (cloudOnly) {
+      let requested = false, done = false;
+      while (!finished) {
+        const reply = await link.exchange(session, (greetedNow) => {
+          if (requested && !greetedNow) return null; // the stream is under way: only read
+          requested = true;
+          return session.generate(history, Math.min(params.maxTokens - stats.generated,
+            maxContext - history.length), params.stopIds);
+        });
+        stats.verifySeconds += reply.computeS;
+        done = reply.done;
+        emit(reply.tokenIds, 0, 0, null, done);
+      }
+      // Ended here (a stop token) while the server generates: its next frames belong to no
+      // generation, so this connection ends.
+      if (!done) link.drop();
+    } else {
+      while (!finished) {
+        // The verifier adds one token of its own.
+        const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
+          maxContext - history.length) - 1);
+        const t0 = performance.now();
+        const k = options.k === "auto" ? length.choose(limit) : Math.min(length.kMax, limit);
+        const block = await source.draft(history, k, settings);
+        const t1 = performance.now();
+        const verdict = await link.exchange(session,
+          () => session.draft(history, block.tokens, block.dists));
+        const draftSeconds = (t1 - t0) / 1000;
+        stats.draftSeconds += draftSeconds;
+        stats.verifySeconds += verdict.verifyS;
+        const n = verdict.numAccepted;
+        // Looked-up tokens cost no draft step.
+        length.observe(block.tokens.length, n, block.lookedUp === block.tokens.length ? null
+          : draftSeconds, (performance.now() - t1) / 1000);
+        emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
+          block.tokens.length, false);
+      }
+    }
+  } finally {
+    stats.wallSeconds = (performance.now() - started) / 1000;
+  }
+  return { tokens: history.slice(promptIds.length, promptIds.length + stats.generated), stats,
+    welcome };
+}

@@ -1,0 +1,184 @@
+// The page: reads the form, runs the browser edge (and, to compare, the target alone)
+// against the server, and shows each token coloured by where it came from. `window.spececd`
+// is the same machinery for scripts and tests: run(options) gives the text, the token ids
+// and the statistics of one generation.
+
+import { pickRuntime, ModelDrafter } from "./drafter.js";
+import { DraftLength, generate } from "./edge.js";
+import { Link } from "./link.js";
+import { HybridSource, LookupSource, ModelSource } from "./sources.js";
+import { TargetTokenizer } from "./tokenizer.js";
+import { NgramLookup } from "./lookup.js";
+import { decodeFrame } from "./protocol.js";
+
+const $ = (id) => document.getElementById(id);
+const MAX_SUPPORT = 64; // exact mode: the draft distribution is cut to this many tokens
+
+/** The server's WebSocket address: ?server=..., else the host that served this page. */
+function defaultServer() {
+  const asked = new URLSearchParams(location.search).get("server");
+  if (asked) return asked;
+  if (location.protocol === "http:" || location.protocol === "https:") {
+    return `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}`;
+  }
+  return "ws://127.0.0.1:8765";
+}
+
+/** The plain-HTTP address of a ws:// or wss:// server (its tokenizer and draft are there). */
+function httpBase(server) {
+  const url = new URL(server);
+  if (url.protocol !== "ws:" && url.protocol !== "wss:") {
+    throw new Error(`the server's address must start with ws:// or wss://, got ${server}`);
+  }
+  return `${url.protocol === "wss:" ? "https" : "http"}://${url.host}`;
+}
+
+// What the page has loaded for a server: its tokenizer, its draft model (where it offers
+// one), and the link, each once.
+const loaded = { server: null, tokenizer: null, drafter: null, draftRuntime: null, link: null };
+
+async function connect(server) {
+  if (loaded.server !== server) {
+    if (loaded.link) loaded.link.close();
+    Object.assign(loaded, { server, tokenizer: null, drafter: null, draftRuntime: null,
+      link: new Link(server) });
+  }
+  if (!loaded.tokenizer) loaded.tokenizer = await TargetTokenizer.fetch(httpBase(server));
+  return loaded;
+}
+
+async function drafter(server, runtimeAsked) {
+  const runtime = await pickRuntime(runtimeAsked);
+  if (!loaded.drafter || loaded.draftRuntime !== runtime) {
+    const base = `${httpBase(server)}/draft`;
+    const probe = await fetch(`${base}/genai_config.json`);
+    if (!probe.ok) {
+      throw new Error("this server offers no draft model to browsers: start it with " +
+        "`spececd serve --web-draft models/draft-onnx`, or draft by lookup");
+    }
+    // The runtime's own files (WebAssembly) come from where this page came from.
+    loaded.drafter = await ModelDrafter.load(base, runtime, new URL(".", import.meta.url).href);
+    loaded.draftRuntime = runtime;
+  }
+  return loaded.drafter;
+}
+
+/**
+ * One generation. `options`: {server, token, prompt, maxTokens, temperature, topK, topP,
+ * seed, mode ("exact"|"match"), source ("lookup"|"model"|"hybrid"|"cloud"), k, runtime},
+ * `onPiece` as edge.generate's. Returns {text, promptIds, tokens, stats, runtime}.
+ */
+async function run(options, onPiece = () => {}) {
+  const server = options.server || defaultServer();
+  const { tokenizer, link } = await connect(server);
+  let source = null, runtime = "none (lookup)";
+  if (options.source === "lookup") {
+    source = new LookupSource();
+  } else if (options.source === "model" || options.source === "hybrid") {
+    const model = await drafter(server, options.runtime || "auto");
+    source = options.source === "model" ? new ModelSource(model) : new HybridSource(model);
+    runtime = model.runtime;
+  } else if (options.source !== "cloud") {
+    throw new Error(`unknown draft source ${options.source}`);
+  }
+  // A text prompt is healed as the Python edge heals it (its last token dropped, the first
+  // generated token masked to those that spell it); ids (`promptIds`) run as given.
+  const healing = options.promptIds ? null : tokenizer.heal(tokenizer.encode(options.prompt));
+  const promptIds = options.promptIds || (healing ? healing.promptIds
+    : tokenizer.encode(options.prompt));
+  const temperature = options.temperature ?? 0;
+  const reconnects = link.reconnects;
+  const result = await generate(link, promptIds, {
+    fingerprint: tokenizer.fingerprint, authToken: options.token || "",
+    params: { maxTokens: options.maxTokens ?? 96, temperature, topK: options.topK ?? 0,
+      topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
+    mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
+    healIds: healing ? healing.allowed : null,
+  }, onPiece);
+  const text = tokenizer.decode(result.tokens);
+  const dropped = healing ? healing.dropped : "";
+  return { text: text.startsWith(dropped) ? text.slice(dropped.length) : text, promptIds,
+    healIds: healing ? healing.allowed : [], tokens: result.tokens, stats: result.stats,
+    reconnects: link.reconnects - reconnects, runtime: source ? runtime : "cloud" };
+}
+
+/** Shows pieces as they come: each token a span of its source's colour; `dropped`: the
+ * text healing dropped from the prompt, which the first token's text starts with and which
+ * is not shown again. */
+function renderer(element, dropped) {
+  element.textContent = "";
+  const ids = [];
+  let shown = dropped;
+  return ({ tokens, fromDraft, lookedUp }) => {
+    tokens.forEach((token, i) => {
+      ids.push(token);
+      const text = loaded.tokenizer.decode(ids);
+      const span = document.createElement("span");
+      span.className = `tok ${i >= fromDraft ? "target" : i < lookedUp ? "lookup" : "draft"}`;
+      span.textContent = text.startsWith(shown) ? text.slice(shown.length) : "";
+      shown = text;
+      element.appendChild(span);
+    });
+  };
+}
+
+/** The text healing drops from the form's prompt ("" when it is not healed). */
+async function droppedText(options) {
+  const { tokenizer } = await connect(options.server || defaultServer());
+  return tokenizer.heal(tokenizer.encode(options.prompt))?.dropped ?? "";
+}
+
+function form() {
+  return {
+    server: $("server").value.trim(), token: $("token").value,
+    prompt: $("prompt").value, maxTokens: Number($("max-tokens").value),
+    temperature: Number($("temperature").value), seed: Number($("seed").value),
+    k: $("k").value.trim() === "auto" ? "auto" : Number($("k").value), runtime: $("runtime-choice").value,
+    source: document.querySelector("input[name=source]:checked").value,
+  };
+}
+
+const fixed = (x, digits) => (Number.isFinite(x) ? x.toFixed(digits) : "–");
+
+async function onGenerate(event) {
+  event.preventDefault();
+  document.body.dataset.state = "running";
+  $("error").hidden = true;
+  $("generate").disabled = true;
+  const options = form();
+  try {
+    const dropped = await droppedText(options);
+    const spec = await run(options, renderer($("out-spec"), dropped));
+    const s = spec.stats;
+    $("stat-tps").textContent = fixed(s.tokensPerSecond, 1);
+    $("stat-acceptance").textContent = fixed(100 * s.acceptance, 1);
+    $("stat-mal").textContent = fixed(s.meanAcceptedLength, 2);
+    $("stat-tokens").textContent = String(s.generated);
+    $("runtime").textContent = spec.runtime;
+    $("details").textContent = `${s.rounds} rounds, ${s.drafted} drafted, ${s.accepted} ` +
+      `accepted (${s.lookedUpAccepted} looked-up drafts accepted); drafting ` +
+      `${fixed(1000 * s.draftSeconds / Math.max(1, s.rounds), 2)} ms a round, server ` +
+      `${fixed(1000 * s.verifySeconds / Math.max(1, s.rounds), 2)} ms a pass` +
+      (spec.reconnects ? `; ${spec.reconnects} reconnects` : "");
+    $("panel-cloud").hidden = !$("compare").checked;
+    if ($("compare").checked) {
+      const cloud = await run({ ...options, source: "cloud" }, renderer($("out-cloud"), dropped));
+      $("stat-tps-cloud").textContent = fixed(cloud.stats.tokensPerSecond, 1);
+      $("stat-tokens-cloud").textContent = String(cloud.stats.generated);
+      $("speedup").textContent = fixed(s.tokensPerSecond / cloud.stats.tokensPerSecond, 2);
+    }
+    document.body.dataset.state = "done";
+  } catch (exc) {
+    $("error").textContent = exc.code ? `${exc.code}: ${exc.message}` : String(exc.message || exc);
+    $("error").hidden = false;
+    document.body.dataset.state = "error";
+  } finally {
+    $("generate").disabled = false;
+  }
+}
+
+$("server").value = defaultServer();
+$("form").addEventListener("submit", onGenerate);
+$("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
+$("server-info").textContent = "";
+window.spececd = { run, connect, loaded, defaultServer, NgramLookup, DraftLength, decodeFrame };

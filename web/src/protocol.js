@@ -1,0 +1,202 @@
+// SpecECD's wire protocol in the browser: the frames (src/spececd/protocol/messages.py) and
+// the edge's side of a session (src/spececd/protocol/edge_session.py), sans-I/O.
+//
+// A frame is one msgpack array [type, field, ...]. Token ids travel as a msgpack list or as
+// raw little-endian uint16, whichever is shorter; a draft distribution as raw little-endian
+// arrays (uint32 ids, float32 probabilities); the tokenizer hash as raw bytes. Fields a
+// newer server adds after the ones read here are ignored (the protocol's optional trailing
+// fields), so an older page keeps working against a newer server.
+
+import { decode as unpack, encode as pack } from "@msgpack/msgpack";
+
+// The lowest version that carries what this page asks for (messages.py's
+// Hello.lowest_version): 2, or 6 where the hello carries token healing's mask.
+export const PROTOCOL_VERSION = 2;
+export const HEALING_VERSION = 6;
+export const TICK = 2.5e-4; // seconds per unit of time on the wire
+
+const HELLO = 1, WELCOME = 2, DRAFT = 3, VERDICT = 4, CLOSE = 5, ERROR = 6, GENERATE = 7,
+  TOKENS = 8;
+
+/** A typed error the server answered (its stable `code`), or a malformed reply. */
+export class ProtocolError extends Error {
+  constructor(code, message, fatal = true) {
+    super(message);
+    this.code = code;
+    this.fatal = fatal;
+  }
+}
+
+/** Token ids as whichever is shorter: a msgpack list or raw little-endian uint16. */
+export function packIds(ids) {
+  let listed = 0;
+  let small = ids.length > 1;
+  for (const t of ids) {
+    listed += t < 128 ? 1 : t < 65536 ? 3 : 5;
+    if (t < 0 || t >= 65536) small = false;
+  }
+  if (small && 2 * ids.length + 2 < listed) {
+    const bytes = new Uint8Array(2 * ids.length);
+    const view = new DataView(bytes.buffer);
+    ids.forEach((t, i) => view.setUint16(2 * i, t, true));
+    return bytes;
+  }
+  return Array.from(ids);
+}
+
+export function unpackIds(value) {
+  if (value instanceof Uint8Array) {
+    if (value.length % 2) throw new ProtocolError("malformed_frame", "odd uint16 ids");
+    const view = new DataView(value.buffer, value.byteOffset, value.byteLength);
+    return Array.from({ length: value.length / 2 }, (_, i) => view.getUint16(2 * i, true));
+  }
+  if (!Array.isArray(value)) throw new ProtocolError("malformed_frame", "ids expected");
+  return value;
+}
+
+/** Draft distributions ([{ids, probs}], one per drafted token) as the wire's three arrays. */
+export function packProbs(dists) {
+  const sizes = dists.map((d) => d.ids.length);
+  const total = sizes.reduce((a, b) => a + b, 0);
+  const ids = new Uint8Array(4 * total), probs = new Uint8Array(4 * total);
+  const idView = new DataView(ids.buffer), probView = new DataView(probs.buffer);
+  let j = 0;
+  for (const d of dists) {
+    for (let i = 0; i < d.ids.length; i++, j++) {
+      idView.setUint32(4 * j, d.ids[i], true);
+      probView.setFloat32(4 * j, d.probs[i], true);
+    }
+  }
+  return [sizes, ids, probs];
+}
+
+function hexBytes(hex) {
+  if (!/^([0-9a-f]{2})*$/i.test(hex)) return hex; // not hex: sent as a string
+  return Uint8Array.from(hex.match(/../g) || [], (b) => parseInt(b, 16));
+}
+
+/** The frame of a Hello: [version, vocab, hash, mode, temperature, top_k, top_p, seed,
+ * auth], and with token healing (`healIds`, the only tokens the first position after the
+ * `promptLen` tokens of the prompt may take) [threshold 0, extras carrying the prompt's
+ * length, no constraint, no log-probabilities, the mask]. */
+export function helloFrame({ fingerprint, mode, temperature, topK, topP, seed, authToken,
+  healIds = null, promptLen = 0 }) {
+  const healing = healIds !== null && healIds.length > 0;
+  const body = [HELLO, healing ? HEALING_VERSION : PROTOCOL_VERSION, fingerprint.vocab_size,
+    hexBytes(fingerprint.tokenizer_hash), mode, temperature, topK, topP, seed,
+    authToken || ""];
+  if (healing) body.push(0, [1, 0, 0, 0, promptLen, [], []], null, null, packIds(healIds));
+  return pack(body);
+}
+
+/** Decode one frame from the server into {type, ...fields}; unknown trailing fields are
+ * left out, an Error frame becomes a thrown ProtocolError. */
+export function decodeFrame(data) {
+  let raw;
+  try {
+    raw = unpack(new Uint8Array(data));
+  } catch (exc) {
+    throw new ProtocolError("malformed_frame", `frame is not valid msgpack: ${exc}`);
+  }
+  if (!Array.isArray(raw) || !raw.length) {
+    throw new ProtocolError("malformed_frame", "frame must be a msgpack array");
+  }
+  const [type, ...body] = raw;
+  const need = (n) => {
+    if (body.length < n) throw new ProtocolError("malformed_frame", `message ${type} is short`);
+  };
+  switch (type) {
+    case WELCOME:
+      need(4);
+      return { type: "welcome", sessionId: body[0], protocolVersion: body[1],
+        maxDraft: body[2], maxContext: body[3], lossy: Boolean(body[4]) };
+    case VERDICT:
+      need(4);
+      return { type: "verdict", seq: body[0], numAccepted: body[1], nextToken: body[2],
+        verifyS: body[3] * TICK };
+    case TOKENS:
+      need(4);
+      return { type: "tokens", seq: body[0], tokenIds: unpackIds(body[1]), done: body[2],
+        computeS: body[3] * TICK };
+    case ERROR:
+      need(4);
+      throw new ProtocolError(body[0], body[1], body[3]);
+    default:
+      throw new ProtocolError("unexpected_message", `unexpected message type ${type}`);
+  }
+}
+
+/**
+ * The drafter's side of one session: numbers drafts and tracks how much of the edge's
+ * (authoritative) history the server holds, so that a draft carries only what it lacks and,
+ * after a reconnect, the whole history again.
+ */
+export class EdgeSession {
+  constructor(hello) {
+    this.helloFields = hello; // see helloFrame
+    this.welcome = null;
+    this.serverLen = 0;
+    this.seq = 0;
+    this.pending = null;
+  }
+
+  /** The greeting; the server then holds nothing of this session. */
+  hello() {
+    this.welcome = null;
+    this.serverLen = 0;
+    this.pending = null;
+    return helloFrame(this.helloFields);
+  }
+
+  /** A draft of `tokens` (with `dists` in exact sampling mode, else null) after `history`. */
+  draft(history, tokens, dists) {
+    this.seq += 1;
+    this.pending = { kind: "draft", seq: this.seq, contextLen: this.serverLen,
+      prefixLen: history.length - this.serverLen, k: tokens.length };
+    const body = [DRAFT, this.seq, this.serverLen, packIds(history.slice(this.serverLen)),
+      packIds(tokens)];
+    if (dists) body.push(packProbs(dists));
+    return pack(body);
+  }
+
+  /** The frame asking the server to generate up to `maxTokens` itself (cloud-only). */
+  generate(history, maxTokens, stopTokenIds) {
+    this.seq += 1;
+    this.pending = { kind: "generate", seq: this.seq };
+    const frame = pack([GENERATE, this.seq, this.serverLen,
+      packIds(history.slice(this.serverLen)), maxTokens, Array.from(stopTokenIds)]);
+    this.serverLen = history.length;
+    return frame;
+  }
+
+  /** The close frame (the session ends; the connection may carry another). */
+  close(reason = "bye") {
+    return pack([CLOSE, reason]);
+  }
+
+  /** A frame from the server: the welcome, or the verdict or tokens answering the request
+   * pending, checked against it. Throws the ProtocolError an Error frame names. */
+  receive(data) {
+    const message = decodeFrame(data);
+    if (message.type === "welcome" && this.welcome === null) {
+      this.welcome = message;
+      return message;
+    }
+    const pending = this.pending;
+    if (message.type === "verdict" && pending?.kind === "draft" && message.seq === pending.seq) {
+      if (!(message.numAccepted >= 0 && message.numAccepted <= pending.k)) {
+        throw new ProtocolError("unexpected_message",
+          `verdict accepts ${message.numAccepted} of ${pending.k} drafted tokens`);
+      }
+      this.serverLen = pending.contextLen + pending.prefixLen + message.numAccepted + 1;
+      this.pending = null;
+      return message;
+    }
+    if (message.type === "tokens" && pending?.kind === "generate" && message.seq === pending.seq) {
+      this.serverLen += message.tokenIds.length;
+      if (message.done) this.pending = null;
+      return message;
+    }
+    throw new ProtocolError("unexpected_message", `unexpected ${message.type} from the server`);
+  }
+}
