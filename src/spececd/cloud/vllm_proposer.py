@@ -14,7 +14,12 @@ The proposer also checks, in that process, the one piece of vLLM's rejection sam
 was found broken (:func:`repair_rejection_sampler`), and repairs it, before it proposes for
 sampled requests.
 
-This module imports nothing of SpecECD's and nothing heavy: it runs inside vLLM's worker.
+vLLM makes the proposer in each worker process before the model loads; it binds the
+worker's life to its parent's there (:func:`spececd.processes.end_with_parent`): a worker
+ends with the engine process, which ends with the server (:mod:`spececd.cloud.vllm_executor`).
+
+This module imports nothing heavy and nothing of SpecECD's but :mod:`spececd.processes`: it
+runs inside vLLM's worker.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import zmq
+
+from spececd.processes import end_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +118,7 @@ class HintProposer:
     ``[request id]`` forgets it."""
 
     def __init__(self, vllm_config: Any) -> None:
+        end_with_parent()  # the worker ends with vLLM's engine process, SIGKILL included
         self.limit = int(vllm_config.speculative_config.num_speculative_tokens)
         self.drafts: dict[str, tuple[int, list[int]]] = {}
         self._runner: Any = None
