@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,82 @@ def test_what_ran_before_is_spared() -> None:
         proc.wait()
         for pid, _ in [p for p in before if running(p)]:
             os.kill(pid, signal.SIGKILL)
+
+
+# Processes started as vLLM starts its engine process, and that process its workers: by
+# multiprocessing's spawn, from the main thread; each binds itself to its parent as it starts
+# (spececd.processes.end_with_parent, called by spececd.cloud.vllm_executor and the
+# proposer), then starts the next generation. ``delay``: seconds a child waits before it binds.
+SPAWNED = textwrap.dedent("""
+    import multiprocessing, os, sys, time
+    from spececd.processes import end_with_parent
+
+    def child(generations, delay):
+        time.sleep(delay)
+        bound = end_with_parent()
+        if generations > 1:
+            spawn(generations - 1, 0.0)
+        print("bound" if bound else "not bound", os.getpid(), flush=True)
+        time.sleep(600)
+
+    def spawn(generations, delay):
+        multiprocessing.get_context("spawn").Process(
+            target=child, args=(generations, delay)).start()
+
+    if __name__ == "__main__":
+        spawn(int(sys.argv[1]), float(sys.argv[2]))
+        print("started", flush=True)
+        time.sleep(600)
+    """)
+
+
+def spawning(tmp_path: Path, generations: int, delay: float) -> subprocess.Popen[str]:
+    script = tmp_path / "spawning.py"  # a file: spawn's children import their target from it
+    script.write_text(SPAWNED)
+    return subprocess.Popen([sys.executable, str(script), str(generations), str(delay)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def end_all(processes: set[Process]) -> list[Process]:
+    """Those of ``processes`` that still ran 10 s after (each SIGKILLed, for the next
+    tests)."""
+    deadline = time.monotonic() + 10
+    while (left := [p for p in processes if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_spawned_children_end_with_a_sigkilled_parent(tmp_path: Path) -> None:
+    """A parent SIGKILLed (no handler of its own runs) takes its spawned children and theirs
+    with it, as a SIGKILLed ``spececd serve`` takes vLLM's engine process and its workers."""
+    proc = spawning(tmp_path, generations=2, delay=0.0)
+    seen: set[Process] = set()
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert sorted(line.split()[0] for line in lines) == ["bound", "bound", "started"]
+        seen = tree(proc.pid)  # both generations, and multiprocessing's resource tracker
+        assert len(seen) >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+        left = end_all(seen)
+    assert not left, f"left running: {left}"
+
+
+def test_a_child_whose_parent_ended_before_it_bound_ends_as_it_binds(tmp_path: Path) -> None:
+    """A parent SIGKILLed before its child called ``end_with_parent``: the child ends there
+    (the kernel's flag would never fire, the parent being gone already)."""
+    proc = spawning(tmp_path, generations=1, delay=2.0)
+    seen: set[Process] = set()
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "started\n"
+        seen = tree(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert seen
+    assert not end_all(seen)

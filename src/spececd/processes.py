@@ -23,21 +23,31 @@ they would hold its memory). So a command that starts such processes runs within
 Descendants are found by walking ``/proc/*/stat`` (Linux; elsewhere none are found and only
 the signal handling applies). multiprocessing's resource tracker is left alone: it ignores
 SIGTERM, ends by itself once every process that uses it has ended, and cleans up what they
-leaked. Nothing here helps against SIGKILL of the command itself.
+leaked.
+
+Nothing in a command helps against SIGKILL of the command itself: there the processes it
+started end themselves. A child calls :func:`end_with_parent` as it starts, and the kernel
+sends it SIGKILL when its parent ends (Linux's ``PR_SET_PDEATHSIG``; elsewhere it does
+nothing). vLLM's processes call it through :mod:`spececd.cloud.vllm_executor` (its engine
+process) and the proposer (its workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections.abc import Collection, Iterator
 from types import FrameType
 
 STOPPING = (signal.SIGTERM, signal.SIGINT)
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +159,31 @@ def _is_resource_tracker(pid: int) -> bool:
             return RESOURCE_TRACKER in f.read()
     except OSError:
         return False
+
+
+def end_with_parent(parent: int | None = None) -> bool:
+    """This process gets SIGKILL when its parent ends, however the parent ends (SIGKILL
+    too), and at once if the parent has ended already. ``parent``: the pid it expects as
+    its parent, by default its multiprocessing parent's; a process with neither (a command
+    started from a shell: vLLM run in the server's own process) is left alone. Linux only
+    (``PR_SET_PDEATHSIG``). Returns whether it is bound; elsewhere it does nothing.
+
+    The kernel sends the signal when the *thread* that started this process ends: the
+    parent must start such a child from a thread that lives as long as it does (its main
+    thread). The flag is not inherited by this process's own children: each sets its own.
+    """
+    if parent is None:
+        spawner = multiprocessing.parent_process()
+        parent = spawner.pid if spawner is not None else None
+    if parent is None or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        log.warning("could not bind this process to its parent's life (prctl: %s)",
+                    os.strerror(errno))
+        return False
+    if os.getppid() != parent:  # it ended before the flag was set
+        log.warning("the parent process %d has ended: ending this one", parent)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True

@@ -6,7 +6,9 @@ parent dies is re-parented to init, so it must be seen before). vLLM's engine ru
 processes of its own (``VLLM::EngineCore``, then ``VLLM::Worker``), which a server killed
 by SIGTERM's default action mid start-up left running (3.7 GB); the built-in engine starts
 none, and must still stop at once at every stage. The vLLM stages start a server each (about
-a minute apiece on two cores): they run with ``-m slow``."""
+a minute apiece on two cores): they run with ``-m slow``. SIGKILL, which runs nothing of the
+server's, is checked with vLLM, whose processes bind themselves to their parents; the
+binding itself is checked without vLLM in tests/test_processes.py."""
 
 from __future__ import annotations
 
@@ -181,3 +183,22 @@ def test_the_vllm_engine_ends_with_the_server_at_every_stage(
     finally:
         server.kill()
     assert any(seen in name for name in server.processes.values()) or not seen
+
+
+@pytest.mark.slow
+@vllm_installed
+@pytest.mark.parametrize("stage", [
+    pytest.param(below("VLLM::Worker"), id="worker"),  # the worker loading the model
+    pytest.param(serving, id="serving"),
+])
+def test_the_vllm_engine_ends_with_a_sigkilled_server(stage: Callable[[Server], bool]) -> None:
+    """SIGKILL runs nothing of the server's: vLLM's engine process and its worker end by
+    themselves (bound to their parents: spececd.cloud.vllm_executor), where vLLM 0.32 left
+    them running, with the model's memory."""
+    server = Server(*VLLM, env=VLLM_ENV)
+    try:
+        got = server.stop_when(stage, 400, signal.SIGKILL)
+        assert got == -signal.SIGKILL, f"exit status {got}"
+    finally:
+        server.kill()
+    assert any("VLLM::Worker" in name for name in server.processes.values())

@@ -366,7 +366,11 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
     try:
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor.abstract import Executor
+
+        from spececd.cloud import vllm_executor
     except ImportError as exc:
         raise InputError(f"the vLLM engine needs vLLM ({exc}): {INSTALL}") from None
     from transformers import AutoConfig
@@ -397,7 +401,13 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
                                "num_speculative_tokens": min(limits.max_draft, MAX_PROPOSED)},
         **extra})
     try:
-        llm = AsyncLLM.from_engine_args(args)
+        # AsyncLLM.from_engine_args, with vLLM's choice of executor bound to this process's
+        # life (its engine process ends with the server, SIGKILL included)
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        llm = AsyncLLM(vllm_config=vllm_config,
+                       executor_class=vllm_executor.bound(Executor.get_class(vllm_config)),
+                       log_requests=args.enable_log_requests,
+                       log_stats=not args.disable_log_stats)
     except BaseException:  # SystemExit too: SIGTERM while vLLM starts (spececd.processes)
         hints.close()
         raise

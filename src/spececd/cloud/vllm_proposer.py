@@ -21,8 +21,12 @@ request's hint, the leading tokens worth their place in the step (the planner of
 :mod:`spececd.core.budget`, fed by the time between its calls, a step, and by how many of
 each request's proposals the step kept). vLLM keeps its own chunked prefill.
 
-This module imports nothing heavy (of SpecECD's, the budget's pure planner only): it runs
-inside vLLM's worker.
+vLLM makes the proposer in each worker process before the model loads; it binds the
+worker's life to its parent's there (:func:`spececd.processes.end_with_parent`): a worker
+ends with the engine process, which ends with the server (:mod:`spececd.cloud.vllm_executor`).
+
+This module imports nothing heavy (of SpecECD's, the budget's pure planner and
+:mod:`spececd.processes` only): it runs inside vLLM's worker.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from spececd.core.budget import (
     plan,
     tree_nodes,
 )
+from spececd.processes import end_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +202,7 @@ class HintProposer:
     ``[request id]`` forgets it."""
 
     def __init__(self, vllm_config: Any) -> None:
+        end_with_parent()  # the worker ends with vLLM's engine process, SIGKILL included
         self.limit = int(vllm_config.speculative_config.num_speculative_tokens)
         self.drafts: dict[str, tuple[int, list[int]]] = {}
         self.budget = budget_from_environment()
