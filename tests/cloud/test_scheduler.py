@@ -266,7 +266,7 @@ def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, POISON, 200)]
     joining = greedy(backend, prompt, 4)
     work = [*decoding, (backend.new_sequence(), request(prompt, joining[:3]), joining)]
-    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=40)
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=48)
     results = run(scheduler, [(sequence, req) for sequence, req, _ in work])
     for (_, _, expected), result in zip(work, results, strict=True):
         assert isinstance(result, Pass)

@@ -191,7 +191,15 @@ class BuiltinRunner:
         return True  # a failing pass fails its request; the runner goes on
 
     def status(self) -> dict[str, object]:
-        return {"kv_evictions": self.kv_evictions}
+        cost, budget = self.scheduler.cost, self.scheduler.budget(1)
+        return {"kv_evictions": self.kv_evictions,
+                # The budget's view of a pass: its fitted cost, and the budget of one row.
+                "pass_cost_ms": {"base": round(cost.predict(0, 0) * 1e3, 3),
+                                 "per_row": round((cost.predict(1, 0) - cost.predict(0, 0))
+                                                  * 1e3, 3),
+                                 "per_position": round(cost.per_position * 1e3, 3),
+                                 "passes": cost.passes},
+                "token_budget": budget}
 
     def close(self) -> None:
         self._caches.clear()

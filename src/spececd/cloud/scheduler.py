@@ -97,6 +97,8 @@ class Verified:
     logprobs: list[tuple[Logprobs | None, Logprobs | None]] = field(default_factory=list)
     positions: int = 0  # positions the pass computed (new context and drafts, chunks too)
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
+    chunk_positions: int = 0  # of them, the prompts' chunks, in a forward of their own
+    chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
@@ -111,16 +113,16 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     that ``sequence`` lacks, in a forward pass of their own (so that no row of the
     verifications is padded to a chunk's width); nothing is returned for them."""
     began = time.perf_counter()
-    forward, positions, prompt_tokens = 0.0, 0, 0
+    forward, positions, prompt_tokens, chunk_s = 0.0, 0, 0, 0.0
     if chunks:
         prefills = []
         for sequence, context, n in chunks:
             prefills.append(Extend(sequence, sync(sequence, context)[:n], 0))
         t = time.perf_counter()
         backend.extend_batch(prefills)
-        forward += time.perf_counter() - t
-        positions += sum(len(item.ids) for item in prefills)
-        prompt_tokens += sum(len(item.ids) for item in prefills)
+        forward = chunk_s = time.perf_counter() - t
+        positions = prompt_tokens = sum(len(item.ids) for item in prefills)
+    chunk_positions = positions
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
     for sequence, request in work:
@@ -164,7 +166,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
-                    prompt_tokens)
+                    prompt_tokens, chunk_positions, chunk_s)
 
 
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
@@ -347,7 +349,14 @@ class BatchScheduler:
             return []
         seconds = time.perf_counter() - start
         self._short = done.work_s < INLINE_BELOW_S
-        self.cost.update(len(work) + len(chunks), done.positions, done.work_s)
+        # Each forward on its own (the chunks' rows and positions are unlike the
+        # verifications': one or two rows, many positions), so that the fit tells rows'
+        # cost from positions'.
+        if work:
+            self.cost.update(len(work), done.positions - done.chunk_positions,
+                             done.work_s - done.chunk_s)
+        if chunks:
+            self.cost.update(len(chunks), done.chunk_positions, done.chunk_s)
         self.level += LEVEL_WEIGHT * (chosen.level - self.level)
         self.metrics.record_batch(len(work), done.forward_s, done.work_s, seconds,
                                   [start - job.queued for job, _, _ in verified])

@@ -52,11 +52,11 @@ from spececd.core.sampling import SparseProbs
 
 PRIOR_ACCEPT = 0.6  # a position's acceptance before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-rounds a session's estimate is shrunk over, toward its source's
-PREFILL_SHARE = 0.25  # of a binding budget, kept for prompts' chunks while any wait
-MIN_CHUNK = 16  # prompt tokens a pass prefills at least while any wait
+PREFILL_SHARE = 0.5  # of a binding budget, kept for prompts' chunks while any wait
+MIN_CHUNK = 32  # prompt tokens a pass prefills at least while any wait
 START_BUDGET = 256  # positions per pass (auto) until the pass cost is fitted
 FIT_PASSES = 8  # passes seen before the fit is used
-HEADROOM = 1.5  # a pass may take this many times its sessions' tokens alone, past the aim
+HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, past the aim
 
 
 @dataclass
