@@ -131,8 +131,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     off before this hook: run ``python -X faulthandler -m pytest`` to keep it on.)
 
     Narrowed on 2026-11-28 with ``SPECECD_TESTS_FULL_TEARDOWN=1 python -X faulthandler``:
-    tests/e2e alone (207 tests) and tests/bench, tests/openai_api and tests/transports
-    together (228) each exit cleanly, as does a process that loads every runtime (torch
+    tests/e2e alone (207 tests), tests/bench, tests/openai_api and tests/transports together
+    (228) and every other test together (665) each exit cleanly, as does a process that
+    loads every runtime (torch
     with its model thread, ONNX Runtime GenAI, OpenVINO, llama.cpp, vLLM's sampler, xgrammar,
     an open gRPC stream, litellm) and exits. Found on the way, and fixed: llama.cpp contexts
     freed during the interpreter's teardown, after the ctypes log callback SpecECD gives
