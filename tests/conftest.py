@@ -127,10 +127,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     (994 passed) and the process then died with SIGSEGV (exit 139) twice, after the summary,
     in the teardown of what a thousand tests leave loaded (torch with a model thread per
     one-thread model, ONNX Runtime, OpenVINO, llama.cpp, grpc, litellm); no test module run
-    alone reproduced it, and faulthandler printed nothing. Which library's exit handler
-    crashes is not found yet; every ``spececd`` process the tests start is checked for its
-    own exit status, so this hides no result of the product's, only the test runner's
-    teardown."""
+    alone reproduced it. (faulthandler printed nothing because pytest's own plugin turns it
+    off before this hook: run ``python -X faulthandler -m pytest`` to keep it on.)
+
+    Narrowed on 2026-11-28 with ``SPECECD_TESTS_FULL_TEARDOWN=1 python -X faulthandler``:
+    tests/e2e alone (207 tests), tests/bench, tests/openai_api and tests/transports together
+    (228) and every other test together (665) each exit cleanly, as does a process that
+    loads every runtime (torch
+    with its model thread, ONNX Runtime GenAI, OpenVINO, llama.cpp, vLLM's sampler, xgrammar,
+    an open gRPC stream, litellm) and exits. Found on the way, and fixed: llama.cpp contexts
+    freed during the interpreter's teardown, after the ctypes log callback SpecECD gives
+    llama.cpp was freed (spececd.backends.llamacpp._close_at_exit). Every ``spececd``
+    process the tests start is checked for its own exit status, so this hides no result of
+    the product's, only the test runner's teardown."""
     status = config.stash.get(EXIT_STATUS, None)
     if status is not None and os.environ.get("SPECECD_TESTS_FULL_TEARDOWN") != "1":
         sys.stdout.flush()

@@ -10,6 +10,9 @@ computes in its own kernels; ≈1e-3 was measured on these machines). Within lla
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -303,3 +306,25 @@ def test_a_tree_edge_drafts_chains_for_a_target_without_tree_attention(
     out = gen.generate(ids, max_tokens=24, temperature=0, stop_token_ids=[])
     assert out.token_ids == llama_greedy(gguf["llama"], ids, 24)
     assert out.stats.tree_siblings == 0 and out.stats.rounds > 0
+
+
+@requires_default_pair
+def test_a_process_with_gguf_models_alive_exits_cleanly() -> None:
+    """A mixed pair (a transformers model, then a GGUF one), alive at exit: llama.cpp's
+    contexts are freed before the interpreter clears its modules (llamacpp._close_at_exit).
+    Freed during that clearing, llama-cpp-python's own globals were gone: every context
+    printed "Exception ignored in: Llama.__del__ ... TypeError" and was never freed."""
+    script = textwrap.dedent("""
+        import sys
+        from spececd.backends.registry import load_backend
+        target = load_backend(sys.argv[1], device="cpu", dtype="float32")
+        draft = load_backend(sys.argv[2], device="cpu")
+        sequences = [draft.new_sequence() for _ in range(2)]
+        sequences[0].extend([1, 2, 3])
+        print("exiting", flush=True)
+        """)
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script,
+                           str(MODELS / "draft"), str(MODELS / "draft.gguf")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

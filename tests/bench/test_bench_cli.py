@@ -30,6 +30,8 @@ def bench_load(tiny_models: dict[str, Path], out: Path, *args: str
 
 
 def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """At one RTT: a sweep runs the same configurations again at each RTT, through the same
+    loop (at two RTTs this was the default suite's longest test, 239 s in a loaded run)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n---\nclass A:\n")
     schema = tmp_path / "schema.json"
@@ -38,7 +40,7 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
         "required": ["name", "n"], "additionalProperties": False}))
     result = run("bench", "--draft-model", str(tiny_models["draft"]), "--target-model",
                  str(tiny_models["llama"]), "--prompts-file", str(prompts), "--iterations",
-                 "1", "--max-tokens", "8", "--rtt-ms", "0,10", "--k", "2,auto",
+                 "1", "--max-tokens", "8", "--rtt-ms", "10", "--k", "2,auto",
                  "--json-schema", str(schema), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     out = tmp_path / "out"
@@ -48,13 +50,13 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
     summary = json.loads((out / "bench.json").read_text())["summary"]
     kinds = {row["kind"] for row in summary}
     assert kinds == {"target", "assisted", "cloud", "spececd", "alone"}
-    # Under the schema: the target alone, and at each RTT cloud-only and the first k and
+    # Under the schema: the target alone, and at the RTT cloud-only and the first k and
     # setting (k=2, plain) drafting under the schema and unconstrained, each against the
     # baselines under the same schema.
     constrained = [row for row in summary if row["constraint"]]
     assert sorted((r["kind"], r["rtt_ms"], r["constrained_drafting"]) for r in constrained
                   ) == sorted([("alone", None, None)] + [
-                      (kind, rtt, drafting) for rtt in (0, 10)
+                      (kind, 10, drafting)
                       for kind, drafting in (("cloud", None), ("spececd", True),
                                              ("spececd", False))])
     alone = next(r for r in constrained if r["kind"] == "alone")["tokens_per_s"]
@@ -72,8 +74,8 @@ def test_bench_writes_every_output(tiny_models: dict[str, Path], tmp_path: Path)
     assert "| configuration | tokens/s | × target (schema) | × cloud-only (schema) |" in (
         out / "bench.md").read_text()
     spec = [row for row in summary if row["kind"] == "spececd" and not row["constraint"]]
-    # RTTs x (k=2 plain, k=auto plain, proactive, stream and auto)
-    assert len(spec) == 2 * 5
+    # k=2 plain, k=auto plain, proactive, stream and auto
+    assert len(spec) == 5
     for row in spec:
         assert row["label"] in ("EXCELLENT", "GOOD", "MODERATE", "POOR")
         assert 0 <= row["acceptance_rate"] <= 1 and row["bytes_per_token"] > 0

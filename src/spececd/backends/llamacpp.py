@@ -38,6 +38,7 @@ This module is the only one that imports llama_cpp.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
@@ -70,6 +71,29 @@ def _quiet_llama_logs() -> None:
     drop = llama_cpp.llama_log_callback(_ignore)
     llama_cpp.llama_log_set(drop, None)
     _quiet_llama_logs.callback = drop  # type: ignore[attr-defined]  # keep it alive
+
+
+# Every llama.cpp model (its weights and context) this process made, for _close_at_exit.
+_models: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Free every llama.cpp context and model this process made while Python is whole,
+    then give llama.cpp back its own logger. Freed later, as the interpreter clears its
+    modules, llama-cpp-python's module globals may be gone already (its ``__del__`` then
+    prints a TypeError at exit and frees nothing), and llama.cpp logs as it frees a context,
+    through the callback :func:`_quiet_llama_logs` set, which that clearing frees: a call
+    into freed memory. Registered with atexit, which runs before that clearing."""
+    if not _models:
+        return
+    import llama_cpp
+
+    for llm in list(_models):
+        llm.close()
+    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(), None)  # NULL: llama.cpp's own
+
+
+atexit.register(_close_at_exit)
 
 
 class LlamaCppTokenizer:
@@ -226,6 +250,7 @@ class LlamaCppBackend(Backend):
             first: Any = Llama(**self._kwargs)
         except (ValueError, RuntimeError) as exc:
             raise InputError(f"llama.cpp could not load {model!r}: {exc}") from None
+        _models.add(first)
         # Contexts no sequence holds. A sequence's finalizer appends its own, on whatever
         # thread drops it: a bounded deque appends atomically, dropping the oldest.
         self._idle: deque[Any] = deque([first], maxlen=IDLE_CONTEXTS if not n_gpu_layers
@@ -248,6 +273,7 @@ class LlamaCppBackend(Backend):
             llm = self._idle.pop()  # emptied by the sequence when it starts
         except IndexError:
             llm = Llama(**self._kwargs)
+            _models.add(llm)
         return LlamaCppSequence(self, llm)
 
 
