@@ -122,7 +122,7 @@ def test_the_mask_applies_at_the_first_generated_position_only() -> None:
 def test_the_hello_carries_the_mask_under_protocol_6() -> None:
     fingerprint = m.Fingerprint(100, "f" * 64)
     params = SamplingParams(temperature=0, seed=1, prompt_len=9, heal_ids=(3, 40, 99))
-    edge = EdgeSession(fingerprint, Mode.GREEDY, params)
+    edge = EdgeSession(fingerprint, Mode.GREEDY, params, budget=False)  # what 6 carries
     hello = m.decode(edge.hello())
     assert isinstance(hello, m.Hello)
     assert hello.protocol_version == 6 and hello.heal_ids == (3, 40, 99)
