@@ -281,10 +281,9 @@ def test_auto_reads_where_hints_cost_the_server_more_than_they_bring() -> None:
 
 def test_auto_measures_no_hints_where_none_were_out() -> None:
     """Auto streams with the hint gate closed (hints kept arriving too late, say): no
-    hint goes out, the server generates alone, and the hints arm, under way, is not
-    measured by it (its exchanges counted as hints' gave hints cloud-only's speed, and
-    with a cap of the server alone measured on the same exchanges, could keep the server
-    alone from being measured at all). The output is the target's own."""
+    hint goes out, the server generates alone (and the statistics count its tokens so),
+    and the hints arm, under way, is not measured by it (its exchanges counted as hints'
+    gave hints cloud-only's speed). The output is the target's own."""
     draft, target = toy_pair(agreement=1.0)
     target.pass_s = 0.002
     server = local_verifier(target)
@@ -298,6 +297,7 @@ def test_auto_measures_no_hints_where_none_were_out() -> None:
             assert generate(edge, prompt, stats, max_tokens=64) == greedy(target, prompt, 64)
         assert not gate.open and stats.auto_stream_tokens >= 64
         assert edge.client.hints_chooser.speed(Arm.STREAM) is None
+        assert stats.auto_cloud_tokens == stats.auto_stream_tokens  # all the server alone's
     finally:
         edge.close()
         server.close()

@@ -513,14 +513,14 @@ class Adaptive:
         position = out.generated  # the arms are compared stage by stage of a generation
         t0 = time.perf_counter()
         current = self.current
-        hinting = isinstance(current, StreamDrafting) and current.arm is Arm.STREAM
         pieces = current.step(out)
         seconds = time.perf_counter() - t0
         tokens = sum(len(piece.tokens) for piece in pieces)
         stats = self.stream_work.stats
-        if self.arm is Arm.STREAM:
+        if self.arm is Arm.STREAM:  # of which the server alone's: no hint out, none sent
             stats.auto_stream_tokens += tokens
-            stats.auto_cloud_tokens += 0 if hinting else tokens
+            hinted = isinstance(current, StreamDrafting) and current.hinted
+            stats.auto_cloud_tokens += 0 if hinted else tokens
         elif self.kind is Arm.PLAIN:
             stats.auto_plain_tokens += tokens
         if isinstance(current, Rounds):  # what rounds keep, for the estimate of rounds
