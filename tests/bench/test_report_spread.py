@@ -61,3 +61,16 @@ def test_the_markdown_sets_auto_beside_the_settings_it_chooses_between() -> None
     # plain, block-ahead (not run), stream, auto, and auto over the best other median
     assert ("| SpecECD k=auto @ RTT 20 ms | 0.9 (0.9–0.95) | – | 1.2 (1.2–1.4) | "
             "**0.66 (0.6–1.32)** | 0.550 |") in markdown
+
+
+def test_an_empty_pass_does_not_shift_the_pairing_with_cloud_only() -> None:
+    # auto's second pass measured nothing (every generation failed, say): its third pass
+    # is compared with cloud-only's third (100), not its second (50), and cloud-only's
+    # own empty pass leaves the setting's pass of that iteration out.
+    data = raw()
+    configs = data["configs"]
+    configs["SpecECD k=auto auto @ RTT 20 ms"]["passes"][1] = []
+    configs["cloud-only @ RTT 20 ms"]["passes"][0] = []
+    rows = {r["config"]: r for r in report.summarise(data)}
+    assert rows["SpecECD k=auto auto @ RTT 20 ms"]["speedup_vs_cloud_passes"] == [0.6]
+    assert rows["SpecECD k=auto stream @ RTT 20 ms"]["speedup_vs_cloud_passes"] == [1.4, 1.2]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from spececd.core.policy import (
+    LONE_STEPS,
     Arm,
     DraftLengthPolicy,
     HintGate,
@@ -329,14 +330,21 @@ class Auto:
         default_factory=lambda: StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN)))
     hints: StrategyChooser = field(
         default_factory=lambda: StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD)))
+    # What streaming measures of the server's steps, which caps the server alone as the
+    # edge caps it (RoundsEstimate.cloud_cap, before each exchange of streaming).
+    steps: RoundsEstimate = field(default_factory=RoundsEstimate)
 
     def run(self, speed: Callable[[int, int], dict[Arm, float]], generations: int,
-            tokens: int = 64, estimate: float = 1.4) -> list[tuple[Arm, int, float]]:
+            tokens: int = 64, estimate: float = 1.4, hinted: tuple[int, float] | None = None
+            ) -> list[tuple[Arm, int, float]]:
         """Generations of ``tokens``, each segment at ``speed(generation, position)[arm]``
         tokens per second for the way that ran it (PLAIN, AHEAD, STREAM with hints, CLOUD
         without): (way, tokens, seconds) per segment. Once rounds ran, the client caps
         them at ``estimate`` times their speed (:class:`RoundsEstimate`, from what they
-        kept, errs that much for them)."""
+        kept, errs that much for them). The server's steps go to :attr:`steps`: without
+        hints a token a step at the server alone's speed, with hints ``hinted`` (hinted
+        positions each step verified, its seconds; by default 4, in 1.5 lone steps), each
+        bringing as many tokens as make hints' speed."""
         out = []
         for g in range(generations):
             if any(way in (Arm.PLAIN, Arm.AHEAD) for way, _, _ in out):
@@ -349,7 +357,11 @@ class Auto:
                 way = kind if arm is Arm.ROUNDS else hint
                 assert way is not None
                 n = min(self.outer.segment, tokens - done)
-                seconds = n / speed(g, done)[way]
+                now = speed(g, done)
+                seconds = n / now[way]
+                if arm is Arm.STREAM:
+                    self.hints.cap(Arm.CLOUD, self.steps.cloud_cap())
+                    self.serve(way, n, now, hinted)
                 out.append((way, n, seconds))
                 following = self.outer.record(arm, n, seconds, position=done)
                 if arm is Arm.ROUNDS:
@@ -359,6 +371,19 @@ class Auto:
                     hint = self.hints.record(hint, n, seconds)  # not by stage
                 done += n
         return out
+
+    def serve(self, way: Arm, n: int, speed: dict[Arm, float],
+              hinted: tuple[int, float] | None) -> None:
+        """Feed :attr:`steps` the server's steps that generated ``n`` tokens ``way``."""
+        lone = 1 / speed[Arm.CLOUD]
+        if way is Arm.CLOUD:
+            for _ in range(n):
+                self.steps.step(0, 0, lone)
+            return
+        depth, step_s = hinted or (4, 1.5 * lone)
+        per_step = min(depth + 1.0, max(1.0, speed[Arm.STREAM] * step_s))
+        for _ in range(math.ceil(n / per_step)):
+            self.steps.step(depth, round(per_step) - 1, step_s)
 
 
 def seconds(segments: list[tuple[Arm, int, float]]) -> float:
@@ -401,6 +426,21 @@ def test_auto_keeps_up_with_the_best_of_its_choices_at_every_rtt() -> None:
         segments = Auto().run(lambda g, p, speed=speed: speed, generations=14)
         rate = 12 * 64 / seconds(segments[8:])  # after the warm-up pass
         assert rate > 0.9 * max(speed.values()) and rate > speed[Arm.CLOUD]
+
+
+def test_the_server_alone_is_measured_where_every_hinted_step_verifies_as_many() -> None:
+    # Hints always topped up on a fast link: every step verifies 4 hinted positions in
+    # 20 ms (70 tokens/s), while the server alone steps in 5 ms (200 tokens/s). With no
+    # spread in the positions verified, the verify fit's base is the hinted step: as the
+    # server alone's step it capped the server alone at 1.25 x 50 tokens/s, under hints'
+    # 70, and auto never measured it, staying at 0.35 of cloud-only (the cap never spares
+    # a measurement of it until a step without hints measured the server alone).
+    speed = {Arm.PLAIN: 30.0, Arm.AHEAD: 30.0, Arm.STREAM: 70.0, Arm.CLOUD: 200.0}
+    auto = Auto()
+    segments = auto.run(lambda g, p: speed, generations=14, hinted=(4, 0.020))
+    assert 12 * 64 / seconds(segments[8:]) > 0.9 * speed[Arm.CLOUD]
+    assert auto.steps.cloud_only() == pytest.approx(200.0)
+    assert auto.hints.leader() is Arm.CLOUD
 
 
 def test_hints_that_stop_paying_are_dropped_mid_generation() -> None:
@@ -478,6 +518,26 @@ def test_the_rounds_estimate_reads_stream_drafting_steps() -> None:
             rounds_reference(8, rtt, 0.010, 0.001, 0.001, 1.0))
     # On a fast link rounds would beat the server alone; over 50 ms they could not.
     assert estimate.speed(8, 0.0) > estimate.cloud_only() > estimate.speed(8, 0.05)
+
+
+def test_the_server_alone_is_read_off_steps_that_verified_no_hint() -> None:
+    # Every step verified 4 hinted positions in 20 ms: nothing says what a step without
+    # hints takes (the fit's base, with no spread to extrapolate from, is the hinted step,
+    # 50 tokens/s), so the server alone is not capped; one lone step of 5 ms caps it at
+    # 1.25 times 200 tokens/s.
+    estimate = RoundsEstimate()
+    for _ in range(200):
+        estimate.step(4, 1, 0.020)
+    assert estimate.cloud_only() == 0.0 and estimate.cloud_cap() == math.inf
+    # A lone step slowed by load (30 ms) caps nothing on its own (it would cap the server
+    # alone at 42 tokens/s, under hints' 70); half of LONE_STEPS do, by the fastest.
+    estimate.step(0, 0, 0.030)
+    assert estimate.cloud_cap() == math.inf
+    for _ in range(LONE_STEPS // 2 - 1):
+        assert estimate.cloud_cap() == math.inf
+        estimate.step(0, 0, 0.005)
+    assert estimate.cloud_cap() == pytest.approx(1.25 * 200.0)
+    assert 90 < estimate.cloud_only() < 110  # the typical lone step: the slow one weighs
 
 
 def test_the_rounds_estimate_follows_the_hints_acceptance() -> None:

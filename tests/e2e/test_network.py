@@ -395,6 +395,28 @@ def test_auto_in_rounds_switches_between_block_ahead_and_plain_rounds_mid_genera
         assert out.stats.auto_stream_tokens == 0
 
 
+def test_the_bench_gives_each_row_a_client_of_its_own(server: ServerProcess,
+                                                      tiny_models: dict[str, Path]) -> None:
+    """`spececd bench`'s edge worker: each row (a setting at a server) generates with a
+    client of its own, kept over the row's passes, so that what auto learns of the link
+    (its choosers, the hint gate, what rounds would bring) is not the stream row's, nor
+    the stream row's its; a row's connection is let go when another row runs."""
+    from spececd.bench.worker import SpecRunner
+
+    runner = SpecRunner({"draft": str(tiny_models["draft"]), "mode": "exact",
+                         "max_tokens": 8, "temperature": 0.0})
+    clients = {}
+    for proactive in ("stream", "auto", "stream"):
+        runner.configure({"kind": "spececd", "server": server.url, "k": "auto",
+                          "proactive": proactive})
+        assert runner.run("def f(x):", 0)["tokens"] == 8
+        clients.setdefault(proactive, runner.generator.client)
+        assert runner.generator.client is clients[proactive]  # kept over the row's passes
+    assert clients["stream"] is not clients["auto"]
+    assert clients["auto"].link.transport is None  # let go: the stream row ran last
+    assert clients["auto"].hints_chooser is not clients["stream"].hints_chooser
+
+
 def test_cloud_only_generation_streams_the_targets_own_tokens(
         server: ServerProcess, tiny_models: dict[str, Path]) -> None:
     with remote(tiny_models["draft"], server.url) as gen:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
-from spececd.core.chooser import Arm
+from spececd.core.chooser import Arm, HintGate
 from spececd.core.policy import Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
@@ -274,6 +274,30 @@ def test_auto_reads_where_hints_cost_the_server_more_than_they_bring() -> None:
         assert edge.client.chooser.leader() is Arm.STREAM
         assert edge.client.hints_chooser.leader() is Arm.CLOUD
         assert late.auto_cloud_tokens > 0.8 * late.generated
+    finally:
+        edge.close()
+        server.close()
+
+
+def test_auto_measures_no_hints_where_none_were_out() -> None:
+    """Auto streams with the hint gate closed (hints kept arriving too late, say): no
+    hint goes out, the server generates alone (and the statistics count its tokens so),
+    and the hints arm, under way, is not measured by it (its exchanges counted as hints'
+    gave hints cloud-only's speed). The output is the target's own."""
+    draft, target = toy_pair(agreement=1.0)
+    target.pass_s = 0.002
+    server = local_verifier(target)
+    edge = client(draft, server, k=4, proactive="auto")
+    # A fruitless hinted step closes it, for longer than this test runs.
+    edge.client.hint_gate = gate = HintGate(patience=1, first_pause=10**9)
+    gate.step(1, kept=False, hinted=True)
+    try:
+        stats = GenerationStats()
+        for prompt in PROMPTS:
+            assert generate(edge, prompt, stats, max_tokens=64) == greedy(target, prompt, 64)
+        assert not gate.open and stats.auto_stream_tokens >= 64
+        assert edge.client.hints_chooser.speed(Arm.STREAM) is None
+        assert stats.auto_cloud_tokens == stats.auto_stream_tokens  # all the server alone's
     finally:
         edge.close()
         server.close()

@@ -75,17 +75,26 @@ def iid_alpha(tokens_per_round: float, k: float) -> float:
     return (low + high) / 2
 
 
+def _pass_tps(results: list[dict[str, Any]]) -> float | None:
+    """A pass's tokens per second, or None for a pass that measured nothing."""
+    return sum(r["tokens"] for r in results) / sum(r["wall_s"] for r in results) \
+        if results else None
+
+
 def _tps(passes: list[list[dict[str, Any]]]) -> list[float]:
-    return [sum(r["tokens"] for r in p) / sum(r["wall_s"] for r in p) for p in passes if p]
+    return [tps for tps in map(_pass_tps, passes) if tps is not None]
 
 
 def _ratios(passes: list[list[dict[str, Any]]], cloud: list[list[dict[str, Any]]]
             ) -> list[float]:
     """A configuration's speed over cloud-only's, pass by pass: each measured pass against
     cloud-only's pass of the same iteration (run minutes apart at most, under the same
-    load), so that the spread says how far one pass of it may fall."""
-    return [mine / theirs for mine, theirs in zip(_tps(passes), _tps(cloud), strict=False)
-            if theirs > 0]
+    load), so that the spread says how far one pass of it may fall. Paired by iteration
+    before empty passes are left out, so that one configuration's empty pass does not
+    shift the rest of its passes onto cloud-only's next ones."""
+    return [mine / theirs
+            for mine, theirs in zip(map(_pass_tps, passes), map(_pass_tps, cloud), strict=False)
+            if mine is not None and theirs]
 
 
 def _sum_stats(passes: list[list[dict[str, Any]]]) -> dict[str, Any]:

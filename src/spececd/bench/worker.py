@@ -267,6 +267,11 @@ class AloneRunner:
         return {"tokens": len(done.token_ids), "wall_s": done.wall_s, "ttft_s": done.first_s}
 
 
+# What tells a ``cloud`` or ``spececd`` row's passes from another's at the same server.
+ROW_KEYS = ("kind", "k", "proactive", "tree", "draft_source", "constrained_drafting",
+            "constraint")
+
+
 class SpecRunner:
     """Runs ``cloud`` and ``spececd`` passes; each pass names its server URL and ``k``."""
 
@@ -277,7 +282,8 @@ class SpecRunner:
         self.draft = load_backend(job["draft"], device=job.get("draft_device", "cpu"),
                                   dtype="auto", threads=int(job.get("threads", 1)))
         self.job = job
-        self.generators: dict[str, Any] = {}
+        self.generators: dict[tuple[Any, ...], Any] = {}
+        self.generator: Any = None
 
     def configure(self, request: dict[str, Any]) -> None:
         from spececd.edge.options import EdgeOptions
@@ -285,9 +291,17 @@ class SpecRunner:
         from spececd.transports.registry import connector
 
         url = request["server"]
-        if url not in self.generators:  # (a draft with another tokenizer gets the target's)
-            self.generators[url] = Generator.remote(self.draft, url, connector(url))
-        self.generator = self.generators[url]
+        # A client per row (its server and its settings), kept over the row's passes: what
+        # a client learns of its link (auto's choices, the hint gate, what rounds would
+        # bring) is then its row's alone, and the rows are measured independently.
+        # One connection to a server at a time (a server holds a bounded number, and
+        # evicts idle ones): the row before lets its go, and reconnects at its next pass.
+        row = (url, *(request.get(key) for key in ROW_KEYS))
+        if row not in self.generators:  # (a draft with another tokenizer gets the target's)
+            self.generators[row] = Generator.remote(self.draft, url, connector(url))
+        previous, self.generator = self.generator, self.generators[row]
+        if previous is not None and previous is not self.generator:
+            previous.client.close()
         # A cloud-only pass names no k, proactive setting or tree width: none applies.
         self.generator.options = EdgeOptions().with_settings(
             mode=self.job["mode"], k=request.get("k"), proactive=request.get("proactive"),

@@ -42,6 +42,7 @@ where each verified position is dear, they shrink to chains. Delay-aware by cons
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -256,6 +257,12 @@ def stream_lookahead(depth: int, rtt_s: float, step_s: float, cap: int) -> int:
     return 0 if lag >= cap else min(cap, depth + lag)
 
 
+# auto, streaming: the server alone is measured only where hints bring less than this many
+# times its own step's speed (RoundsEstimate.cloud_cap)
+CLOUD_CAP_MARGIN = 1.25
+LONE_STEPS = 16  # the server's last steps without hints that bound what it brings alone
+
+
 @dataclass
 class RoundsEstimate:
     """What rounds would bring on this link, from what stream drafting measures: so that
@@ -288,12 +295,17 @@ class RoundsEstimate:
     # Slow, over the steps of many generations; steps that verified no hint pin the base.
     _verify: LinearFit = field(default_factory=lambda: LinearFit(weight=0.05))
     _draft_step: Ema = field(default_factory=lambda: Ema(0.0))
+    _lone: Ema = field(default_factory=lambda: Ema(0.0))  # a step that verified no hint
+    _lone_last: deque[float] = field(default_factory=lambda: deque(maxlen=LONE_STEPS))
 
     def step(self, drafted: int, accepted: int, seconds: float) -> None:
         """Feed a server step that verified ``drafted`` hinted tokens, kept ``accepted`` and
         took ``seconds`` (leave out a step that also ran over a new context)."""
         if seconds > 0:
             self._verify.update(drafted, seconds)
+            if drafted == 0:
+                self._lone.update(seconds)
+                self._lone_last.append(seconds)
         self.round(drafted, accepted)
 
     def round(self, drafted: int, accepted: int) -> None:
@@ -316,9 +328,25 @@ class RoundsEstimate:
         return (self._accepted + self.prior) / (self._reached + self.prior)
 
     def cloud_only(self) -> float:
-        """Tokens per second of the server generating alone, one per step (0: unmeasured)."""
-        step = self._verify.base
-        return 1 / step if step > 0 else 0.0
+        """Tokens per second of the server generating alone, one per step, by its steps that
+        verified no hint (0: none measured). Not the verify fit's base: where every step
+        verified as many hinted positions (hints always topped up) the fit has no spread to
+        extrapolate from, and its base is the hinted step, which would put the server alone
+        below what it brings."""
+        step = self._lone.value
+        return 1 / step if self._lone.seen and step > 0 else 0.0
+
+    def cloud_cap(self) -> float:
+        """The most tokens per second the server alone could bring here, as far as
+        streaming with hints tells (a :meth:`~spececd.core.chooser.StrategyChooser.cap` of
+        :attr:`~spececd.core.chooser.Arm.CLOUD`): :data:`CLOUD_CAP_MARGIN` tokens per the
+        fastest of the server's last :data:`LONE_STEPS` steps without hints (a step, the
+        edge's and the link's overheads left out, erring for it; the fastest, so that a
+        step slowed by load does not cap it out), ``math.inf`` before half as many were
+        measured."""
+        if len(self._lone_last) < LONE_STEPS // 2:
+            return math.inf
+        return CLOUD_CAP_MARGIN / max(min(self._lone_last), 1e-9)
 
     def speed(self, k_max: int, rtt_s: float, ceiling: bool = False) -> float:
         """Tokens per second rounds of at most ``k_max`` drafted tokens would bring over
@@ -335,6 +363,7 @@ class RoundsEstimate:
         return best
 
 
-__all__ = ["FIRST_FLOOR", "STAGES", "Arm", "DraftLengthPolicy", "Ema", "HintGate", "LinearFit",
-           "RoundsEstimate", "StrategyChooser", "TreeShape", "expected_tokens", "hint_shape",
-           "relative_speed", "round_cost", "stage", "stream_lookahead"]
+__all__ = ["CLOUD_CAP_MARGIN", "FIRST_FLOOR", "LONE_STEPS", "STAGES", "Arm",
+           "DraftLengthPolicy", "Ema", "HintGate", "LinearFit", "RoundsEstimate",
+           "StrategyChooser", "TreeShape", "expected_tokens", "hint_shape", "relative_speed",
+           "round_cost", "stage", "stream_lookahead"]

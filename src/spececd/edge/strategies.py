@@ -45,9 +45,6 @@ from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
 
 STREAM_CHUNK_OF_STEP = 0.5  # stream drafting: a hint every half server step of drafting
-# auto, streaming: the server alone is measured only where hints bring less than this many
-# times its own step's speed
-CLOUD_CAP_MARGIN = 1.25
 
 Block: TypeAlias = tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]  # tokens, dists
 
@@ -338,10 +335,10 @@ class StreamDrafting(CloudOnly):
         # --proactive auto: hints (Arm.STREAM) or none (Arm.CLOUD), whichever brings more
         # tokens per second here; None: always hints (as the gate allows). The server
         # alone is not measured while hints bring more than its step allows
-        # (RoundsEstimate.cloud_only: the fitted step without hints, the edge's overhead
-        # left out, so erring for it; and a margin, the fit's base being extrapolated
-        # where every step verified hints).
+        # (RoundsEstimate.cloud_cap: measured on steps without hints, the edge's overhead
+        # left out, so erring for it, and a margin).
         self.hints = hints
+        self.hinted = False  # whether the last exchange had hints out or sent one
         self.arm = hints.start() if hints is not None else Arm.STREAM
         self.settled = math.inf  # when a change of arm has reached back here (perf_counter)
         self.prefill = False  # the next step also runs over the context it was asked from
@@ -395,16 +392,18 @@ class StreamDrafting(CloudOnly):
         if self.hints is None:
             return self.exchange(out)
         if self.estimate is not None:  # the server's own step bounds what it alone brings
-            self.hints.cap(Arm.CLOUD,
-                           CLOUD_CAP_MARGIN * self.estimate.cloud_only() or math.inf)
+            self.hints.cap(Arm.CLOUD, self.estimate.cloud_cap())
         t0 = time.perf_counter()
         pieces = self.exchange(out)
         now = time.perf_counter()
         tokens = sum(len(piece.tokens) for piece in pieces)
         if self.settled == math.inf and tokens:
             self.settled = now  # the generation's first tokens: measured from here
-        elif t0 >= self.settled:
-            # Over whole generations, not stage by stage: either arm runs anywhere in a
+        elif t0 >= self.settled and (self.hinted or self.arm is Arm.CLOUD):
+            # An exchange of the hints arm that had no hint out and sent none (the gate
+            # closed, a budget of 0, nothing to draft) is the server alone's: it counts for
+            # neither arm, so that the hints arm's speed is that of the exchanges hints
+            # can change. Over whole generations, not stage by stage: either arm runs anywhere in a
             # generation, so a probe speaks for now, where a stage's old speeds would
             # outweigh it until measured there again.
             arm = self.hints.record(self.arm, tokens, now - t0)
@@ -418,6 +417,7 @@ class StreamDrafting(CloudOnly):
         """One exchange: draft ahead and send a hint, taking whatever tokens have arrived,
         or, when there is nothing to draft (or hints are off), wait for the next tokens."""
         want = min(self.lookahead(), min(out.remaining, out.room) - 1) - len(self.draft)
+        self.hinted = self.sent > 0  # hints out: the server's steps may verify them
         if not (self.requested and want > 0 and self.gate.open and self.arm is Arm.STREAM
                 and self.work.link.transport is not None):
             return super().step(out)  # ask for the generation, or wait for the next tokens
@@ -441,6 +441,7 @@ class StreamDrafting(CloudOnly):
         hint = work.session.hint(len(out.history) + self.sent, self.draft[self.sent:],
                                  tuple((offset + i, t) for i, t in alternatives))
         self.sent = len(self.draft)
+        self.hinted = True
         return [self.received(reply)
                 for reply in work.link.send_and_poll(work.session, hint, work.stats)]
 
@@ -512,14 +513,14 @@ class Adaptive:
         position = out.generated  # the arms are compared stage by stage of a generation
         t0 = time.perf_counter()
         current = self.current
-        hinting = isinstance(current, StreamDrafting) and current.arm is Arm.STREAM
         pieces = current.step(out)
         seconds = time.perf_counter() - t0
         tokens = sum(len(piece.tokens) for piece in pieces)
         stats = self.stream_work.stats
-        if self.arm is Arm.STREAM:
+        if self.arm is Arm.STREAM:  # of which the server alone's: no hint out, none sent
             stats.auto_stream_tokens += tokens
-            stats.auto_cloud_tokens += 0 if hinting else tokens
+            hinted = isinstance(current, StreamDrafting) and current.hinted
+            stats.auto_cloud_tokens += 0 if hinted else tokens
         elif self.kind is Arm.PLAIN:
             stats.auto_plain_tokens += tokens
         if isinstance(current, Rounds):  # what rounds keep, for the estimate of rounds
