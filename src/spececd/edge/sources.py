@@ -15,6 +15,10 @@ length and the strategy chooser see one draft. Where the lookup's continuation i
 than the round's ``k``, ``extend`` has the model draft on after it. Whichever proposes, the
 reported distributions are what each token was drawn from (one-hot for looked-up tokens),
 so exact verification stays lossless.
+
+:class:`PredictedDraft` puts a prediction of the output first (OpenAI's Predicted Outputs:
+:class:`~spececd.edge.lookup.PredictionLookup`): the prediction where the output follows
+it, the session's own source elsewhere.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import TreeShape
 from spececd.core.sampling import SparseProbs
 from spececd.edge.drafter import DraftSource, Tree
-from spececd.edge.lookup import Lookup, NgramLookup, Proposals, SuffixDraft, reported
+from spececd.edge.lookup import (
+    Lookup,
+    NgramLookup,
+    PredictionLookup,
+    Proposals,
+    SuffixDraft,
+    reported,
+)
 from spececd.edge.options import DraftKind
 
 HYBRID_MIN_MATCH = 6  # the suffix a lookup must match for the hybrid to take it
@@ -92,6 +103,61 @@ class HybridDraft:
         return Tree((*looked.tokens, *more),
                     (*looked.parents, last, *range(n, n + len(more) - 1)), dists,
                     (*looked.chain, *range(n, n + len(more))))
+
+
+class PredictedDraft:
+    """A prediction of the output first, then the session's ``own`` source: each round the
+    ``prediction``'s tokens from where the output stands in it, and ``own``'s draft where
+    it proposes none (the output left the prediction, or reached its end). The prediction's
+    tokens are reported one-hot, so verification stays lossless; :meth:`predicted_among`
+    says which emitted tokens it proposed."""
+
+    def __init__(self, prediction: PredictionLookup, own: DraftSource) -> None:
+        self.prediction, self.own = prediction, own
+        self._proposals = Proposals()  # the prediction's
+
+    @property
+    def forced(self) -> int:
+        return self.own.forced
+
+    @property
+    def looked_up(self) -> int:
+        return self._proposals.count + self.own.looked_up
+
+    def forced_among(self, history: Sequence[int], tokens: Sequence[int]
+                     ) -> tuple[int, ...]:
+        return self.own.forced_among(history, tokens)
+
+    def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        return tuple(sorted({*self.predicted_among(history, tokens),
+                             *self.own.looked_up_among(history, tokens)}))
+
+    def predicted_among(self, history: Sequence[int], tokens: Sequence[int]
+                        ) -> tuple[int, ...]:
+        """The indices of ``tokens`` (emitted after ``history``) the prediction proposed."""
+        return self._proposals.among(history, tokens)
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        tokens = self.prediction.propose(history, k, None, params.prompt_len).tokens
+        if not tokens:
+            tokens, dists = self.own.draft(history, k, mode, params, seed, max_support)
+            self._proposals.record(history, tokens, 0)
+            return tokens, dists
+        self._proposals.record(history, tokens)
+        return tokens, reported(tokens, mode, params)
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        tokens = self.prediction.propose(history, k, None, params.prompt_len).tokens
+        if not tokens:
+            tree = self.own.tree(history, k, shape, mode, params, seed, max_support)
+            self._proposals.record(history, tree.trunk().tokens, 0)
+            return tree
+        self._proposals.record(history, tokens)
+        return Tree.of_chain(tokens, reported(tokens, mode, params))
 
 
 class DraftSources:
