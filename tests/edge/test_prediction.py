@@ -23,8 +23,8 @@ from spececd.edge.lookup import Alignment, NgramLookup, PredictionLookup
 from spececd.edge.options import resolve
 from spececd.edge.sources import PredictedDraft
 from spececd.transports.memory import local_verifier
-from tests.chisq import chi_square_p
 from tests.edge.test_client import PROMPTS, client
+from tests.edge.test_lookup import DRAWS, TOP_K, p_value, pair_distribution
 from tests.rounds import generate
 from tests.toy import ToyBackend, greedy, toy_pair
 
@@ -109,6 +109,23 @@ def test_the_prediction_drafts_first_and_the_sessions_source_elsewhere() -> None
     assert source.predicted_among(history, [9, 1]) == ()
 
 
+def test_a_prediction_picked_up_again_waits_until_the_output_has_followed_it() -> None:
+    """Right after an edit the prediction is a weak guess: the session's own source
+    drafts until the output has followed the prediction for 4 tokens again, unless it has
+    nothing to propose."""
+    params = dataclasses.replace(SAMPLED, prompt_len=3)
+    prediction = PredictionLookup(list(range(5, 13)))
+    edited = [5, 6, 40, 7, 8]  # 40 in place of nothing: picked up again at 7
+
+    def drafted(prompt: list[int], output: list[int]) -> tuple[int, ...]:
+        source = PredictedDraft(prediction, NgramLookup())
+        return source.draft([*prompt, *output], 2, Mode.MATCH, params, 0, 8)[0]
+
+    assert drafted([1, 2, 3], edited) == (9, 10)  # the lookup finds nothing
+    assert drafted([7, 8, 99], edited) == (99, 5)  # the lookup's, after [7, 8]
+    assert drafted([7, 8, 99], [*edited, 9, 10]) == (11, 12)  # followed for 4 tokens
+
+
 def test_greedy_output_with_any_prediction_is_the_targets_own() -> None:
     """Through the edge's loop against the in-process verifier: a prediction that is the
     output, one with edits, one that is not it at all and one past its end leave the
@@ -145,9 +162,6 @@ def test_greedy_output_with_any_prediction_is_the_targets_own() -> None:
 
 # -- lossless -------------------------------------------------------------------------------
 
-DRAWS = 3000
-TOP_K = 4
-
 
 class HalvedPrediction(PredictedDraft):
     """The planted bug: the prediction's drafts reported as if drawn from a distribution
@@ -179,17 +193,12 @@ def sampled_pairs(kind: type[PredictedDraft], draft: ToyBackend, target: ToyBack
 
 
 def pair_p_value(kind: type[PredictedDraft]) -> float:
-    from tests.edge.test_lookup import pair_distribution
-
     draft, target = toy_pair(agreement=0.5)
     prompt = list(b"def f(x):")
-    params = SamplingParams(temperature=1.0, top_k=TOP_K)
     prediction = greedy(target, prompt, 3)  # the likeliest: often accepted, not always
     outputs = sampled_pairs(kind, draft, target, prompt, prediction)
-    expected = pair_distribution(target, prompt, params)
-    cells = sorted(set(expected) | set(outputs))
-    observed = np.array([outputs[c] for c in cells], dtype=float)
-    return chi_square_p(observed, np.array([expected.get(c, 0.0) for c in cells]) * DRAWS)
+    return p_value(outputs, pair_distribution(target, prompt,
+                                              SamplingParams(temperature=1.0, top_k=TOP_K)))
 
 
 def test_sampling_with_a_prediction_keeps_the_target_distribution() -> None:

@@ -9,7 +9,6 @@ names the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,26 +17,16 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
-from tests.e2e.server import ServerProcess  # noqa: E402
+from tests.openai_api import test_clients  # noqa: E402
 from tests.openai_api.test_openai import target_text  # noqa: E402
+
+api, client = test_clients.api, test_clients.client  # `spececd api` as a newcomer starts it
 
 pytestmark = requires_default_pair
 
 EDIT = json.loads((MODELS / "edit_set.json").read_text())[0] \
     if (MODELS / "edit_set.json").is_file() else {}
 N = 40  # tokens a request generates
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[ServerProcess]:
-    proc = ServerProcess(None, command="api", scheme="http")
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(api: ServerProcess) -> Any:
-    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")

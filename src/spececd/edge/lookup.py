@@ -384,8 +384,9 @@ class Alignment:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.output: list[int] = []
         # After output[:i]: (where the output continues in the prediction, -1 when it left
-        # it; where it last stood there; tokens followed since the last anchor, or since it
-        # left; output tokens that followed the prediction).
+        # it; where it last stood there; output tokens that followed it since it was last
+        # picked up, the suffix that picked it up included, or tokens since it left; output
+        # tokens that followed the prediction).
         self._states: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]
 
     def sync(self, output: Sequence[int]) -> None:
@@ -404,8 +405,8 @@ class Alignment:
 
     @property
     def run(self) -> int:
-        """Output tokens that followed the prediction since it was last picked up (0 when
-        it left it)."""
+        """Output tokens that followed the prediction since it was last picked up, those
+        that picked it up included (0 when it left it)."""
         at, _, run, _ = self._states[-1]
         return run if at >= 0 else 0
 
@@ -425,12 +426,12 @@ class Alignment:
         found = self._anchor(last)
         if found is not None:  # the suffix's tokens since it left were the prediction's
             place, length = found
-            return place, place, 0, hits + min(length, since)
+            return place, place, length, hits + min(length, since)
         if since <= PREDICTION_SLACK:
             near = np.flatnonzero(prediction[last:last + PREDICTION_SLACK + 1] == token)
             if near.size:
                 place = last + int(near[0]) + 1
-                return place, place, 0, hits + 1
+                return place, place, 1, hits + 1
         return -1, last, since, hits
 
     def _anchor(self, last: int) -> tuple[int, int] | None:
@@ -471,7 +472,7 @@ class PredictionLookup(Lookup):
                 prompt_len: int = 0) -> Tree:
         """Up to ``k`` tokens of the prediction after the output (``history`` past
         ``prompt_len``), aligned with it. :attr:`match_len`: the output tokens that
-        followed the prediction since it was last picked up."""
+        followed the prediction since it was last picked up (:attr:`Alignment.run`)."""
         alignment = self.alignment
         alignment.sync(history[prompt_len:])
         at = alignment.at
