@@ -1,5 +1,5 @@
 """Build ``models/edit_set.json``, the code-edit set of Predicted Outputs' bench rows
-(``spececd bench --edit-rows``; :mod:`spececd.bench.api`).
+(``spececd bench --edit-set``; :mod:`spececd.bench.api`).
 
     python scripts/make-edit-set.py [COUNT]
 
@@ -10,10 +10,9 @@ prediction: the file before the edit), the ``instruction``, and the ``prompt`` a
 model continues: the original, the instruction as a comment, and the edited function's
 first line (without its line break), from which the model writes the rest.
 ``max_tokens``: the target's tokens of the original after its first line, and 8 more; an
-item whose prompt and ``max_tokens``
-do not fit the target's context is skipped. The files are read from this Python's own
-standard library (3.11, as the corpus's); the set holds their text, so it does not change
-with the Python that reads it.
+item whose prompt and ``max_tokens`` do not fit the target's context is skipped. The
+files are read from this Python's own standard library (3.11, as the corpus's); the set
+holds their text, so it does not change with the Python that reads it.
 """
 
 from __future__ import annotations

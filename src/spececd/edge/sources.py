@@ -48,7 +48,35 @@ HYBRID_MIN_MATCH = 6  # the suffix a lookup must match for the hybrid to take it
 PREDICTION_MIN_RUN = 4
 
 
-class HybridDraft:
+def drafted(source: DraftSource, history: Sequence[int], k: int, shape: TreeShape | None,
+            mode: Mode, params: SamplingParams, seed: int, max_support: int) -> Tree:
+    """``source``'s tree after ``history`` where a round's ``shape`` is given, else its
+    chain."""
+    if shape is not None:
+        return source.tree(history, k, shape, mode, params, seed, max_support)
+    return Tree.of_chain(*source.draft(history, k, mode, params, seed, max_support))
+
+
+class OneDecision:
+    """A source that decides a round's draft once (:meth:`_tree`), as a tree where the
+    round has a shape and as a chain where it has none."""
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        tree = self._tree(history, k, None, mode, params, seed, max_support)
+        return tree.tokens, tree.dists
+
+    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
+             params: SamplingParams, seed: int, max_support: int) -> Tree:
+        return self._tree(history, k, shape, mode, params, seed, max_support)
+
+    def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+              params: SamplingParams, seed: int, max_support: int) -> Tree:
+        raise NotImplementedError
+
+
+class HybridDraft(OneDecision):
     """Lookup where it matches (module docstring), the ``model`` elsewhere."""
 
     def __init__(self, model: DraftSource, lookup: Lookup,
@@ -73,24 +101,11 @@ class HybridDraft:
                         ) -> tuple[int, ...]:
         return self._proposals.among(history, tokens)
 
-    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int, max_support: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
-        tree = self._tree(history, k, None, mode, params, seed, max_support)
-        return tree.tokens, tree.dists
-
-    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
-             params: SamplingParams, seed: int, max_support: int) -> Tree:
-        return self._tree(history, k, shape, mode, params, seed, max_support)
-
     def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
               params: SamplingParams, seed: int, max_support: int) -> Tree:
         looked = self.lookup.propose(history, k, shape, params.prompt_len)
         if self.lookup.match_len < self.min_match or not looked.tokens:
-            tree = (self.model.tree(history, k, shape, mode, params, seed, max_support)
-                    if shape is not None else
-                    Tree.of_chain(*self.model.draft(history, k, mode, params, seed,
-                                                    max_support)))
+            tree = drafted(self.model, history, k, shape, mode, params, seed, max_support)
             self._proposals.record(history, tree.trunk().tokens, 0)
             return tree
         dists = reported(looked.tokens, mode, params)
@@ -111,7 +126,7 @@ class HybridDraft:
                     (*looked.chain, *range(n, n + len(more))))
 
 
-class PredictedDraft:
+class PredictedDraft(OneDecision):
     """A prediction of the output first, then the session's ``own`` source: each round the
     ``prediction``'s tokens from where the output stands in it, where the output starts or
     has followed it for ``min_run`` tokens since it picked it up again; ``own``'s draft
@@ -146,16 +161,6 @@ class PredictedDraft:
         """The indices of ``tokens`` (emitted after ``history``) the prediction proposed."""
         return self._proposals.among(history, tokens)
 
-    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
-              seed: int, max_support: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
-        tree = self._tree(history, k, None, mode, params, seed, max_support)
-        return tree.tokens, tree.dists
-
-    def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
-             params: SamplingParams, seed: int, max_support: int) -> Tree:
-        return self._tree(history, k, shape, mode, params, seed, max_support)
-
     def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
               params: SamplingParams, seed: int, max_support: int) -> Tree:
         tokens = self.prediction.propose(history, k, None, params.prompt_len).tokens
@@ -163,9 +168,7 @@ class PredictedDraft:
                        or len(history) == params.prompt_len):
             self._proposals.record(history, tokens)
             return Tree.of_chain(tokens, reported(tokens, mode, params))
-        tree = (self.own.tree(history, k, shape, mode, params, seed, max_support)
-                if shape is not None else
-                Tree.of_chain(*self.own.draft(history, k, mode, params, seed, max_support)))
+        tree = drafted(self.own, history, k, shape, mode, params, seed, max_support)
         if tree.tokens or not tokens:
             self._proposals.record(history, tree.trunk().tokens, 0)
             return tree
