@@ -96,7 +96,9 @@ class StreamChunk:
     text: str
     # "draft": drafted and accepted; "forced": drafted because a constraint allowed no other
     # token (no draft model step), and accepted; "lookup": drafted by looking it up in the
-    # text so far (no draft model step), and accepted; "target": supplied by the verifier;
+    # text so far (no draft model step), and accepted; "prediction": drafted from the
+    # prediction of the output the caller gave (no draft model step), and accepted;
+    # "target": supplied by the verifier;
     # "fallback": the draft model's, unverified (the verifier was unreachable and
     # fallback="draft")
     source: str
@@ -125,9 +127,10 @@ class Completion:
 
 def _runs(out: RoundOutput, verified: str) -> Iterator[tuple[str, int, int]]:
     """``out``'s tokens as runs of one source, ``(source, start, end)`` in order: accepted
-    drafts are ``draft``, ``forced`` or ``lookup``, the rest ``verified``."""
-    sources = ["forced" if i in out.forced else "lookup" if i in out.looked_up else "draft"
-               for i in range(out.from_draft)]
+    drafts are ``draft``, ``forced``, ``prediction`` or ``lookup``, the rest
+    ``verified``."""
+    sources = ["forced" if i in out.forced else "prediction" if i in out.predicted
+               else "lookup" if i in out.looked_up else "draft" for i in range(out.from_draft)]
     sources += [verified] * (len(out.token_ids) - out.from_draft)
     start = 0
     for i in range(1, len(sources) + 1):
@@ -417,12 +420,25 @@ class Generator:
                    if token_healing and isinstance(prompt, str) else None)
         return (list(healing.prompt_ids), healing) if healing else (ids, None)
 
+    def prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:
+        """A prediction of the output (Predicted Outputs) as the ids it is drafted in: a
+        text in the target's tokens (no start token: it is text inside a sequence), ids as
+        given, checked; empty for none."""
+        if not prediction:
+            return ()
+        ids = (self.tokenizer.encode(prediction, bos=False) if isinstance(prediction, str)
+               else list(prediction))
+        check_token_ids(ids, self.vocab_size, "the prediction")
+        return tuple(ids)
+
     def prepare(self, prompt: str | Sequence[int], *, token_healing: bool = False,
-                options: EdgeOptions | None = None, **sampling: Any
+                options: EdgeOptions | None = None,
+                prediction: str | Sequence[int] | None = None, **sampling: Any
                 ) -> tuple[list[int], Resolved, Healing | None]:
         """What a generation of :meth:`stream` with these arguments starts from: the
         prompt's ids (healed: :meth:`healed`), what it runs with (:meth:`resolve`, with
-        healing's mask), and the healing (None: none)."""
+        healing's mask and the prediction's ids: :meth:`prediction_ids`), and the healing
+        (None: none)."""
         ids, healing = self.healed(prompt, token_healing)
         run = self.resolve(len(ids), options, **sampling)
         if healing is not None and run.params.constraint is not None:
@@ -433,6 +449,8 @@ class Generator:
         if healing is not None:
             run = dataclasses.replace(run, params=dataclasses.replace(
                 run.params, heal_ids=healing.allowed))
+        if prediction:
+            run = dataclasses.replace(run, prediction=self.prediction_ids(prediction))
         return ids, run, healing
 
     def _stream_healed(self, ids: list[int], run: Resolved, healing: Healing | None,
@@ -518,6 +536,7 @@ class Generator:
     def stream(self, prompt: str | Sequence[int], stats: GenerationStats | None = None, *,
                cloud_only: bool = False, stop: Sequence[str] = (),
                options: EdgeOptions | None = None, token_healing: bool = False,
+               prediction: str | Sequence[int] | None = None,
                **sampling: Any) -> PyGenerator[StreamChunk, None, None]:
         """Yield the completion as it is verified (see :meth:`params` for the sampling
         options); the last chunk says why it ended. ``stats``, when given, is filled in as
@@ -525,27 +544,34 @@ class Generator:
         itself (a baseline). ``stop``: strings that end the completion, matched on the
         text across token boundaries and left out of it. ``options``: this generation's
         edge options, instead of :attr:`options`. ``token_healing``: heal a text prompt's
-        boundary (:mod:`spececd.healing`; the text starts after the prompt as given)."""
+        boundary (:mod:`spececd.healing`; the text starts after the prompt as given).
+        ``prediction``: what the output is expected to be, mostly (a text or target ids:
+        OpenAI's Predicted Outputs), drafted first where the output follows it
+        (:class:`~spececd.edge.sources.PredictedDraft`); the output stays the target's
+        own."""
         ids, run, healing = self.prepare(prompt, token_healing=token_healing, options=options,
-                                         **sampling)
+                                         prediction=prediction, **sampling)
         yield from self._stream_healed(ids, run, healing, stats or GenerationStats(),
                                        cloud_only, stop)
 
     def generate(self, prompt: str | Sequence[int], *, cloud_only: bool = False,
                  stop: Sequence[str] = (), options: EdgeOptions | None = None,
-                 token_healing: bool = False, **sampling: Any) -> Completion:
+                 token_healing: bool = False, prediction: str | Sequence[int] | None = None,
+                 **sampling: Any) -> Completion:
         return self.generate_n(prompt, 1, cloud_only=cloud_only, stop=stop, options=options,
-                               token_healing=token_healing, **sampling)[0]
+                               token_healing=token_healing, prediction=prediction,
+                               **sampling)[0]
 
     def generate_n(self, prompt: str | Sequence[int], n: int, *, cloud_only: bool = False,
                    stop: Sequence[str] = (), options: EdgeOptions | None = None,
-                   token_healing: bool = False, **sampling: Any) -> list[Completion]:
+                   token_healing: bool = False, prediction: str | Sequence[int] | None = None,
+                   **sampling: Any) -> list[Completion]:
         """``n`` independent completions (seeds ``seed``, ``seed + 1``, ...); the keywords
         are :meth:`stream`'s. A completion's text leaves out a stop token's text and a stop
         string; its token ids keep the stop token, and the ids that spelled a stop
         string. With healing, the first id also spells the prompt's dropped last token."""
         ids, base, healing = self.prepare(prompt, token_healing=token_healing,
-                                          options=options, **sampling)
+                                          options=options, prediction=prediction, **sampling)
         seed = base.params.seed
         assert seed is not None
         completions = []

@@ -1,6 +1,7 @@
 """The rows measured through `spececd api` (issue 39's concurrent clients and constrained
-against unconstrained chat) as bench rows: their names, their figures in the report, the
-client's counting against a scripted server; and a report without matplotlib."""
+against unconstrained chat, and Predicted Outputs' code edits) as bench rows: their names,
+their figures in the report, the client's counting and requests against a scripted
+server; and a report without matplotlib."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from spececd.bench import api, load_report, report
-from spececd.bench.runner import api_plan, name, save
+from spececd.bench.runner import api_plan, edit_plan, name, save
 
 META = {"draft": "d", "target": "t", "backend": "hf", "transport": "websocket",
         "mode": "exact", "temperature": 0.0, "max_tokens": 8, "num_prompts": 1,
@@ -63,6 +64,24 @@ def test_the_report_gives_the_api_rows_their_own_figures() -> None:
     assert "tpot_ms" in report.to_csv(list(rows.values())).splitlines()[0]
 
 
+def test_the_code_edit_rows_are_named_by_source_and_set_against_cloud_only() -> None:
+    plan = edit_plan("edits.json")
+    assert [name(entry) for entry in plan] == [
+        "OpenAI API code edits, prediction", "OpenAI API code edits, lookup",
+        "OpenAI API code edits, model", "OpenAI API code edits, cloud-only"]
+    assert {e["worker"] for e in plan} == {"api-two-process"} and edit_plan(None) == []
+    speeds = {"prediction": 60, "lookup": 30, "model": 40, "cloud-only": 20}  # tokens in 1 s
+    configs = {name(e): {**e, "passes": [[{"tokens": speeds[e["edit_source"]],
+                                             "wall_s": 1.0, "ttft_s": 0.05}]], "server": []}
+               for e in plan}
+    rows = {r["config"]: r for r in report.summarise({"meta": META, "configs": configs})}
+    assert rows["OpenAI API code edits, prediction"]["speedup_vs_cloud"] == 3.0
+    assert rows["OpenAI API code edits, cloud-only"]["speedup_vs_cloud"] == 1.0
+    markdown = report.to_markdown(list(rows.values()), META)
+    assert "| OpenAI API code edits, model | 40 (40–40) | 2 | 50 |" in markdown
+    assert "Through `spececd api`, started as a user starts it" not in markdown
+
+
 class Scripted(BaseHTTPRequestHandler):
     """An API streaming three events of SpecECD's (2, 1 and 2 tokens) 20 ms apart."""
 
@@ -92,6 +111,44 @@ def scripted() -> Iterator[str]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+class Recorded(BaseHTTPRequestHandler):
+    """An API that records each body and streams one event of 3 tokens."""
+
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        self.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        event = {"choices": [{"text": "x", "spececd": {"token_ids": [1, 2, 3],
+                                                      "generated": 3}}]}
+        self.wfile.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_each_code_edit_row_asks_for_its_source_of_drafts() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorded)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    item = {"prompt": "def f(a):", "original": "def f(a):\n    return a\n", "max_tokens": 9}
+    try:
+        for source in api.EDIT_SOURCES:
+            assert api.edit(url, item, source).tokens == 3
+    finally:
+        server.shutdown()
+    prediction, lookup, model, cloud = Recorded.bodies
+    assert all(b["prompt"] == "def f(a):" and b["max_tokens"] == 9 and b["temperature"] == 0
+               for b in Recorded.bodies)
+    assert prediction["prediction"] == {"type": "content", "content": item["original"]}
+    assert "draft_source" not in prediction  # the API's own source where it leaves it
+    assert (lookup["draft_source"], model["draft_source"]) == ("lookup", "model")
+    assert cloud["cloud_only"] is True
+    assert not {"prediction"} & (set(lookup) | set(model) | set(cloud))
 
 
 def test_the_concurrent_client_counts_what_the_api_streamed(scripted: str) -> None:

@@ -2,10 +2,12 @@
 `spececd api` on loopback: the page loads with nothing from outside, streams a greedy
 completion coloured by source whose text is the non-streamed completion's, fills in its
 statistics, compares with cloud-only, follows a JSON schema (its forced tokens in their own
-colour), and shows the server's message on a bad request.
+colour), drafts from a predicted output (its tokens in their own colour), and shows the
+server's message on a bad request.
 
 Chromium is Debian's (/usr/lib/chromium/chromium), driven by Playwright; set
-SPECECD_SCREENSHOT to a path to keep a screenshot of the comparison (docs/playground.png).
+SPECECD_SCREENSHOT to a path to keep a screenshot of the comparison (docs/playground.png),
+SPECECD_PREDICTION_SCREENSHOT for one with a predicted output.
 """
 
 from __future__ import annotations
@@ -188,6 +190,32 @@ def test_looked_up_tokens_have_their_own_colour(page: Page) -> None:
     assert page.tab.locator("#out-spec .tok.lookup").count() > 0
     assert "looked-up drafts accepted" in page.tab.text_content("#details")
     assert page.console_errors == []
+
+
+def test_a_predicted_output_is_drafted_and_shown_in_its_own_colour(
+        page: Page, api: ServerProcess, tmp_path: Path) -> None:
+    """The optional predicted output (OpenAI's ``prediction``): the reply the target writes
+    alone, with an edit, is drafted from it where the reply follows it, shown in its own
+    colour; the text is the target's, and the details count the prediction's tokens."""
+    whole = completion(api, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                       token_healing=True)
+    text = whole["choices"][0]["text"]
+    page.tab.click("#prediction-box summary")
+    page.tab.fill("#prediction", text.replace("self", "this", 1))
+    page.tab.check("#compare")
+    page.generate()
+
+    assert page.tab.locator("#out-spec .tok.prediction").count() > 0
+    assert page.text("#out-spec .tok") == text == page.text("#out-cloud .tok")
+    details = page.tab.text_content("#details")
+    assert "prediction:" in details and "tokens in the reply" in details
+    assert page.console_errors == []
+    shot = tmp_path / "prediction.png"
+    page.tab.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("SPECECD_PREDICTION_SCREENSHOT"):
+        keep = Path(os.environ["SPECECD_PREDICTION_SCREENSHOT"])
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, keep)
 
 
 def test_a_bad_request_shows_the_servers_message(page: Page) -> None:

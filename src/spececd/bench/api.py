@@ -12,6 +12,14 @@ runs shows in a number (issue 39):
 - ``api_chat``: one chat request at a time to the in-process API, the same message
   unconstrained (``ignore_eos``) and under a JSON schema (``response_format``), each
   request's tokens over its time, so that constrained output's cost shows beside plain.
+- ``api_edit``: the code-edit set (``models/edit_set.json``, built by
+  ``scripts/make-edit-set.py``: a function from a held-out file, an instruction to rename
+  one of its parameters, and the edited function's first line to continue from), one
+  greedy completion at a time through ``spececd api --server`` in front of ``spececd
+  serve`` at RTT 0, each item's tokens over its time, by where the drafts come from
+  (:data:`EDIT_SOURCES`): Predicted Outputs with the original function as the prediction
+  (and the API's own source where the output leaves it), prompt lookup alone, the draft
+  model alone, and cloud-only (no drafts).
 
 :class:`ApiRunner` is what a bench worker runs for them (:mod:`spececd.bench.worker`); the
 scripts ``scripts/bench-concurrent.py`` and ``scripts/bench-constrained.py`` drive the same
@@ -43,6 +51,10 @@ log = logging.getLogger(__name__)
 SETUPS = ("two-process", "in-process")
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 24, 32, 48, 4  # issue 39's measurement
 CHAT_REQUESTS, CHAT_MAX_TOKENS = 4, 64  # per pass and kind
+# The code-edit rows: what each adds to the request, by where its drafts come from.
+EDIT_SOURCES: dict[str, dict[str, Any]] = {
+    "prediction": {}, "lookup": {"draft_source": "lookup"},
+    "model": {"draft_source": "model"}, "cloud-only": {"cloud_only": True}}
 MESSAGES = [{"role": "user", "content": "Jason is 25 years old and likes tea."}]
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
@@ -222,6 +234,18 @@ def chat(url: str, constrained: bool, max_tokens: int = CHAT_MAX_TOKENS) -> Stre
         "max_tokens": max_tokens, **extra})
 
 
+def edit(url: str, item: dict[str, Any], source: str) -> Streamed:
+    """One greedy completion of a code-edit ``item`` (its ``prompt``, ``max_tokens``), its
+    drafts from ``source`` (:data:`EDIT_SOURCES`; ``prediction``: the ``original`` as
+    OpenAI's ``prediction``)."""
+    extra = dict(EDIT_SOURCES[source])
+    if source == "prediction":
+        extra["prediction"] = {"type": "content", "content": item["original"]}
+    return stream(url, "/v1/completions", {
+        "model": "spececd", "prompt": item["prompt"], "max_tokens": item["max_tokens"],
+        "temperature": 0, **extra})
+
+
 class ApiRunner:
     """A bench worker's API rows (``kind: api``): starts the job's ``setup`` on loading;
     each pass runs the request's row (``api_concurrent`` or ``api_chat``) and returns its
@@ -238,6 +262,15 @@ class ApiRunner:
 
     def run_pass(self, request: dict[str, Any], progress: Callable[[], None]
                  ) -> list[dict[str, Any]]:
+        if request["kind"] == "api_edit":
+            with open(self.job["edit_set"], encoding="utf-8") as file:
+                items = json.load(file)[:request.get("limit") or None]
+            done = []
+            for item in items:
+                one = edit(self.url, item, request["edit_source"])
+                done.append({"tokens": one.tokens, "wall_s": one.last_s, "ttft_s": one.first_s})
+                progress()
+            return done
         if request["kind"] == "api_concurrent":
             prompts = self.prompts[:CONCURRENCY * (request.get("limit") or NUM_REQUESTS)]
             figures = concurrent(self.url, prompts, int(request.get("max_tokens", OUTPUT_LEN)),

@@ -24,9 +24,10 @@ beat the bound. Stream drafting (``proactive: stream``) is another loop altogeth
 server steps on its own and verifies hints when they are there), so its rows carry no
 bound; their "rounds" are the server steps that verified a hint.
 
-The rows measured through ``spececd api`` (``api_concurrent``, ``api_chat``:
-:mod:`spececd.bench.api`) run their own requests, so they carry no speedup; ``bench.md``
-gives them a table of their own, with TTFT, TPOT and constrained over unconstrained.
+The rows measured through ``spececd api`` (``api_concurrent``, ``api_chat``, ``api_edit``:
+:mod:`spececd.bench.api`) run their own requests, so they carry no speedup over the
+target alone; ``bench.md`` gives them tables of their own, with TTFT, TPOT and constrained
+over unconstrained, and the code edits (``api_edit``) against their own cloud-only row.
 
 The plots need matplotlib; without it :func:`draw` logs that they were skipped and how
 to get them, and everything else is written.
@@ -50,7 +51,7 @@ SCHEMA_TAG = " · JSON schema"
 UNCONSTRAINED_TAG = ", unconstrained drafting"
 _AT_RTT = re.compile(r" @ RTT [0-9.]+ ms")  # in a configuration's name
 PLOTS = ("speedup_vs_rtt.png", "acceptance_by_position.png", "tokens_per_s.png")
-API_KINDS = ("api_concurrent", "api_chat")  # measured through `spececd api`
+API_KINDS = ("api_concurrent", "api_chat", "api_edit")  # measured through `spececd api`
 
 
 def label(acceptance: float) -> str:
@@ -126,6 +127,10 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
                  for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
     cloud_passes = {(c["rtt_ms"], _work(c)): c["passes"]
                     for c in configs.values() if c["kind"] == "cloud" and c["passes"]}
+    # The code edits generated alone by the server (spececd api's cloud_only)
+    edit_cloud = next((statistics.median(_tps(c["passes"])) for c in configs.values()
+                       if c["kind"] == "api_edit" and c.get("edit_source") == "cloud-only"
+                       and c["passes"]), None)
     # Each target's own autoregressive speed: the target alone in-process (transformers or
     # llama.cpp; under a constraint, SpecECD's backend masked) where it ran, else the
     # server generating alone at the lowest RTT.
@@ -174,6 +179,10 @@ def summarise(raw: dict[str, Any]) -> list[dict[str, Any]]:
             tpots = [r["tpot_s"] for r in results if "tpot_s" in r]
             if tpots:
                 row["tpot_ms"] = round(1000 * statistics.median(tpots), 2)
+        if c["kind"] == "api_edit":
+            row["edit_source"] = c.get("edit_source")
+            if edit_cloud:
+                row["speedup_vs_cloud"] = round(statistics.median(tps) / edit_cloud, 3)
         cloud = cloud_tps.get((c.get("rtt_ms"), _work(c)))
         if cloud:
             row["speedup_vs_cloud"] = round(statistics.median(tps) / cloud, 3)
@@ -434,7 +443,7 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   f"{_cell(r.get('acceptance_rate'))} | {_cell(r.get('mean_accepted_len'))} | "
                   f"{_cell(r.get('forced_per_round'))} | "
                   f"{_cell(r.get('draft_steps_per_round'))} |" for r in constrained]
-    served = [r for r in rows if r["kind"] in API_KINDS]
+    served = [r for r in rows if r["kind"] in API_KINDS and r["kind"] != "api_edit"]
     if served:
         shape = meta.get("api", {})
         lines += ["", f"Through `spececd api`, started as a user starts it: "
@@ -455,6 +464,18 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if chats.get(False) and True in chats:
             lines += ["", f"Constrained over unconstrained chat: "
                       f"{chats[True] / chats[False]:.2f}"]
+    edits = [r for r in rows if r["kind"] == "api_edit"]
+    if edits:
+        lines += ["", "Code edits through `spececd api --server` in front of `spececd serve` "
+                  "(RTT 0), one greedy completion at a time (`--edit-set`: a function and "
+                  "an instruction to rename a parameter; the prediction is the function "
+                  "before the edit), by where the drafts come from:", "",
+                  "| configuration | tokens/s (min–max) | × cloud-only | TTFT ms |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['config']} | {_cell(r['tokens_per_s'])} "
+                  f"({_cell(r['tokens_per_s_min'])}–{_cell(r['tokens_per_s_max'])}) | "
+                  f"{_cell(r.get('speedup_vs_cloud'))} | {_cell(r['ttft_ms'])} |"
+                  for r in edits]
     looked = [r for r in rows if "lookup_share" in r]
     if looked:
         lines += ["", "Drafts without a model (`--draft-source`): the share of the output "

@@ -81,6 +81,8 @@ class BenchConfig:
     api_rows: bool = False  # the rows measured through `spececd api` (spececd.bench.api)
     # The server's `--token-budget` (auto, off or a number); None: not passed (its default)
     token_budget: str | None = None
+    # A code-edit set (its JSON file): Predicted Outputs' rows through `spececd api`
+    edit_set: str | None = None
 
 
 def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
@@ -92,7 +94,8 @@ def config_name(kind: str, rtt: float | None = None, k: int | str | None = None,
             "llama_alone": "llama.cpp target alone",
             "llama_lookup": "llama.cpp prompt-lookup speculative",
             "llama_speculative": "llama.cpp speculative (draft model, in-process)",
-            "api_concurrent": "OpenAI API", "api_chat": "OpenAI API chat"}[kind]
+            "api_concurrent": "OpenAI API", "api_chat": "OpenAI API chat",
+            "api_edit": "OpenAI API code edits"}[kind]
     if k is not None:
         name += f" k={k}"
     if proactive is not None:
@@ -252,11 +255,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                               "tag": spec["tag"] + SCHEMA_TAG
                               + ("" if drafting else UNCONSTRAINED_TAG)}
                              for drafting in (True, False)]
-        if cfg.api_rows:  # through `spececd api`, each setup started as a user starts it
-            for setup in api.SETUPS:
+        if cfg.api_rows or cfg.edit_set:  # through `spececd api`, started as a user does
+            for setup in api.SETUPS if cfg.api_rows else ("two-process",):
                 start(f"api-{setup}", f"the `spececd api` rows ({setup})", kind="api",
-                      setup=setup, draft=drafts[0], target=targets[0], stall_s=cfg.stall_s)
-            plan += api_plan()
+                      setup=setup, draft=drafts[0], target=targets[0], stall_s=cfg.stall_s,
+                      edit_set=cfg.edit_set)
+            plan += (api_plan() if cfg.api_rows else []) + edit_plan(cfg.edit_set)
         results: dict[str, dict[str, Any]] = {name(p): {**p, "passes": [], "server": []}
                                               for p in plan}
         bar = _progress(len(plan) * (cfg.iterations + 1), progress)
@@ -332,6 +336,15 @@ def api_plan() -> list[dict[str, Any]]:
                     "api_constrained": constrained,
                     "tag": SCHEMA_TAG if constrained else ", unconstrained"}
                    for constrained in (False, True)]
+
+
+def edit_plan(edit_set: str | None) -> list[dict[str, Any]]:
+    """The code-edit rows (:func:`spececd.bench.api.edit`), one per source of drafts, in
+    front of ``spececd serve`` at RTT 0; none without a set."""
+    if not edit_set:
+        return []
+    return [{"kind": "api_edit", "worker": "api-two-process", "setup": "two-process",
+             "edit_source": source, "tag": f", {source}"} for source in api.EDIT_SOURCES]
 
 
 class _NoBar:

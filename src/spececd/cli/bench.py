@@ -109,6 +109,11 @@ def add_parser(sub: Any) -> None:
                        help="also measure through `spececd api`, started as a user starts "
                        "it: 4 concurrent clients (in front of `spececd serve`, and with the "
                        "pair in-process) and chat requests constrained and not")
+    bench.add_argument("--edit-set", type=Path, metavar="FILE",
+                       help="also measure code edits through `spececd api` in front of "
+                       "`spececd serve` at RTT 0 (e.g. models/edit_set.json, built by "
+                       "scripts/make-edit-set.py): Predicted Outputs with the original as the "
+                       "prediction, lookup alone, the draft model alone and cloud-only")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for bench.json, bench.csv, bench.md and plots "
                        "(plots: where matplotlib is installed)")
@@ -333,6 +338,22 @@ def run_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_edit_set(path: Path) -> None:
+    """A code-edit set as ``--edit-set`` takes it (InputError if not): a JSON list of
+    objects, each with a ``prompt``, the ``original`` text (the prediction) and
+    ``max_tokens``."""
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--edit-set {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(items, list) or not items or not all(
+            isinstance(i, dict) and isinstance(i.get("prompt"), str)
+            and isinstance(i.get("original"), str) and isinstance(i.get("max_tokens"), int)
+            for i in items):
+        raise InputError(f"--edit-set {path}: needs a JSON list of objects with prompt, "
+                         f"original and max_tokens, as scripts/make-edit-set.py writes")
+
+
 def run(args: argparse.Namespace) -> int:
     with processes.ended_with_this_one():  # its servers and workers end with it, however
         return _run(args)
@@ -370,6 +391,8 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError("--rtt-ms must be >= 0, --iterations and --max-tokens >= 1")
     prompts = (load_prompts(args.prompts_file) if args.prompts_file
                else demo_prompts()[:args.num_prompts])
+    if args.edit_set:
+        check_edit_set(args.edit_set)
     # The file read and checked as generate's --json-schema is (InputError if not a schema).
     schema = EdgeConfig(json_schema=str(args.json_schema or "")).constraint()
     # The default draft is the other commands' (its fastest form installed here); assisted
@@ -392,7 +415,8 @@ def _run(args: argparse.Namespace) -> int:
                       dtype=args.dtype, draft_device=args.draft_device,
                       assisted_draft=(default_model("draft") if not args.draft_model
                                       and draft.backend != "hf" else None),
-                      stall_s=args.stall_timeout, api_rows=args.api_rows)
+                      stall_s=args.stall_timeout, api_rows=args.api_rows,
+                      edit_set=str(args.edit_set.resolve()) if args.edit_set else None)
     raw = run_bench(cfg, progress=sys.stderr.isatty())
     written = save(raw, args.out)
     print((args.out / "bench.md").read_text())

@@ -26,8 +26,9 @@ from spececd.core.stats import GenerationStats
 from spececd.edge.drafter import DraftSource
 from spececd.edge.emit import Emitter, RoundOutput
 from spececd.edge.link import CloudUnreachable, Link
+from spececd.edge.lookup import PredictionLookup
 from spececd.edge.options import DraftKind, Fallback, Proactive, Reconnect, Resolved
-from spececd.edge.sources import DraftSources
+from spececd.edge.sources import DraftSources, PredictedDraft
 from spececd.edge.strategies import (
     Adaptive,
     BlockAhead,
@@ -86,14 +87,20 @@ class EdgeClient:
                  cloud_only: bool = False) -> Generator[RoundOutput, None, None]:
         """Generate after ``prompt_ids`` with what ``run`` resolved (its seed set), yielding
         what each exchange emits. ``cloud_only``: the verifier generates every token (a
-        baseline)."""
+        baseline). A prediction of the output (``run.prediction``, Predicted Outputs) is
+        drafted from where the output follows it, before the options' own source
+        (:class:`~spececd.edge.sources.PredictedDraft`)."""
         params = run.params
         # Cloud-only generation drafts nothing: any source will do, and lookup needs no model.
         drafter = self.sources.get(DraftKind.LOOKUP if cloud_only else run.options.draft_source,
                                    run.options.lookup_memory)
+        predicted = None
+        if run.prediction and not cloud_only:
+            drafter = predicted = PredictedDraft(PredictionLookup(run.prediction), drafter)
         out = Emitter(prompt_ids, params, stats, self.max_context,
                       drafter.forced_among if params.constraint is not None else None,
-                      drafter.looked_up_among)
+                      drafter.looked_up_among,
+                      predicted.predicted_among if predicted is not None else None)
         start = time.perf_counter()
         probe = False  # the verifier was unreachable: try it once, without waiting
         strategy: Strategy | None = None

@@ -9,7 +9,9 @@ acceptance up to the end of the text (drafted tokens past a stop token are no pa
 output, so they count neither as drafted nor as accepted), and marks output that was never
 verified, which accepted drafts a constraint forced and which were looked up (the draft
 source knows: :meth:`~spececd.edge.drafter.DraftSource.forced_among`,
-:meth:`~spececd.edge.drafter.DraftSource.looked_up_among`). Log-probabilities, where asked,
+:meth:`~spececd.edge.drafter.DraftSource.looked_up_among`), and, of those, which a
+prediction of the output proposed (:class:`~spececd.edge.sources.PredictedDraft`).
+Log-probabilities, where asked,
 follow their tokens through the same clipping; the prompt's are handed on once, the first
 time a reply brings them. Strategies read the history and the budget from it and never
 emit themselves.
@@ -57,6 +59,8 @@ class RoundOutput:
     forced: tuple[int, ...] = ()
     # The indices of the accepted drafts that were looked up (no draft model step).
     looked_up: tuple[int, ...] = ()
+    # Of them, those a prediction of the output proposed (Predicted Outputs).
+    predicted: tuple[int, ...] = ()
 
 
 # The indices of ``tokens``, emitted after ``history``, that a constraint forced as drafted
@@ -68,8 +72,10 @@ class Emitter:
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams,
                  stats: GenerationStats, max_context: int,
                  forced_among: ForcedAmong | None = None,
-                 looked_up_among: ForcedAmong | None = None) -> None:
+                 looked_up_among: ForcedAmong | None = None,
+                 predicted_among: ForcedAmong | None = None) -> None:
         self.history = list(prompt_ids)
+        self.predicted_among = predicted_among
         self.forced_among = forced_among
         self.looked_up_among = looked_up_among
         self.prompt_len = len(self.history)
@@ -113,6 +119,8 @@ class Emitter:
         looked_up = (self.looked_up_among(self.history, out[:from_draft])
                      if from_draft and self.looked_up_among is not None else ())
         self.stats.lookup_accepted += len(looked_up)
+        predicted = (self.predicted_among(self.history, out[:from_draft])
+                     if looked_up and self.predicted_among is not None else ())
         self.history.extend(piece.tokens)
         self.generated += len(out)
         self.stats.generated += len(out)
@@ -133,4 +141,4 @@ class Emitter:
             self.prompt_logprobs_sent = True
         logprobs = piece.logprobs.rows(0, len(out)) if piece.logprobs is not None else None
         return RoundOutput(tuple(out), from_draft, finished, self.unverified, logprobs, prompt,
-                           forced, looked_up)
+                           forced, looked_up, predicted)

@@ -359,3 +359,123 @@ def _depth(node: _Node) -> int:
     while node.parent is not None:
         node, n = node.parent, n + 1
     return n
+
+
+PREDICTION_MAX_NGRAM = 8  # the longest suffix of the output a prediction re-anchors on
+PREDICTION_SLACK = 2  # prediction tokens an edit of a token or two may skip, picked up again
+
+
+class Alignment:
+    """Where an output stands in a ``prediction`` of it (OpenAI's Predicted Outputs), as a
+    diff would align the two: the output follows the prediction token by token; where it
+    leaves it (an edit), the alignment picks it up again where the last few output tokens
+    (``min_ngram`` to ``max_ngram``) occur in the prediction, the longest such suffix, at
+    its nearest place from where the output left (forward first: edits move on through the
+    text), or, within a token or two of the divergence, where the output's token is one of
+    the next :data:`PREDICTION_SLACK` + 1 prediction tokens (a token replaced, inserted or
+    deleted). :meth:`sync` follows an output that grows and rolls back, in time linear in
+    what changed; the alignment of an output is a function of the output alone."""
+
+    def __init__(self, prediction: Sequence[int], max_ngram: int = PREDICTION_MAX_NGRAM,
+                 min_ngram: int = MIN_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.prediction = np.asarray(prediction, dtype=np.int64)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.output: list[int] = []
+        # After output[:i]: (where the output continues in the prediction, -1 when it left
+        # it; where it last stood there; output tokens that followed it since it was last
+        # picked up, the suffix that picked it up included, or tokens since it left; output
+        # tokens that followed the prediction).
+        self._states: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]
+
+    def sync(self, output: Sequence[int]) -> None:
+        """Align ``output`` (the generated tokens), keeping what it shares with the last."""
+        kept = common_prefix(self.output, output)
+        del self.output[kept:], self._states[kept + 1:]
+        for token in output[kept:]:
+            self.output.append(token)
+            self._states.append(self._step(self._states[-1], token))
+
+    @property
+    def at(self) -> int:
+        """Where the output continues in the prediction (-1: it left the prediction and
+        has not come back)."""
+        return self._states[-1][0]
+
+    @property
+    def run(self) -> int:
+        """Output tokens that followed the prediction since it was last picked up, those
+        that picked it up included (0 when it left it)."""
+        at, _, run, _ = self._states[-1]
+        return run if at >= 0 else 0
+
+    @property
+    def hits(self) -> int:
+        """The output's tokens that followed the prediction: prediction tokens that
+        appeared in the output, in its order."""
+        return self._states[-1][3]
+
+    def _step(self, state: tuple[int, int, int, int], token: int
+              ) -> tuple[int, int, int, int]:
+        at, last, run, hits = state
+        prediction = self.prediction
+        if 0 <= at < prediction.size and prediction[at] == token:
+            return at + 1, at + 1, run + 1, hits + 1
+        since = 1 if at >= 0 else run + 1  # output tokens since it left the prediction
+        found = self._anchor(last)
+        if found is not None:  # the suffix's tokens since it left were the prediction's
+            place, length = found
+            return place, place, length, hits + min(length, since)
+        if since <= PREDICTION_SLACK:
+            near = np.flatnonzero(prediction[last:last + PREDICTION_SLACK + 1] == token)
+            if near.size:
+                place = last + int(near[0]) + 1
+                return place, place, 1, hits + 1
+        return -1, last, since, hits
+
+    def _anchor(self, last: int) -> tuple[int, int] | None:
+        """Where the output continues in the prediction by the longest suffix of it found
+        there (``min_ngram`` tokens at least), at its nearest place from ``last``, and the
+        suffix's length; None where no such suffix occurs."""
+        text, prediction = self.output, self.prediction
+        ends = np.flatnonzero(prediction == text[-1])
+        if ends.size == 0 or len(text) < self.min_ngram:
+            return None
+        length = np.ones(ends.size, dtype=np.int64)
+        alive = np.ones(ends.size, dtype=bool)
+        for d in range(1, min(self.max_ngram, len(text))):
+            alive &= ends - d >= 0
+            alive[alive] &= prediction[ends[alive] - d] == text[-1 - d]
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max())
+        if best < self.min_ngram:
+            return None
+        places = ends[length == best] + 1  # where each continues
+        ahead = places[places >= last]
+        return int(ahead[0]) if ahead.size else int(places[-1]), best
+
+
+class PredictionLookup(Lookup):
+    """Lookup over a prediction of the output (OpenAI's Predicted Outputs: the text the
+    caller expects, such as the file an edit rewrites): the prediction's tokens from where
+    the output stands in it (:class:`Alignment`), none where the output has left it and not
+    come back, or has reached its end. Chains only."""
+
+    def __init__(self, prediction: Sequence[int]) -> None:
+        super().__init__()
+        self.alignment = Alignment(prediction)
+
+    def propose(self, history: Sequence[int], k: int, shape: TreeShape | None = None,
+                prompt_len: int = 0) -> Tree:
+        """Up to ``k`` tokens of the prediction after the output (``history`` past
+        ``prompt_len``), aligned with it. :attr:`match_len`: the output tokens that
+        followed the prediction since it was last picked up (:attr:`Alignment.run`)."""
+        alignment = self.alignment
+        alignment.sync(history[prompt_len:])
+        at = alignment.at
+        self.match_len = alignment.run
+        tokens = () if at < 0 else tuple(int(t) for t in alignment.prediction[at:at + k])
+        return Tree.of_chain(tokens, None)

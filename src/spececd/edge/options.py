@@ -317,10 +317,13 @@ class Site:
 @dataclass(frozen=True)
 class Resolved:
     """What one generation runs with: the edge's options and the sampling parameters, as
-    :func:`resolve` decided them. Everything downstream reads it; nothing re-defaults."""
+    :func:`resolve` decided them, and the token ids its output is expected to be, if the
+    caller said (``prediction``, OpenAI's Predicted Outputs: drafted first, where the
+    output follows them). Everything downstream reads it; nothing re-defaults."""
 
     options: EdgeOptions
     params: SamplingParams
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:  # what resolving guarantees, for values built directly
         if self.params.seed is None:

@@ -110,6 +110,28 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
     return schema if isinstance(schema, str) else json.dumps(schema)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": ...}``, the text the
+    output is expected to be (a string, or text parts joined), drafted first where the
+    output follows it (:class:`~spececd.edge.sources.PredictedDraft`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
 class Sampling(BaseModel):
     """What completions and chat completions share."""
 
@@ -121,6 +143,7 @@ class Sampling(BaseModel):
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prediction: Prediction | None = None  # Predicted Outputs: a draft source, nothing more
     stop: Stop = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     user: str | None = None
@@ -231,13 +254,6 @@ class CompletionRequest(Sampling):
     logprobs: TopLogprobs | None = None  # per token, with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
-    text: str
 
 
 class FunctionCall(BaseModel):

@@ -6,9 +6,14 @@ in this process or on a server) behind FastAPI:
 - ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, with
   streaming as server-sent events (``stream_options.include_usage`` adds the usage
   chunk) and OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``);
+- OpenAI's Predicted Outputs (``prediction``, on both routes, with any other field): the
+  text the output is expected to be, in the target's tokens, drafted first where the
+  output follows it (:class:`~spececd.edge.sources.PredictedDraft`); the output stays the
+  target's own;
 - per response, ``usage`` with ``completion_tokens_details.accepted_prediction_tokens`` /
-  ``rejected_prediction_tokens`` and a ``speculative`` object (:func:`speculative`); each
-  streamed choice carries ``spececd``: where its tokens came from (``draft``: drafted and
+  ``rejected_prediction_tokens`` (:meth:`Run.usage`) and a ``speculative`` object
+  (:func:`speculative`); each streamed choice carries ``spececd``: where its tokens came
+  from (``draft``: drafted and accepted, ``prediction``: drafted from the prediction and
   accepted, ``target``: the verifier's own, ``fallback``: the draft alone, unverified)
   and the statistics so far;
 - ``GET /`` the playground (``playground.html``), ``GET /healthz``;
@@ -68,6 +73,7 @@ from spececd.core.logprobs import TokenLogprob
 from spececd.core.params import Constraint
 from spececd.core.stats import GenerationStats
 from spececd.edge.link import CloudUnreachable
+from spececd.edge.lookup import Alignment
 from spececd.edge.options import SAMPLING_SETTINGS, EdgeOptions
 from spececd.errors import InputError, SpecECDError
 from spececd.generator import AsyncGenerator, Generator, PromptTooLong, StreamChunk
@@ -222,18 +228,32 @@ class Run:
     logprobs: int | None = None  # alternatives per token, when asked
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     score_only: bool = False  # max_tokens 0: nothing generated (the prompt scored, if asked)
+    prediction: tuple[int, ...] = ()  # Predicted Outputs: the prediction's ids (none: ())
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage. With a prediction, its ``accepted_prediction_tokens`` are the
+        prediction's tokens that appeared in a completion (aligned as a diff would:
+        :class:`~spececd.edge.lookup.Alignment`) and ``rejected_prediction_tokens`` the
+        prediction's other tokens, per choice, summed over the choices. Without one, the
+        session's own drafts stand for it: drafted tokens the verifier accepted (they
+        appear in the completion), and those it rejected."""
         completion = sum(c.tokens for c in self.choices)
-        # OpenAI's meaning: drafted tokens that appear in the completion, and the rest.
-        accepted = sum(c.from_draft for c in self.choices)
-        drafted = sum(c.stats.drafted for c in self.choices)
+        if self.prediction:
+            accepted = rejected = 0
+            for c in self.choices:
+                alignment = Alignment(self.prediction)
+                alignment.sync(c.token_ids)
+                hits = min(alignment.hits, len(self.prediction))
+                accepted, rejected = accepted + hits, rejected + len(self.prediction) - hits
+        else:
+            accepted = sum(c.from_draft for c in self.choices)
+            rejected = sum(c.stats.drafted for c in self.choices) - accepted
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": drafted - accepted,
+                                              "rejected_prediction_tokens": rejected,
                                               "reasoning_tokens": 0}}
 
     def speculative(self) -> dict[str, Any]:
@@ -351,9 +371,14 @@ class Api:
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = score_only or (self.cloud_only if body.cloud_only is None
                                     else body.cloud_only)
+        try:  # in the target's tokens, as the output is
+            prediction = self.gen.prediction_ids(body.prediction.text() if body.prediction
+                                                 else None)
+        except InputError as exc:
+            raise FieldError("prediction", f"prediction: {exc}") from None
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
                    options, cloud_only, f"{kind}-{secrets.token_hex(12)}", logprobs, echo,
-                   score_only)
+                   score_only, prediction)
 
     async def chunks(self, run: Run) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every choice's chunks as they come, the choices generated concurrently."""
@@ -366,7 +391,7 @@ class Api:
                         choice.prompt, choice.stats, seed=choice.seed,
                         token_healing=isinstance(choice.prompt, str),
                         cloud_only=run.cloud_only, stop=run.stop, options=run.options,
-                        **run.sampling):
+                        prediction=run.prediction, **run.sampling):
                     await queue.put((choice, chunk))
             except Exception as exc:
                 await queue.put((choice, exc))
@@ -393,7 +418,8 @@ class Api:
                     choice.token_ids.extend(item.token_ids)
                     choice.logprobs.extend(item.logprobs or (None,) * len(item.token_ids))
                     choice.from_draft += (len(item.token_ids)
-                                          if item.source in ("draft", "forced", "lookup")
+                                          if item.source in ("draft", "forced", "lookup",
+                                                             "prediction")
                                           else 0)
                     choice.finish_reason = item.finish_reason or choice.finish_reason
                     yield choice, item

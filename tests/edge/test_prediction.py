@@ -1,0 +1,209 @@
+"""Predicted Outputs on the edge: the alignment of an output with a prediction of it
+(:class:`~spececd.edge.lookup.Alignment`), the prediction as a draft source before the
+session's own (:class:`~spececd.edge.sources.PredictedDraft`), greedy output that stays
+the target's own with any prediction, and the statistical proof that a sampled
+generation with a prediction keeps the target's distribution through the real
+verification pass, with a planted bug (the prediction's drafts reported with a
+distribution that is not one-hot) that the same test catches."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
+from spececd.core.stats import GenerationStats
+from spececd.edge.drafter import Drafter
+from spececd.edge.lookup import Alignment, NgramLookup, PredictionLookup
+from spececd.edge.options import resolve
+from spececd.edge.sources import PredictedDraft
+from spececd.transports.memory import local_verifier
+from tests.edge.test_client import PROMPTS, client
+from tests.edge.test_lookup import DRAWS, TOP_K, p_value, pair_distribution
+from tests.rounds import generate
+from tests.toy import ToyBackend, greedy, toy_pair
+
+PREDICTED = list(range(100, 130))
+SAMPLED = SamplingParams(temperature=1.0)
+AFTER_PROMPT = dataclasses.replace(SAMPLED, prompt_len=5)
+
+
+def aligned(output: Sequence[int], prediction: Sequence[int] = PREDICTED) -> Alignment:
+    alignment = Alignment(prediction)
+    alignment.sync(output)
+    return alignment
+
+
+# -- the alignment ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output,at,hits", [
+    ([], 0, 0),  # nothing yet: the prediction from its start
+    (PREDICTED[:5], 5, 5),  # followed
+    ([*PREDICTED[:5], 9, *PREDICTED[6:10]], 10, 9),  # a token replaced
+    ([*PREDICTED[:5], 9, *PREDICTED[5:10]], 10, 10),  # a token inserted
+    (PREDICTED[:5] + PREDICTED[6:10], 10, 9),  # a token deleted
+    ([*PREDICTED[:5], 1, 2, 3, 4, 5, *PREDICTED[5:10]], 10, 10),  # a line inserted
+    (PREDICTED[:5] + PREDICTED[15:20], 20, 10),  # ten tokens deleted
+    ([*PREDICTED[:5], 1, 2, 3, 4], -1, 5),  # left it: nothing to propose
+    (PREDICTED, 30, 30),  # its end: nothing more to propose
+])
+def test_the_output_is_aligned_with_the_prediction_as_a_diff_would(
+        output: list[int], at: int, hits: int) -> None:
+    alignment = aligned(output)
+    assert (alignment.at, alignment.hits) == (at, hits)
+
+
+def test_an_edit_picks_the_prediction_up_at_its_nearest_place_ahead() -> None:
+    # [7, 8] occurs twice in the prediction: after leaving it at 4, the output picks it
+    # up at the occurrence ahead (a diff moves on), not the one behind it.
+    prediction = [7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert aligned([7, 8, 1, 2, 50, 51, 52, 7, 8], prediction).at == 10
+    # Only one behind: taken (the output repeats a part of it).
+    assert aligned([1, 2, 3, 4, 5, 6, 30, 31, 32, 1, 2], [1, 2, 3, 4, 5, 6]).at == 2
+
+
+def test_the_alignment_follows_an_output_that_grows_and_rolls_back() -> None:
+    alignment = Alignment(PREDICTED)
+    histories = [PREDICTED[:8], [*PREDICTED[:3], 1, 2, 3], [*PREDICTED[:3], 1, 2, 3, 4, 5],
+                 PREDICTED[:12], [], [*PREDICTED[:5], 9, *PREDICTED[6:9]]]
+    for output in histories:
+        alignment.sync(output)
+        fresh = aligned(output)
+        assert (alignment.at, alignment.hits, alignment.run) == (fresh.at, fresh.hits,
+                                                                 fresh.run)
+
+
+def test_a_prediction_proposes_from_where_the_output_stands_in_it() -> None:
+    source = PredictionLookup(PREDICTED)
+    prompt = [1, 2, 3]
+    assert source.propose(prompt, 4, prompt_len=3).tokens == (100, 101, 102, 103)
+    assert source.propose([*prompt, 100, 101], 3, prompt_len=3).tokens == (102, 103, 104)
+    assert source.match_len == 2
+    assert source.propose([*prompt, 100, 101, 9, 8, 7], 3, prompt_len=3).tokens == ()
+    assert source.propose([*prompt, *PREDICTED], 3, prompt_len=3).tokens == ()  # its end
+
+
+# -- the prediction before the session's own source ----------------------------------------
+
+
+def test_the_prediction_drafts_first_and_the_sessions_source_elsewhere() -> None:
+    own = NgramLookup()
+    source = PredictedDraft(PredictionLookup([5, 6, 7, 8]), own)
+    prompt = [1, 2, 3, 1, 2]
+    tokens, dists = source.draft(prompt, 3, Mode.EXACT, AFTER_PROMPT, 0, 8)
+    assert tokens == (5, 6, 7)
+    assert dists is not None and [d.ids.tolist() for d in dists] == [[5], [6], [7]]
+    assert source.predicted_among(prompt, [5, 6, 9]) == (0, 1)
+    # The output left the prediction: the session's lookup drafts (after [1, 2], 9 last).
+    history = [*prompt, 9, 1, 2]
+    tokens, _ = source.draft(history, 2, Mode.MATCH, AFTER_PROMPT, 0, 8)
+    assert tokens == (9, 1)
+    assert source.looked_up == 5 and own.looked_up == 2
+    assert source.looked_up_among(history, [9, 1]) == (0, 1)
+    assert source.predicted_among(history, [9, 1]) == ()
+
+
+def test_a_prediction_picked_up_again_waits_until_the_output_has_followed_it() -> None:
+    """Right after an edit the prediction is a weak guess: the session's own source
+    drafts until the output has followed the prediction for 4 tokens again, unless it has
+    nothing to propose."""
+    params = dataclasses.replace(SAMPLED, prompt_len=3)
+    prediction = PredictionLookup(list(range(5, 13)))
+    edited = [5, 6, 40, 7, 8]  # 40 in place of nothing: picked up again at 7
+
+    def drafted(prompt: list[int], output: list[int]) -> tuple[int, ...]:
+        source = PredictedDraft(prediction, NgramLookup())
+        return source.draft([*prompt, *output], 2, Mode.MATCH, params, 0, 8)[0]
+
+    assert drafted([1, 2, 3], edited) == (9, 10)  # the lookup finds nothing
+    assert drafted([7, 8, 99], edited) == (99, 5)  # the lookup's, after [7, 8]
+    assert drafted([7, 8, 99], [*edited, 9, 10]) == (11, 12)  # followed for 4 tokens
+
+
+def test_greedy_output_with_any_prediction_is_the_targets_own() -> None:
+    """Through the edge's loop against the in-process verifier: a prediction that is the
+    output, one with edits, one that is not it at all and one past its end leave the
+    output the target's own; the right one is drafted and accepted, in fewer rounds."""
+    draft, target = toy_pair(agreement=0.7)
+    server = local_verifier(target)
+    try:
+        for proactive in ("off", "on", "stream"):
+            edge = client(draft, server, k=4, proactive=proactive)
+            for prompt in PROMPTS[:2]:
+                expected = greedy(target, prompt, 40)
+                edited = [*expected[:10], 7, *expected[12:30], 8, 9, *expected[30:]]
+                rounds = {}
+                for name, prediction in (("none", ()), ("exact", expected),
+                                         ("edited", edited), ("wrong", list(range(40))),
+                                         ("short", expected[:6])):
+                    stats = GenerationStats()
+                    run = resolve(edge.options, {"temperature": 0.0, "seed": 1,
+                                                 "max_tokens": 40}, edge.site, len(prompt))
+                    run = dataclasses.replace(run, prediction=tuple(prediction))
+                    outs = list(edge.client.generate(prompt, run, stats))
+                    assert [t for out in outs for t in out.token_ids] == expected, name
+                    predicted = sum(len(out.predicted) for out in outs)
+                    if proactive != "stream":  # (hints race the instant toy target)
+                        assert (predicted > 0) == (name in ("exact", "edited", "short")), \
+                            (name, proactive)
+                    rounds[name] = stats.target_passes
+                if proactive != "stream":
+                    assert rounds["exact"] < rounds["none"]
+            edge.close()
+    finally:
+        server.close()
+
+
+# -- lossless -------------------------------------------------------------------------------
+
+
+class HalvedPrediction(PredictedDraft):
+    """The planted bug: the prediction's drafts reported as if drawn from a distribution
+    that gives them only half their mass, when they were certain."""
+
+    def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
+              seed: int, max_support: int
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:
+        tokens, dists = super().draft(history, k, mode, params, seed, max_support)
+        if dists is None:
+            return tokens, None
+        return tokens, tuple(SparseProbs(np.array([t, (t + 1) % 256]),
+                                         np.array([0.5, 0.5], dtype=np.float32))
+                             for t in tokens)
+
+
+def sampled_pairs(kind: type[PredictedDraft], draft: ToyBackend, target: ToyBackend,
+                  prompt: list[int], prediction: list[int]) -> Counter[tuple[int, int]]:
+    outputs: Counter[tuple[int, int]] = Counter()
+    for seed in range(DRAWS):
+        # Three tokens, so that a round drafts two: the first two are compared.
+        params = SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=3,
+                                prompt_len=len(prompt))
+        source = kind(PredictionLookup(prediction), Drafter(draft))
+        out = generate(source, target, None, prompt, params, Mode.EXACT, k=3)
+        outputs[(out[0], out[1])] += 1
+        assert source.looked_up > 0  # the prediction drafted
+    return outputs
+
+
+def pair_p_value(kind: type[PredictedDraft]) -> float:
+    draft, target = toy_pair(agreement=0.5)
+    prompt = list(b"def f(x):")
+    prediction = greedy(target, prompt, 3)  # the likeliest: often accepted, not always
+    outputs = sampled_pairs(kind, draft, target, prompt, prediction)
+    return p_value(outputs, pair_distribution(target, prompt,
+                                              SamplingParams(temperature=1.0, top_k=TOP_K)))
+
+
+def test_sampling_with_a_prediction_keeps_the_target_distribution() -> None:
+    assert pair_p_value(PredictedDraft) > 0.001
+
+
+def test_a_prediction_reported_with_another_distribution_is_caught() -> None:
+    assert pair_p_value(HalvedPrediction) < 0.001
