@@ -333,3 +333,100 @@ def test_prompts_joining_together_go_in_chunks_and_are_all_answered(
         assert isinstance(result, Pass)
         assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
     assert len(backend.batches) > 360 // 64  # in chunks: the budget held
+
+
+def test_a_tree_cut_by_the_budget_answers_in_the_whole_trees_numbering(
+        executor: ThreadPoolExecutor) -> None:
+    """Trees in depth-first order (a node need only follow its parent) under a binding
+    budget: a cut keeps the shallow nodes and renumbers them, and the accepted path each
+    session gets must name the nodes of the tree it sent. Six sessions read their tokens
+    from the path as the session does (``tokens[i] for i in path``); every output is the
+    target's own greedy output (a path left in the cut tree's numbering emits another
+    branch's tokens)."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=9)
+    cuts = []
+
+    async def session(prompt: list[int]) -> list[int]:
+        sequence, acceptance = backend.new_sequence(), DepthAcceptance()
+        context = list(prompt)
+        while len(context) - len(prompt) < 24:
+            g = greedy(backend, context, 3)
+            wrong = (g[0] + 1) % POISON
+            # A wrong branch first (a node and its child), then the target's chain.
+            tokens, parents = (wrong, g[1], g[0], g[1], g[2]), (-1, 0, -1, 2, 3)
+            req = dataclasses.replace(request(context, list(tokens)), parents=parents)
+            done = await scheduler.verify(sequence, req, acceptance=acceptance)
+            cuts.append(done.verified < 3)
+            assert done.result.path is not None
+            context += [*(tokens[i] for i in done.result.path), done.result.next_token]
+        return context[len(prompt):]
+
+    async def main() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(session(p) for p in [*PROMPTS, list(b"q")]))
+        finally:
+            scheduler.close()
+
+    for prompt, out in zip([*PROMPTS, list(b"q")], asyncio.run(main()), strict=True):
+        assert out == greedy(backend, prompt, len(out))
+    assert any(cuts)
+
+
+def test_a_pass_that_fails_outside_the_forward_fails_its_jobs_and_the_worker_lives(
+        executor: ThreadPoolExecutor) -> None:
+    """An exception in the pass's bookkeeping (planted: the cost fit raises once) gives the
+    batch's sessions a typed error, and the next verification still runs (a worker that
+    died would leave every later job waiting forever)."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics())
+    planted = [True]
+    update = scheduler.cost.update
+
+    def failing(rows: int, positions: int, seconds: float) -> None:
+        if planted.pop() if planted else False:
+            raise RuntimeError("planted")
+        update(rows, positions, seconds)
+
+    scheduler.cost.update = failing  # type: ignore[method-assign]
+    work = jobs(backend)
+
+    async def main() -> tuple[list[Pass | BaseException], Pass]:
+        try:
+            first = await asyncio.wait_for(asyncio.gather(
+                *(scheduler.verify(sequence, req) for sequence, req, _ in work[:2]),
+                return_exceptions=True), 10)
+            sequence, req, _ = work[2]
+            return first, await asyncio.wait_for(scheduler.verify(sequence, req), 10)
+        finally:
+            scheduler.close()
+
+    first, later = asyncio.run(main())
+    assert all(isinstance(r, VerificationError) and "planted" in str(r) for r in first)
+    assert later.result.next_token == work[2][2][3]
+
+
+def test_sessions_decoding_are_not_held_out_of_the_batch_by_prompts_coming_in(
+        executor: ThreadPoolExecutor) -> None:
+    """``max_batch`` prompts join ahead of a session that is decoding, under a binding
+    budget: the decoding session is verified in the first pass (a batch taken off the
+    queue in order would hold it until both prompts were in, pass after pass of chunks),
+    and the prompts still come in and are answered."""
+    backend, rng = Recording(), np.random.default_rng(5)
+    work = []
+    for n in (300, 300):
+        prompt = [int(t) for t in rng.integers(0, POISON, n)]
+        expected = greedy(backend, prompt, 3)
+        work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
+    prompt = PROMPTS[0]
+    expected = greedy(backend, prompt, 3)
+    decoding = backend.new_sequence()
+    decoding.extend(prompt[:-1], keep=0)
+    work.append((decoding, request(prompt, expected[:2]), expected))
+    results = run(BatchScheduler(backend, executor, Metrics(), max_batch=2, token_budget=40),
+                  [(sequence, req) for sequence, req, _ in work])
+    for (_, _, want), result in zip(work, results, strict=True):
+        assert isinstance(result, Pass)
+        assert (result.result.num_accepted, result.result.next_token) == (2, want[2])
+    assert any(decoding in batch for batch in backend.batches[:2])
+    assert all(len(batch) <= 2 for batch in backend.batches)

@@ -129,13 +129,14 @@ def test_acceptance_by_depth_follows_what_was_verified() -> None:
 
 def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
     probs = tuple(SparseProbs.from_dense(np.eye(5)[t]) for t in (1, 2, 3))
-    tokens, kept, parents = cut_draft((1, 2, 3), probs, None, 2)
-    assert tokens == (1, 2) and kept == probs[:2] and parents is None
+    tokens, kept, parents, index = cut_draft((1, 2, 3), probs, None, 2)
+    assert tokens == (1, 2) and kept == probs[:2] and parents is None and index == (0, 1)
     # A tree: 0 and 1 at depth 1, 2 under 0, 3 under 2, 4 under 1.
     tree = (-1, -1, 0, 2, 1)
     assert tree_nodes(tree, 5) == (2, 4, 5)
-    assert cut_draft((7, 8, 9, 10, 11), None, tree, 2) == ((7, 8, 9, 11), None, (-1, -1, 0, 1))
-    assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, ())
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 2) == ((7, 8, 9, 11), None, (-1, -1, 0, 1),
+                                                          (0, 1, 2, 4))
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, (), ())
 
 
 # -- lossless by construction, and the planted bug that is not ---------------------------
@@ -144,7 +145,7 @@ def verify_prefix(draft_tokens: Sequence[int], target_probs: np.ndarray,
                   rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
                   depth: int) -> VerifyResult:
     """Verify the draft cut to its first ``depth`` tokens, as the scheduler does."""
-    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
+    tokens, probs, _, _ = cut_draft(draft_tokens, draft_probs, None, depth)
     return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
 
 

@@ -288,14 +288,20 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
 
 def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
               parents: Sequence[int] | None, depth: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None]:
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None,
+                         tuple[int, ...]]:
     """A draft's leading ``depth`` positions: a chain's first ``depth`` tokens, or a tree's
-    nodes at most ``depth`` deep (their order kept, parents renumbered). Verifying it is
-    verifying a draft that never went further: lossless whenever ``depth`` is chosen
-    without the verification's outcome."""
+    nodes at most ``depth`` deep (their order kept, parents renumbered), and the kept
+    positions' indices in the whole draft (``kept[j]``: the cut draft's node ``j``), which
+    turn a verified cut tree's accepted path back into the draft's numbering (a tree's
+    nodes need only follow their parents, so a cut may keep a later node and drop an
+    earlier one). Verifying it is verifying a draft that never went further: lossless
+    whenever ``depth`` is chosen without the verification's outcome."""
     if parents is None:
+        depth = min(depth, len(tokens))
         return (tuple(tokens[:depth]),
-                tuple(draft_probs[:depth]) if draft_probs is not None else None, None)
+                tuple(draft_probs[:depth]) if draft_probs is not None else None, None,
+                tuple(range(depth)))
     levels: list[int] = []
     kept: list[int] = []
     index: dict[int, int] = {}
@@ -306,7 +312,7 @@ def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
             kept.append(i)
     return (tuple(tokens[i] for i in kept),
             tuple(draft_probs[i] for i in kept) if draft_probs is not None else None,
-            tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept))
+            tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept), tuple(kept))
 
 
 def tree_nodes(parents: Sequence[int] | None, size: int) -> tuple[int, ...]:
