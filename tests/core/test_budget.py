@@ -17,10 +17,12 @@ import pytest
 from spececd.core.budget import (
     HEADROOM,
     MIN_CHUNK,
+    START_BUDGET,
     DepthAcceptance,
     Offer,
     PassCost,
     cut_draft,
+    pass_budget,
     plan,
     tree_nodes,
 )
@@ -48,8 +50,23 @@ def test_drafts_are_cut_by_worth_and_every_session_gets_its_token() -> None:
     chosen = plan(offers, 3 + 4)  # three tokens, four drafted positions
     assert chosen.depths == (3, 1, 0)  # 0.9, 0.8, 0.7, 0.5 beat 0.2 and 0.1
     assert chosen.chunks == (0, 0, 0)
-    assert chosen.level == pytest.approx(0.2)
+    assert chosen.level == pytest.approx(0.5)  # the least worth verified
     assert plan(offers, 2).depths == (0, 0, 0)  # below the tokens: the tokens still go
+    assert plan(offers, 2).level > 0.9  # nothing verified: every session is told none
+
+
+def test_the_level_is_the_least_worth_verified_when_a_tree_does_not_fit() -> None:
+    """A tree whose first depth (12 nodes) does not fit is skipped; the chain's three
+    positions are verified, so a session like it is told its three positions (a level
+    taken from the skipped tree's worth, 0.9, told it none)."""
+    tree, chain = Offer(0, (0.9, 0.85), (12, 13)), decoding([0.8, 0.7, 0.6])
+    chosen = plan([tree, chain], 2 + 6)
+    assert chosen.depths == (0, 3)
+    assert chosen.level == pytest.approx(0.6)
+    session = DepthAcceptance()
+    for _ in range(200):
+        session.observe(3, 3)
+    assert session.budget(chosen.level, 64) >= 3
 
 
 def test_drafts_stop_where_a_position_no_longer_pays() -> None:
@@ -204,3 +221,30 @@ def test_a_planted_cut_fails_the_test(name: str, buggy: VerifyFn) -> None:
     p_value = pairs_p_value(simulate(setting, buggy).pairs, setting.params)
     print(f"planted bug, {name}: chi-square p={p_value:.3g}")
     assert p_value < 0.001
+
+
+def test_a_round_that_verified_nothing_leaves_acceptance_as_it_was() -> None:
+    """Cloud-only steps verify no position: they neither teach nor decay a session's
+    acceptance nor its source's (every empty step decayed the shared prior)."""
+    source = DepthAcceptance()
+    session = DepthAcceptance(source)
+    for _ in range(10):
+        session.observe(3, 1)
+    before = (list(source._kept), list(source._reached), session.rates(3))
+    for _ in range(50):
+        session.observe(0, 0)
+    assert (source._kept, source._reached, session.rates(3)) == before
+
+
+def test_a_fit_whose_positions_follow_its_rows_is_not_used() -> None:
+    """Passes of every session's token alone (positions = rows) cannot tell a position's
+    cost from a row's: the fit is not used (a budget from least squares' split of it
+    could cut every draft to nothing for good); once positions vary apart, it is."""
+    cost = PassCost()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 2, 3):
+        cost.update(rows, rows, 0.01 + 0.005 * rows)
+    assert not cost.fitted
+    assert pass_budget(None, cost, 4, 0.1) == START_BUDGET
+    for rows, extra in ((2, 8), (3, 0), (4, 12), (5, 3), (2, 0), (6, 9)):
+        cost.update(rows, rows + extra, 0.01 + 0.005 * rows + 0.001 * (rows + extra))
+    assert cost.fitted

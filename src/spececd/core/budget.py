@@ -56,6 +56,7 @@ PREFILL_SHARE = 0.5  # of a binding budget, kept for prompts' chunks while any w
 MIN_CHUNK = 32  # prompt tokens a pass prefills at least while any wait
 START_BUDGET = 256  # positions per pass (auto) until the pass cost is fitted
 FIT_PASSES = 8  # passes seen before the fit is used
+MIN_SPREAD = 1.0  # variance of positions apart from rows (positions²) the fit needs
 HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, past the aim
 
 
@@ -94,8 +95,19 @@ class PassCost:
 
     @property
     def fitted(self) -> bool:
-        """Whether enough passes were seen for the fit to be used."""
-        return self.passes >= FIT_PASSES
+        """Whether enough passes were seen for the fit to be used, and they tell a
+        position's cost from a row's: positions varied apart from rows (passes whose
+        positions all follow their rows, as every session's token alone, leave the split
+        to least squares' whim; a budget from it could cut every draft to nothing, and then
+        no pass would ever teach it otherwise)."""
+        if self.passes < FIT_PASSES:
+            return False
+        weight = self._xx[0, 0]
+        mean = self._xx[0, 1:] / weight
+        cov = self._xx[1:, 1:] / weight - np.outer(mean, mean)
+        rows_var, positions_var, both = cov[0, 0], cov[1, 1], cov[0, 1]
+        apart = positions_var - (both * both / rows_var if rows_var > 1e-9 else 0.0)
+        return bool(apart >= MIN_SPREAD)
 
     @property
     def per_position(self) -> float:
@@ -145,7 +157,11 @@ class DepthAcceptance:
     _reached: list[float] = field(default_factory=list)
 
     def observe(self, verified: int, accepted: int) -> None:
-        """One round that verified ``verified`` leading positions and kept ``accepted``."""
+        """One round that verified ``verified`` leading positions and kept ``accepted`` (a
+        round that verified none, a cloud-only step or a draft cut to nothing, teaches
+        nothing and forgets nothing)."""
+        if verified <= 0:
+            return
         grow = verified - len(self._kept)
         if grow > 0:
             self._kept += [0.0] * grow
@@ -248,7 +264,8 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     depths = dict.fromkeys(deciding, 0)
     heap = [(-offers[i].worth[0] / offers[i].nodes[0], i) for i in deciding if offers[i].nodes]
     heapq.heapify(heap)
-    rows, tokens, positions, level = len(deciding), float(len(deciding)), used, 0.0
+    rows, tokens, positions = len(deciding), float(len(deciding)), used
+    least, passed = np.inf, 0.0  # the least worth verified; the most worth left out
     fitted = cost is not None and cost.fitted and cost.per_position > 0
     while heap:
         _, i = heapq.heappop(heap)
@@ -256,21 +273,26 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         step = offer.nodes[depth] - _nodes(offer, depth)
         worth = offer.worth[depth]
         if step > drafts:
-            level = max(level, worth)
+            passed = max(passed, worth)
             continue  # this session's next depth does not fit; shallower ones may
         if fitted:
             assert cost is not None
             rate = tokens / max(cost.predict(rows, positions), 1e-9)
             if worth < rate * cost.per_position * step:
-                level = max(level, worth)
+                passed = max(passed, worth)
                 break  # no position left is worth its cost
         depths[i] = depth + 1
+        least = min(least, worth)
         drafts -= step
         positions += step
         tokens += worth
         if depth + 1 < len(offer.nodes):
             heapq.heappush(heap, (-offer.worth[depth + 1] / (offer.nodes[depth + 1]
                                                               - offer.nodes[depth]), i))
+    # The level: the least worth verified (a session's positions of at least that worth are
+    # what the heap takes first); nothing verified, just above the most worth left out.
+    level = (float(least) if least < np.inf
+             else float(np.nextafter(passed, np.inf)) if passed else 0.0)
     # Prompts: whole where they fit, else a chunk, first come first served.
     room = max(budget - positions, kept) if joining else 0
     out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
