@@ -319,20 +319,31 @@ def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
 
 def test_prompts_joining_together_go_in_chunks_and_are_all_answered(
         executor: ThreadPoolExecutor) -> None:
-    """Three long prompts queued at once under a budget of 64: passes of chunks alone
-    (nothing to verify yet), no session starved, each answered as a whole prefill would."""
-    backend, rng = Recording(), np.random.default_rng(9)
-    work = []
-    for n in (150, 90, 120):
-        prompt = [int(t) for t in rng.integers(0, POISON, n)]
-        expected = greedy(backend, prompt, 3)
-        work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
-    results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
-                  [(sequence, req) for sequence, req, _ in work])
-    for (_, _, expected), result in zip(work, results, strict=True):
-        assert isinstance(result, Pass)
-        assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
-    assert len(backend.batches) > 360 // 64  # in chunks: the budget held
+    """Three long prompts queued at once under a budget of 64, beside a session decoding:
+    a chunk in its first pass, then (nobody left decoding) the rest whole; each answered as
+    a whole prefill would. The same prompts with nobody decoding go in whole, in one pass
+    (chunks would hold up no one's token and cost a forward's fixed cost each)."""
+    for decoding in (True, False):
+        backend, rng = Recording(), np.random.default_rng(9)
+        work = []
+        for n in (150, 90, 120):
+            prompt = [int(t) for t in rng.integers(0, POISON, n)]
+            expected = greedy(backend, prompt, 3)
+            work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
+        if decoding:
+            expected = greedy(backend, PROMPTS[0], 3)
+            sequence = backend.new_sequence()
+            sequence.extend(PROMPTS[0][:-1], keep=0)
+            work.append((sequence, request(PROMPTS[0], expected[:2]), expected))
+        results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
+                      [(sequence, req) for sequence, req, _ in work])
+        for (_, _, expected), result in zip(work, results, strict=True):
+            assert isinstance(result, Pass)
+            assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
+        if decoding:  # a chunk beside its token (the budget held), then the rest whole
+            assert len(backend.batches[0]) < 3 and backend.batches[1] == [work[3][0]]
+        else:
+            assert len(backend.batches) == 1
 
 
 def test_a_tree_cut_by_the_budget_answers_in_the_whole_trees_numbering(

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from spececd.core.budget import (
+    AMORTISE,
     HEADROOM,
     MIN_CHUNK,
     START_BUDGET,
@@ -248,3 +249,22 @@ def test_a_fit_whose_positions_follow_its_rows_is_not_used() -> None:
     for rows, extra in ((2, 8), (3, 0), (4, 12), (5, 3), (2, 0), (6, 9)):
         cost.update(rows, rows + extra, 0.01 + 0.005 * rows + 0.001 * (rows + extra))
     assert cost.fitted
+
+
+def test_prompts_go_whole_with_nobody_decoding_and_chunks_pay_for_their_row() -> None:
+    """With nobody decoding, prompts go whole (a chunk holds up no one and costs a
+    forward's fixed cost); beside a session decoding, no chunk is shorter than
+    :data:`AMORTISE` times the positions a row's cost buys (40 ms a row, 2.5 ms a position
+    here: 64), so a prompt's leftover room of a few tokens is not spent on a chunk."""
+    cost = PassCost()
+    for rows, positions in ((1, 1), (2, 10), (4, 4), (8, 40), (3, 30), (6, 6), (2, 2), (5, 9)):
+        cost.update(rows, positions, 0.040 * rows + 0.0025 * positions)
+    assert cost.per_row == pytest.approx(0.040) and cost.per_position == pytest.approx(0.0025)
+    prompts = [Offer(300, (), ()), Offer(300, (), ())]
+    assert plan(prompts, 100, cost).depths == (0, 0)
+    chosen = plan([decoding([]), *prompts], 1 + 100, cost)
+    assert chosen.chunks == (0, 100, 0)
+    chosen = plan([decoding([]), Offer(80, (), ()), prompts[1]], 1 + 100, cost)
+    assert chosen.depths == (0, 0, None)  # the short prompt whole, then 19 left:
+    assert chosen.chunks == (0, 0, 0)  # too short a chunk for the second
+    assert AMORTISE * 0.040 / 0.0025 == 64

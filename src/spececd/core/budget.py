@@ -58,6 +58,7 @@ START_BUDGET = 256  # positions per pass (auto) until the pass cost is fitted
 FIT_PASSES = 8  # passes seen before the fit is used
 MIN_SPREAD = 1.0  # variance of positions apart from rows (positions²) the fit needs
 HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, past the aim
+AMORTISE = 4.0  # a prompt's chunk is at least this many times the positions a row's cost buys
 
 
 @dataclass
@@ -108,6 +109,12 @@ class PassCost:
         rows_var, positions_var, both = cov[0, 0], cov[1, 1], cov[0, 1]
         apart = positions_var - (both * both / rows_var if rows_var > 1e-9 else 0.0)
         return bool(apart >= MIN_SPREAD)
+
+    @property
+    def per_row(self) -> float:
+        """Seconds one more row (a session, a chunk: on a runtime that evaluates each
+        sequence on its own, a forward's fixed cost) adds to a pass."""
+        return float(self._coef[1])
 
     @property
     def per_position(self) -> float:
@@ -255,10 +262,17 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         return whole
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
+    if not deciding:
+        return whole  # nobody decoding waits on the prompts: chunks would only cost more
+    fitted = cost is not None and cost.fitted and cost.per_position > 0
+    least_chunk = MIN_CHUNK
+    if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
+        assert cost is not None
+        least_chunk = max(least_chunk, int(AMORTISE * cost.per_row / cost.per_position))
     used = sum(offers[i].prefill + 1 for i in deciding)  # every decoding session's token
     waiting = sum(offers[i].prefill + 1 for i in joining)
     spare = max(0, budget - used)
-    kept = min(waiting, max(MIN_CHUNK, int(PREFILL_SHARE * spare))) if joining else 0
+    kept = min(waiting, max(least_chunk, int(PREFILL_SHARE * spare))) if joining else 0
     drafts = max(0, spare - kept)
     # Drafts' positions by worth, each session's in order (its worth never grows with depth).
     depths = dict.fromkeys(deciding, 0)
@@ -266,7 +280,6 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     heapq.heapify(heap)
     rows, tokens, positions = len(deciding), float(len(deciding)), used
     least, passed = np.inf, 0.0  # the least worth verified; the most worth left out
-    fitted = cost is not None and cost.fitted and cost.per_position > 0
     while heap:
         _, i = heapq.heappop(heap)
         offer, depth = offers[i], depths[i]
@@ -302,7 +315,7 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         if offer.whole <= room:
             out_depths[i] = len(offer.nodes)
             room -= offer.whole
-        elif room > 0:
+        elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay its way
             chunks[i] = min(offer.prefill, room)
             room -= chunks[i]
     return Plan(tuple(out_depths), tuple(chunks), level)
