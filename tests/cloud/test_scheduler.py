@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -249,6 +249,22 @@ def test_a_lone_short_pass_runs_on_the_loops_thread_and_a_batch_on_the_executor(
         assert result.result.num_accepted == 3 and result.result.next_token == expected[3]
 
 
+def assert_greedy(backend: ToyBackend, scheduler: BatchScheduler,
+                  session: Callable[[list[int]], Awaitable[list[int]]]) -> None:
+    """Run ``session`` for six prompts at once on ``scheduler``; each output must be the
+    target's own greedy output."""
+    prompts = [*PROMPTS, list(b"q")]
+
+    async def main() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(session(p) for p in prompts))
+        finally:
+            scheduler.close()
+
+    for prompt, out in zip(prompts, asyncio.run(main()), strict=True):
+        assert out == greedy(backend, prompt, len(out))
+
+
 # -- the token budget -------------------------------------------------------------------
 
 def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
@@ -305,14 +321,7 @@ def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
             context += [*draft[:done.result.num_accepted], done.result.next_token]
         return context[len(prompt):]
 
-    async def main() -> list[list[int]]:
-        try:
-            return await asyncio.gather(*(session(p) for p in [*PROMPTS, list(b"q")]))
-        finally:
-            scheduler.close()
-
-    for prompt, out in zip([*PROMPTS, list(b"q")], asyncio.run(main()), strict=True):
-        assert out == greedy(backend, prompt, len(out))
+    assert_greedy(backend, scheduler, session)
     assert any(cuts) and not all(cuts)
     assert any(budget is not None and budget < 5 for budget in budgets)
 
@@ -373,14 +382,7 @@ def test_a_tree_cut_by_the_budget_answers_in_the_whole_trees_numbering(
             context += [*(tokens[i] for i in done.result.path), done.result.next_token]
         return context[len(prompt):]
 
-    async def main() -> list[list[int]]:
-        try:
-            return await asyncio.gather(*(session(p) for p in [*PROMPTS, list(b"q")]))
-        finally:
-            scheduler.close()
-
-    for prompt, out in zip([*PROMPTS, list(b"q")], asyncio.run(main()), strict=True):
-        assert out == greedy(backend, prompt, len(out))
+    assert_greedy(backend, scheduler, session)
     assert any(cuts)
 
 
