@@ -341,6 +341,8 @@ class BatchScheduler:
         each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
         chosen = plan(offers, self.budget(len(batch)), self.cost)
+        if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
+            chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []
         kept: list[tuple[int, ...] | None] = []  # a cut tree's nodes, in the whole tree
         for job, offer, depth, chunk in zip(batch, offers, chosen.depths, chosen.chunks,
@@ -360,8 +362,6 @@ class BatchScheduler:
             matchers.append(job.matcher)
             kept.append(index)
             verified.append((job, depth, len(job.request.tokens)))  # positions offered
-        if not work and not chunks:
-            return waiting  # prompts the budget had no room for (not expected: one always has)
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         try:
