@@ -233,3 +233,24 @@ def test_a_generation_ends_at_max_tokens_and_the_session_is_forgotten(
     assert tokens_of(replies) == expected
     assert not service.links and subject.runner.kv_tokens(keys[0]) == 0  # released
     assert subject.runner.alive() and isinstance(subject.runner.status(), dict)
+
+
+def test_a_sessions_acceptance_is_kept_per_draft_source() -> None:
+    """An edge that sends trees and chains in turn keeps what each taught: a session's
+    acceptance is one per draft source (one per session, started over whenever the source
+    changed, never grew past a round), and forgetting the session drops them all."""
+    import dataclasses
+
+    from spececd.core.params import Mode, SamplingParams
+    from spececd.protocol.cloud_session import VerifyRequest
+
+    runner = BuiltinRunner(ToyBackend(ToyModel(seed=0)), Metrics())
+    chain = VerifyRequest(seq=1, context=(1, 2), tokens=(3, 4), draft_probs=None,
+                          mode=Mode.GREEDY, params=SamplingParams(temperature=0.0, seed=0))
+    tree = dataclasses.replace(chain, parents=(-1, 0))
+    first = runner._accepting("s", tree)
+    first.observe(2, 0)
+    assert runner._accepting("s", chain) is not first
+    assert runner._accepting("s", tree) is first
+    runner.forget("s")
+    assert runner._accepting("s", tree) is not first

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -249,6 +249,22 @@ def test_a_lone_short_pass_runs_on_the_loops_thread_and_a_batch_on_the_executor(
         assert result.result.num_accepted == 3 and result.result.next_token == expected[3]
 
 
+def assert_greedy(backend: ToyBackend, scheduler: BatchScheduler,
+                  session: Callable[[list[int]], Awaitable[list[int]]]) -> None:
+    """Run ``session`` for six prompts at once on ``scheduler``; each output must be the
+    target's own greedy output."""
+    prompts = [*PROMPTS, list(b"q")]
+
+    async def main() -> list[list[int]]:
+        try:
+            return await asyncio.gather(*(session(p) for p in prompts))
+        finally:
+            scheduler.close()
+
+    for prompt, out in zip(prompts, asyncio.run(main()), strict=True):
+        assert out == greedy(backend, prompt, len(out))
+
+
 # -- the token budget -------------------------------------------------------------------
 
 def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
@@ -305,31 +321,125 @@ def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
             context += [*draft[:done.result.num_accepted], done.result.next_token]
         return context[len(prompt):]
 
-    async def main() -> list[list[int]]:
-        try:
-            return await asyncio.gather(*(session(p) for p in [*PROMPTS, list(b"q")]))
-        finally:
-            scheduler.close()
-
-    for prompt, out in zip([*PROMPTS, list(b"q")], asyncio.run(main()), strict=True):
-        assert out == greedy(backend, prompt, len(out))
+    assert_greedy(backend, scheduler, session)
     assert any(cuts) and not all(cuts)
     assert any(budget is not None and budget < 5 for budget in budgets)
 
 
 def test_prompts_joining_together_go_in_chunks_and_are_all_answered(
         executor: ThreadPoolExecutor) -> None:
-    """Three long prompts queued at once under a budget of 64: passes of chunks alone
-    (nothing to verify yet), no session starved, each answered as a whole prefill would."""
-    backend, rng = Recording(), np.random.default_rng(9)
+    """Three long prompts queued at once under a budget of 64, beside a session decoding:
+    a chunk in its first pass, then (nobody left decoding) the rest whole; each answered as
+    a whole prefill would. The same prompts with nobody decoding go in whole, in one pass
+    (chunks would hold up no one's token and cost a forward's fixed cost each)."""
+    for decoding in (True, False):
+        backend, rng = Recording(), np.random.default_rng(9)
+        work = []
+        for n in (150, 90, 120):
+            prompt = [int(t) for t in rng.integers(0, POISON, n)]
+            expected = greedy(backend, prompt, 3)
+            work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
+        if decoding:
+            expected = greedy(backend, PROMPTS[0], 3)
+            sequence = backend.new_sequence()
+            sequence.extend(PROMPTS[0][:-1], keep=0)
+            work.append((sequence, request(PROMPTS[0], expected[:2]), expected))
+        results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
+                      [(sequence, req) for sequence, req, _ in work])
+        for (_, _, expected), result in zip(work, results, strict=True):
+            assert isinstance(result, Pass)
+            assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
+        if decoding:  # a chunk beside its token (the budget held), then the rest whole
+            assert len(backend.batches[0]) < 3 and backend.batches[1] == [work[3][0]]
+        else:
+            assert len(backend.batches) == 1
+
+
+def test_a_tree_cut_by_the_budget_answers_in_the_whole_trees_numbering(
+        executor: ThreadPoolExecutor) -> None:
+    """Trees in depth-first order (a node need only follow its parent) under a binding
+    budget: a cut keeps the shallow nodes and renumbers them, and the accepted path each
+    session gets must name the nodes of the tree it sent. Six sessions read their tokens
+    from the path as the session does (``tokens[i] for i in path``); every output is the
+    target's own greedy output (a path left in the cut tree's numbering emits another
+    branch's tokens)."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=9)
+    cuts = []
+
+    async def session(prompt: list[int]) -> list[int]:
+        sequence, acceptance = backend.new_sequence(), DepthAcceptance()
+        context = list(prompt)
+        while len(context) - len(prompt) < 24:
+            g = greedy(backend, context, 3)
+            wrong = (g[0] + 1) % POISON
+            # A wrong branch first (a node and its child), then the target's chain.
+            tokens, parents = (wrong, g[1], g[0], g[1], g[2]), (-1, 0, -1, 2, 3)
+            req = dataclasses.replace(request(context, list(tokens)), parents=parents)
+            done = await scheduler.verify(sequence, req, acceptance=acceptance)
+            cuts.append(done.verified < 3)
+            assert done.result.path is not None
+            context += [*(tokens[i] for i in done.result.path), done.result.next_token]
+        return context[len(prompt):]
+
+    assert_greedy(backend, scheduler, session)
+    assert any(cuts)
+
+
+def test_a_pass_that_fails_outside_the_forward_fails_its_jobs_and_the_worker_lives(
+        executor: ThreadPoolExecutor) -> None:
+    """An exception in the pass's bookkeeping (planted: the cost fit raises once) gives the
+    batch's sessions a typed error, and the next verification still runs (a worker that
+    died would leave every later job waiting forever)."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics())
+    planted = [True]
+    update = scheduler.cost.update
+
+    def failing(rows: int, positions: int, seconds: float) -> None:
+        if planted.pop() if planted else False:
+            raise RuntimeError("planted")
+        update(rows, positions, seconds)
+
+    scheduler.cost.update = failing  # type: ignore[method-assign]
+    work = jobs(backend)
+
+    async def main() -> tuple[list[Pass | BaseException], Pass]:
+        try:
+            first = await asyncio.wait_for(asyncio.gather(
+                *(scheduler.verify(sequence, req) for sequence, req, _ in work[:2]),
+                return_exceptions=True), 10)
+            sequence, req, _ = work[2]
+            return first, await asyncio.wait_for(scheduler.verify(sequence, req), 10)
+        finally:
+            scheduler.close()
+
+    first, later = asyncio.run(main())
+    assert all(isinstance(r, VerificationError) and "planted" in str(r) for r in first)
+    assert later.result.next_token == work[2][2][3]
+
+
+def test_sessions_decoding_are_not_held_out_of_the_batch_by_prompts_coming_in(
+        executor: ThreadPoolExecutor) -> None:
+    """``max_batch`` prompts join ahead of a session that is decoding, under a binding
+    budget: the decoding session is verified in the first pass (a batch taken off the
+    queue in order would hold it until both prompts were in, pass after pass of chunks),
+    and the prompts still come in and are answered."""
+    backend, rng = Recording(), np.random.default_rng(5)
     work = []
-    for n in (150, 90, 120):
+    for n in (300, 300):
         prompt = [int(t) for t in rng.integers(0, POISON, n)]
         expected = greedy(backend, prompt, 3)
         work.append((backend.new_sequence(), request(prompt, expected[:2]), expected))
-    results = run(BatchScheduler(backend, executor, Metrics(), token_budget=64),
+    prompt = PROMPTS[0]
+    expected = greedy(backend, prompt, 3)
+    decoding = backend.new_sequence()
+    decoding.extend(prompt[:-1], keep=0)
+    work.append((decoding, request(prompt, expected[:2]), expected))
+    results = run(BatchScheduler(backend, executor, Metrics(), max_batch=2, token_budget=40),
                   [(sequence, req) for sequence, req, _ in work])
-    for (_, _, expected), result in zip(work, results, strict=True):
+    for (_, _, want), result in zip(work, results, strict=True):
         assert isinstance(result, Pass)
-        assert (result.result.num_accepted, result.result.next_token) == (2, expected[2])
-    assert len(backend.batches) > 360 // 64  # in chunks: the budget held
+        assert (result.result.num_accepted, result.result.next_token) == (2, want[2])
+    assert any(decoding in batch for batch in backend.batches[:2])
+    assert all(len(batch) <= 2 for batch in backend.batches)

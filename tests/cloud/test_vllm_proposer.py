@@ -77,3 +77,23 @@ def test_the_proposer_proposes_within_the_budget_by_worth() -> None:
         out = budget.cut(keys, [[0] * (kept["good"] + 1), [0], [0]], proposals)
     assert out[0] == [1, 2, 3, 4] and len(out[1]) <= 2
     assert ProposalBudget(0, 0.1).cut(keys, [[0]] * 3, proposals) == proposals  # off
+
+
+def test_idle_gaps_between_steps_do_not_lock_the_proposer_out_of_speculation() -> None:
+    """Requests arriving seconds apart (gaps between calls that are idle time, not steps),
+    then steps of 10 ms: the fit leaves the idle gaps out, so proposals are verified (a fit
+    that took them in found each position 0.1 s dear and cut every proposal to nothing,
+    and with no drafted position left no step could teach it otherwise)."""
+    from spececd.cloud.vllm_proposer import ProposalBudget
+
+    now = [0.0]
+    budget = ProposalBudget(None, 0.1, clock=lambda: now[0])
+    keys, proposals = ["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]]
+    for i in range(8):
+        now[0] += 5.0 if i % 2 == 0 else 0.01
+        budget.cut(keys, [[0], [0]], proposals)
+    for _ in range(50):
+        now[0] += 0.01 + 0.001 * sum(budget._proposed.values())
+        out = budget.cut(keys, [[0] * 5, [0] * 5], proposals)
+    assert budget.cost.per_position < 0.01
+    assert out == proposals

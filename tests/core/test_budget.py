@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 
 from spececd.core.budget import (
+    AMORTISE,
     HEADROOM,
     MIN_CHUNK,
+    START_BUDGET,
     DepthAcceptance,
     Offer,
     PassCost,
     cut_draft,
+    pass_budget,
     plan,
     tree_nodes,
 )
@@ -48,8 +51,23 @@ def test_drafts_are_cut_by_worth_and_every_session_gets_its_token() -> None:
     chosen = plan(offers, 3 + 4)  # three tokens, four drafted positions
     assert chosen.depths == (3, 1, 0)  # 0.9, 0.8, 0.7, 0.5 beat 0.2 and 0.1
     assert chosen.chunks == (0, 0, 0)
-    assert chosen.level == pytest.approx(0.2)
+    assert chosen.level == pytest.approx(0.5)  # the least worth verified
     assert plan(offers, 2).depths == (0, 0, 0)  # below the tokens: the tokens still go
+    assert plan(offers, 2).level > 0.9  # nothing verified: every session is told none
+
+
+def test_the_level_is_the_least_worth_verified_when_a_tree_does_not_fit() -> None:
+    """A tree whose first depth (12 nodes) does not fit is skipped; the chain's three
+    positions are verified, so a session like it is told its three positions (a level
+    taken from the skipped tree's worth, 0.9, told it none)."""
+    tree, chain = Offer(0, (0.9, 0.85), (12, 13)), decoding([0.8, 0.7, 0.6])
+    chosen = plan([tree, chain], 2 + 6)
+    assert chosen.depths == (0, 3)
+    assert chosen.level == pytest.approx(0.6)
+    session = DepthAcceptance()
+    for _ in range(200):
+        session.observe(3, 3)
+    assert session.budget(chosen.level, 64) >= 3
 
 
 def test_drafts_stop_where_a_position_no_longer_pays() -> None:
@@ -129,13 +147,14 @@ def test_acceptance_by_depth_follows_what_was_verified() -> None:
 
 def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
     probs = tuple(SparseProbs.from_dense(np.eye(5)[t]) for t in (1, 2, 3))
-    tokens, kept, parents = cut_draft((1, 2, 3), probs, None, 2)
-    assert tokens == (1, 2) and kept == probs[:2] and parents is None
+    tokens, kept, parents, index = cut_draft((1, 2, 3), probs, None, 2)
+    assert tokens == (1, 2) and kept == probs[:2] and parents is None and index == (0, 1)
     # A tree: 0 and 1 at depth 1, 2 under 0, 3 under 2, 4 under 1.
     tree = (-1, -1, 0, 2, 1)
     assert tree_nodes(tree, 5) == (2, 4, 5)
-    assert cut_draft((7, 8, 9, 10, 11), None, tree, 2) == ((7, 8, 9, 11), None, (-1, -1, 0, 1))
-    assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, ())
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 2) == ((7, 8, 9, 11), None, (-1, -1, 0, 1),
+                                                          (0, 1, 2, 4))
+    assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, (), ())
 
 
 # -- lossless by construction, and the planted bug that is not ---------------------------
@@ -144,7 +163,7 @@ def verify_prefix(draft_tokens: Sequence[int], target_probs: np.ndarray,
                   rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
                   depth: int) -> VerifyResult:
     """Verify the draft cut to its first ``depth`` tokens, as the scheduler does."""
-    tokens, probs, _ = cut_draft(draft_tokens, draft_probs, None, depth)
+    tokens, probs, _, _ = cut_draft(draft_tokens, draft_probs, None, depth)
     return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
 
 
@@ -203,3 +222,49 @@ def test_a_planted_cut_fails_the_test(name: str, buggy: VerifyFn) -> None:
     p_value = pairs_p_value(simulate(setting, buggy).pairs, setting.params)
     print(f"planted bug, {name}: chi-square p={p_value:.3g}")
     assert p_value < 0.001
+
+
+def test_a_round_that_verified_nothing_leaves_acceptance_as_it_was() -> None:
+    """Cloud-only steps verify no position: they neither teach nor decay a session's
+    acceptance nor its source's (every empty step decayed the shared prior)."""
+    source = DepthAcceptance()
+    session = DepthAcceptance(source)
+    for _ in range(10):
+        session.observe(3, 1)
+    before = (list(source._kept), list(source._reached), session.rates(3))
+    for _ in range(50):
+        session.observe(0, 0)
+    assert (source._kept, source._reached, session.rates(3)) == before
+
+
+def test_a_fit_whose_positions_follow_its_rows_is_not_used() -> None:
+    """Passes of every session's token alone (positions = rows) cannot tell a position's
+    cost from a row's: the fit is not used (a budget from least squares' split of it
+    could cut every draft to nothing for good); once positions vary apart, it is."""
+    cost = PassCost()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 2, 3):
+        cost.update(rows, rows, 0.01 + 0.005 * rows)
+    assert not cost.fitted
+    assert pass_budget(None, cost, 4, 0.1) == START_BUDGET
+    for rows, extra in ((2, 8), (3, 0), (4, 12), (5, 3), (2, 0), (6, 9)):
+        cost.update(rows, rows + extra, 0.01 + 0.005 * rows + 0.001 * (rows + extra))
+    assert cost.fitted
+
+
+def test_prompts_go_whole_with_nobody_decoding_and_chunks_pay_for_their_row() -> None:
+    """With nobody decoding, prompts go whole (a chunk holds up no one and costs a
+    forward's fixed cost); beside a session decoding, no chunk is shorter than
+    :data:`AMORTISE` times the positions a row's cost buys (40 ms a row, 2.5 ms a position
+    here: 64), so a prompt's leftover room of a few tokens is not spent on a chunk."""
+    cost = PassCost()
+    for rows, positions in ((1, 1), (2, 10), (4, 4), (8, 40), (3, 30), (6, 6), (2, 2), (5, 9)):
+        cost.update(rows, positions, 0.040 * rows + 0.0025 * positions)
+    assert cost.per_row == pytest.approx(0.040) and cost.per_position == pytest.approx(0.0025)
+    prompts = [Offer(300, (), ()), Offer(300, (), ())]
+    assert plan(prompts, 100, cost).depths == (0, 0)
+    chosen = plan([decoding([]), *prompts], 1 + 100, cost)
+    assert chosen.chunks == (0, 100, 0)
+    chosen = plan([decoding([]), Offer(80, (), ()), prompts[1]], 1 + 100, cost)
+    assert chosen.depths == (0, 0, None)  # the short prompt whole, then 19 left:
+    assert chosen.chunks == (0, 0, 0)  # too short a chunk for the second
+    assert AMORTISE * 0.040 / 0.0025 == 64

@@ -153,14 +153,19 @@ def test_edges_under_a_loaded_server_follow_the_budget_it_sends(
             thread.join()
     finally:
         server.close()
-    told = 0
+    told = cut = 0
     for i, link in enumerate(links):
         assert outputs[i] == greedy(target, prompts[i], N)
-        budget = None
+        budget, drafted = None, 0
         for message in link.log:
             if isinstance(message, m.Verdict):
                 budget = message.budget
                 told += budget is not None
-            elif isinstance(message, m.Draft) and budget is not None:
-                assert len(message.tokens) <= budget
-    assert told > 0
+                if message.verified is not None:  # the server cut the draft: it says where
+                    assert message.num_accepted <= message.verified < drafted
+                    cut += 1
+            elif isinstance(message, m.Draft):
+                drafted = len(message.tokens)
+                if budget is not None:
+                    assert len(message.tokens) <= budget
+    assert told > 0 and cut > 0

@@ -350,3 +350,22 @@ def test_a_mode_or_setting_the_engine_cannot_serve_is_refused_at_the_hello() -> 
     assert (error.code, error.fatal, error.message) == ("unsupported", True, "no threshold here")
     assert session.state is State.CLOSED
     ready(unsupported=unsupported)  # exact mode is served: welcomed
+
+
+def test_a_verdict_on_a_cut_draft_says_how_many_positions_were_verified() -> None:
+    """Under the budget the server may verify a leading part of a draft: the verdict then
+    says how many positions it verified (with the budget only), so that the edge does not
+    count the cut ones as rejected; a draft verified whole leaves it off."""
+    session = ready()
+    assert session.budgets
+    request = receive(session, draft(1, 0, (1, 2, 3), (4, 5, 6)))
+    assert isinstance(request, VerifyRequest)
+    session.verdict(request, 1, 9, 0.01, budget=2, verified=2)
+    assert m.decode(sent(session)) == m.Verdict(1, 1, 9, 0.01, budget=2, verified=2)
+    request = receive(session, draft(2, 5, (), (7, 8)))
+    assert isinstance(request, VerifyRequest)
+    session.verdict(request, 2, 9, 0.01, budget=2, verified=2)
+    verdict = m.decode(sent(session))
+    assert isinstance(verdict, m.Verdict) and verdict.verified is None
+    frame = m.Verdict(3, 0, 1, 0.0, budget=4, verified=0)
+    assert m.decode(m.encode(frame)) == frame

@@ -101,7 +101,7 @@ class BuiltinRunner:
                                         token_budget=config.budget(),
                                         pass_latency_s=config.pass_latency_ms / 1e3)
         self._caches: dict[str, CachedSequence] = {}
-        self._acceptance: dict[str, DepthAcceptance] = {}
+        self._acceptance: dict[tuple[str, str], DepthAcceptance] = {}  # session, source
         self._sources: dict[str, DepthAcceptance] = {}  # by draft source, every session's
         self._matchers: dict[str, ConstraintMatcher] = {}
         self._busy: set[str] = set()  # sessions with a verification queued or running
@@ -131,14 +131,14 @@ class BuiltinRunner:
             self._last_used[key] = time.monotonic()
 
     def _accepting(self, key: str, request: VerifyRequest) -> DepthAcceptance:
-        """``key``'s acceptance by depth, for the draft source ``request`` shows (new when
-        the session's source changed)."""
+        """``key``'s acceptance by depth for the draft source ``request`` shows (one per
+        source: an edge may send trees and chains in turn, and each keeps its record)."""
         source = ("tree" if request.parents is not None
                   else "probs" if request.draft_probs is not None else "ids")
-        prior = self._sources.setdefault(source, DepthAcceptance())
-        acceptance = self._acceptance.get(key)
-        if acceptance is None or acceptance.prior is not prior:
-            acceptance = self._acceptance[key] = DepthAcceptance(prior)
+        acceptance = self._acceptance.get((key, source))
+        if acceptance is None:
+            prior = self._sources.setdefault(source, DepthAcceptance())
+            acceptance = self._acceptance[key, source] = DepthAcceptance(prior)
         return acceptance
 
     def _matcher(self, key: str, constraint: Constraint) -> ConstraintMatcher:
@@ -176,7 +176,8 @@ class BuiltinRunner:
 
     def forget(self, key: str) -> None:
         self._caches.pop(key, None)
-        self._acceptance.pop(key, None)
+        for source in ("tree", "probs", "ids"):
+            self._acceptance.pop((key, source), None)
         self._matchers.pop(key, None)
         self._last_used.pop(key, None)
 

@@ -227,6 +227,12 @@ class _Job:
     matcher: ConstraintMatcher | None = None
     acceptance: DepthAcceptance | None = None  # the session's, by depth (its budget's worth)
 
+    def prefilling(self) -> bool:
+        """Whether the job's prompt is still coming in, in chunks: it gets no result from a
+        pass until its context is all in the server's cache."""
+        offer = self.offer()
+        return offer.prefill > 0 and offer.chunkable
+
     def offer(self) -> Offer:
         """The job as the budget's planner sees it (before the pass, from the request and
         the cache only)."""
@@ -299,19 +305,46 @@ class BatchScheduler:
             await wake.wait()
             wake.clear()
             while self._queue:
-                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-                batch = [job for job in batch if not job.future.done()]  # cancelled: left
-                if batch:
+                batch = self._take()
+                if not batch:
+                    continue
+                try:
                     waiting = await self._pass(batch)
-                    self._queue[:0] = waiting  # prompts not all in: first in the next pass
+                except Exception as exc:  # planning or bookkeeping: fail the batch, not the worker
+                    log.exception("a batched pass failed outside the forward")
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(VerificationError(
+                                f"{type(exc).__name__}: {exc}"))
+                    waiting = []
+                self._queue[:0] = waiting  # prompts not all in: first in the next pass
+
+    def _take(self) -> list[_Job]:
+        """The next batch, taken off the queue: sessions decoding or verifying first (in
+        the order they came, ``max_batch`` at most, less one slot while a prompt waits so
+        that joining is never starved), then prompts still coming in, into the slots left
+        (a prompt the budget gives no chunk runs nothing and goes back to the queue's
+        head). Cancelled jobs are dropped."""
+        queue = [job for job in self._queue if not job.future.done()]
+        prefilling = [job.prefilling() for job in queue]
+        joining = [job for job, p in zip(queue, prefilling, strict=True) if p]
+        deciding = [job for job, p in zip(queue, prefilling, strict=True) if not p]
+        decide = min(len(deciding), self.max_batch - 1 if joining else self.max_batch)
+        batch = deciding[:decide] + joining[:self.max_batch - decide]
+        taken = {id(job) for job in batch}
+        self._queue = [job for job in queue if id(job) not in taken]
+        return batch
 
     async def _pass(self, batch: list[_Job]) -> list[_Job]:
         """One batched forward pass within the budget; the jobs it only prefilled a chunk
-        of, to run again. If it fails, each job alone, so that one bad request fails only
-        itself."""
+        of (or, prompts it had no room for, nothing), to run again. If the forward fails,
+        each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
         chosen = plan(offers, self.budget(len(batch)), self.cost)
+        if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
+            chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []
+        kept: list[tuple[int, ...] | None] = []  # a cut tree's nodes, in the whole tree
         for job, offer, depth, chunk in zip(batch, offers, chosen.depths, chosen.chunks,
                                             strict=True):
             if depth is None:
@@ -319,14 +352,15 @@ class BatchScheduler:
                     chunks.append((job.sequence, job.request.context, chunk))
                 waiting.append(job)
                 continue
-            request = job.request
+            request, index = job.request, None
             if depth < len(offer.nodes):
-                tokens, probs, parents = cut_draft(request.tokens, request.draft_probs,
-                                                   request.parents, depth)
+                tokens, probs, parents, index = cut_draft(request.tokens, request.draft_probs,
+                                                          request.parents, depth)
                 request = dataclasses.replace(request, tokens=tokens, draft_probs=probs,
                                               parents=parents)
             work.append((job.sequence, request))
             matchers.append(job.matcher)
+            kept.append(index)
             verified.append((job, depth, len(job.request.tokens)))  # positions offered
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
@@ -365,8 +399,11 @@ class BatchScheduler:
             sum(len(request.tokens) for _, request in work),
             sum(result.num_accepted for result in done.results), len(done.results),
             done.work_s, self.budget(len(batch)))
-        for (job, depth, _), result, logprobs in zip(verified, done.results, done.logprobs,
-                                                     strict=True):
+        for (job, depth, _), result, logprobs, index in zip(
+                verified, done.results, done.logprobs, kept, strict=True):
+            if index is not None and result.path is not None:  # the cut tree's numbering:
+                result = dataclasses.replace(  # the session reads the whole tree's
+                    result, path=tuple(index[node] for node in result.path))
             budget = None
             if job.acceptance is not None:
                 job.acceptance.observe(depth, result.num_accepted)

@@ -377,7 +377,7 @@ class CloudService:
                      is_round=True)  # a tree counts its positions
         link.session.verdict(request, done.result.num_accepted, done.result.next_token,
                              done.seconds, done.result.path, done.logprobs,
-                             done.prompt_logprobs, done.budget)
+                             done.prompt_logprobs, done.budget, done.verified)
 
     async def _generate(self, link: Link, request: GenerateRequest, send: Send) -> None:
         """A cloud-only generation, one ``Tokens`` frame per step, on any runner.

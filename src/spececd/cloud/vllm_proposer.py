@@ -32,6 +32,7 @@ This module imports nothing heavy (of SpecECD's, the budget's pure planner and
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -147,6 +148,7 @@ class ProposalBudget:
         self.requests: dict[str, DepthAcceptance] = {}
         self._proposed: dict[str, int] = {}  # request: tokens proposed at the last call
         self._last: tuple[float, int, int] | None = None  # time, rows, positions
+        self._shortest = math.inf  # the shortest gap between calls seen
 
     def budget(self, rows: int) -> int | None:
         """Positions a step of ``rows`` requests may compute (None: no budget)."""
@@ -160,9 +162,16 @@ class ProposalBudget:
         now = self.clock()
         if self._last is not None:
             then, rows, positions = self._last
-            if not (self.cost.fitted and now - then > STALE_STEPS
-                    * max(self.cost.predict(rows, positions), 1e-6)):
-                self.cost.update(rows, positions, now - then)
+            gap = now - then
+            # Idle time between steps is no step's cost: a gap much longer than the fit
+            # predicts, or, before the fit, than the shortest gap seen, is left out; and
+            # before the fit, a gap far shorter than every one before shows those idle.
+            if not self.cost.fitted and gap * STALE_STEPS < self._shortest < math.inf:
+                self.cost = PassCost()
+            step = self.cost.predict(rows, positions) if self.cost.fitted else self._shortest
+            if gap <= STALE_STEPS * max(step, 1e-6):
+                self.cost.update(rows, positions, gap)
+            self._shortest = min(self._shortest, gap)
         for key, tokens in zip(keys, sampled, strict=True):
             if key is not None and self._proposed.get(key):
                 accepted = max(0, min(len(tokens) - 1, self._proposed[key]))

@@ -56,7 +56,9 @@ PREFILL_SHARE = 0.5  # of a binding budget, kept for prompts' chunks while any w
 MIN_CHUNK = 32  # prompt tokens a pass prefills at least while any wait
 START_BUDGET = 256  # positions per pass (auto) until the pass cost is fitted
 FIT_PASSES = 8  # passes seen before the fit is used
+MIN_SPREAD = 1.0  # variance of positions apart from rows (positions²) the fit needs
 HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, past the aim
+AMORTISE = 4.0  # a prompt's chunk is at least this many times the positions a row's cost buys
 
 
 @dataclass
@@ -94,8 +96,25 @@ class PassCost:
 
     @property
     def fitted(self) -> bool:
-        """Whether enough passes were seen for the fit to be used."""
-        return self.passes >= FIT_PASSES
+        """Whether enough passes were seen for the fit to be used, and they tell a
+        position's cost from a row's: positions varied apart from rows (passes whose
+        positions all follow their rows, as every session's token alone, leave the split
+        to least squares' whim; a budget from it could cut every draft to nothing, and then
+        no pass would ever teach it otherwise)."""
+        if self.passes < FIT_PASSES:
+            return False
+        weight = self._xx[0, 0]
+        mean = self._xx[0, 1:] / weight
+        cov = self._xx[1:, 1:] / weight - np.outer(mean, mean)
+        rows_var, positions_var, both = cov[0, 0], cov[1, 1], cov[0, 1]
+        apart = positions_var - (both * both / rows_var if rows_var > 1e-9 else 0.0)
+        return bool(apart >= MIN_SPREAD)
+
+    @property
+    def per_row(self) -> float:
+        """Seconds one more row (a session, a chunk: on a runtime that evaluates each
+        sequence on its own, a forward's fixed cost) adds to a pass."""
+        return float(self._coef[1])
 
     @property
     def per_position(self) -> float:
@@ -145,7 +164,11 @@ class DepthAcceptance:
     _reached: list[float] = field(default_factory=list)
 
     def observe(self, verified: int, accepted: int) -> None:
-        """One round that verified ``verified`` leading positions and kept ``accepted``."""
+        """One round that verified ``verified`` leading positions and kept ``accepted`` (a
+        round that verified none, a cloud-only step or a draft cut to nothing, teaches
+        nothing and forgets nothing)."""
+        if verified <= 0:
+            return
         grow = verified - len(self._kept)
         if grow > 0:
             self._kept += [0.0] * grow
@@ -239,38 +262,50 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         return whole
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
+    if not deciding:
+        return whole  # nobody decoding waits on the prompts: chunks would only cost more
+    fitted = cost is not None and cost.fitted and cost.per_position > 0
+    least_chunk = MIN_CHUNK
+    if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
+        assert cost is not None
+        least_chunk = max(least_chunk, int(AMORTISE * cost.per_row / cost.per_position))
     used = sum(offers[i].prefill + 1 for i in deciding)  # every decoding session's token
     waiting = sum(offers[i].prefill + 1 for i in joining)
     spare = max(0, budget - used)
-    kept = min(waiting, max(MIN_CHUNK, int(PREFILL_SHARE * spare))) if joining else 0
+    kept = min(waiting, max(least_chunk, int(PREFILL_SHARE * spare))) if joining else 0
     drafts = max(0, spare - kept)
     # Drafts' positions by worth, each session's in order (its worth never grows with depth).
     depths = dict.fromkeys(deciding, 0)
     heap = [(-offers[i].worth[0] / offers[i].nodes[0], i) for i in deciding if offers[i].nodes]
     heapq.heapify(heap)
-    rows, tokens, positions, level = len(deciding), float(len(deciding)), used, 0.0
-    fitted = cost is not None and cost.fitted and cost.per_position > 0
+    rows, tokens, positions = len(deciding), float(len(deciding)), used
+    least, passed = np.inf, 0.0  # the least worth verified; the most worth left out
     while heap:
         _, i = heapq.heappop(heap)
         offer, depth = offers[i], depths[i]
         step = offer.nodes[depth] - _nodes(offer, depth)
         worth = offer.worth[depth]
         if step > drafts:
-            level = max(level, worth)
+            passed = max(passed, worth)
             continue  # this session's next depth does not fit; shallower ones may
         if fitted:
             assert cost is not None
             rate = tokens / max(cost.predict(rows, positions), 1e-9)
             if worth < rate * cost.per_position * step:
-                level = max(level, worth)
+                passed = max(passed, worth)
                 break  # no position left is worth its cost
         depths[i] = depth + 1
+        least = min(least, worth)
         drafts -= step
         positions += step
         tokens += worth
         if depth + 1 < len(offer.nodes):
             heapq.heappush(heap, (-offer.worth[depth + 1] / (offer.nodes[depth + 1]
                                                               - offer.nodes[depth]), i))
+    # The level: the least worth verified (a session's positions of at least that worth are
+    # what the heap takes first); nothing verified, just above the most worth left out.
+    level = (float(least) if least < np.inf
+             else float(np.nextafter(passed, np.inf)) if passed else 0.0)
     # Prompts: whole where they fit, else a chunk, first come first served.
     room = max(budget - positions, kept) if joining else 0
     out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
@@ -280,7 +315,7 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         if offer.whole <= room:
             out_depths[i] = len(offer.nodes)
             room -= offer.whole
-        elif room > 0:
+        elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay its way
             chunks[i] = min(offer.prefill, room)
             room -= chunks[i]
     return Plan(tuple(out_depths), tuple(chunks), level)
@@ -288,14 +323,20 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
 
 def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
               parents: Sequence[int] | None, depth: int
-              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None]:
+              ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None,
+                         tuple[int, ...]]:
     """A draft's leading ``depth`` positions: a chain's first ``depth`` tokens, or a tree's
-    nodes at most ``depth`` deep (their order kept, parents renumbered). Verifying it is
-    verifying a draft that never went further: lossless whenever ``depth`` is chosen
-    without the verification's outcome."""
+    nodes at most ``depth`` deep (their order kept, parents renumbered), and the kept
+    positions' indices in the whole draft (``kept[j]``: the cut draft's node ``j``), which
+    turn a verified cut tree's accepted path back into the draft's numbering (a tree's
+    nodes need only follow their parents, so a cut may keep a later node and drop an
+    earlier one). Verifying it is verifying a draft that never went further: lossless
+    whenever ``depth`` is chosen without the verification's outcome."""
     if parents is None:
+        depth = min(depth, len(tokens))
         return (tuple(tokens[:depth]),
-                tuple(draft_probs[:depth]) if draft_probs is not None else None, None)
+                tuple(draft_probs[:depth]) if draft_probs is not None else None, None,
+                tuple(range(depth)))
     levels: list[int] = []
     kept: list[int] = []
     index: dict[int, int] = {}
@@ -306,7 +347,7 @@ def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
             kept.append(i)
     return (tuple(tokens[i] for i in kept),
             tuple(draft_probs[i] for i in kept) if draft_probs is not None else None,
-            tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept))
+            tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept), tuple(kept))
 
 
 def tree_nodes(parents: Sequence[int] | None, size: int) -> tuple[int, ...]:

@@ -148,13 +148,17 @@ class Rounds:
         stats.draft_s += draft_s
         stats.tree_siblings += len(tree.tokens) - len(tree.chain)
         stats.record_pass(verdict.verify_s)
-        self.policy.observe(len(tree.chain), verdict.num_accepted, draft_s, verdict.verify_s,
+        # Where the server cut the draft (its budget), the positions past the cut were
+        # never judged: neither rejections for adaptive k nor drafted in the stats.
+        depth = len(tree.chain) if verdict.verified is None else min(len(tree.chain),
+                                                                     verdict.verified)
+        self.policy.observe(depth, verdict.num_accepted, draft_s, verdict.verify_s,
                             round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n,
                       logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs,
-                      drafted=len(tree.chain))]
+                      drafted=depth)]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
         """The round's draft after ``history``: up to ``limit`` tokens deep, its siblings

@@ -490,18 +490,22 @@ class CloudSession:
     def verdict(self, request: VerifyRequest, num_accepted: int, next_token: int,
                 verify_s: float, path: tuple[int, ...] | None = None,
                 logprobs: Logprobs | None = None,
-                prompt_logprobs: Logprobs | None = None, budget: int | None = None) -> None:
+                prompt_logprobs: Logprobs | None = None, budget: int | None = None,
+                verified: int = -1) -> None:
         """Record the verifier's decision for ``request`` (``path``: a tree's accepted
-        nodes; ``logprobs``, ``prompt_logprobs`` and ``budget`` as in :meth:`tokens`) and
-        queue its ``Verdict`` frame."""
+        nodes; ``logprobs``, ``prompt_logprobs``, ``budget`` and ``verified`` as in
+        :meth:`tokens`) and queue its ``Verdict`` frame (which tells an edge that reads the
+        budget how many positions were verified, where the pass cut the draft)."""
         accepted = request.tokens[:num_accepted] if path is None else tuple(
             request.tokens[i] for i in path)
         self.context = request.context + accepted + (next_token,)
         if prompt_logprobs is not None:
             self._prompt_pending = False
+        told = self._told(budget)
+        depth = len(request.tokens) if request.parents is None else tree_depth(request.parents)
+        cut = verified if told is not None and 0 <= verified < depth else None
         self._last_verdict = m.encode(m.Verdict(request.seq, num_accepted, next_token, verify_s,
-                                                path, logprobs, prompt_logprobs,
-                                                self._told(budget)))
+                                                path, logprobs, prompt_logprobs, told, cut))
         self._outgoing.append(self._last_verdict)
 
 

@@ -28,7 +28,8 @@ Exchange (docs/how-it-works.md, "A request's path"; the rules in docs/protocol.m
                                            <- Welcome(session_id, limits, lossy)
     Draft(seq, context_len, prefix, tokens, draft_probs, parents) ->
                                            <- Verdict(seq, num_accepted, next_token, verify_s, path,
-                                                      logprobs, prompt_logprobs, budget)
+                                                      logprobs, prompt_logprobs, budget,
+                                                      verified)
     ...
     Close ->
 
@@ -59,8 +60,11 @@ The server's budget (protocol 7, to an edge whose hello says 7): under load the 
 verifies only the leading positions of each draft that are worth their place in its pass,
 and a ``Verdict`` or ``Tokens`` frame then says how many positions it expects to verify of
 the session's next draft or hint (``budget``); left off while it verifies whatever comes.
-An edge that follows it drafts no positions that would be cut; one that ignores it loses
-nothing but the drafting (a cut draft is verified as the shorter draft it begins with).
+A ``Verdict`` on a draft the pass cut then also says how many leading positions it verified
+(``verified``; a ``Tokens`` frame's ``drafted`` says it), so that the edge counts none
+past them as rejected. An edge that follows it drafts no positions that would be cut; one
+that ignores it loses nothing but the drafting (a cut draft is verified as the shorter
+draft it begins with).
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
@@ -383,13 +387,14 @@ class Draft:
 @dataclass(frozen=True)
 class Verdict:
     """The verifier's answer to a draft. Wire: ``[seq, num_accepted, next_token, verify
-    ticks, path?, logprobs?, prompt_logprobs?, budget?]`` (``path`` ``None`` for a chain
-    when a later field follows, the log-probabilities ``None`` when the budget follows)."""
+    ticks, path?, logprobs?, prompt_logprobs?, budget?, verified?]`` (``path`` ``None`` for
+    a chain when a later field follows, the log-probabilities ``None`` when the budget
+    follows; ``verified`` only with the budget)."""
 
     TYPE: ClassVar[int] = 4
     WIRE: ClassVar[tuple[str, ...]] = (_INT, _INT, _INT, _INT, _MAYBE_NODES, _LOGPROBS,
-                                       _LOGPROBS, _INT)
-    OPTIONAL: ClassVar[int] = 4
+                                       _LOGPROBS, _INT, _INT)
+    OPTIONAL: ClassVar[int] = 5
     seq: int
     num_accepted: int
     next_token: int
@@ -399,6 +404,9 @@ class Verdict:
     prompt_logprobs: Logprobs | None = None  # of the context after its first token (echo)
     # Protocol 7: positions of the next draft the server expects to verify (None: any).
     budget: int | None = None
+    # Protocol 7, with the budget: the leading positions of this draft the server verified
+    # when it cut the rest (None: all); the positions past it were never judged.
+    verified: int | None = None
 
     def body(self) -> list[Any]:
         body: list[Any] = [self.seq, self.num_accepted, self.next_token,
@@ -411,6 +419,8 @@ class Verdict:
             body += [_pack_logprobs(self.logprobs), _pack_logprobs(self.prompt_logprobs)]
         if budgeted:
             body.append(self.budget)
+            if self.verified is not None:
+                body.append(self.verified)
         return body
 
     @classmethod
@@ -418,7 +428,7 @@ class Verdict:
         logprobs, prompt_logprobs = _logprobs_pair(body[5:7])
         return cls(body[0], body[1], body[2], body[3] * TICK,
                    tuple(body[4]) if len(body) > 4 and body[4] is not None else None,
-                   logprobs, prompt_logprobs, _budget(body, 7))
+                   logprobs, prompt_logprobs, _budget(body, 7), _budget(body, 8))
 
 
 @dataclass(frozen=True)
