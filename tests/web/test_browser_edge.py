@@ -88,6 +88,7 @@ def run(tab: Any, **options: Any) -> dict[str, Any]:
             return {text: r.text, tokens: r.tokens, promptIds: r.promptIds, healIds: r.healIds,
                     runtime: r.runtime, reconnects: r.reconnects, drafted: s.drafted,
                     accepted: s.accepted, rounds: s.rounds, lookedUp: s.lookedUpAccepted,
+                    predicted: s.predictedAccepted, prediction: r.prediction,
                     tps: s.tokensPerSecond};
         }""", {"token": TOKEN, "maxTokens": MAX_TOKENS, "temperature": 0, **options})
     return result
@@ -139,6 +140,86 @@ def test_lookup_in_javascript_proposes_what_the_python_lookup_proposes(tab: Any)
         lookup = NgramLookup(max_ngram=max_n, min_ngram=min_n)
         assert (list(lookup.propose(history, k).tokens), lookup.match_len) == \
             (tokens, match_len), (history, k)
+
+
+def edited(rng: random.Random, tokens: list[int], vocab: int) -> list[int]:
+    """``tokens`` with a few random edits: tokens replaced, inserted, deleted, and stretches
+    moved or dropped, as an edit of a file changes it."""
+    out = list(tokens)
+    for _ in range(rng.randrange(0, 5)):
+        at = rng.randrange(len(out) + 1)
+        kind = rng.randrange(4)
+        if kind == 0 and at < len(out):
+            out[at] = rng.randrange(vocab)
+        elif kind == 1:
+            out[at:at] = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        elif kind == 2:
+            del out[at:at + rng.randrange(1, 6)]
+        else:
+            out[at:at] = out[rng.randrange(len(out) + 1):][:rng.randrange(1, 8)]
+    return out
+
+
+def test_the_prediction_aligns_in_javascript_as_in_python(tab: Any) -> None:
+    """Predicted Outputs' alignment (where the output stands in the prediction, how long it
+    has followed it, how many of its tokens it holds) after each step of outputs that grow
+    and roll back, on random (prediction, output) pairs: small vocabularies, so that
+    re-anchoring on repeated n-grams and the slack after an edit are both exercised."""
+    from spececd.edge.lookup import Alignment
+
+    rng = random.Random(11)
+    cases = []
+    for _ in range(200):
+        vocab = rng.choice([3, 6, 20])
+        prediction = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        output = edited(rng, prediction, vocab)
+        steps = [output[:n] for n in sorted(rng.sample(range(len(output) + 1),
+                                                       min(len(output) + 1, 6)))]
+        if steps and rng.random() < 0.5:  # a rollback, then another continuation
+            steps += [steps[-1][:rng.randrange(len(steps[-1]) + 1)], edited(rng, output, vocab)]
+        cases.append([prediction, steps])
+    got = tab.evaluate("""(cases) => cases.map(([prediction, steps]) => {
+        const alignment = new spececd.Alignment(prediction);
+        return steps.map((output) => {
+            alignment.sync(output);
+            return [alignment.at, alignment.run, alignment.hits];
+        });
+    })""", cases)
+    for (prediction, steps), states in zip(cases, got, strict=True):
+        alignment = Alignment(prediction)
+        for output, state in zip(steps, states, strict=True):
+            alignment.sync(output)
+            assert [alignment.at, alignment.run, alignment.hits] == state, (prediction, output)
+    assert any(state[0] == -1 for states in got for state in states)  # outputs left it
+    assert any(state[1] > 0 for states in got for state in states)
+
+
+def test_greedy_text_with_a_prediction_is_the_target_alones(tab: Any, reference: Any) -> None:
+    """A predicted output (the reply itself, then an edit of it) drafts first: the text is
+    still the target alone's, the prediction's drafts are accepted (more drafts accepted
+    than without one: a prediction ignored fails), and the page counts the prediction's
+    tokens in the reply as the OpenAI API does."""
+    from spececd.edge.lookup import Alignment
+
+    ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)", HELDOUT[0])
+    alone = reference.generate(ids, cloud_only=True, max_tokens=MAX_TOKENS, temperature=0)
+    reply = reference.tokenizer.decode(alone.token_ids)
+    cut = len(reply) // 2
+    change = reply[:cut] + " # changed here\n" + reply[cut + 12:]
+    without = run(tab, promptIds=ids, source="lookup")
+    assert without["tokens"] == alone.token_ids
+    for prediction in (reply, change):
+        page = run(tab, promptIds=ids, source="lookup", prediction=prediction)
+        assert page["tokens"] == alone.token_ids
+        assert page["predicted"] > 0
+        assert page["accepted"] > without["accepted"]
+        predicted_ids = reference.prediction_ids(prediction)
+        alignment = Alignment(predicted_ids)
+        alignment.sync(alone.token_ids)
+        hits = min(alignment.hits, len(predicted_ids))
+        assert page["prediction"] == {"accepted": hits, "rejected": len(predicted_ids) - hits}
+    assert page["prediction"]["rejected"] > 0  # the edit is not in the reply
+    assert tab.errors == []
 
 
 def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> None:
