@@ -365,6 +365,36 @@ def test_the_page_shows_both_runs_side_by_side(tab: Any, tmp_path: Path) -> None
         shutil.copyfile(shot, keep)
 
 
+def test_the_page_drafts_from_the_predicted_output_box(tab: Any, reference: Any) -> None:
+    """The form's predicted output: its accepted drafts in the prediction's colour, its
+    tokens counted as accepted / rejected; emptied, the page drafts and counts without."""
+    alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
+                               temperature=0, token_healing=True)
+    tab.fill("#token", TOKEN)
+    tab.fill("#prompt", HELDOUT[1])
+    tab.fill("#max-tokens", str(MAX_TOKENS))
+    tab.click("label:has(input[name=source][value=lookup])")
+    tab.uncheck("#compare")
+    tab.click("#prediction-box summary")
+    for prediction in (alone.text, ""):
+        tab.fill("#prediction", prediction)
+        tab.click("#generate")
+        tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=60_000)
+        assert tab.evaluate("document.body.dataset.state") == "done", tab.text_content("#error")
+        assert "".join(tab.eval_on_selector_all(
+            "#out-spec .tok", "els => els.map(e => e.textContent)")) == alone.text
+        predicted = tab.locator("#out-spec .tok.prediction").count()
+        if prediction:
+            assert predicted > MAX_TOKENS // 2
+            assert tab.is_visible("#stat-prediction")
+            accepted, rejected = (int(tab.text_content(s) or "-1")
+                                  for s in ("#stat-predicted", "#stat-unpredicted"))
+            assert accepted > 0 and rejected >= 0
+        else:
+            assert predicted == 0 and not tab.is_visible("#stat-prediction")
+    assert tab.errors == []
+
+
 def test_the_page_says_what_the_server_refused(tab: Any) -> None:
     tab.fill("#token", "wrong")
     tab.click("#generate")

@@ -1,5 +1,5 @@
 // Drafts that need no model, as src/spececd/edge/lookup.py's NgramLookup drafts them (the
-// same rules; tests/web/test_lookup_parity.py checks the two propose the same tokens):
+// same rules; tests/web/test_browser_edge.py checks the two propose the same tokens):
 // the longest suffix of the history, minNgram to maxNgram tokens, found at its most recent
 // earlier place, proposes the tokens that followed it, continued through the text it
 // proposes where that runs out. Deterministic, so in exact mode each token is reported
