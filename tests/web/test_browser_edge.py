@@ -272,11 +272,13 @@ def test_greedy_text_is_the_target_alones(tab: Any, reference: Any, source: str)
     assert tab.errors == []
 
 
-@pytest.mark.parametrize("source", ["lookup", pytest.param("model", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source", ["lookup", "prediction",
+                                    pytest.param("model", marks=pytest.mark.slow)])
 def test_sampled_tokens_follow_the_targets_distribution(tab: Any, source: str) -> None:
     """The first generated token of many seeds, drafted in the page and verified in exact
-    mode (lookup: one-hot drafts of a token the text repeats; the model: its sparse
-    distribution), against the target's own distribution at that position."""
+    mode (lookup: one-hot drafts of a token the text repeats; a predicted output: one-hot
+    drafts of its first tokens, before lookup; the model: its sparse distribution), against
+    the target's own distribution at that position."""
     from spececd.backends.registry import load_backend
     from spececd.core.params import SamplingParams
     from spececd.core.sampling import process_logits
@@ -284,19 +286,23 @@ def test_sampled_tokens_follow_the_targets_distribution(tab: Any, source: str) -
     ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)",
                        "    total = compute(left, right)\n    count = compute(left")
     draws = 160
-    firsts = tab.evaluate("""async ([ids, draws, source, token]) => {
+    predicted = ", right)\n" if source == "prediction" else ""
+    firsts = tab.evaluate("""async ([ids, draws, source, token, prediction]) => {
         const firsts = [];
-        let drafted = 0;
+        let drafted = 0, predicted = 0;
         for (let seed = 0; seed < draws; seed++) {
-            const r = await spececd.run({promptIds: ids, source, token, maxTokens: 2, k: 2,
+            const r = await spececd.run({promptIds: ids, token, maxTokens: 2, k: 2,
+                source: prediction ? "lookup" : source, prediction,
                 temperature: 1, topK: 20, seed, mode: "exact"});
             firsts.push(r.tokens[0]);
             drafted += r.stats.drafted;
+            predicted += r.stats.predictedAccepted;
         }
-        return [firsts, drafted];
-    }""", [ids, draws, source, TOKEN])
-    tokens, drafted = firsts
+        return [firsts, drafted, predicted];
+    }""", [ids, draws, source, TOKEN, predicted])
+    tokens, drafted, accepted = firsts
     assert drafted > 0  # the page drafted (and sent) the position the draws come from
+    assert (accepted > 0) == bool(predicted)  # ... from the prediction where there is one
     sequence = load_backend(str(MODELS / "target"), device="cpu", dtype="float32"
                             ).new_sequence()
     probs = process_logits(sequence.extend(ids, keep=1), SamplingParams(temperature=1.0,
