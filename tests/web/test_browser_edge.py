@@ -194,6 +194,48 @@ def test_the_prediction_aligns_in_javascript_as_in_python(tab: Any) -> None:
     assert any(state[1] > 0 for states in got for state in states)
 
 
+def test_a_prediction_drafts_in_javascript_as_in_python(tab: Any) -> None:
+    """Which source drafts each round, and what: the prediction where the output starts or
+    has followed it for 4 tokens since it was picked up, the page's source (lookup here)
+    elsewhere, the prediction where that has nothing, on random prompts, predictions and
+    outputs, against the Python edge's PredictedDraft."""
+    from spececd.core.params import Mode, SamplingParams
+    from spececd.edge.lookup import NgramLookup, PredictionLookup
+    from spececd.edge.sources import PredictedDraft
+
+    rng = random.Random(17)
+    cases = []
+    for _ in range(100):
+        vocab = rng.choice([4, 8, 30])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        prediction = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        output = edited(rng, prediction, vocab)
+        cases.append([prompt, prediction, [prompt + output[:n] for n in range(len(output) + 1)],
+                      rng.randrange(1, 9)])
+    got = tab.evaluate("""(cases) => Promise.all(cases.map(async ([prompt, prediction, steps,
+                                                                  k]) => {
+        const source = new spececd.PredictedSource(prediction, new spececd.LookupSource());
+        const settings = {mode: "match", params: {temperature: 0}, promptLen: prompt.length};
+        const out = [];
+        for (const history of steps) {
+            const block = await source.draft(history, k, settings);
+            out.push([block.tokens, block.predicted]);
+        }
+        return out;
+    }))""", cases)
+    sources = set()
+    for (prompt, prediction, steps, k), blocks in zip(cases, got, strict=True):
+        draft = PredictedDraft(PredictionLookup(prediction), NgramLookup())
+        params = SamplingParams(temperature=0.0, prompt_len=len(prompt))
+        for history, (tokens, predicted) in zip(steps, blocks, strict=True):
+            before = draft.looked_up - draft.own.looked_up
+            expected, _ = draft.draft(history, k, Mode.MATCH, params, 0, 64)
+            from_prediction = draft.looked_up - draft.own.looked_up - before
+            assert (tokens, predicted) == (list(expected), from_prediction), (history, prediction)
+            sources.add((bool(tokens), predicted > 0))
+    assert sources == {(True, True), (True, False), (False, False)}
+
+
 def test_greedy_text_with_a_prediction_is_the_target_alones(tab: Any, reference: Any) -> None:
     """A predicted output (the reply itself, then an edit of it) drafts first: the text is
     still the target alone's, the prediction's drafts are accepted (more drafts accepted

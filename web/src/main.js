@@ -208,4 +208,4 @@ $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";
 window.spececd = { run, connect, loaded, defaultServer, NgramLookup, Alignment, DraftLength,
-  decodeFrame };
+  decodeFrame, LookupSource, PredictedSource };
