@@ -1,6 +1,6 @@
-// Builds the browser edge into dist/ (ignored by git): the page, its stylesheet (the
-// playground's, and this page's own rules), one bundle
-// of its JavaScript (esbuild, no CDN at run time) and ONNX Runtime Web's WebAssembly files,
+// Builds the browser edge into dist/ (ignored by git): the page (with the playground's
+// predicted-output box), its stylesheet (the playground's, and this page's own rules), one
+// bundle of its JavaScript (esbuild, no CDN at run time) and ONNX Runtime Web's WebAssembly files,
 // which the bundle loads from beside itself. `spececd serve` serves dist/ at / on its
 // WebSocket port; any static host can serve it too.
 import { build } from "esbuild";
@@ -22,10 +22,15 @@ await build({
   outfile: join(out, "app.js"),
   logLevel: "warning",
 });
-copyFileSync(join(here, "index.html"), join(out, "index.html"));
-// One look for both pages: the playground's stylesheet, then this page's own rules.
 const playground = readFileSync(
   join(here, "..", "src", "spececd", "openai_api", "playground.html"), "utf8");
+// One predicted-output box for both pages: the playground's, where the page marks it.
+const box = playground.match(/ *<details id="prediction-box">[\s\S]*?<\/details>\n/);
+const page = readFileSync(join(here, "index.html"), "utf8");
+const mark = / *<!-- prediction-box:[^>]*-->\n/;
+if (!box || !mark.test(page)) throw new Error("no predicted-output box in the playground's page or no place for it in index.html");
+writeFileSync(join(out, "index.html"), page.replace(mark, box[0]));
+// One look for both pages: the playground's stylesheet, then this page's own rules.
 const shared = playground.slice(playground.indexOf("<style>") + 7, playground.indexOf("</style>"));
 if (!shared.trim()) throw new Error("no <style> in the playground's page");
 writeFileSync(join(out, "style.css"), shared + readFileSync(join(here, "style.css"), "utf8"));

@@ -88,6 +88,7 @@ def run(tab: Any, **options: Any) -> dict[str, Any]:
             return {text: r.text, tokens: r.tokens, promptIds: r.promptIds, healIds: r.healIds,
                     runtime: r.runtime, reconnects: r.reconnects, drafted: s.drafted,
                     accepted: s.accepted, rounds: s.rounds, lookedUp: s.lookedUpAccepted,
+                    predicted: s.predictedAccepted, prediction: r.prediction,
                     tps: s.tokensPerSecond};
         }""", {"token": TOKEN, "maxTokens": MAX_TOKENS, "temperature": 0, **options})
     return result
@@ -141,6 +142,128 @@ def test_lookup_in_javascript_proposes_what_the_python_lookup_proposes(tab: Any)
             (tokens, match_len), (history, k)
 
 
+def edited(rng: random.Random, tokens: list[int], vocab: int) -> list[int]:
+    """``tokens`` with a few random edits: tokens replaced, inserted, deleted, and stretches
+    moved or dropped, as an edit of a file changes it."""
+    out = list(tokens)
+    for _ in range(rng.randrange(0, 5)):
+        at = rng.randrange(len(out) + 1)
+        kind = rng.randrange(4)
+        if kind == 0 and at < len(out):
+            out[at] = rng.randrange(vocab)
+        elif kind == 1:
+            out[at:at] = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        elif kind == 2:
+            del out[at:at + rng.randrange(1, 6)]
+        else:
+            out[at:at] = out[rng.randrange(len(out) + 1):][:rng.randrange(1, 8)]
+    return out
+
+
+def test_the_prediction_aligns_in_javascript_as_in_python(tab: Any) -> None:
+    """Predicted Outputs' alignment (where the output stands in the prediction, how long it
+    has followed it, how many of its tokens it holds) after each step of outputs that grow
+    and roll back, on random (prediction, output) pairs: small vocabularies, so that
+    re-anchoring on repeated n-grams and the slack after an edit are both exercised."""
+    from spececd.edge.lookup import Alignment
+
+    rng = random.Random(11)
+    cases = []
+    for _ in range(200):
+        vocab = rng.choice([3, 6, 20])
+        prediction = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        output = edited(rng, prediction, vocab)
+        steps = [output[:n] for n in sorted(rng.sample(range(len(output) + 1),
+                                                       min(len(output) + 1, 6)))]
+        if steps and rng.random() < 0.5:  # a rollback, then another continuation
+            steps += [steps[-1][:rng.randrange(len(steps[-1]) + 1)], edited(rng, output, vocab)]
+        cases.append([prediction, steps])
+    got = tab.evaluate("""(cases) => cases.map(([prediction, steps]) => {
+        const alignment = new spececd.Alignment(prediction);
+        return steps.map((output) => {
+            alignment.sync(output);
+            return [alignment.at, alignment.run, alignment.hits];
+        });
+    })""", cases)
+    for (prediction, steps), states in zip(cases, got, strict=True):
+        alignment = Alignment(prediction)
+        for output, state in zip(steps, states, strict=True):
+            alignment.sync(output)
+            assert [alignment.at, alignment.run, alignment.hits] == state, (prediction, output)
+    assert any(state[0] == -1 for states in got for state in states)  # outputs left it
+    assert any(state[1] > 0 for states in got for state in states)
+
+
+def test_a_prediction_drafts_in_javascript_as_in_python(tab: Any) -> None:
+    """Which source drafts each round, and what: the prediction where the output starts or
+    has followed it for 4 tokens since it was picked up, the page's source (lookup here)
+    elsewhere, the prediction where that has nothing, on random prompts, predictions and
+    outputs, against the Python edge's PredictedDraft."""
+    from spececd.core.params import Mode, SamplingParams
+    from spececd.edge.lookup import NgramLookup, PredictionLookup
+    from spececd.edge.sources import PredictedDraft
+
+    rng = random.Random(17)
+    cases = []
+    for _ in range(100):
+        vocab = rng.choice([4, 8, 30])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        prediction = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        output = edited(rng, prediction, vocab)
+        cases.append([prompt, prediction, [prompt + output[:n] for n in range(len(output) + 1)],
+                      rng.randrange(1, 9)])
+    got = tab.evaluate("""(cases) => Promise.all(cases.map(async ([prompt, prediction, steps,
+                                                                  k]) => {
+        const source = new spececd.PredictedSource(prediction, new spececd.LookupSource());
+        const settings = {mode: "match", params: {temperature: 0}, promptLen: prompt.length};
+        const out = [];
+        for (const history of steps) {
+            const block = await source.draft(history, k, settings);
+            out.push([block.tokens, block.predicted]);
+        }
+        return out;
+    }))""", cases)
+    sources = set()
+    for (prompt, prediction, steps, k), blocks in zip(cases, got, strict=True):
+        draft = PredictedDraft(PredictionLookup(prediction), NgramLookup())
+        params = SamplingParams(temperature=0.0, prompt_len=len(prompt))
+        for history, (tokens, predicted) in zip(steps, blocks, strict=True):
+            before = draft.looked_up - draft.own.looked_up
+            expected, _ = draft.draft(history, k, Mode.MATCH, params, 0, 64)
+            from_prediction = draft.looked_up - draft.own.looked_up - before
+            assert (tokens, predicted) == (list(expected), from_prediction), (history, prediction)
+            sources.add((bool(tokens), predicted > 0))
+    assert sources == {(True, True), (True, False), (False, False)}
+
+
+def test_greedy_text_with_a_prediction_is_the_target_alones(tab: Any, reference: Any) -> None:
+    """A predicted output (the reply itself, then an edit of it) drafts first: the text is
+    still the target alone's, the prediction's drafts are accepted (more drafts accepted
+    than without one: a prediction ignored fails), and the page counts the prediction's
+    tokens in the reply as the OpenAI API does."""
+    from spececd.edge.lookup import Alignment
+
+    ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)", HELDOUT[0])
+    alone = reference.generate(ids, cloud_only=True, max_tokens=MAX_TOKENS, temperature=0)
+    reply = reference.tokenizer.decode(alone.token_ids)
+    cut = len(reply) // 2
+    change = reply[:cut] + " # changed here\n" + reply[cut + 12:]
+    without = run(tab, promptIds=ids, source="lookup")
+    assert without["tokens"] == alone.token_ids
+    for prediction in (reply, change):
+        page = run(tab, promptIds=ids, source="lookup", prediction=prediction)
+        assert page["tokens"] == alone.token_ids
+        assert page["predicted"] > 0
+        assert page["accepted"] > without["accepted"]
+        predicted_ids = reference.prediction_ids(prediction)
+        alignment = Alignment(predicted_ids)
+        alignment.sync(alone.token_ids)
+        hits = min(alignment.hits, len(predicted_ids))
+        assert page["prediction"] == {"accepted": hits, "rejected": len(predicted_ids) - hits}
+    assert page["prediction"]["rejected"] > 0  # the edit is not in the reply
+    assert tab.errors == []
+
+
 def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> None:
     """k = auto: long drafts where drafts are kept and cheap, short where a draft step
     costs as much as a round and most are rejected, the most the limit allows at first."""
@@ -191,11 +314,13 @@ def test_greedy_text_is_the_target_alones(tab: Any, reference: Any, source: str)
     assert tab.errors == []
 
 
-@pytest.mark.parametrize("source", ["lookup", pytest.param("model", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source", ["lookup", "prediction",
+                                    pytest.param("model", marks=pytest.mark.slow)])
 def test_sampled_tokens_follow_the_targets_distribution(tab: Any, source: str) -> None:
     """The first generated token of many seeds, drafted in the page and verified in exact
-    mode (lookup: one-hot drafts of a token the text repeats; the model: its sparse
-    distribution), against the target's own distribution at that position."""
+    mode (lookup: one-hot drafts of a token the text repeats; a predicted output: one-hot
+    drafts of its first tokens, before lookup; the model: its sparse distribution), against
+    the target's own distribution at that position."""
     from spececd.backends.registry import load_backend
     from spececd.core.params import SamplingParams
     from spececd.core.sampling import process_logits
@@ -203,19 +328,23 @@ def test_sampled_tokens_follow_the_targets_distribution(tab: Any, source: str) -
     ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)",
                        "    total = compute(left, right)\n    count = compute(left")
     draws = 160
-    firsts = tab.evaluate("""async ([ids, draws, source, token]) => {
+    predicted = ", right)\n" if source == "prediction" else ""
+    firsts = tab.evaluate("""async ([ids, draws, source, token, prediction]) => {
         const firsts = [];
-        let drafted = 0;
+        let drafted = 0, predicted = 0;
         for (let seed = 0; seed < draws; seed++) {
-            const r = await spececd.run({promptIds: ids, source, token, maxTokens: 2, k: 2,
+            const r = await spececd.run({promptIds: ids, token, maxTokens: 2, k: 2,
+                source: prediction ? "lookup" : source, prediction,
                 temperature: 1, topK: 20, seed, mode: "exact"});
             firsts.push(r.tokens[0]);
             drafted += r.stats.drafted;
+            predicted += r.stats.predictedAccepted;
         }
-        return [firsts, drafted];
-    }""", [ids, draws, source, TOKEN])
-    tokens, drafted = firsts
+        return [firsts, drafted, predicted];
+    }""", [ids, draws, source, TOKEN, predicted])
+    tokens, drafted, accepted = firsts
     assert drafted > 0  # the page drafted (and sent) the position the draws come from
+    assert (accepted > 0) == bool(predicted)  # ... from the prediction where there is one
     sequence = load_backend(str(MODELS / "target"), device="cpu", dtype="float32"
                             ).new_sequence()
     probs = process_logits(sequence.extend(ids, keep=1), SamplingParams(temperature=1.0,
@@ -282,6 +411,36 @@ def test_the_page_shows_both_runs_side_by_side(tab: Any, tmp_path: Path) -> None
         keep = Path(os.environ["SPECECD_SCREENSHOT"])
         keep.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, keep)
+
+
+def test_the_page_drafts_from_the_predicted_output_box(tab: Any, reference: Any) -> None:
+    """The form's predicted output: its accepted drafts in the prediction's colour, its
+    tokens counted as accepted / rejected; emptied, the page drafts and counts without."""
+    alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
+                               temperature=0, token_healing=True)
+    tab.fill("#token", TOKEN)
+    tab.fill("#prompt", HELDOUT[1])
+    tab.fill("#max-tokens", str(MAX_TOKENS))
+    tab.click("label:has(input[name=source][value=lookup])")
+    tab.uncheck("#compare")
+    tab.click("#prediction-box summary")
+    for prediction in (alone.text, ""):
+        tab.fill("#prediction", prediction)
+        tab.click("#generate")
+        tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=60_000)
+        assert tab.evaluate("document.body.dataset.state") == "done", tab.text_content("#error")
+        assert "".join(tab.eval_on_selector_all(
+            "#out-spec .tok", "els => els.map(e => e.textContent)")) == alone.text
+        predicted = tab.locator("#out-spec .tok.prediction").count()
+        if prediction:
+            assert predicted > MAX_TOKENS // 2
+            assert tab.is_visible("#stat-prediction")
+            accepted, rejected = (int(tab.text_content(s) or "-1")
+                                  for s in ("#stat-predicted", "#stat-unpredicted"))
+            assert accepted > 0 and rejected >= 0
+        else:
+            assert predicted == 0 and not tab.is_visible("#stat-prediction")
+    assert tab.errors == []
 
 
 def test_the_page_says_what_the_server_refused(tab: Any) -> None:

@@ -73,6 +73,7 @@ export class Stats {
     this.drafted = 0;
     this.accepted = 0;
     this.lookedUpAccepted = 0;
+    this.predictedAccepted = 0; // drafts from a prediction of the output, accepted
     this.draftSeconds = 0;
     this.verifySeconds = 0;
     this.wallSeconds = 0;
@@ -98,7 +99,9 @@ export class Stats {
  * stopIds}, mode ("exact" or "match"), k (a number, or "auto"), maxSupport, source (null:
  * cloud-only), healIds
  * (token healing's mask for the first position, or null)};
- * `onPiece({tokens, fromDraft, lookedUp})` gets what each exchange emitted.
+ * `onPiece({tokens, fromDraft, lookedUp, predicted})` gets what each exchange emitted (of
+ * its first `fromDraft` tokens, drafted and accepted, the first `lookedUp` looked up and the
+ * first `predicted` from a prediction of the output).
  */
 export async function generate(link, promptIds, options, onPiece = () => {}) {
   const { params, source } = options;
@@ -112,12 +115,13 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   const welcome = await link.exchange(session, null);
   const history = Array.from(promptIds);
   const maxContext = welcome.maxContext;
-  const settings = { mode: options.mode, params, maxSupport: options.maxSupport };
+  const settings = { mode: options.mode, params, maxSupport: options.maxSupport,
+    promptLen: promptIds.length };
   // A number: that many drafts a round (at most); "auto": chosen each round, up to 8.
   const length = new DraftLength(Math.min(options.k === "auto" ? 8 : options.k, welcome.maxDraft));
   let finished = false;
 
-  const emit = (tokens, fromDraft, lookedUp, drafted, done) => {
+  const emit = (tokens, fromDraft, lookedUp, predicted, drafted, done) => {
     const [out, clipped] = clipEmitted(tokens, params.stopIds, params.maxTokens - stats.generated);
     const kept = Math.min(fromDraft, out.length);
     history.push(...tokens);
@@ -130,8 +134,10 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
       stats.accepted += kept;
     }
     stats.lookedUpAccepted += Math.min(lookedUp, kept);
+    stats.predictedAccepted += Math.min(predicted, kept);
     finished = clipped || done || history.length >= maxContext;
-    onPiece({ tokens: out, fromDraft: kept, lookedUp: Math.min(lookedUp, kept) });
+    onPiece({ tokens: out, fromDraft: kept, lookedUp: Math.min(lookedUp, kept),
+      predicted: Math.min(predicted, kept) });
   };
 
   try {
@@ -146,7 +152,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         });
         stats.verifySeconds += reply.computeS;
         done = reply.done;
-        emit(reply.tokenIds, 0, 0, null, done);
+        emit(reply.tokenIds, 0, 0, 0, null, done);
       }
       // Ended here (a stop token) while the server generates: its next frames belong to no
       // generation, so this connection ends.
@@ -170,7 +176,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         length.observe(block.tokens.length, n, block.lookedUp === block.tokens.length ? null
           : draftSeconds, (performance.now() - t1) / 1000);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
-          block.tokens.length, false);
+          Math.min(block.predicted || 0, n), block.tokens.length, false);
       }
     }
   } finally {

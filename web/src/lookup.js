@@ -1,5 +1,5 @@
 // Drafts that need no model, as src/spececd/edge/lookup.py's NgramLookup drafts them (the
-// same rules; tests/web/test_lookup_parity.py checks the two propose the same tokens):
+// same rules; tests/web/test_browser_edge.py checks the two propose the same tokens):
 // the longest suffix of the history, minNgram to maxNgram tokens, found at its most recent
 // earlier place, proposes the tokens that followed it, continued through the text it
 // proposes where that runs out. Deterministic, so in exact mode each token is reported
@@ -63,4 +63,122 @@ export class NgramLookup {
 /** The one-hot distribution a deterministic draft of `token` was drawn from. */
 export function oneHot(token) {
   return { ids: [token], probs: [1] };
+}
+
+export const PREDICTION_MAX_NGRAM = 8; // the longest suffix of the output a prediction re-anchors on
+export const PREDICTION_SLACK = 2; // prediction tokens an edit of a token or two may skip
+
+/**
+ * Where an output stands in a `prediction` of it (Predicted Outputs), as the Python edge's
+ * Alignment (src/spececd/edge/lookup.py) aligns it, by the same rules (the tests compare the
+ * two on random pairs): the output follows the prediction token by token; where it leaves
+ * it (an edit), the alignment picks it up again where the longest suffix of the output
+ * (minNgram to maxNgram tokens) occurs in the prediction, at its nearest place from where
+ * the output left (forward first), or, within a token or two of the divergence, where the
+ * output's token is one of the next PREDICTION_SLACK + 1 prediction tokens. `sync` follows
+ * an output that grows and rolls back.
+ */
+export class Alignment {
+  constructor(prediction, maxNgram = PREDICTION_MAX_NGRAM, minNgram = MIN_NGRAM) {
+    if (!(minNgram >= 1 && minNgram <= maxNgram)) {
+      throw new Error(`need 1 <= minNgram <= maxNgram, got ${minNgram}, ${maxNgram}`);
+    }
+    this.prediction = Array.from(prediction);
+    this.maxNgram = maxNgram;
+    this.minNgram = minNgram;
+    this.output = [];
+    // After output[:i]: [where the output continues in the prediction (-1: it left it),
+    // where it last stood there, output tokens since it was last picked up (or since it
+    // left), output tokens that followed the prediction].
+    this.states = [[0, 0, 0, 0]];
+  }
+
+  /** Align `output` (the generated tokens), keeping what it shares with the last. */
+  sync(output) {
+    let kept = 0;
+    while (kept < this.output.length && kept < output.length && this.output[kept] === output[kept]) kept++;
+    this.output.length = kept;
+    this.states.length = kept + 1;
+    for (let i = kept; i < output.length; i++) {
+      this.output.push(output[i]);
+      this.states.push(this.step(this.states[this.states.length - 1], output[i]));
+    }
+  }
+
+  /** Where the output continues in the prediction (-1: it left it). */
+  get at() { return this.states[this.states.length - 1][0]; }
+
+  /** Output tokens that followed the prediction since it was last picked up (0: it left). */
+  get run() {
+    const [at, , run] = this.states[this.states.length - 1];
+    return at >= 0 ? run : 0;
+  }
+
+  /** The output's tokens that followed the prediction. */
+  get hits() { return this.states[this.states.length - 1][3]; }
+
+  step([at, last, run, hits], token) {
+    const prediction = this.prediction;
+    if (at >= 0 && at < prediction.length && prediction[at] === token) {
+      return [at + 1, at + 1, run + 1, hits + 1];
+    }
+    const since = at >= 0 ? 1 : run + 1;
+    const found = this.anchor(last);
+    if (found !== null) {
+      const [place, length] = found;
+      return [place, place, length, hits + Math.min(length, since)];
+    }
+    if (since <= PREDICTION_SLACK) {
+      const end = Math.min(prediction.length, last + PREDICTION_SLACK + 1);
+      for (let i = last; i < end; i++) {
+        if (prediction[i] === token) return [i + 1, i + 1, 1, hits + 1];
+      }
+    }
+    return [-1, last, since, hits];
+  }
+
+  /** Where the output continues in the prediction by the longest suffix of it found there
+   * (minNgram tokens at least), nearest from `last` (forward first), and the suffix's
+   * length; null where none occurs. */
+  anchor(last) {
+    const text = this.output, prediction = this.prediction;
+    const n = text.length;
+    if (n < this.minNgram) return null;
+    const reach = Math.min(this.maxNgram, n);
+    let best = 0;
+    const places = [];
+    for (let end = 0; end < prediction.length; end++) {
+      if (prediction[end] !== text[n - 1]) continue;
+      let length = 1;
+      while (length < reach && end - length >= 0 && prediction[end - length] === text[n - 1 - length]) {
+        length++;
+      }
+      if (length > best) {
+        best = length;
+        places.length = 0;
+      }
+      if (length === best) places.push(end + 1);
+    }
+    if (best < this.minNgram) return null;
+    const ahead = places.find((place) => place >= last);
+    return [ahead !== undefined ? ahead : places[places.length - 1], best];
+  }
+}
+
+/** Lookup over a prediction of the output: its tokens from where the output (the history
+ * past `promptLen`) stands in it, none where the output has left it or reached its end. As
+ * src/spececd/edge/lookup.py's PredictionLookup; `matchLen`: the alignment's run. */
+export class PredictionLookup {
+  constructor(prediction) {
+    this.alignment = new Alignment(prediction);
+    this.matchLen = 0;
+  }
+
+  propose(history, k, promptLen) {
+    const alignment = this.alignment;
+    alignment.sync(history.slice(promptLen));
+    this.matchLen = alignment.run;
+    const at = alignment.at;
+    return at < 0 ? [] : alignment.prediction.slice(at, at + k);
+  }
 }

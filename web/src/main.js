@@ -6,9 +6,9 @@
 import { pickRuntime, ModelDrafter } from "./drafter.js";
 import { DraftLength, generate } from "./edge.js";
 import { Link } from "./link.js";
-import { HybridSource, LookupSource, ModelSource } from "./sources.js";
+import { HybridSource, LookupSource, ModelSource, PredictedSource } from "./sources.js";
 import { TargetTokenizer } from "./tokenizer.js";
-import { NgramLookup } from "./lookup.js";
+import { Alignment, NgramLookup } from "./lookup.js";
 import { decodeFrame } from "./protocol.js";
 
 const $ = (id) => document.getElementById(id);
@@ -65,8 +65,12 @@ async function drafter(server, runtimeAsked) {
 
 /**
  * One generation. `options`: {server, token, prompt, maxTokens, temperature, topK, topP,
- * seed, mode ("exact"|"match"), source ("lookup"|"model"|"hybrid"|"cloud"), k, runtime},
- * `onPiece` as edge.generate's. Returns {text, promptIds, tokens, stats, runtime}.
+ * seed, mode ("exact"|"match"), source ("lookup"|"model"|"hybrid"|"cloud"), k, runtime,
+ * prediction (optional: the text the output is expected to be, mostly, drafted first;
+ * `predictionIds`: its ids)}, `onPiece` as edge.generate's. Returns {text, promptIds,
+ * tokens, stats, runtime, prediction}: `prediction` (null without one) counts the
+ * prediction's tokens that appeared in the output (`accepted`, aligned as a diff would,
+ * as the OpenAI API's accepted_prediction_tokens) and the others (`rejected`).
  */
 async function run(options, onPiece = () => {}) {
   const server = options.server || defaultServer();
@@ -81,6 +85,11 @@ async function run(options, onPiece = () => {}) {
   } else if (options.source !== "cloud") {
     throw new Error(`unknown draft source ${options.source}`);
   }
+  // A prediction of the output is text inside a sequence: no special tokens. Cloud-only
+  // runs draft nothing, so they use none.
+  const predictionIds = options.predictionIds
+    || (options.prediction ? tokenizer.encode(options.prediction, false) : []);
+  if (source !== null && predictionIds.length) source = new PredictedSource(predictionIds, source);
   // A text prompt is healed as the Python edge heals it (its last token dropped, the first
   // generated token masked to those that spell it); ids (`promptIds`) run as given.
   const healing = options.promptIds ? null : tokenizer.heal(tokenizer.encode(options.prompt));
@@ -97,9 +106,16 @@ async function run(options, onPiece = () => {}) {
   }, onPiece);
   const text = tokenizer.decode(result.tokens);
   const dropped = healing ? healing.dropped : "";
+  let prediction = null;
+  if (predictionIds.length) {
+    const alignment = new Alignment(predictionIds);
+    alignment.sync(result.tokens);
+    const hits = Math.min(alignment.hits, predictionIds.length);
+    prediction = { accepted: hits, rejected: predictionIds.length - hits };
+  }
   return { text: text.startsWith(dropped) ? text.slice(dropped.length) : text, promptIds,
     healIds: healing ? healing.allowed : [], tokens: result.tokens, stats: result.stats,
-    reconnects: link.reconnects - reconnects, runtime: source ? runtime : "cloud" };
+    reconnects: link.reconnects - reconnects, runtime: source ? runtime : "cloud", prediction };
 }
 
 /** Shows pieces as they come: each token a span of its source's colour; `dropped`: the
@@ -109,12 +125,13 @@ function renderer(element, dropped) {
   element.textContent = "";
   const ids = [];
   let shown = dropped;
-  return ({ tokens, fromDraft, lookedUp }) => {
+  return ({ tokens, fromDraft, lookedUp, predicted }) => {
     tokens.forEach((token, i) => {
       ids.push(token);
       const text = loaded.tokenizer.decode(ids);
       const span = document.createElement("span");
-      span.className = `tok ${i >= fromDraft ? "target" : i < lookedUp ? "lookup" : "draft"}`;
+      span.className = `tok ${i >= fromDraft ? "target" : i < predicted ? "prediction"
+        : i < lookedUp ? "lookup" : "draft"}`;
       span.textContent = text.startsWith(shown) ? text.slice(shown.length) : "";
       shown = text;
       element.appendChild(span);
@@ -135,6 +152,7 @@ function form() {
     temperature: Number($("temperature").value), seed: Number($("seed").value),
     k: $("k").value.trim() === "auto" ? "auto" : Number($("k").value), runtime: $("runtime-choice").value,
     source: document.querySelector("input[name=source]:checked").value,
+    prediction: $("prediction").value,
   };
 }
 
@@ -160,6 +178,14 @@ async function onGenerate(event) {
       `${fixed(1000 * s.draftSeconds / Math.max(1, s.rounds), 2)} ms a round, server ` +
       `${fixed(1000 * s.verifySeconds / Math.max(1, s.rounds), 2)} ms a pass` +
       (spec.reconnects ? `; ${spec.reconnects} reconnects` : "");
+    $("stat-prediction").hidden = !spec.prediction;
+    if (spec.prediction) {
+      $("stat-predicted").textContent = String(spec.prediction.accepted);
+      $("stat-unpredicted").textContent = String(spec.prediction.rejected);
+      $("details").textContent += `; prediction: ${spec.prediction.accepted} tokens in the ` +
+        `reply, ${spec.prediction.rejected} not (${s.predictedAccepted} drafted from it and ` +
+        "accepted)";
+    }
     $("panel-cloud").hidden = !$("compare").checked;
     if ($("compare").checked) {
       const cloud = await run({ ...options, source: "cloud" }, renderer($("out-cloud"), dropped));
@@ -181,4 +207,5 @@ $("server").value = defaultServer();
 $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";
-window.spececd = { run, connect, loaded, defaultServer, NgramLookup, DraftLength, decodeFrame };
+window.spececd = { run, connect, loaded, defaultServer, NgramLookup, Alignment, DraftLength,
+  decodeFrame, LookupSource, PredictedSource };

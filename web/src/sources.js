@@ -3,11 +3,17 @@
 // distribution each was drawn from (else null), and how many of the first were looked up.
 // As src/spececd/edge/sources.py: lookup alone, the draft model alone, or the hybrid, which
 // proposes the lookup where it matches a suffix of at least HYBRID_MIN_MATCH tokens and asks
-// the model elsewhere.
+// the model elsewhere. PredictedSource puts a prediction of the output first (Predicted
+// Outputs), as PredictedDraft does: its blocks also say how many of their first tokens came
+// from the prediction (`predicted`).
 
-import { NgramLookup, oneHot } from "./lookup.js";
+import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 
 export const HYBRID_MIN_MATCH = 6;
+// The output tokens that must have followed a prediction since it was picked up for it to
+// draft before the page's own source (at the start of the output, none): the Python edge's
+// PREDICTION_MIN_RUN.
+export const PREDICTION_MIN_RUN = 4;
 
 /** What a deterministic draft reports: one-hot where the verifier needs distributions. */
 function reported(tokens, { mode, params }) {
@@ -51,5 +57,33 @@ export class HybridSource {
       return this.drafter.draft(history, k, settings);
     }
     return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length };
+  }
+}
+
+export class PredictedSource {
+  /** `prediction`: the prediction's token ids; `own`: the page's source (lookup, model or
+   * hybrid), which drafts where the prediction does not. */
+  constructor(prediction, own, minRun = PREDICTION_MIN_RUN) {
+    this.prediction = new PredictionLookup(prediction);
+    this.own = own;
+    this.minRun = minRun;
+    this.name = own.name;
+  }
+
+  /** The prediction's tokens from where the output stands in it, where the output starts
+   * or has followed it for `minRun` tokens since it picked it up again; the page's own
+   * source's draft elsewhere, and the prediction's where that proposes nothing. The
+   * prediction's tokens are reported one-hot, so verification stays lossless. */
+  async draft(history, k, settings) {
+    const tokens = this.prediction.propose(history, k, settings.promptLen);
+    const predicted = () => ({ tokens, dists: reported(tokens, settings), lookedUp: tokens.length,
+      predicted: tokens.length });
+    if (tokens.length && (this.prediction.matchLen >= this.minRun
+                          || history.length === settings.promptLen)) {
+      return predicted();
+    }
+    const own = await this.own.draft(history, k, settings);
+    if (own.tokens.length || !tokens.length) return { ...own, predicted: 0 };
+    return predicted(); // the page's source has nothing
   }
 }

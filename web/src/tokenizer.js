@@ -38,9 +38,10 @@ export class TargetTokenizer {
   }
 
   /** The ids of `text`, with the tokenizer's own special tokens (as the Python edge's
-   * encode with bos). */
-  encode(text) {
-    return this.tokenizer.encode(text, { add_special_tokens: true }).ids;
+   * encode with bos), or without them (`special` false: text inside a sequence, such as a
+   * prediction of the output). */
+  encode(text, special = true) {
+    return this.tokenizer.encode(text, { add_special_tokens: special }).ids;
   }
 
   /** Each token id's text as it reads inside a text (decoded after an anchor token),
