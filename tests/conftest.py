@@ -9,7 +9,6 @@ like any hub model.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -113,41 +112,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid in SLOW_VARIANTS:
             item.add_marker(pytest.mark.slow)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[EXIT_STATUS] = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """End the process with the session's status once pytest is done, skipping the
-    interpreter's teardown. Measured on 2026-11-27: the whole default suite passed
-    (994 passed) and the process then died with SIGSEGV (exit 139) twice, after the summary,
-    in the teardown of what a thousand tests leave loaded (torch with a model thread per
-    one-thread model, ONNX Runtime, OpenVINO, llama.cpp, grpc, litellm); no test module run
-    alone reproduced it. (faulthandler printed nothing because pytest's own plugin turns it
-    off before this hook: run ``python -X faulthandler -m pytest`` to keep it on.)
-
-    Narrowed on 2026-11-28 with ``SPECECD_TESTS_FULL_TEARDOWN=1 python -X faulthandler``:
-    tests/e2e alone (207 tests), tests/bench, tests/openai_api and tests/transports together
-    (228) and every other test together (665) each exit cleanly, as does a process that
-    loads every runtime (torch
-    with its model thread, ONNX Runtime GenAI, OpenVINO, llama.cpp, vLLM's sampler, xgrammar,
-    an open gRPC stream, litellm) and exits. Found on the way, and fixed: llama.cpp contexts
-    freed during the interpreter's teardown, after the ctypes log callback SpecECD gives
-    llama.cpp was freed (spececd.backends.llamacpp._close_at_exit). Every ``spececd``
-    process the tests start is checked for its own exit status, so this hides no result of
-    the product's, only the test runner's teardown."""
-    status = config.stash.get(EXIT_STATUS, None)
-    if status is not None and os.environ.get("SPECECD_TESTS_FULL_TEARDOWN") != "1":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-
-EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture()
