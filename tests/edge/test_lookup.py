@@ -261,10 +261,13 @@ class BiasedLookup(NgramLookup):
         tokens, dists = super().draft(history, k, mode, params, seed, max_support)
         if dists is None:
             return tokens, None
-        halves = tuple(SparseProbs(np.array([t, (t + 1) % 256]), np.array([0.5, 0.5],
-                                                                            dtype=np.float32))
-                       for t in tokens)
-        return tokens, halves
+        return tokens, halved(tokens)
+
+
+def halved(tokens: Sequence[int]) -> tuple[SparseProbs, ...]:
+    """Certain drafts misreported: each token with half the mass, its neighbour the rest."""
+    return tuple(SparseProbs(np.array([t, (t + 1) % 256]),
+                             np.array([0.5, 0.5], dtype=np.float32)) for t in tokens)
 
 
 @pytest.mark.parametrize("kind", ["lookup", "suffix", "hybrid"])

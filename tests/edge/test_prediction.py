@@ -12,7 +12,6 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
 from spececd.core.params import Mode, SamplingParams
@@ -24,7 +23,7 @@ from spececd.edge.options import resolve
 from spececd.edge.sources import PredictedDraft
 from spececd.transports.memory import local_verifier
 from tests.edge.test_client import PROMPTS, client
-from tests.edge.test_lookup import DRAWS, TOP_K, p_value, pair_distribution
+from tests.edge.test_lookup import DRAWS, TOP_K, halved, p_value, pair_distribution
 from tests.rounds import generate
 from tests.toy import ToyBackend, greedy, toy_pair
 
@@ -173,9 +172,7 @@ class HalvedPrediction(PredictedDraft):
         tokens, dists = super().draft(history, k, mode, params, seed, max_support)
         if dists is None:
             return tokens, None
-        return tokens, tuple(SparseProbs(np.array([t, (t + 1) % 256]),
-                                         np.array([0.5, 0.5], dtype=np.float32))
-                             for t in tokens)
+        return tokens, halved(tokens)
 
 
 def sampled_pairs(kind: type[PredictedDraft], draft: ToyBackend, target: ToyBackend,
