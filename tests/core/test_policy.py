@@ -127,8 +127,7 @@ def simulate(chooser: StrategyChooser, speed: dict[Arm, float], generations: int
             pace *= noise.uniform(0.8, 1.2) if noise is not None else 1.0
             following = chooser.record(arm, n, n / pace, position=done)
             done += n
-            if arm is not Arm.STREAM:  # streaming goes on to the end of its generation
-                arm = following
+            arm = following  # a switch takes effect at once, from streaming too
     return segments
 
 
@@ -161,12 +160,18 @@ def test_a_fast_link_settles_on_rounds_and_probes_a_close_stream_ever_less_often
 
 def test_arms_are_compared_over_the_same_stages_of_generations() -> None:
     # Rounds are faster at every stage, but text gets easier along a generation, and
-    # streaming, once started, runs to the end: compared on speeds alone, streaming (timed
-    # late in generations) would look faster than rounds (timed at their starts).
+    # streaming, probed after rounds, is timed later in generations: compared on speeds
+    # alone, streaming would look faster than rounds (timed at their starts).
     chooser, speed = StrategyChooser(), {Arm.ROUNDS: 120.0, Arm.STREAM: 100.0}
-    segments = simulate(chooser, speed, generations=2, easier=0.5)
-    assert arms(segments) == [Arm.ROUNDS] * PROBE + [Arm.STREAM] * (8 - PROBE)
+    segments = simulate(chooser, speed, generations=1, easier=0.5)
+    # The first generation (4 segments): rounds, then streaming probed, which over
+    # different stages looks faster, so the second generation starts with it.
+    assert arms(segments) == [Arm.ROUNDS] * PROBE + [Arm.STREAM] * PROBE
     assert (chooser.speed(Arm.STREAM) or 0) > 1.15 * (chooser.speed(Arm.ROUNDS) or 0)
+    assert chooser.start() is Arm.STREAM
+    # Its first segment, at stage 0, shows rounds faster there: back to rounds at once.
+    segments = simulate(chooser, speed, generations=1, easier=0.5)
+    assert arms(segments) == [Arm.STREAM] + [Arm.ROUNDS] * 3
     assert chooser.ratio(Arm.ROUNDS) == (pytest.approx(1.2), True)  # stage 0 against stage 0
     assert chooser.leader() is Arm.ROUNDS
     segments = simulate(chooser, speed, generations=40, easier=0.5)
@@ -303,12 +308,12 @@ def test_a_link_that_changes_is_followed() -> None:
 
 
 def test_within_rounds_the_faster_kind_wins_and_switches_take_effect_at_once() -> None:
-    chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
+    chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), probe_within=True)
     segments = simulate(chooser, {Arm.AHEAD: 100.0, Arm.PLAIN: 107.0}, generations=40)
     assert arms(segments)[:PROBE + 1] == [Arm.AHEAD] * PROBE + [Arm.PLAIN]  # mid-generation
     assert chooser.leader() is Arm.PLAIN and share(segments[8:], Arm.PLAIN) > 0.9
     # 7% is inside a margin of 10%: no takeover there.
-    wide = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), margin=0.1)
+    wide = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), margin=0.1, probe_within=True)
     simulate(wide, {Arm.AHEAD: 100.0, Arm.PLAIN: 107.0}, generations=40)
     assert wide.leader() is Arm.AHEAD
 
@@ -322,14 +327,14 @@ class Auto:
     (:class:`~spececd.edge.strategies.Adaptive`): rounds or streaming; within rounds,
     block-ahead or plain, switched at once; within streaming, hints or none (cloud-only
     generation), switched at once too (the server's generation goes on either way). A
-    switch from rounds to streaming takes effect at once, one from streaming to rounds at
-    the next generation."""
+    switch between rounds and streaming takes effect at once too (a stream left is
+    requested anew when streaming comes back)."""
 
     outer: StrategyChooser = field(default_factory=StrategyChooser)
     kinds: StrategyChooser = field(
-        default_factory=lambda: StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN)))
+        default_factory=lambda: StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), probe_within=True))
     hints: StrategyChooser = field(
-        default_factory=lambda: StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD)))
+        default_factory=lambda: StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD), probe_within=True))
     # What streaming measures of the server's steps, which caps the server alone as the
     # edge caps it (RoundsEstimate.cloud_cap, before each exchange of streaming).
     steps: RoundsEstimate = field(default_factory=RoundsEstimate)
@@ -366,9 +371,10 @@ class Auto:
                 following = self.outer.record(arm, n, seconds, position=done)
                 if arm is Arm.ROUNDS:
                     kind = self.kinds.record(kind, n, seconds, position=done)
-                    arm = following
                 else:
                     hint = self.hints.record(hint, n, seconds)  # not by stage
+                if following is not arm:
+                    arm, hint = following, None  # at once (a stream left, or requested)
                 done += n
         return out
 
@@ -453,7 +459,8 @@ def test_hints_that_stop_paying_are_dropped_mid_generation() -> None:
         return {Arm.PLAIN: 40.0, Arm.AHEAD: 40.0, Arm.STREAM: 60.0 if late else 140.0,
                 Arm.CLOUD: 100.0}
 
-    auto = Auto(hints=StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD), max_probe=256))
+    auto = Auto(hints=StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD), max_probe=256,
+                                      probe_within=True))
     segments = auto.run(speed, generations=14, tokens=64)
     fourth = segments[3 * 4:4 * 4]  # four 16-token segments a generation
     assert ways(fourth)[:2] == [Arm.STREAM, Arm.STREAM]

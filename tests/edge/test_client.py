@@ -6,6 +6,7 @@ sampled output a function of the seed alone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,11 +14,16 @@ import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.core.chooser import Arm, HintGate
+from spececd.core.params import Mode, SamplingParams
 from spececd.core.policy import Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
-from spececd.edge.options import EdgeOptions, Site, resolve
+from spececd.edge.link import Link
+from spececd.edge.options import EdgeOptions, Reconnect, Site, resolve
+from spececd.edge.transport import Transport
+from spececd.protocol import messages as m
+from spececd.protocol.edge_session import EdgeSession
 from spececd.transports.memory import LocalServer, local_verifier
 from tests.toy import ToyBackend, greedy, toy_pair
 
@@ -298,7 +304,8 @@ def test_auto_measures_no_hints_where_none_were_out() -> None:
         stats = GenerationStats()
         for prompt in PROMPTS:
             assert generate(edge, prompt, stats, max_tokens=64) == greedy(target, prompt, 64)
-        assert not gate.open and stats.auto_stream_tokens >= 64
+        # (streamed: a probe of two segments, then rounds again, faster)
+        assert not gate.open and stats.auto_stream_tokens >= 2 * 16
         assert edge.client.hints_chooser.speed(Arm.STREAM) is None
         assert stats.auto_cloud_tokens == stats.auto_stream_tokens  # all the server alone's
     finally:
@@ -328,3 +335,72 @@ def test_a_lookup_that_finds_nothing_sends_no_hint(toy: tuple[ToyBackend, ToyBac
         assert generate(edge, prompt) == greedy(target, prompt, N)
     assert 0 not in hinted
     edge.close()
+
+
+def test_auto_leaves_a_stream_midway_where_rounds_are_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto has measured rounds, fast, and probes streaming (the server alone here: the
+    hint gate is closed, so streaming brings a token per step where rounds bring five).
+    When the probe's two segments end, the generation goes back to rounds within itself,
+    not at its end: the edge leaves the stream (the tokens received are kept; the hello
+    that greets the rounds' session ends the stream, and its frames still in flight are
+    skipped). The output is the target's own."""
+    draft, target = toy_pair(agreement=1.0)
+    target.pass_s = 0.002
+    server = local_verifier(target)
+    edge = client(draft, server, k=4, proactive="auto")
+    edge.client.chooser.record(Arm.ROUNDS, 16, 0.001)  # rounds measured, fast
+    edge.client.hint_gate = gate = HintGate(patience=1, first_pause=10**9)
+    gate.step(1, kept=False, hinted=True)  # closed: streaming is the server alone
+    left: list[int | None] = []
+    after = Link._after
+
+    def spy(transport: Transport, stale: int | None) -> bytes:
+        left.append(stale)
+        return after(transport, stale)
+
+    monkeypatch.setattr(Link, "_after", staticmethod(spy))
+    try:
+        stats = GenerationStats()
+        n = 128
+        assert generate(edge, PROMPTS[0], stats, max_tokens=n) == greedy(target, PROMPTS[0], n)
+        # Streamed: the probe's two segments of 16 (after an unmeasured first exchange).
+        assert 2 * 16 <= stats.auto_stream_tokens < n // 2
+        assert stats.accepted >= n // 4  # the rest in rounds, their drafts all kept
+        assert any(stale is not None for stale in left)  # the hello after the stream
+        assert edge.client.chooser.leader() is Arm.ROUNDS
+    finally:
+        edge.close()
+        server.close()
+
+
+def test_a_stream_left_under_way_has_its_frames_skipped() -> None:
+    """The link leaves a generation under way while the server is still sending it; the
+    next session greets on the same connection, and its first round's verdict is read
+    past every ``Tokens`` frame of the stream (which a session would refuse as
+    unexpected)."""
+    draft, target = toy_pair(agreement=1.0)
+    target.pass_s = 0.001
+    server = local_verifier(target)
+    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    params = SamplingParams(temperature=0.0, seed=1)
+    link = Link(server, Reconnect())
+    stats = GenerationStats()
+    try:
+        streaming = EdgeSession(fingerprint, Mode.MATCH, params)
+        prompt = PROMPTS[0]
+        first = link.exchange(streaming, lambda _: streaming.generate(prompt, 200, ()), stats)
+        assert isinstance(first, m.Tokens) and streaming.generating is not None
+        time.sleep(0.1)  # the server generates on: its frames queue on the connection
+        history = [*prompt, *first.token_ids]
+        link.leave_stream()
+        rounds = EdgeSession(fingerprint, Mode.MATCH, params)
+        reference = greedy(target, prompt, len(first.token_ids) + 3)
+        guess = tuple(reference[len(first.token_ids):][:2])
+        verdict = link.exchange(rounds, lambda _: rounds.draft(history, guess, None), stats)
+        assert isinstance(verdict, m.Verdict) and verdict.num_accepted == 2
+        assert verdict.next_token == reference[len(first.token_ids) + 2]
+        assert link.rtt.seen is False  # a hello answered after a step is no round trip
+    finally:
+        link.close()
+        server.close()

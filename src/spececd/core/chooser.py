@@ -143,9 +143,9 @@ class StrategyChooser:
     tokens an arm's speed is updated, as tokens over seconds with older segments fading
     (``decay``), since one segment's speed depends as much on how predictable its text was
     as on the link. For the same reason the arms are compared stage by stage of
-    generations (:func:`relative_speed`): streaming runs a generation to its end, so the
-    rounds it is compared with are measured at the start of generations, where text is
-    least predictable and rounds fare worst; so an arm, once switched to, runs
+    generations (:func:`relative_speed`): streaming, probed after rounds, is measured
+    later in generations than the rounds it is compared with, measured at their start,
+    where text is least predictable and rounds fare worst; so an arm, once switched to, runs
     ``probe_segments`` segments at least, which takes a probe of rounds past a
     generation's first stage.
 
@@ -163,9 +163,9 @@ class StrategyChooser:
     the second arm when the first cannot win. A cap never overrides a measurement: it only
     spares one.
 
-    Pure: no clock, no I/O. It says which arm to go on with; when a switch takes effect is
-    the caller's (stream drafting cannot stop a generation under way, so a switch from it
-    waits for the next generation, :meth:`start`).
+    Pure: no clock, no I/O. It says which arm to go on with, at any exchange; when a
+    switch takes effect is the caller's (:class:`~spececd.edge.strategies.Adaptive`
+    switches at once, a stream included).
     """
 
     arms: tuple[Arm, Arm] = (Arm.ROUNDS, Arm.STREAM)
@@ -178,6 +178,12 @@ class StrategyChooser:
     # Segments an arm runs at least, once switched to: a probe of rounds, which begins a
     # generation, reaches past the generation's first stage, where rounds fare worst.
     probe_segments: int = 2
+    # Whether a probe of the arm behind may begin within a generation (arms a generation
+    # switches between at any step); False: at the start of one only (rounds against
+    # streaming: a probe of rounds measures a generation's start, where rounds fare worst,
+    # as streaming, probed after rounds, measures later stages). A leader that falls
+    # behind, or a probe that ends, switches at once either way.
+    probe_within: bool = False
     _speed: dict[Arm, _Speed] = field(default_factory=dict)
     _last: Arm | None = None  # the arm of the last segment completed
     _run: int = 0  # segments completed by it in a row
@@ -275,14 +281,14 @@ class StrategyChooser:
         if self._run < self.probe_segments:
             return arm
         if self._behind:  # the end of a probe: the arm behind was measured again
-            self._behind = False  # (a stream that lost runs on to its generation's end)
+            self._behind = False
             if self._since_probe >= self._spacing:
                 self._probed()
             return self.leader()
         if self.leader() is not arm:  # the leader fell behind
             return other
         self._since_probe += completed
-        return other if self._due(other) else arm
+        return other if self.probe_within and self._due(other) else arm
 
     def _probed(self) -> None:
         """Both arms were just measured: space the next probe of the one behind out."""

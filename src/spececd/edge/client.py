@@ -76,8 +76,8 @@ class EdgeClient:
         # Within rounds: block-ahead or plain; within streaming: hints, or none (the server
         # alone, cloud-only generation), switched at any step (the server's generation
         # goes on either way).
-        self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN))
-        self.hints_chooser = StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD))
+        self.rounds_chooser = StrategyChooser(arms=(Arm.AHEAD, Arm.PLAIN), probe_within=True)
+        self.hints_chooser = StrategyChooser(arms=(Arm.STREAM, Arm.CLOUD), probe_within=True)
 
     def close(self) -> None:
         """Close the link to the server (the generator is done with it)."""

@@ -48,6 +48,10 @@ class Link:
         self.reconnect = reconnect
         self.transport: Transport | None = None  # None: not connected
         self._greeted: EdgeSession | None = None  # the session this connection greeted
+        self._checked = False  # this connection carried a hello the server accepted
+        # The sequence number of a generation left under way (:meth:`leave_stream`): its
+        # Tokens frames that precede the next welcome are skipped.
+        self._stale: int | None = None
         self._welcome: m.Welcome | None = None
         # The round trip, from hello to welcome (a generation greets at its start; the
         # server's part of it is a look-up), on connections already open (opening an HTTP
@@ -70,6 +74,16 @@ class Link:
         if self.transport is not None:
             self.transport.close()
         self.transport, self._greeted = None, None
+        self._checked, self._stale = False, None
+
+    def leave_stream(self) -> None:
+        """Stop reading the generation under way on this connection, to go on otherwise
+        (in rounds) from what has arrived: the next exchange greets the server again, which
+        ends the stream there (a hello replaces it), and skips the ``Tokens`` frames the
+        stream sent before the welcome. Lossless: the tokens kept are a prefix of the
+        stream's, cut where the edge chose from what it had received."""
+        if self._greeted is not None and (seq := self._greeted.generating) is not None:
+            self._stale, self._greeted = seq, None
 
     def greet(self, session: EdgeSession, stats: GenerationStats) -> m.Welcome:
         """Greet the server with ``session``'s hello (connecting, or reconnecting, as
@@ -98,11 +112,12 @@ class Link:
                 if greeted_now:
                     if self.older_server:
                         session.older_server()
-                    hello = session.hello(checked=self._greeted is not None)
+                    hello = session.hello(checked=self._checked)
                     t0 = time.perf_counter()
                     transport.send(hello)
+                    stale, self._stale = self._stale, None
                     try:
-                        welcome = session.receive(transport.recv())
+                        welcome = session.receive(self._after(transport, stale))
                     except VersionMismatch:
                         if not session.older_server():
                             raise
@@ -111,10 +126,10 @@ class Link:
                                  "without the budget")
                         self.drop()  # the refusal closed the session
                         continue
-                    if not opened:
+                    if not opened and stale is None:  # (a stream left: its step in between)
                         self.rtt.update(time.perf_counter() - t0)
                     assert isinstance(welcome, m.Welcome)
-                    self._greeted, self._welcome = session, welcome
+                    self._greeted, self._welcome, self._checked = session, welcome, True
                 if make_frame is None:
                     assert self._welcome is not None
                     return self._welcome
@@ -158,6 +173,18 @@ class Link:
                 if transport is not None:
                     stats.bytes_sent += transport.bytes_sent - sent
                     stats.bytes_received += transport.bytes_received - received
+
+    @staticmethod
+    def _after(transport: Transport, stale: int | None) -> bytes:
+        """The next frame on ``transport`` that is not a ``Tokens`` frame of the generation
+        ``stale`` (one left under way)."""
+        while True:
+            frame = transport.recv()
+            if stale is None:
+                return frame
+            message = m.decode(frame)
+            if not (isinstance(message, m.Tokens) and message.seq == stale):
+                return frame
 
     def send_and_poll(self, session: EdgeSession, frame: bytes,
                       stats: GenerationStats) -> list[Reply]:

@@ -477,9 +477,10 @@ class Adaptive:
     (cloud-only generation), whichever the ``hints_chooser`` finds faster, switched at any
     step (:class:`StreamDrafting`). Rounds' kept drafts go to ``estimate`` too. All are
     lossless, so the output's distribution does not depend on the choice (for a seed, the
-    tokens may, as with ``k`` auto in exact mode). A generation under way switches between the kinds
-    of rounds, and to streaming, at once; streaming goes on to the end of its generation
-    (the server's generation cannot be taken back mid-way). Streaming feeds ``estimate``,
+    tokens may, as with ``k`` auto in exact mode). A generation under way switches at once
+    between the kinds of rounds, to streaming, and from streaming back to rounds (the edge
+    leaves the stream, :meth:`~spececd.edge.link.Link.leave_stream`: it keeps the tokens
+    that arrived, a prefix of the server's, and greets again). Streaming feeds ``estimate``,
     what rounds would bring, with which the client spares the chooser probes of rounds
     that cannot win (:meth:`~spececd.edge.client.EdgeClient.bound_rounds`)."""
 
@@ -534,7 +535,11 @@ class Adaptive:
             self.warm = self.kind_warm = bool(pieces)
             return pieces
         arm = self.chooser.record(self.arm, tokens, seconds, position)
-        if self.arm is not Arm.ROUNDS:
+        if self.arm is Arm.STREAM:
+            if arm is Arm.ROUNDS:  # mid-generation: leave the stream, go on from here
+                self.stream_work.link.leave_stream()
+                self.arm, self.warm = arm, False
+                self.current = self.rounds[self.kind]
             return pieces
         kind = self.kind
         if self.kind_warm:

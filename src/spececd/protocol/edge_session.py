@@ -82,6 +82,12 @@ class EdgeSession:
         return True
 
     @property
+    def generating(self) -> int | None:
+        """The sequence number of the generation under way (a ``Generate`` whose last
+        ``Tokens`` has not arrived), or None."""
+        return self._pending.seq if isinstance(self._pending, m.Generate) else None
+
+    @property
     def trees(self) -> bool:
         """Whether the server took this session's offer of token trees."""
         return self.welcome is not None and self.welcome.trees
