@@ -370,7 +370,7 @@ def test_auto_settles_on_stream_drafting_over_a_slow_link(
     assert streamed[0] > 0  # the first generation tried streaming after a round segment
     # It measured streaming faster and leads with it; a generation begun on the leader
     # streams to its end. Catches a chooser forgotten between generations (each would
-    # begin in rounds again) and a stream switched back to rounds mid-generation.
+    # begin in rounds again) and a stream left mid-generation for rounds that do not lead.
     assert gen.client.chooser.leader().value == "stream"
     assert 48 in streamed[1:]
 

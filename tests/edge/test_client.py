@@ -404,3 +404,32 @@ def test_a_stream_left_under_way_has_its_frames_skipped() -> None:
     finally:
         link.close()
         server.close()
+
+
+def test_an_error_of_a_stream_left_under_way_is_skipped_too() -> None:
+    """The stream left goes on until the hello reaches the server, and one of its steps
+    fails (here: past the context the toy target now holds). That error is the stream's
+    (its sequence number), not the next session's: the rounds after it go on."""
+    draft, target = toy_pair(agreement=1.0)
+    target.pass_s = 0.001
+    server = local_verifier(target)
+    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+    params = SamplingParams(temperature=0.0, seed=1)
+    link = Link(server, Reconnect())
+    stats = GenerationStats()
+    try:
+        streaming = EdgeSession(fingerprint, Mode.MATCH, params)
+        prompt = PROMPTS[0]
+        first = link.exchange(streaming, lambda _: streaming.generate(prompt, 200, ()), stats)
+        assert isinstance(first, m.Tokens)
+        target.max_context = len(prompt) + 20  # the stream's steps past it fail
+        time.sleep(0.1)
+        link.leave_stream()
+        history = [*prompt, *first.token_ids]
+        rounds = EdgeSession(fingerprint, Mode.MATCH, params)
+        verdict = link.exchange(rounds, lambda _: rounds.draft(history, (), None), stats)
+        assert isinstance(verdict, m.Verdict)
+        assert verdict.next_token == greedy(target, prompt, len(first.token_ids) + 1)[-1]
+    finally:
+        link.close()
+        server.close()

@@ -31,7 +31,7 @@ from spececd.edge.transport import Transport
 from spececd.errors import SpecECDError
 from spececd.protocol import messages as m
 from spececd.protocol.edge_session import EdgeSession
-from spececd.protocol.errors import Draining, VersionMismatch
+from spececd.protocol.errors import Draining, ProtocolError, VersionMismatch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,12 @@ class Link:
         self.transport, self._greeted = None, None
         self._checked, self._stale = False, None
 
+    @property
+    def leaving(self) -> bool:
+        """Whether a generation left under way (:meth:`leave_stream`) may still send on
+        this connection: no hello has ended it yet."""
+        return self._stale is not None
+
     def leave_stream(self) -> None:
         """Stop reading the generation under way on this connection, to go on otherwise
         (in rounds) from what has arrived: the next exchange greets the server again, which
@@ -118,8 +124,12 @@ class Link:
                     stale, self._stale = self._stale, None
                     try:
                         welcome = session.receive(self._after(transport, stale))
-                    except VersionMismatch:
-                        if not session.older_server():
+                    except ProtocolError as exc:
+                        if stale is not None:
+                            # What the stream left may still be in flight (the welcome):
+                            # this connection serves no later exchange.
+                            self.drop()
+                        if not isinstance(exc, VersionMismatch) or not session.older_server():
                             raise
                         self.older_server = True
                         log.info("the server speaks an older protocol; greeting it again "
@@ -176,14 +186,16 @@ class Link:
 
     @staticmethod
     def _after(transport: Transport, stale: int | None) -> bytes:
-        """The next frame on ``transport`` that is not a ``Tokens`` frame of the generation
-        ``stale`` (one left under way)."""
+        """The next frame on ``transport`` that is not of the generation ``stale`` (one left
+        under way): its ``Tokens``, and an error of one of its steps that left the session
+        open (a fatal one is read: the connection ends with it)."""
         while True:
             frame = transport.recv()
             if stale is None:
                 return frame
             message = m.decode(frame)
-            if not (isinstance(message, m.Tokens) and message.seq == stale):
+            if not (isinstance(message, m.Tokens | m.Error) and message.seq == stale
+                    and not (isinstance(message, m.Error) and message.fatal)):
                 return frame
 
     def send_and_poll(self, session: EdgeSession, frame: bytes,

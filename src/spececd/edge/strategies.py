@@ -506,7 +506,7 @@ class Adaptive:
 
     @property
     def streams(self) -> bool:
-        return self.arm is Arm.STREAM
+        return self.arm is Arm.STREAM or self.stream_work.link.leaving
 
     def streaming(self) -> StreamDrafting:
         """The server generating from the history as it stands: with hints, or without
@@ -536,7 +536,9 @@ class Adaptive:
             return pieces
         arm = self.chooser.record(self.arm, tokens, seconds, position)
         if self.arm is Arm.STREAM:
-            if arm is Arm.ROUNDS:  # mid-generation: leave the stream, go on from here
+            # Mid-generation: leave the stream, go on from here; not under a constraint,
+            # whose rounds a server may refuse past the prompt (vLLM's runner).
+            if arm is Arm.ROUNDS and self.stream_work.session.hello_message.constraint is None:
                 self.stream_work.link.leave_stream()
                 self.arm, self.warm = arm, False
                 self.current = self.rounds[self.kind]
