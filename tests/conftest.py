@@ -76,11 +76,30 @@ SLOW_VARIANTS = frozenset({
     "tests/e2e/test_balancer.py::test_replicas_behind_nginx_lose_no_session[http]",
     "tests/bench/test_bench_cli.py::test_bench_load_reports_a_curve",
     "tests/backends/test_onnx_openvino.py::test_lossless_against_a_server",
-    # Model-free drafts in match mode, in process: match verification is the same for any
-    # draft; the one-hot exact case (memory-lookup-exact) and the hybrid over the wire
-    # (websocket-hybrid-exact) stay in the default suite.
+    # Model-free drafts in process: match verification is the same for any draft, and the
+    # one-hot exact rows of looked-up drafts go over the wire in websocket-hybrid-exact,
+    # which stays in the default suite (tests/edge/test_lookup.py keeps every source and
+    # mode, with the planted bug, on the toy pair in seconds).
     "tests/e2e/test_transports.py::test_looked_up_drafts_keep_the_target_distribution"
     "[memory-hybrid-match]",
+    "tests/e2e/test_transports.py::test_looked_up_drafts_keep_the_target_distribution"
+    "[memory-lookup-exact]",
+    # Match verification of sampled drafts: tests/core/test_verify.py (with its planted
+    # bugs) and test_sampling_params.py's match variants; exact mode stays over the wire.
+    "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution"
+    "[match-0.8-1.0-websocket]",
+    "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
+    "[match-narrow-draft-memory]",
+    # Trees in match mode: tests/core/test_tree_verify.py checks both modes; exact trees
+    # (siblings drawn without replacement) stay end to end.
+    "tests/e2e/test_transports.py::test_sampled_token_trees_keep_the_target_distribution"
+    "[memory-match-0.8-1.0]",
+    # Fuzzing every transport's live server: tests/transports/test_http.py and test_grpc.py
+    # fuzz those two each; the end-to-end run over WebSocket and in process stays.
+    "tests/e2e/test_transports.py::test_fuzzing_leaves_legitimate_sessions_unchanged"
+    "[http-1000]",
+    "tests/e2e/test_transports.py::test_fuzzing_leaves_legitimate_sessions_unchanged"
+    "[grpc-1000]",
 })
 
 
