@@ -45,3 +45,32 @@ def test_forward_passes_use_the_installed_name_for_the_cache(
         one.extend([4, 5, 6], parents=[-1, 0, 0])  # a tree: its own attention mask
         two.extend([7])
         backend.extend_batch([Extend(one, [8, 9], 1), Extend(two, [10], 1)])
+
+
+def test_a_model_with_sliding_windows_batches_item_by_item(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A batched pass runs on one 4D mask for every layer, which a sliding-window layer
+    would not honour; such a model extends its batch's sequences one by one, with
+    transformers' own cache and masks, and gives what separate extends give."""
+    import json
+    import shutil
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_models["qwen2"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                  layer_types=["sliding_attention"] * layers)
+    (folder / "config.json").write_text(json.dumps(config))
+    windowed = HFBackend(str(folder), device="cpu", dtype="float32")
+    assert not windowed.full_attention
+    assert HFBackend(str(tiny_models["qwen2"]), device="cpu", dtype="float32").full_attention
+    prompts = [list(range(5, 25)), list(range(30, 42))]
+    alone = []
+    for prompt in prompts:
+        sequence = windowed.new_sequence()
+        alone.append(sequence.extend(prompt, len(prompt)))
+    batched = windowed.extend_batch([Extend(windowed.new_sequence(), tuple(p), len(p))
+                                     for p in prompts])
+    for one, other in zip(alone, batched, strict=True):
+        assert abs(one - other).max() < 1e-4

@@ -143,6 +143,26 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+class BatchCache:
+    """What a batched pass gives the model's attention layers as their cache: per layer,
+    keys and values ``[batch, heads, past + width, dim]`` with the rows' cached positions
+    in place; ``update`` writes a layer's new ones after ``past`` and returns the whole.
+    Nothing else of transformers' cache API is asked for when the mask is a 4D one and the
+    positions are given (as on the static path, :mod:`spececd.backends.static`)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], past: int) -> None:
+        self.keys, self.values, self.past = keys, values, past
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer][:, :, self.past:] = key
+        self.values[layer][:, :, self.past:] = value
+        return self.keys[layer], self.values[layer]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0  # positions and the mask are given; nothing derives them from this
+
+
 class HFSequence:
     def __init__(self, backend: HFBackend) -> None:
         self._backend = backend
@@ -186,20 +206,6 @@ class HFSequence:
         if keep == 0:
             return np.zeros((0, self._backend.vocab_size), dtype=np.float32)
         return self._backend.valid(logits[0, -keep:])
-
-    def _layer(self, layer: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This cache's keys and values at ``layer``, left-padded with ``pad`` zeros."""
-        if self._tokens:
-            keys, values = self._cache.layers[layer].keys, self._cache.layers[layer].values
-        else:
-            _, heads, dim = self._backend.kv_shape
-            keys = values = torch.zeros((1, heads, 0, dim), dtype=self._backend.model.dtype,
-                                        device=self._backend.device)
-        if pad:
-            pad_shape = (*keys.shape[:2], pad, keys.shape[3])
-            zeros = torch.zeros(pad_shape, dtype=keys.dtype, device=keys.device)
-            keys, values = torch.cat([zeros, keys], 2), torch.cat([zeros, values], 2)
-        return keys, values
 
     def _set_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cache = self._new_cache()
@@ -272,6 +278,12 @@ class HFBackend(Backend):
                              or text.num_attention_heads),
                          int(getattr(text, "head_dim", None)
                              or text.hidden_size // text.num_attention_heads))
+        # Whether every layer attends to the whole context (no sliding windows): batched
+        # passes then run on BatchCache, whose 4D mask is the same for every layer.
+        layer_types = getattr(text, "layer_types", None)
+        self.full_attention = (all(t == "full_attention" for t in layer_types)
+                               if layer_types else not getattr(text, "sliding_window", None)
+                               or getattr(text, "use_sliding_window", True) is False)
         layers, heads, head_dim = self.kv_shape
         self.kv_bytes_per_token = (2 * layers * heads * head_dim
                                    * torch.tensor([], dtype=torch_dtype).element_size())
@@ -289,57 +301,52 @@ class HFBackend(Backend):
     @on_model_thread
     @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
-        """``extend`` for several sequences in one forward pass, ids non-empty. Caches of
-        different lengths are left-padded into one batch with an attention mask; new
-        tokens are right-padded; each sequence then gets its own cache back. With a tree
-        among the items, the mask is a full one per row (chains as trees). Results equal
-        separate ``extend`` calls up to float rounding."""
-        if len(items) == 1:
-            return [items[0].sequence.extend(*items[0][1:])]
+        """``extend`` for several sequences in one forward pass, ids non-empty. Each layer's
+        cached keys and values are gathered once into one tensor per layer, ``[batch,
+        heads, past + width, dim]``: each row's cache left-padded to the longest, its new
+        tokens right-padded, written there in place by the pass (:class:`BatchCache`, not
+        a ``DynamicCache``, whose every update copies the whole batch again); a 4D mask says
+        what each new token sees (its row's cached tokens and its ancestors: chains as
+        trees; a padding token sees only itself). Each sequence then gets its own part back.
+        Results equal separate ``extend`` calls up to float rounding. A model with layers
+        other than full attention (sliding windows) keeps transformers' own cache, item by
+        item."""
+        if len(items) == 1 or not self.full_attention:
+            return [item.sequence.extend(*item[1:]) for item in items]
         own = [(self._own(item.sequence), item.ids, item.keep) for item in items]
-        device = self.device
+        device, dtype = self.device, self.model.dtype
         lengths = [len(s.tokens) for s, _, _ in own]
         counts = [len(ids) for _, ids, _ in own]
-        past, width = max(lengths), max(counts)
-        batch = len(own)
-        trees = any(not is_chain(item.parents) for item in items)
+        past, width, batch = max(lengths), max(counts), len(own)
         input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
-        mask = torch.zeros((batch, past + width), dtype=torch.long, device=device)
-        # With a tree in the batch, every row says what it sees: [batch, width, past + width].
-        allowed = torch.zeros((batch, width, past + width) if trees else (0,), dtype=torch.bool,
-                              device=device)
+        allowed = torch.zeros((batch, width, past + width), dtype=torch.bool, device=device)
         positions = torch.zeros((batch, width), dtype=torch.long, device=device)
         for i, (item, length, n) in enumerate(zip(items, lengths, counts, strict=True)):
             input_ids[i, :n] = torch.tensor(list(item.ids), device=device)
-            mask[i, past - length:past + n] = 1
+            visible, depth = tree_layout(item.parents or range(-1, n - 1))
             positions[i] = torch.arange(length, length + width, device=device)
-            if trees:
-                visible, depth = tree_layout(item.parents or range(-1, n - 1))
-                positions[i, :n] = torch.tensor(length + depth - 1, device=device)
-                allowed[i, :n, past - length:past] = True
-                allowed[i, :n, past:past + n] = torch.from_numpy(visible)
-                pad = torch.arange(n, width, device=device)
-                allowed[i, pad, past + pad] = True  # padding rows see themselves only
-        cache = DynamicCache(config=self.model.config)
-        if past:
-            for layer in range(len(own[0][0]._cache.layers)):
-                keys, values = [], []
-                for (sequence, _, _), length in zip(own, lengths, strict=True):
-                    k, v = sequence._layer(layer, past - length)
-                    keys.append(k)
-                    values.append(v)
-                cache.update(torch.cat(keys), torch.cat(values), layer)
-        logits, cache = self.forward(cache, input_ids=input_ids,
-                                     attention_mask=self.additive(allowed) if trees else mask,
-                                     position_ids=positions,
-                                     cache_position=torch.arange(past, past + width,
-                                                                 device=device))
+            positions[i, :n] = torch.tensor(length + depth - 1, device=device)
+            allowed[i, :n, past - length:past] = True
+            allowed[i, :n, past:past + n] = torch.from_numpy(visible)
+            pad = torch.arange(n, width, device=device)
+            allowed[i, pad, past + pad] = True  # padding rows see themselves only
+        layers, heads, dim = self.kv_shape
+        keys = [torch.zeros((batch, heads, past + width, dim), dtype=dtype, device=device)
+                for _ in range(layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        for i, ((sequence, _, _), length) in enumerate(zip(own, lengths, strict=True)):
+            if length:
+                for layer, cached in enumerate(sequence._cache.layers):
+                    keys[layer][i, :, past - length:past] = cached.keys[0]
+                    values[layer][i, :, past - length:past] = cached.values[0]
+        logits, _ = self.forward(BatchCache(keys, values, past), input_ids=input_ids,
+                                 attention_mask=self.additive(allowed), position_ids=positions)
         results = []
         for i, ((sequence, ids, keep), length, n) in enumerate(
                 zip(own, lengths, counts, strict=True)):
-            sequence._set_cache([(layer.keys[i:i + 1, :, past - length:past + n],
-                                  layer.values[i:i + 1, :, past - length:past + n])
-                                 for layer in cache.layers])
+            sequence._set_cache([(keys[layer][i:i + 1, :, past - length:past + n],
+                                  values[layer][i:i + 1, :, past - length:past + n])
+                                 for layer in range(layers)])
             sequence._tokens.extend(int(t) for t in ids)
             results.append(self.valid(logits[i, n - keep:n]))
         return results
