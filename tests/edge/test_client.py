@@ -374,11 +374,14 @@ def test_auto_leaves_a_stream_midway_where_rounds_are_faster(
         server.close()
 
 
-def test_a_stream_left_under_way_has_its_frames_skipped() -> None:
+@pytest.mark.parametrize("step_fails", [False, True])
+def test_a_stream_left_under_way_has_its_frames_skipped(step_fails: bool) -> None:
     """The link leaves a generation under way while the server is still sending it; the
     next session greets on the same connection, and its first round's verdict is read
     past every ``Tokens`` frame of the stream (which a session would refuse as
-    unexpected)."""
+    unexpected), and past the error of a step of the stream that failed (here: past the
+    context the toy target then holds), which is the stream's (its sequence number), not
+    the next session's."""
     draft, target = toy_pair(agreement=1.0)
     target.pass_s = 0.001
     server = local_verifier(target)
@@ -391,45 +394,19 @@ def test_a_stream_left_under_way_has_its_frames_skipped() -> None:
         prompt = PROMPTS[0]
         first = link.exchange(streaming, lambda _: streaming.generate(prompt, 200, ()), stats)
         assert isinstance(first, m.Tokens) and streaming.generating is not None
+        had = len(first.token_ids)
+        if step_fails:
+            target.max_context = len(prompt) + had + 10  # the stream's steps past it fail
         time.sleep(0.1)  # the server generates on: its frames queue on the connection
         history = [*prompt, *first.token_ids]
         link.leave_stream()
         rounds = EdgeSession(fingerprint, Mode.MATCH, params)
-        reference = greedy(target, prompt, len(first.token_ids) + 3)
-        guess = tuple(reference[len(first.token_ids):][:2])
+        reference = greedy(target, prompt, had + 3)
+        guess = tuple(reference[had:had + 2])
         verdict = link.exchange(rounds, lambda _: rounds.draft(history, guess, None), stats)
         assert isinstance(verdict, m.Verdict) and verdict.num_accepted == 2
-        assert verdict.next_token == reference[len(first.token_ids) + 2]
+        assert verdict.next_token == reference[had + 2]
         assert link.rtt.seen is False  # a hello answered after a step is no round trip
-    finally:
-        link.close()
-        server.close()
-
-
-def test_an_error_of_a_stream_left_under_way_is_skipped_too() -> None:
-    """The stream left goes on until the hello reaches the server, and one of its steps
-    fails (here: past the context the toy target now holds). That error is the stream's
-    (its sequence number), not the next session's: the rounds after it go on."""
-    draft, target = toy_pair(agreement=1.0)
-    target.pass_s = 0.001
-    server = local_verifier(target)
-    fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-    params = SamplingParams(temperature=0.0, seed=1)
-    link = Link(server, Reconnect())
-    stats = GenerationStats()
-    try:
-        streaming = EdgeSession(fingerprint, Mode.MATCH, params)
-        prompt = PROMPTS[0]
-        first = link.exchange(streaming, lambda _: streaming.generate(prompt, 200, ()), stats)
-        assert isinstance(first, m.Tokens)
-        target.max_context = len(prompt) + 20  # the stream's steps past it fail
-        time.sleep(0.1)
-        link.leave_stream()
-        history = [*prompt, *first.token_ids]
-        rounds = EdgeSession(fingerprint, Mode.MATCH, params)
-        verdict = link.exchange(rounds, lambda _: rounds.draft(history, (), None), stats)
-        assert isinstance(verdict, m.Verdict)
-        assert verdict.next_token == greedy(target, prompt, len(first.token_ids) + 1)[-1]
     finally:
         link.close()
         server.close()
