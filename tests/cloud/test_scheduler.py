@@ -297,12 +297,15 @@ def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
     assert isinstance(results[3], Pass) and results[3].batch == 1
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
 def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
-        executor: ThreadPoolExecutor) -> None:
+        executor: ThreadPoolExecutor, padded: bool) -> None:
     """Six sessions decode 40 tokens each, drafting 5 a round (a wrong token now and then),
-    under a budget of 10 positions a pass: the budget cuts drafts (and tells each session
-    its budget), and every session's output is the target's own greedy output."""
+    under a budget of 10 positions a pass (planned as for a runtime that pads its rows, or
+    not): the budget cuts drafts (and tells each session its budget), and every session's
+    output is the target's own greedy output."""
     backend = ToyBackend(ToyModel(seed=0))
+    backend.padded = padded
     scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=10)
     rng = np.random.default_rng(2)
     cuts, budgets = [], []

@@ -22,6 +22,7 @@ from spececd.core.budget import (
     DepthAcceptance,
     Offer,
     PassCost,
+    cells,
     cut_draft,
     pass_budget,
     plan,
@@ -268,3 +269,56 @@ def test_prompts_go_whole_with_nobody_decoding_and_chunks_pay_for_their_row() ->
     assert chosen.depths == (0, 0, None)  # the short prompt whole, then 19 left:
     assert chosen.chunks == (0, 0, 0)  # too short a chunk for the second
     assert AMORTISE * 0.040 / 0.0025 == 64
+
+
+def test_a_padded_pass_costs_its_rows_times_the_longest() -> None:
+    assert cells([1, 5, 3], padded=False) == 9
+    assert cells([1, 5, 3], padded=True) == 15
+    assert cells([], padded=True) == 0
+
+
+def test_a_padded_pass_takes_drafts_depth_by_depth() -> None:
+    """On a runtime that pads every row to the longest, a position below the pass's width
+    costs nothing, and one above it costs a position in every row: drafts are cut to one
+    depth for all (each session's own where its draft is shorter), as deep as fits."""
+    offers = [decoding([0.9, 0.8, 0.7, 0.1]), decoding([0.5, 0.2]), decoding([])]
+    # Unpadded, 4 drafted positions go to the best (3, 1, 0); padded, 3 rows x depth 1
+    # (3 cells) fit beside the tokens' 3, depth 2 (6 more) does not.
+    assert plan(offers, 3 + 4).depths == (3, 1, 0)
+    chosen = plan(offers, 3 + 4, padded=True)
+    assert chosen.depths == (1, 1, 0)
+    assert chosen.level == pytest.approx(0.5)  # the least worth verified
+    assert plan(offers, 3 * 5, padded=True).depths == (4, 2, 0)  # every row 5 wide: whole
+    assert plan(offers, 3 * 4, padded=True).depths == (3, 2, 0)
+
+
+def test_a_padded_depth_pays_by_the_worth_of_all_its_positions() -> None:
+    """A depth's positions pay together, against the pass's tokens per second: 1 ms a
+    position, 32 sessions; depth 1 (0.9 each: 28.8 tokens for 32 ms) pays where the pass
+    gives 32 tokens in 42 ms, depth 2 (0.25 each: 8 tokens for 32 ms) does not where it
+    gives 60.8 in 74 ms; at 0.01 ms a position it does."""
+    cost = PassCost()
+    for rows, positions in ((1, 1), (2, 10), (4, 4), (8, 40), (3, 30), (6, 6), (2, 2), (5, 9)):
+        cost.update(rows, positions, 0.010 + 0.001 * positions)
+    sure = [decoding([0.9, 0.25, 0.2]) for _ in range(32)]
+    assert plan(sure, 32 * 3, cost, padded=True).depths == (1,) * 32
+    cheap = PassCost()
+    for rows, positions in ((1, 1), (2, 10), (4, 4), (8, 40), (3, 30), (6, 6), (2, 2), (5, 9)):
+        cheap.update(rows, positions, 0.010 + 0.00001 * positions)
+    assert plan(sure, 32 * 3, cheap, padded=True).depths == (2,) * 32
+    assert plan(sure, 32 * 3, padded=True).depths == (2,) * 32  # the budget alone
+
+
+def test_a_padded_pass_never_pads_sessions_decoding_to_a_prompt() -> None:
+    """Beside sessions decoding, a prompt goes in chunks in a forward of their own (whole,
+    it would pad every decoding row to its length), every chunk as wide as the first at
+    most and the chunks' forward within the room left."""
+    offers = [decoding([0.9] * 4), decoding([0.9] * 4), Offer(40, (), ()), Offer(300, (), ()),
+              Offer(10, (), ())]
+    ragged = plan(offers, 2 * 5 + 41 + 40)
+    assert ragged.depths[2] == 0  # unpadded: the short prompt whole
+    padded = plan(offers, 2 * 5 + 41 + 40, padded=True)
+    assert padded.depths == (4, 4, None, None, None)
+    assert padded.chunks == (0, 0, 40, 40, 0)  # 80 of 81: a third row of 40 does not fit
+    alone = plan([Offer(40, (), ()), Offer(300, (), ())], 64, padded=True)
+    assert alone.depths == (0, 0) and alone.chunks == (0, 0)  # nobody decoding: whole

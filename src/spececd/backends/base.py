@@ -169,6 +169,9 @@ class Backend(Protocol):
     # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
     tokenizer: Tokenizer
     tree_attention: bool = False  # extend takes trees (see the module docstring)
+    # extend_batch pads every row to the longest: a pass costs rows x the longest row,
+    # whatever the others' lengths (the token budget plans by it: core/budget.py)
+    padded: bool = False
     # The thread this backend's model work runs on (its calls move there themselves), so
     # that a runner can run its passes there without a second hop; None: the caller's.
     thread: ModelThread | None = None

@@ -204,6 +204,7 @@ class StaticBackend(Backend):
 
     name = "hf-static"
     tree_attention = True
+    padded = True
     thread: ModelThread  # the transformers model's own
 
     def __init__(self, hf: HFBackend, max_context: int, graphs: bool = True,

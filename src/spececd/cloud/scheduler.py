@@ -59,6 +59,7 @@ from spececd.core.budget import (
     DepthAcceptance,
     Offer,
     PassCost,
+    cells,
     cut_draft,
     pass_budget,
     plan,
@@ -99,6 +100,8 @@ class Verified:
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
     chunk_positions: int = 0  # of them, the prompts' chunks, in a forward of their own
     chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
+    cells: int = 0  # positions the verifications' forward computed, padding too
+    chunk_cells: int = 0  # and the chunks' (core.budget.cells)
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
@@ -166,7 +169,9 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
-                    prompt_tokens, chunk_positions, chunk_s)
+                    prompt_tokens, chunk_positions, chunk_s,
+                    cells([len(item.ids) for item in items], backend.padded),
+                    cells([n for _, _, n in chunks], backend.padded))
 
 
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
@@ -340,7 +345,8 @@ class BatchScheduler:
         of (or, prompts it had no room for, nothing), to run again. If the forward fails,
         each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
-        chosen = plan(offers, self.budget(len(batch)), self.cost)
+        chosen = plan(offers, self.budget(len(batch)), self.cost,
+                      self.backend.padded)
         if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
             chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []
@@ -387,10 +393,9 @@ class BatchScheduler:
         # verifications': one or two rows, many positions), so that the fit tells rows'
         # cost from positions'.
         if work:
-            self.cost.update(len(work), done.positions - done.chunk_positions,
-                             done.work_s - done.chunk_s)
+            self.cost.update(len(work), done.cells, done.work_s - done.chunk_s)
         if chunks:
-            self.cost.update(len(chunks), done.chunk_positions, done.chunk_s)
+            self.cost.update(len(chunks), done.chunk_cells, done.chunk_s)
         self.level += LEVEL_WEIGHT * (chosen.level - self.level)
         self.metrics.record_batch(len(work), done.forward_s, done.work_s, seconds,
                                   [start - job.queued for job, _, _ in verified])

@@ -31,6 +31,15 @@ positions:
   draw, is fair). tests/core/test_budget.py plants both bugs.
 - The budget bites only when the batch fills it: a pass whose whole work fits, or that
   holds one session, runs whole.
+- A runtime that pads every row of a forward to the longest (transformers' batched pass,
+  the static path: ``Backend.padded``) computes rows x the longest row, whatever the
+  others' lengths: positions are counted so (:func:`cells`) in the fit and the budget,
+  drafts are cut to one depth for every session (a depth pays when its positions' worth
+  together does), and a prompt never goes whole beside sessions decoding. Counted as a
+  sum there, a prompt riding in a pass of 32 rows looked like 200 positions while it cost
+  6,400, and the fit charged a position 2 ms where one costs 0.5 (bench load, 64 replay
+  clients): the budget cut drafts that paid, and cut them row by row, which saves nothing
+  on such a runtime.
 
 :func:`plan` also returns the *level*: the least worth a verified position had to have. A
 session's budget, told to its edge (the verdict's ``budget``), is the number of leading
@@ -43,7 +52,7 @@ Pure: no clock, no I/O; the caller feeds measured seconds.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -253,12 +262,28 @@ def _nodes(offer: Offer, depth: int) -> int:
     return offer.nodes[depth - 1] if depth > 0 else 0
 
 
-def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = None) -> Plan:
+def cells(counts: Sequence[int], padded: bool) -> int:
+    """Positions one forward over rows of ``counts`` new tokens computes: their sum, or on
+    a runtime that pads every row to the longest (``padded``), rows x the longest."""
+    if not counts:
+        return 0
+    return len(counts) * max(counts) if padded else sum(counts)
+
+
+def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = None,
+         padded: bool = False) -> Plan:
     """Within ``budget`` positions (None: no budget), what each of ``offers`` gets (see the
     module docstring); ``cost``, when fitted, stops drafts' positions where they no longer
-    pay. Every offer not prefilling gets its token, whatever the budget."""
+    pay. Every offer not prefilling gets its token, whatever the budget.
+
+    ``padded``: the runtime pads every row of a forward to the longest (:func:`cells`), so
+    a position costs nothing below the pass's width and a whole row of them above it.
+    Drafts are then taken depth by depth across every session (a depth pays when the worth
+    of all its positions does), and a prompt never goes whole beside sessions decoding (it
+    would pad each of their rows to its length): it is prefilled in chunks, in a forward of
+    their own."""
     whole = Plan(tuple(len(o.nodes) for o in offers), (0,) * len(offers), 0.0)
-    if budget is None or len(offers) <= 1 or sum(o.whole for o in offers) <= budget:
+    if budget is None or len(offers) <= 1 or cells([o.whole for o in offers], padded) <= budget:
         return whole
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
@@ -269,17 +294,62 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
         assert cost is not None
         least_chunk = max(least_chunk, int(AMORTISE * cost.per_row / cost.per_position))
-    used = sum(offers[i].prefill + 1 for i in deciding)  # every decoding session's token
+    used = cells([offers[i].prefill + 1 for i in deciding], padded)  # every session's token
     waiting = sum(offers[i].prefill + 1 for i in joining)
     spare = max(0, budget - used)
     kept = min(waiting, max(least_chunk, int(PREFILL_SHARE * spare))) if joining else 0
     drafts = max(0, spare - kept)
-    # Drafts' positions by worth, each session's in order (its worth never grows with depth).
+    pays = None
+    if fitted:
+        assert cost is not None
+        rate_cost = cost
+
+        def pays(worth: float, step: int, tokens: float, positions: int) -> bool:
+            """Whether ``worth`` tokens for ``step`` more positions raise the pass's tokens
+            per second (``tokens`` in a pass of ``positions`` so far)."""
+            rate = tokens / max(rate_cost.predict(len(deciding), positions), 1e-9)
+            return worth >= rate * rate_cost.per_position * step
+
+    chosen = (_by_depth if padded else _by_worth)(offers, deciding, drafts, used, pays)
+    depths, positions, least, passed = chosen
+    # The level: the least worth verified (a session's positions of at least that worth are
+    # what the planner takes first); nothing verified, just above the most worth left out.
+    level = (float(least) if least < np.inf
+             else float(np.nextafter(passed, np.inf)) if passed else 0.0)
+    # Prompts: whole where they fit (never beside padded rows), else a chunk, first come
+    # first served (padded: no chunk longer than the first, all in one forward).
+    room = max(budget - positions, kept) if joining else 0
+    out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
+    chunks = [0] * len(offers)
+    longest, count = 0, 0  # padded: the chunks' forward's width and rows
+    for i in joining:
+        offer = offers[i]
+        if not padded:
+            if offer.whole <= room:
+                out_depths[i] = len(offer.nodes)
+                room -= offer.whole
+            elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay
+                chunks[i] = min(offer.prefill, room)
+                room -= chunks[i]
+        elif longest and (count + 1) * longest <= room:
+            chunks[i], count = min(offer.prefill, longest), count + 1
+        elif not longest and room >= min(least_chunk, offer.prefill):
+            chunks[i] = longest = min(offer.prefill, room)
+            count = 1
+    return Plan(tuple(out_depths), tuple(chunks), level)
+
+
+def _by_worth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: int,
+              pays: Callable[[float, int, float, int], bool] | None
+              ) -> tuple[dict[int, int], int, float, float]:
+    """Drafts' positions by worth, each session's in order (its worth never grows with
+    depth), while they fit ``drafts`` more positions and pay: each session's depth, the
+    positions computed, the least worth taken and the most left out."""
     depths = dict.fromkeys(deciding, 0)
     heap = [(-offers[i].worth[0] / offers[i].nodes[0], i) for i in deciding if offers[i].nodes]
     heapq.heapify(heap)
-    rows, tokens, positions = len(deciding), float(len(deciding)), used
-    least, passed = np.inf, 0.0  # the least worth verified; the most worth left out
+    tokens, positions = float(len(deciding)), used
+    least, passed = np.inf, 0.0
     while heap:
         _, i = heapq.heappop(heap)
         offer, depth = offers[i], depths[i]
@@ -288,12 +358,9 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         if step > drafts:
             passed = max(passed, worth)
             continue  # this session's next depth does not fit; shallower ones may
-        if fitted:
-            assert cost is not None
-            rate = tokens / max(cost.predict(rows, positions), 1e-9)
-            if worth < rate * cost.per_position * step:
-                passed = max(passed, worth)
-                break  # no position left is worth its cost
+        if pays is not None and not pays(worth, step, tokens, positions):
+            passed = max(passed, worth)
+            break  # no position left is worth its cost
         depths[i] = depth + 1
         least = min(least, worth)
         drafts -= step
@@ -302,23 +369,36 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         if depth + 1 < len(offer.nodes):
             heapq.heappush(heap, (-offer.worth[depth + 1] / (offer.nodes[depth + 1]
                                                               - offer.nodes[depth]), i))
-    # The level: the least worth verified (a session's positions of at least that worth are
-    # what the heap takes first); nothing verified, just above the most worth left out.
-    level = (float(least) if least < np.inf
-             else float(np.nextafter(passed, np.inf)) if passed else 0.0)
-    # Prompts: whole where they fit, else a chunk, first come first served.
-    room = max(budget - positions, kept) if joining else 0
-    out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
-    chunks = [0] * len(offers)
-    for i in joining:
-        offer = offers[i]
-        if offer.whole <= room:
-            out_depths[i] = len(offer.nodes)
-            room -= offer.whole
-        elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay its way
-            chunks[i] = min(offer.prefill, room)
-            room -= chunks[i]
-    return Plan(tuple(out_depths), tuple(chunks), level)
+    return depths, positions, float(least), passed
+
+
+def _by_depth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: int,
+              pays: Callable[[float, int, float, int], bool] | None
+              ) -> tuple[dict[int, int], int, float, float]:
+    """:func:`_by_worth` for a padded runtime: one depth for every session (its draft's
+    own where shorter), as deep as each further depth fits and its positions' worth
+    together pays for the row of positions it adds to every session's."""
+    def width(depth: int) -> int:
+        return max(offers[i].prefill + 1 + _nodes(offers[i], min(depth, len(offers[i].nodes)))
+                   for i in deciding)
+
+    rows, deepest = len(deciding), max(len(offers[i].nodes) for i in deciding)
+    depth, tokens, positions = 0, float(rows), used
+    least, passed = np.inf, 0.0
+    while depth < deepest:
+        worths = [offers[i].worth[depth] for i in deciding if len(offers[i].nodes) > depth]
+        step = rows * (width(depth + 1) - width(depth))
+        if step > drafts or (pays is not None and step
+                             and not pays(sum(worths), step, tokens, positions)):
+            passed = max(worths)
+            break
+        depth += 1
+        least = min(least, *worths)
+        drafts -= step
+        positions += step
+        tokens += sum(worths)
+    return ({i: min(depth, len(offers[i].nodes)) for i in deciding}, positions,
+            float(least), passed)
 
 
 def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
