@@ -18,7 +18,7 @@ import pytest
 
 from spececd.backends.base import CachedSequence, Extend
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError
+from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError, run_verifications
 from spececd.core.budget import DepthAcceptance
 from spececd.core.params import Mode, SamplingParams
 from spececd.protocol.cloud_session import VerifyRequest
@@ -446,3 +446,45 @@ def test_sessions_decoding_are_not_held_out_of_the_batch_by_prompts_coming_in(
         assert (result.result.num_accepted, result.result.next_token) == (2, want[2])
     assert any(decoding in batch for batch in backend.batches[:2])
     assert all(len(batch) <= 2 for batch in backend.batches)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
+def test_what_a_pass_computed_is_counted_as_its_runtime_computes_it(padded: bool) -> None:
+    """The cost fit is fed the positions each forward computed: every row's new tokens
+    (a prompt's, a draft's), padded to the widest row where the runtime pads, and a tree's
+    new context, prefilled in a forward of its own, on top."""
+    backend = ToyBackend(ToyModel(seed=0))
+    backend.padded = padded
+    chain = request(PROMPTS[1], [1, 2])  # a new sequence: 10 context tokens, 2 drafted
+    tree = VerifyRequest(seq=1, context=tuple(PROMPTS[0]), tokens=(1, 2, 3), draft_probs=None,
+                         mode=Mode.GREEDY, params=SamplingParams(temperature=0.0, seed=0),
+                         parents=(-1, -1, 0))  # 5 context tokens: 4 first, then 1 + 3
+    done = run_verifications(backend, [(backend.new_sequence(), chain),
+                                       (backend.new_sequence(), tree)])
+    assert done.positions == 12 + 8
+    assert done.cells == (2 * 12 if padded else 12 + 4) + 4
+
+
+def test_a_padded_runtime_gets_a_prompt_in_chunks_where_an_unpadded_one_takes_it_whole(
+        executor: ThreadPoolExecutor) -> None:
+    """The scheduler plans by its backend's layout: beside sessions decoding, a prompt
+    that fits the budget goes whole into the verifications' forward on a runtime that
+    does not pad, and in a chunk of its own forward on one that does (whole, it would pad
+    every decoding row to its length); either way every answer is the target's."""
+    for padded, chunked in ((False, False), (True, True)):
+        backend = Recording()
+        backend.padded = padded
+        decoding = []
+        for prompt in PROMPTS[:3]:
+            expected = greedy(backend, prompt, 2)
+            sequence = backend.new_sequence()
+            sequence.extend(prompt[:-1], keep=0)
+            decoding.append((sequence, request(prompt, expected[:1])))
+        prompt = [int(t) for t in np.random.default_rng(5).integers(0, POISON, 40)]
+        joining = (backend.new_sequence(), request(prompt, greedy(backend, prompt, 2)[:1]))
+        scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=60)
+        results = run(scheduler, [*decoding, joining])
+        assert all(isinstance(result, Pass) and result.result.num_accepted == 1
+                   for result in results)
+        alone = [batch for batch in backend.batches if batch == [joining[0]]]
+        assert bool(alone) == chunked, (padded, backend.batches)

@@ -322,3 +322,19 @@ def test_a_padded_pass_never_pads_sessions_decoding_to_a_prompt() -> None:
     assert padded.chunks == (0, 0, 40, 40, 0)  # 80 of 81: a third row of 40 does not fit
     alone = plan([Offer(40, (), ()), Offer(300, (), ())], 64, padded=True)
     assert alone.depths == (0, 0) and alone.chunks == (0, 0)  # nobody decoding: whole
+
+
+def test_a_padded_pass_takes_a_few_context_tokens_within_its_width() -> None:
+    """A session whose context grew by a token or two (a resume) costs a padded pass only
+    its row while its whole request fits the pass's width: it goes whole, answered now."""
+    offers = [*(decoding([0.9] * 4) for _ in range(3)), Offer(2, (), ())]
+    chosen = plan(offers, 20, padded=True)  # 3 rows x 5, and room for one more row of 5
+    assert chosen.depths == (4, 4, 4, 0) and chosen.chunks == (0, 0, 0, 0)
+    assert plan([*offers[:3], Offer(9, (), ())], 20, padded=True).depths[3] is None
+
+
+def test_a_short_first_chunk_does_not_make_the_next_prompt_pay_a_row_for_little() -> None:
+    """Padded chunks are no wider than the first: after a prompt of 5 tokens, a long one's
+    chunk would be 5 tokens for a row's fixed cost, under MIN_CHUNK, so it waits."""
+    chosen = plan([decoding([]), Offer(5, (), ()), Offer(300, (), ())], 100, padded=True)
+    assert chosen.chunks == (0, 5, 0) and chosen.depths == (0, None, None)

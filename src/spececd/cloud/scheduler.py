@@ -100,7 +100,7 @@ class Verified:
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
     chunk_positions: int = 0  # of them, the prompts' chunks, in a forward of their own
     chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
-    cells: int = 0  # positions the verifications' forward computed, padding too
+    cells: int = 0  # positions the verifications' forwards computed, padding too
     chunk_cells: int = 0  # and the chunks' (core.budget.cells)
 
 
@@ -126,6 +126,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         forward = chunk_s = time.perf_counter() - t
         positions = prompt_tokens = sum(len(item.ids) for item in prefills)
     chunk_positions = positions
+    prefixes = 0  # trees' new contexts, each in a forward of its own
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
     for sequence, request in work:
@@ -140,6 +141,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
                 t = time.perf_counter()  # the tree's mask spans its nodes only
                 prompt = sequence.extend(feed[:-1], keep=None if request.prompt_logprobs else 0)
                 forward += time.perf_counter() - t
+                prefixes += len(feed) - 1
                 feed = feed[-1:]
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         elif request.prompt_logprobs:
@@ -170,7 +172,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
                     prompt_tokens, chunk_positions, chunk_s,
-                    cells([len(item.ids) for item in items], backend.padded),
+                    cells([len(item.ids) for item in items], backend.padded) + prefixes,
                     cells([n for _, _, n in chunks], backend.padded))
 
 

@@ -35,7 +35,8 @@ positions:
   the static path: ``Backend.padded``) computes rows x the longest row, whatever the
   others' lengths: positions are counted so (:func:`cells`) in the fit and the budget,
   drafts are cut to one depth for every session (a depth pays when its positions' worth
-  together does), and a prompt never goes whole beside sessions decoding. Counted as a
+  together does), and a prompt goes whole beside sessions decoding only within the
+  pass's width. Counted as a
   sum there, a prompt riding in a pass of 32 rows looked like 200 positions while it cost
   6,400, and the fit charged a position 2 ms where one costs 0.5 (bench load, 64 replay
   clients): the budget cut drafts that paid, and cut them row by row, which saves nothing
@@ -279,9 +280,9 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     ``padded``: the runtime pads every row of a forward to the longest (:func:`cells`), so
     a position costs nothing below the pass's width and a whole row of them above it.
     Drafts are then taken depth by depth across every session (a depth pays when the worth
-    of all its positions does), and a prompt never goes whole beside sessions decoding (it
-    would pad each of their rows to its length): it is prefilled in chunks, in a forward of
-    their own."""
+    of all its positions does), and a prompt goes whole beside sessions decoding only
+    within the pass's width (wider, it would pad each of their rows to its length): else
+    it is prefilled in chunks, in a forward of their own."""
     whole = Plan(tuple(len(o.nodes) for o in offers), (0,) * len(offers), 0.0)
     if budget is None or len(offers) <= 1 or cells([o.whole for o in offers], padded) <= budget:
         return whole
@@ -316,9 +317,11 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     # what the planner takes first); nothing verified, just above the most worth left out.
     level = (float(least) if least < np.inf
              else float(np.nextafter(passed, np.inf)) if passed else 0.0)
-    # Prompts: whole where they fit (never beside padded rows), else a chunk, first come
-    # first served (padded: no chunk longer than the first, all in one forward).
+    # Prompts: whole where they fit (padded: only within the pass's width, where a row
+    # costs the width and pads nobody), else a chunk, first come first served (padded: no
+    # chunk longer than the first, all in one forward).
     room = max(budget - positions, kept) if joining else 0
+    width = positions // len(deciding) if padded else 0
     out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
     chunks = [0] * len(offers)
     longest, count = 0, 0  # padded: the chunks' forward's width and rows
@@ -331,7 +334,11 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
             elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay
                 chunks[i] = min(offer.prefill, room)
                 room -= chunks[i]
-        elif longest and (count + 1) * longest <= room:
+        elif offer.whole <= width <= room:
+            out_depths[i] = len(offer.nodes)
+            room -= width
+        elif longest and (count + 1) * longest <= room and \
+                min(offer.prefill, longest) >= min(least_chunk, offer.prefill):
             chunks[i], count = min(offer.prefill, longest), count + 1
         elif not longest and room >= min(least_chunk, offer.prefill):
             chunks[i] = longest = min(offer.prefill, room)
