@@ -470,7 +470,8 @@ def test_a_padded_runtime_gets_a_prompt_in_chunks_where_an_unpadded_one_takes_it
     """The scheduler plans by its backend's layout: beside sessions decoding, a prompt
     that fits the budget goes whole into the verifications' forward on a runtime that
     does not pad, and in a chunk of its own forward on one that does (whole, it would pad
-    every decoding row to its length); either way every answer is the target's."""
+    every decoding row to its length), its token verified after it in the same pass;
+    either way every answer is the target's."""
     for padded, chunked in ((False, False), (True, True)):
         backend = Recording()
         backend.padded = padded
@@ -488,3 +489,5 @@ def test_a_padded_runtime_gets_a_prompt_in_chunks_where_an_unpadded_one_takes_it
                    for result in results)
         alone = [batch for batch in backend.batches if batch == [joining[0]]]
         assert bool(alone) == chunked, (padded, backend.batches)
+        # One pass either way: the prompt's chunk is all of it, so its token rides after.
+        assert len(backend.batches) == 1 + chunked and len(backend.batches[-1]) == 4

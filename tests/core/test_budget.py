@@ -312,14 +312,16 @@ def test_a_padded_depth_pays_by_the_worth_of_all_its_positions() -> None:
 def test_a_padded_pass_never_pads_sessions_decoding_to_a_prompt() -> None:
     """Beside sessions decoding, a prompt goes in chunks in a forward of their own (whole,
     it would pad every decoding row to its length), every chunk as wide as the first at
-    most and the chunks' forward within the room left."""
+    most and the chunks' forward within the room left; a chunk that brings in the whole
+    prompt is followed in the same pass by its token, within the pass's width."""
     offers = [decoding([0.9] * 4), decoding([0.9] * 4), Offer(40, (), ()), Offer(300, (), ()),
               Offer(10, (), ())]
     ragged = plan(offers, 2 * 5 + 41 + 40)
     assert ragged.depths[2] == 0  # unpadded: the short prompt whole
     padded = plan(offers, 2 * 5 + 41 + 40, padded=True)
-    assert padded.depths == (4, 4, None, None, None)
     assert padded.chunks == (0, 0, 40, 40, 0)  # 80 of 81: a third row of 40 does not fit
+    # The first prompt all in: its last token rides in the verifications' forward (1 wide).
+    assert padded.depths == (4, 4, 0, None, None)
     alone = plan([Offer(40, (), ()), Offer(300, (), ())], 64, padded=True)
     assert alone.depths == (0, 0) and alone.chunks == (0, 0)  # nobody decoding: whole
 
@@ -330,11 +332,12 @@ def test_a_padded_pass_takes_a_few_context_tokens_within_its_width() -> None:
     offers = [*(decoding([0.9] * 4) for _ in range(3)), Offer(2, (), ())]
     chosen = plan(offers, 20, padded=True)  # 3 rows x 5, and room for one more row of 5
     assert chosen.depths == (4, 4, 4, 0) and chosen.chunks == (0, 0, 0, 0)
-    assert plan([*offers[:3], Offer(9, (), ())], 20, padded=True).depths[3] is None
+    wider = plan([*offers[:3], Offer(9, (), ())], 20, padded=True)  # 10 wide: a chunk of 9,
+    assert wider.chunks[3] == 9 and wider.depths[3] == 0  # then its token, in this pass
 
 
 def test_a_short_first_chunk_does_not_make_the_next_prompt_pay_a_row_for_little() -> None:
     """Padded chunks are no wider than the first: after a prompt of 5 tokens, a long one's
     chunk would be 5 tokens for a row's fixed cost, under MIN_CHUNK, so it waits."""
     chosen = plan([decoding([]), Offer(5, (), ()), Offer(300, (), ())], 100, padded=True)
-    assert chosen.chunks == (0, 5, 0) and chosen.depths == (0, None, None)
+    assert chosen.chunks == (0, 5, 0) and chosen.depths == (0, 0, None)

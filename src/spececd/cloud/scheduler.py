@@ -355,9 +355,9 @@ class BatchScheduler:
         kept: list[tuple[int, ...] | None] = []  # a cut tree's nodes, in the whole tree
         for job, offer, depth, chunk in zip(batch, offers, chosen.depths, chosen.chunks,
                                             strict=True):
+            if chunk:  # before the verifications, in a forward of their own
+                chunks.append((job.sequence, job.request.context, chunk))
             if depth is None:
-                if chunk:
-                    chunks.append((job.sequence, job.request.context, chunk))
                 waiting.append(job)
                 continue
             request, index = job.request, None

@@ -243,7 +243,9 @@ class Offer:
 @dataclass(frozen=True)
 class Plan:
     """What a pass does with each offer: ``depths[i]`` leading draft positions verified, or
-    None when it only prefills ``chunks[i]`` context tokens (and answers nothing yet);
+    None when it only prefills ``chunks[i]`` context tokens (and answers nothing yet); both
+    when a chunk brings in the rest of its prompt, in the chunks' forward, before the
+    verifications' forward verifies the rest (a padded runtime's prompts);
     ``level``: the least worth a verified position had to have (0: the budget did not
     bind)."""
 
@@ -337,12 +339,13 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
         elif offer.whole <= width <= room:
             out_depths[i] = len(offer.nodes)
             room -= width
-        elif longest and (count + 1) * longest <= room and \
-                min(offer.prefill, longest) >= min(least_chunk, offer.prefill):
-            chunks[i], count = min(offer.prefill, longest), count + 1
-        elif not longest and room >= min(least_chunk, offer.prefill):
-            chunks[i] = longest = min(offer.prefill, room)
-            count = 1
+        else:
+            size = min(offer.prefill, longest or room)
+            if size < min(least_chunk, offer.prefill) or (count + 1) * max(longest, size) > room:
+                continue  # too short a chunk to pay its row, or no room for another
+            chunks[i], longest, count = size, max(longest, size), count + 1
+            if size == offer.prefill and offer.whole - size <= width:
+                out_depths[i] = len(offer.nodes)  # all in: its token and draft ride too
     return Plan(tuple(out_depths), tuple(chunks), level)
 
 
