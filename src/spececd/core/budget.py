@@ -36,11 +36,10 @@ positions:
   others' lengths: positions are counted so (:func:`cells`) in the fit and the budget,
   drafts are cut to one depth for every session (a depth pays when its positions' worth
   together does), and a prompt goes whole beside sessions decoding only within the
-  pass's width. Counted as a
-  sum there, a prompt riding in a pass of 32 rows looked like 200 positions while it cost
-  6,400, and the fit charged a position 2 ms where one costs 0.5 (bench load, 64 replay
-  clients): the budget cut drafts that paid, and cut them row by row, which saves nothing
-  on such a runtime.
+  pass's width. Counted as a sum there, a prompt riding in a pass of 32 rows looked like
+  200 positions while it cost 6,400, and the fit charged a position 2 ms where one costs
+  0.5 (bench load, 64 replay clients): the budget cut drafts that paid, and cut them row
+  by row, which saves nothing on such a runtime.
 
 :func:`plan` also returns the *level*: the least worth a verified position had to have. A
 session's budget, told to its edge (the verdict's ``budget``), is the number of leading
@@ -52,6 +51,7 @@ Pure: no clock, no I/O; the caller feeds measured seconds.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -302,17 +302,8 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     spare = max(0, budget - used)
     kept = min(waiting, max(least_chunk, int(PREFILL_SHARE * spare))) if joining else 0
     drafts = max(0, spare - kept)
-    pays = None
-    if fitted:
-        assert cost is not None
-        rate_cost = cost
-
-        def pays(worth: float, step: int, tokens: float, positions: int) -> bool:
-            """Whether ``worth`` tokens for ``step`` more positions raise the pass's tokens
-            per second (``tokens`` in a pass of ``positions`` so far)."""
-            rate = tokens / max(rate_cost.predict(len(deciding), positions), 1e-9)
-            return worth >= rate * rate_cost.per_position * step
-
+    pays = (functools.partial(_pays, cost, len(deciding)) if cost is not None and fitted
+            else None)
     chosen = (_by_depth if padded else _by_worth)(offers, deciding, drafts, used, pays)
     depths, positions, least, passed = chosen
     # The level: the least worth verified (a session's positions of at least that worth are
@@ -347,6 +338,14 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
             if size == offer.prefill and offer.whole - size <= width:
                 out_depths[i] = len(offer.nodes)  # all in: its token and draft ride too
     return Plan(tuple(out_depths), tuple(chunks), level)
+
+
+def _pays(cost: PassCost, rows: int, worth: float, step: int, tokens: float,
+          positions: int) -> bool:
+    """Whether ``worth`` tokens for ``step`` more positions raise the tokens per second
+    of a pass of ``rows`` sessions (``tokens`` so far, in ``positions``)."""
+    rate = tokens / max(cost.predict(rows, positions), 1e-9)
+    return worth >= rate * cost.per_position * step
 
 
 def _by_worth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: int,
