@@ -318,7 +318,7 @@ class HFBackend(Backend):
         if len(items) == 1 or not self.full_attention:
             return [item.sequence.extend(*item[1:]) for item in items]
         own = [(self._own(item.sequence), item.ids, item.keep) for item in items]
-        device, dtype = self.device, self.model.dtype
+        device = self.device
         lengths = [len(s.tokens) for s, _, _ in own]
         counts = [len(ids) for _, ids, _ in own]
         past, width, batch = max(lengths), max(counts), len(own)
@@ -340,14 +340,15 @@ class HFBackend(Backend):
         # and the new positions written by the pass.
         shape = (batch, heads, past + width, dim)
         size = int(np.prod(shape))
-        scratch = self._scratch_for(2 * layers * size, dtype)
+        scratch = self._scratch_for(2 * layers * size)
         keys = [scratch[i * size:(i + 1) * size].view(shape) for i in range(layers)]
         values = [scratch[(layers + i) * size:(layers + i + 1) * size].view(shape)
                   for i in range(layers)]
         for i, ((sequence, _, _), length) in enumerate(zip(own, lengths, strict=True)):
             for layer in range(layers):
-                keys[layer][i, :, :past - length].zero_()
-                values[layer][i, :, :past - length].zero_()
+                if length < past:
+                    keys[layer][i, :, :past - length].zero_()
+                    values[layer][i, :, :past - length].zero_()
                 if length:
                     cached = sequence._cache.layers[layer]
                     keys[layer][i, :, past - length:past] = cached.keys[0]
@@ -364,14 +365,14 @@ class HFBackend(Backend):
             results.append(self.valid(logits[i, n - keep:n]))
         return results
 
-    def _scratch_for(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    def _scratch_for(self, elements: int) -> torch.Tensor:
         """A flat tensor of at least ``elements``, kept from pass to pass: allocating a
         batch's keys and values afresh each pass (hundreds of MB at 32 rows) went to fresh
         pages from the kernel whenever the allocator's history said so, and faulting them
         in cost as much as copying the caches (the gather's 52 ms took 127 ms after prompts
         had been prefilled alone). It grows by a quarter past the largest pass seen."""
-        if self._scratch.numel() < elements or self._scratch.dtype != dtype:
-            self._scratch = torch.empty(elements + elements // 4, dtype=dtype,
+        if self._scratch.numel() < elements:
+            self._scratch = torch.empty(elements + elements // 4, dtype=self._scratch.dtype,
                                         device=self.device)
         return self._scratch[:elements]
 

@@ -396,7 +396,7 @@ def _by_depth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: i
     least, passed = np.inf, 0.0
     while depth < deepest:
         worths = [offers[i].worth[depth] for i in deciding if len(offers[i].nodes) > depth]
-        step = rows * (width(depth + 1) - width(depth))
+        step = rows * width(depth + 1) - positions  # positions: rows x the width so far
         if step > drafts or (pays is not None and step
                              and not pays(sum(worths), step, tokens, positions)):
             passed = max(worths)
