@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -338,19 +339,14 @@ class HFBackend(Backend):
         # In the backend's scratch, written whole: each row's left padding zeroed (masked,
         # yet it must be finite: a masked NaN still poisons attention), its cache copied,
         # and the new positions written by the pass.
-        shape = (batch, heads, past + width, dim)
-        size = int(np.prod(shape))
-        scratch = self._scratch_for(2 * layers * size)
-        keys = [scratch[i * size:(i + 1) * size].view(shape) for i in range(layers)]
-        values = [scratch[(layers + i) * size:(layers + i + 1) * size].view(shape)
-                  for i in range(layers)]
+        shape = (2, layers, batch, heads, past + width, dim)  # keys, then values
+        scratch = self._scratch_for(math.prod(shape)).view(shape)
+        keys, values = list(scratch[0]), list(scratch[1])
         for i, ((sequence, _, _), length) in enumerate(zip(own, lengths, strict=True)):
-            for layer in range(layers):
-                if length < past:
-                    keys[layer][i, :, :past - length].zero_()
-                    values[layer][i, :, :past - length].zero_()
-                if length:
-                    cached = sequence._cache.layers[layer]
+            if length < past:
+                scratch[:, :, i, :, :past - length].zero_()
+            if length:
+                for layer, cached in enumerate(sequence._cache.layers):
                     keys[layer][i, :, past - length:past] = cached.keys[0]
                     values[layer][i, :, past - length:past] = cached.values[0]
         logits, _ = self.forward(BatchCache(keys, values, past), input_ids=input_ids,

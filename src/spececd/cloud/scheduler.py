@@ -98,7 +98,6 @@ class Verified:
     logprobs: list[tuple[Logprobs | None, Logprobs | None]] = field(default_factory=list)
     positions: int = 0  # positions the pass computed (new context and drafts, chunks too)
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
-    chunk_positions: int = 0  # of them, the prompts' chunks, in a forward of their own
     chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
     cells: int = 0  # positions the verifications' forwards computed, padding too
     chunk_cells: int = 0  # and the chunks' (core.budget.cells)
@@ -125,7 +124,6 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         backend.extend_batch(prefills)
         forward = chunk_s = time.perf_counter() - t
         positions = prompt_tokens = sum(len(item.ids) for item in prefills)
-    chunk_positions = positions
     prefixes = 0  # trees' new contexts, each in a forward of its own
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
@@ -171,7 +169,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
-                    prompt_tokens, chunk_positions, chunk_s,
+                    prompt_tokens, chunk_s,
                     cells([len(item.ids) for item in items], backend.padded) + prefixes,
                     cells([n for _, _, n in chunks], backend.padded))
 
