@@ -148,7 +148,7 @@ def test_acceptance_by_depth_follows_what_was_verified() -> None:
 
 def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
     probs = tuple(SparseProbs.from_dense(np.eye(5)[t]) for t in (1, 2, 3))
-    tokens, kept, parents, index = cut_draft((1, 2, 3), probs, None, 2)
+    tokens, kept, parents, index = cut_draft((1, 2, 3), probs, None, 1)
     assert tokens == (1, 2) and kept == probs[:2] and parents is None and index == (0, 1)
     # A tree: 0 and 1 at depth 1, 2 under 0, 3 under 2, 4 under 1.
     tree = (-1, -1, 0, 2, 1)
@@ -158,14 +158,68 @@ def test_a_cut_keeps_a_leading_prefix_of_chains_and_trees() -> None:
     assert cut_draft((7, 8, 9, 10, 11), None, tree, 0) == ((), None, (), ())
 
 
+@pytest.mark.parametrize("mode,points", [(Mode.EXACT, False), (Mode.MATCH, False),
+                                         (Mode.GREEDY, True)])
+def test_a_cut_chain_emits_what_the_whole_chain_would_have_up_to_the_cut(
+        mode: Mode, points: bool) -> None:
+    """With draws keyed by position, a chain cut at any depth emits a prefix of what the
+    whole chain emits: its last token is decided as the whole chain's verification decides
+    it (an exact-mode draw differs where a drafted token stands and where none does)."""
+    vocab, n = 6, 4
+    rng = np.random.default_rng(7)
+    kept_past = 0
+    for trial in range(300):
+        dists = [rng.dirichlet(np.full(vocab, 0.5)) for _ in range(n)]
+        tokens = [int(rng.choice(vocab, p=d)) for d in dists]
+        target = rng.dirichlet(np.full(vocab, 0.5), size=n + 1)
+        rows = target.argmax(axis=1) if points else target
+        draft_probs = [SparseProbs.from_dense(d) for d in dists]
+
+        def draws(offset: int, trial: int = trial) -> np.random.Generator:
+            return np.random.default_rng([trial, offset])
+
+        whole = verify(tokens, rows, draws, mode, draft_probs)
+        emitted = [*tokens[:whole.num_accepted], whole.next_token]
+        for depth in range(n):
+            cut = verify(tokens[:depth + 1], rows[:depth + 1], draws, mode,
+                         draft_probs[:depth + 1], cut=True)
+            assert cut.num_accepted <= depth
+            assert [*tokens[:cut.num_accepted], cut.next_token] == \
+                emitted[:cut.num_accepted + 1]
+            kept_past += cut.num_accepted == depth and cut.next_token == tokens[depth]
+    assert kept_past > 0
+
+
+def test_only_a_chain_of_a_token_or_more_is_verified_cut() -> None:
+    probs = np.full((2, 3), 1 / 3)
+    with pytest.raises(ValueError, match="chain"):
+        verify([], probs[:0], np.random.default_rng(0), Mode.MATCH, cut=True)
+    with pytest.raises(ValueError, match="chain"):
+        verify([1, 2], probs, np.random.default_rng(0), Mode.MATCH, parents=[-1, -1], cut=True)
+    with pytest.raises(ValueError, match=r"\[n, vocab\]"):
+        verify([1, 2], np.full((3, 3), 1 / 3), np.random.default_rng(0), Mode.MATCH, cut=True)
+
+
 # -- lossless by construction, and the planted bug that is not ---------------------------
 
 def verify_prefix(draft_tokens: Sequence[int], target_probs: np.ndarray,
                   rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
                   depth: int) -> VerifyResult:
     """Verify the draft cut to its first ``depth`` tokens, as the scheduler does."""
+    if depth == len(draft_tokens):
+        return verify(draft_tokens, target_probs, rng, mode, draft_probs)
     tokens, probs, _, _ = cut_draft(draft_tokens, draft_probs, None, depth)
-    return verify(tokens, target_probs[:depth + 1], rng, mode, probs)
+    return verify(tokens, target_probs[:depth + 1], rng, mode, probs, cut=True)
+
+
+def verify_shorter(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                   rng: np.random.Generator, mode: Mode, draft_probs: Sequence[SparseProbs],
+                   depth: int) -> VerifyResult:
+    """Verify the draft's first ``depth`` tokens as if that were the whole draft, a bonus
+    from the target after them (the planted bugs' cut: where the cut reads what it should
+    not, the token at the cut is not the one verification was owed there)."""
+    return verify(draft_tokens[:depth], target_probs[:depth + 1], rng, mode,
+                  draft_probs[:depth])
 
 
 def cut_by_draft_confidence(draft_tokens: Sequence[int], target_probs: np.ndarray,
@@ -190,7 +244,7 @@ def cut_by_the_drawn_tokens_probability(
     depth = 0
     while depth < len(draft_tokens) and draft_probs[depth].prob_of(draft_tokens[depth]) >= 0.3:
         depth += 1
-    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
+    return verify_shorter(draft_tokens, target_probs, rng, mode, draft_probs, depth)
 
 
 def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np.ndarray,
@@ -200,7 +254,7 @@ def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np
     rejection, so the token there is a bonus drawn from the target where a correction from
     the residual was due."""
     seen = verify(draft_tokens, target_probs, copy.deepcopy(rng), mode, draft_probs)
-    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, seen.num_accepted)
+    return verify_shorter(draft_tokens, target_probs, rng, mode, draft_probs, seen.num_accepted)
 
 
 def test_a_cut_chosen_before_the_pass_is_lossless() -> None:

@@ -169,3 +169,62 @@ def test_edges_under_a_loaded_server_follow_the_budget_it_sends(
                 if budget is not None:
                     assert len(message.tokens) <= budget
     assert told > 0 and cut > 0
+
+
+@pytest.mark.parametrize("proactive", ["off", "on"])
+def test_a_seeded_exact_mode_sample_is_the_same_whatever_the_budget_cut(
+        toy: tuple[ToyBackend, ToyBackend], proactive: str) -> None:
+    """Sampled in exact mode with a fixed ``k``, a seed fixes the tokens (docs/protocol.md):
+    an exact-mode draw depends on where its block ends, so the budget may cut a draft but
+    not move its block's end. Four such sessions against a server held to 8 positions a
+    pass (whose cuts follow the passes' timing) give each session's tokens alone against a
+    server without a budget; the server did cut, and kept tokens past its cuts."""
+    draft, target = toy
+    prompts = [list(b"for key in "), list(b"def f(x):"), list(b"import os"), list(b"x = [")]
+
+    def outputs(budget: str, together: bool) -> tuple[list[list[int]], int]:
+        target.pass_s = 0.003 if together else 0.0
+        server = LocalServer(builtin_service(target, config=RunnerConfig(token_budget=budget)))
+        links = [Budgeted(server, rewrite=False) for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+
+        def run(i: int) -> None:
+            fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+            client = EdgeClient(Drafter(draft), lambda: links[i], fingerprint,
+                                draft.max_context)
+            resolved = EdgeOptions().with_settings(k=6, proactive=proactive).resolved(
+                Site(in_process=False))
+            params = SamplingParams(temperature=0.9, seed=40 + i, max_tokens=N)
+            try:
+                out[i] = [t for o in client.generate(prompts[i], Resolved(resolved, params),
+                                                     GenerationStats()) for t in o.token_ids]
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        try:
+            for thread in threads:
+                thread.start()
+                if not together:
+                    thread.join()
+            for thread in threads:
+                thread.join()
+        finally:
+            server.close()
+        cuts = kept = 0  # verdicts on cut drafts; of them, keeping the token past the cut
+        for link in links:
+            drafted: tuple[int, ...] = ()
+            for message in link.log:
+                if isinstance(message, m.Draft):
+                    drafted = message.tokens
+                elif isinstance(message, m.Verdict) and message.verified is not None:
+                    cuts += 1
+                    kept += message.next_token == drafted[message.num_accepted]
+        return out, cuts, kept
+
+    alone, _, _ = outputs("off", together=False)
+    cut, cuts, kept = outputs("8", together=True)
+    print(f"{cuts} verdicts on cut drafts, {kept} keeping the token past the cut")
+    assert all(len(tokens) == N for tokens in alone)
+    assert cut == alone
+    assert cuts > 0 and kept > 0

@@ -29,14 +29,19 @@ it runs). Sessions decoding go first, each with its token; drafts' positions fol
 order of their worth (each session's acceptance by depth, :class:`DepthAcceptance`) while
 they pay; prompts fill the rest in chunks (a session whose prompt is not all in gets no
 result until it is: its chunks extend its cache, pass after pass, at the head of the
-queue). A draft cut to a leading prefix before the pass is a shorter draft: lossless. A pass
+queue). A draft cut to a leading prefix before the pass is a shorter draft: lossless; a
+chain keeps its first token past the cut, decided at the last row as the whole chain's
+verification decides it (:func:`~spececd.core.budget.cut_draft`), so that its block ends
+where the edge put it and a seeded exact-mode sample is the same whatever the cut. A pass
 whose work fits the budget, or that holds one session, runs whole. Each result carries the
 session's budget for its next request (:attr:`Pass.budget`): the leading positions of its
 own worth the level the last passes verified (None while the budget does not bind).
 
 Batching and budgets change nothing but floating-point rounding: every session's tokens, RNG
-stream and acceptance decisions are its own (the randomness is per position). The scheduler
-knows nothing of sessions beyond the cache and the acceptance each job comes with.
+stream and acceptance decisions are its own (the randomness is per position), except that
+a cut tree is verified as a smaller tree (its exact-mode tokens for a seed are not fixed).
+The scheduler knows nothing of sessions beyond the cache and the acceptance each job comes
+with.
 """
 
 from __future__ import annotations
@@ -131,9 +136,10 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         if request.prompt_logprobs:
             sequence.truncate(0)  # every context position's logits, the cached ones too
         feed = sync(sequence, request.context)
-        positions += len(feed) + len(request.tokens)
+        scored = request.scored
+        positions += len(feed) + len(scored)
         prompt_tokens += len(feed) - 1
-        parents, prompt, keep = None, None, len(request.tokens) + 1
+        parents, prompt, keep = None, None, len(scored) + 1
         if request.parents is not None:
             if len(feed) > 1:  # a new context (a prompt, a resume): in first, as a chain, so
                 t = time.perf_counter()  # the tree's mask spans its nodes only
@@ -144,7 +150,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         elif request.prompt_logprobs:
             keep += len(feed) - 1
-        items.append(Extend(sequence, [*feed, *request.tokens], keep, parents))
+        items.append(Extend(sequence, [*feed, *scored], keep, parents))
         prompt_rows.append(prompt)
     t = time.perf_counter()
     all_logits = backend.extend_batch(items) if items else []  # a pass of chunks alone
@@ -159,10 +165,10 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         matcher = matchers[i] if i < len(matchers) else None
         if matcher is not None:  # masked before anything reads them, log-probabilities too
             matcher.sync(request.context[request.params.prompt_len:])
-            logits = mask_logits(logits, matcher.allowed(request.tokens, request.parents))
+            logits = mask_logits(logits, matcher.allowed(request.scored, request.parents))
         rngs = functools.partial(_position_rng, request.params.seed, len(request.context))
         result = verify(request.tokens, _target(logits, request), rngs, request.mode,
-                        request.draft_probs, request.threshold, request.parents)
+                        request.draft_probs, request.threshold, request.parents, request.cut)
         if result.path is not None:
             start = len(request.context)
             sequence.select(start, [start + node for node in result.path])
@@ -363,7 +369,7 @@ class BatchScheduler:
                 tokens, probs, parents, index = cut_draft(request.tokens, request.draft_probs,
                                                           request.parents, depth)
                 request = dataclasses.replace(request, tokens=tokens, draft_probs=probs,
-                                              parents=parents)
+                                              parents=parents, cut=parents is None)
             work.append((job.sequence, request))
             matchers.append(job.matcher)
             kept.append(index)
@@ -401,7 +407,7 @@ class BatchScheduler:
                                   [start - job.queued for job, _, _ in verified])
         self.metrics.record_budget(
             done.prompt, sum(offered for _, _, offered in verified),
-            sum(len(request.tokens) for _, request in work),
+            sum(len(request.scored) for _, request in work),
             sum(result.num_accepted for result in done.results), len(done.results),
             done.work_s, self.budget(len(batch)))
         for (job, depth, _), result, logprobs, index in zip(

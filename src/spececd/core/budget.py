@@ -414,18 +414,19 @@ def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
               parents: Sequence[int] | None, depth: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None, tuple[int, ...] | None,
                          tuple[int, ...]]:
-    """A draft's leading ``depth`` positions: a chain's first ``depth`` tokens, or a tree's
-    nodes at most ``depth`` deep (their order kept, parents renumbered), and the kept
-    positions' indices in the whole draft (``kept[j]``: the cut draft's node ``j``), which
-    turn a verified cut tree's accepted path back into the draft's numbering (a tree's
-    nodes need only follow their parents, so a cut may keep a later node and drop an
-    earlier one). Verifying it is verifying a draft that never went further: lossless
-    whenever ``depth`` is chosen without the verification's outcome."""
+    """A draft's leading ``depth`` positions (``depth`` short of the draft's): a chain's
+    first ``depth`` tokens and the one after them, to be verified cut (the last decided at
+    the last row, :func:`~spececd.core.verify.verify`, so that the block ends where the
+    edge put it), or a tree's nodes at most ``depth`` deep (their order kept, parents
+    renumbered); and the kept nodes' indices in the whole draft (``kept[j]``: the cut
+    draft's node ``j``), which turn a verified cut tree's accepted path back into the
+    draft's numbering (a tree's nodes need only follow their parents, so a cut may keep a
+    later node and drop an earlier one). Verifying it is verifying a draft that never went
+    further: lossless whenever ``depth`` is chosen without the verification's outcome."""
     if parents is None:
-        depth = min(depth, len(tokens))
-        return (tuple(tokens[:depth]),
-                tuple(draft_probs[:depth]) if draft_probs is not None else None, None,
-                tuple(range(depth)))
+        n = min(depth + 1, len(tokens))
+        return (tuple(tokens[:n]), tuple(draft_probs[:n]) if draft_probs is not None else None,
+                None, tuple(range(n)))
     levels: list[int] = []
     kept: list[int] = []
     index: dict[int, int] = {}

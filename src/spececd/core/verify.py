@@ -42,6 +42,13 @@ whose every node has one child. Per mode, at a node with children ``c_1, c_2, ..
   induction over the children, the emitted token follows the node's ``target_probs``.
 - ``threshold``: follow the first child the target gives at least ``threshold``.
 
+A chain the server's budget cut (``cut``) keeps its first token past the cut: that
+token's position is the last row's, decided there like any other (kept or replaced), and
+with no row after it the token decided there is the verifier's own, whichever it is. An
+exact-mode draw at a position depends on whether a drafted token stands there, so deciding
+the token past the cut as an uncut block would keeps the block's end where the edge put
+it: a seeded sample is the same whatever the server cut.
+
 At temperature 0 every row is a point mass, and ``target_probs`` may be given as the
 target's tokens instead, ``[n + 1]`` integers: every mode then keeps the drafted tokens
 equal to them (the same result as with one-hot rows, in any mode), with no distribution
@@ -70,7 +77,9 @@ from spececd.core.sampling import SparseProbs, sample
 @dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int
-    next_token: int  # the correction where a node's children were all rejected, else the bonus
+    # The correction where a node's children were all rejected, else the bonus (a cut
+    # chain's: its last token, decided, whether kept or replaced)
+    next_token: int
     path: tuple[int, ...] | None = None  # trees: the accepted nodes, root first
 
 
@@ -104,16 +113,21 @@ def verify(
     draft_probs: Sequence[SparseProbs] | None = None,  # [n], required in exact mode
     threshold: float = 0.0,  # threshold mode only, in (0, 1]
     parents: Sequence[int] | None = None,  # [n]: a tree; None: a chain
+    cut: bool = False,  # a chain cut before its last token: target_probs has n rows
 ) -> VerifyResult:
     """Verify one drafted block (a chain, or a tree with ``parents``) against
     ``target_probs`` in ``mode``: the accepted tokens (a path from the root for a tree) and
-    the verifier's own token, the correction or the bonus. Raises ``ValueError`` on shapes
-    that do not match."""
+    the verifier's own token, the correction or the bonus (``cut``: the last token decided,
+    kept or replaced). Raises ``ValueError`` on shapes that do not match."""
     n = len(draft_tokens)
+    rows = n if cut else n + 1
     points = target_probs.ndim == 1 and np.issubdtype(target_probs.dtype, np.integer)
-    if target_probs.shape[0] != n + 1 or not (points or target_probs.ndim == 2):
-        raise ValueError(f"target_probs must be [n + 1, vocab] = [{n + 1}, V], or the "
-                         f"target's [n + 1] tokens, got {target_probs.shape}")
+    if cut and (parents is not None or n == 0):
+        raise ValueError("only a chain of at least one token is verified cut")
+    if target_probs.shape[0] != rows or not (points or target_probs.ndim == 2):
+        raise ValueError(f"target_probs must be [{'n' if cut else 'n + 1'}, vocab] = "
+                         f"[{rows}, V], or the target's [{rows}] tokens, "
+                         f"got {target_probs.shape}")
     if mode is Mode.EXACT and (draft_probs is None or len(draft_probs) != n):
         raise ValueError("exact mode needs one draft distribution per drafted token")
     if mode is Mode.THRESHOLD and not 0.0 < threshold <= 1.0:
@@ -161,5 +175,7 @@ def verify(
         if chosen is None:
             token = sample(probs, gen) if emitted is None else emitted
             return VerifyResult(len(path), token, None if parents is None else tuple(path))
+        if chosen + 1 == rows:  # kept past the cut: no row to go on with
+            return VerifyResult(len(path), draft_tokens[chosen])
         path.append(chosen)
         row = chosen + 1

@@ -117,7 +117,14 @@ class Work:
 class Rounds:
     """Plain rounds: draft ``k`` tokens after the history, send them, and take the
     verdict's accepted drafts plus the verifier's own token. ``k`` is fixed (``k_max``) or,
-    ``adaptive``, chosen each round by :class:`DraftLengthPolicy` from live measurements."""
+    ``adaptive``, chosen each round by :class:`DraftLengthPolicy` from live measurements.
+
+    Sampled in exact mode with a fixed ``k``, a seed fixes the tokens only if every block
+    ends where an uninterrupted run's does (an exact-mode draw depends on whether a drafted
+    token stands at its position): such rounds draft whole blocks whatever the server's
+    budget, and where the server cut a chain and kept its first token past the cut (the
+    verifier decides that token as an uncut block would), the next round sends the rest of
+    the block."""
 
     proactive = False  # whether drafting overlaps the round trip (BlockAhead)
     streams = False
@@ -126,13 +133,18 @@ class Rounds:
         self.work, self.k_max, self.adaptive = work, k_max, adaptive
         # Measures always (trees take their shape from it); chooses k when adaptive.
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
+        self.fixed_blocks = (not adaptive and work.mode is Mode.EXACT
+                             and not work.params.greedy)
+        # The rest of a block the server cut, and the history it continues.
+        self.rest: tuple[list[int], Tree] | None = None
 
     def choose(self, limit: int) -> int:
         """The draft length for a round with ``limit`` positions left: the policy's choice
         when adaptive, else ``k_max`` (at most ``limit``), and never past the server's
-        budget (the positions it expects to verify: it would cut the rest)."""
+        budget (the positions it expects to verify: it would cut the rest), except in
+        fixed blocks."""
         budget = self.work.session.budget
-        if budget is not None:
+        if budget is not None and not self.fixed_blocks:
             limit = min(limit, budget)
         return self.policy.choose(limit) if self.adaptive else min(self.k_max, limit)
 
@@ -156,13 +168,25 @@ class Rounds:
                             round_s - verdict.verify_s - hidden_s, len(tree.tokens))
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
+        if self.fixed_blocks and verdict.path is None:
+            chain = tree.trunk()  # what was sent
+            if n < len(chain.tokens) and verdict.next_token == chain.tokens[n]:
+                # Kept past a cut (a correction is never the drafted token itself).
+                dists = None if chain.dists is None else chain.dists[n + 1:]
+                self.rest = ([*out.history, *chain.tokens[:n + 1]],
+                             Tree.of_chain(chain.tokens[n + 1:], dists))
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n,
                       logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs,
                       drafted=depth)]
 
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
         """The round's draft after ``history``: up to ``limit`` tokens deep, its siblings
-        within ``room``."""
+        within ``room``; the rest of a block the server cut, where it continues."""
+        rest, self.rest = self.rest, None
+        if rest is not None and rest[0] == history:  # drafted already: a function of both
+            chain = rest[1]
+            return Tree.of_chain(chain.tokens[:limit],
+                                 None if chain.dists is None else chain.dists[:limit])
         tree = self.work.tree(history, self.choose(limit), room, self.policy)
         self.work.stats.draft_steps += len(tree.chain)
         return tree

@@ -80,6 +80,15 @@ class VerifyRequest:
     # The first request after a hello that asked for the prompt's log-probabilities (echo):
     # computed over the whole context, and sent with the reply.
     prompt_logprobs: bool = False
+    # A chain the scheduler's budget cut before its last token, which is decided at the row
+    # before it with no row after (:func:`~spececd.core.verify.verify`, ``cut``).
+    cut: bool = False
+
+    @property
+    def scored(self) -> tuple[int, ...]:
+        """The drafted tokens the target's forward scores the row after (a cut chain's
+        last one has none)."""
+        return self.tokens[:-1] if self.cut else self.tokens
 
 
 @dataclass(frozen=True)
