@@ -69,6 +69,11 @@ FIT_PASSES = 8  # passes seen before the fit is used
 MIN_SPREAD = 1.0  # variance of positions apart from rows (positions²) the fit needs
 HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, past the aim
 AMORTISE = 4.0  # a prompt's chunk is at least this many times the positions a row's cost buys
+# A pass that took more than this many times what the fit predicts is folded in as that
+# many times: one stalled pass (its process descheduled or stopped, swapping) would
+# otherwise hold the budget down for a hundred passes; a lasting change still moves the
+# fit, by up to this much a pass.
+OUTLIER = 4.0
 
 
 @dataclass
@@ -85,7 +90,10 @@ class PassCost:
     _coef: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     def update(self, rows: int, positions: int, seconds: float) -> None:
-        """Fold in one pass of ``rows`` sessions computing ``positions`` positions."""
+        """Fold in one pass of ``rows`` sessions computing ``positions`` positions (at most
+        :data:`OUTLIER` times what the fit predicts, once fitted)."""
+        if self.fitted and (predicted := self.predict(rows, positions)) > 0:
+            seconds = min(seconds, OUTLIER * predicted)
         x = np.array([1.0, rows, positions])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
