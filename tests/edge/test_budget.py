@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -25,7 +25,9 @@ from spececd.transports.memory import LocalServer, MemoryTransport, local_verifi
 from tests.toy import ToyBackend, greedy
 
 PROMPT = list(b"for key in ")
+PROMPTS = [PROMPT, list(b"def f(x):"), list(b"import os"), list(b"x = [")]
 N = 40
+GREEDY = SamplingParams(temperature=0.0, seed=1, max_tokens=N)
 
 
 class Budgeted(MemoryTransport):
@@ -62,16 +64,39 @@ def verifier(toy: tuple[ToyBackend, ToyBackend]) -> Iterator[LocalServer]:
     server.close()
 
 
-def generate(draft: ToyBackend, transport: MemoryTransport, **options: object) -> list[int]:
+def generate(draft: ToyBackend, transport: MemoryTransport, prompt: list[int] = PROMPT,
+             params: SamplingParams = GREEDY, **options: object) -> list[int]:
     fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
     client = EdgeClient(Drafter(draft), lambda: transport, fingerprint, draft.max_context)
     run = Resolved(EdgeOptions().with_settings(**options).resolved(Site(in_process=False)),
-                   SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+                   params)
     try:
-        return [t for out in client.generate(PROMPT, run, GenerationStats())
+        return [t for out in client.generate(prompt, run, GenerationStats())
                 for t in out.token_ids]
     finally:
         client.close()
+
+
+def generate_each(draft: ToyBackend, server: LocalServer, params: Callable[[int], SamplingParams],
+                  together: bool = True, **options: object
+                  ) -> tuple[list[list[int]], list[Budgeted]]:
+    """Each of :data:`PROMPTS` from an edge of its own (``params(i)`` for the ``i``-th) on
+    ``server``, all at once (``together``) or one after another: the outputs, and each
+    edge's link."""
+    links = [Budgeted(server, rewrite=False) for _ in PROMPTS]
+    outputs: list[list[int]] = [[] for _ in PROMPTS]
+
+    def run(i: int) -> None:
+        outputs[i] = generate(draft, links[i], PROMPTS[i], params(i), **options)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+        if not together:
+            thread.join()
+    for thread in threads:
+        thread.join()
+    return outputs, links
 
 
 @pytest.mark.parametrize("proactive", ["off", "on"])
@@ -108,8 +133,7 @@ def test_an_edge_greets_an_older_server_without_the_budget(
 
     fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
     client = EdgeClient(Drafter(draft), connect, fingerprint, draft.max_context)
-    run = Resolved(EdgeOptions().with_settings(k=4).resolved(Site(in_process=False)),
-                   SamplingParams(temperature=0.0, seed=1, max_tokens=N))
+    run = Resolved(EdgeOptions().with_settings(k=4).resolved(Site(in_process=False)), GREEDY)
     try:
         out = [t for o in client.generate(PROMPT, run, GenerationStats()) for t in o.token_ids]
     finally:
@@ -129,33 +153,13 @@ def test_edges_under_a_loaded_server_follow_the_budget_it_sends(
     draft, target = toy
     target.pass_s = 0.003  # passes long enough for the edges' rounds to meet in them
     server = LocalServer(builtin_service(target, config=RunnerConfig(token_budget="12")))
-    prompts = [list(b"for key in "), list(b"def f(x):"), list(b"import os"), list(b"x = [")]
-    links = [Budgeted(server, rewrite=False) for _ in prompts]
-    outputs: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-        client = EdgeClient(Drafter(draft), lambda: links[i], fingerprint, draft.max_context)
-        resolved = EdgeOptions().with_settings(k=6, proactive="off").resolved(
-            Site(in_process=False))
-        run = Resolved(resolved, SamplingParams(temperature=0.0, seed=1, max_tokens=N))
-        try:
-            outputs[i] = [t for out in client.generate(prompts[i], run, GenerationStats())
-                          for t in out.token_ids]
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        outputs, links = generate_each(draft, server, lambda i: GREEDY, k=6, proactive="off")
     finally:
         server.close()
     told = cut = 0
     for i, link in enumerate(links):
-        assert outputs[i] == greedy(target, prompts[i], N)
+        assert outputs[i] == greedy(target, PROMPTS[i], N)
         budget, drafted = None, 0
         for message in link.log:
             if isinstance(message, m.Verdict):
@@ -180,35 +184,15 @@ def test_a_seeded_exact_mode_sample_is_the_same_whatever_the_budget_cut(
     pass (whose cuts follow the passes' timing) give each session's tokens alone against a
     server without a budget; the server did cut, and kept tokens past its cuts."""
     draft, target = toy
-    prompts = [list(b"for key in "), list(b"def f(x):"), list(b"import os"), list(b"x = [")]
 
-    def outputs(budget: str, together: bool) -> tuple[list[list[int]], int]:
+    def outputs(budget: str, together: bool) -> tuple[list[list[int]], int, int]:
         target.pass_s = 0.003 if together else 0.0
         server = LocalServer(builtin_service(target, config=RunnerConfig(token_budget=budget)))
-        links = [Budgeted(server, rewrite=False) for _ in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
-
-        def run(i: int) -> None:
-            fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
-            client = EdgeClient(Drafter(draft), lambda: links[i], fingerprint,
-                                draft.max_context)
-            resolved = EdgeOptions().with_settings(k=6, proactive=proactive).resolved(
-                Site(in_process=False))
-            params = SamplingParams(temperature=0.9, seed=40 + i, max_tokens=N)
-            try:
-                out[i] = [t for o in client.generate(prompts[i], Resolved(resolved, params),
-                                                     GenerationStats()) for t in o.token_ids]
-            finally:
-                client.close()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         try:
-            for thread in threads:
-                thread.start()
-                if not together:
-                    thread.join()
-            for thread in threads:
-                thread.join()
+            out, links = generate_each(
+                draft, server, lambda i: SamplingParams(temperature=0.9, seed=40 + i,
+                                                        max_tokens=N),
+                together, k=6, proactive=proactive)
         finally:
             server.close()
         cuts = kept = 0  # verdicts on cut drafts; of them, keeping the token past the cut
