@@ -282,6 +282,18 @@ def cut_before_the_first_rejection(draft_tokens: Sequence[int], target_probs: np
     return verify_shorter(draft_tokens, target_probs, rng, mode, draft_probs, seen.num_accepted)
 
 
+def cut_short_of_the_first_rejection(draft_tokens: Sequence[int], target_probs: np.ndarray,
+                                     rng: np.random.Generator, mode: Mode,
+                                     draft_probs: Sequence[SparseProbs]) -> VerifyResult:
+    """Planted bug, in the scheduler's own cut: chosen after seeing the pass's outcome, one
+    token short of the first rejection, so that the token decided past the cut is one the
+    verifier keeps, and the rejected position goes to a fresh draft."""
+    seen = verify(draft_tokens, target_probs, copy.deepcopy(rng), mode, draft_probs)
+    depth = max(0, seen.num_accepted - 1) if seen.num_accepted < len(draft_tokens) else \
+        len(draft_tokens)
+    return verify_prefix(draft_tokens, target_probs, rng, mode, draft_probs, depth)
+
+
 def test_a_cut_chosen_before_the_pass_is_lossless() -> None:
     setting = SETTINGS[1]  # T = 1, the draft model's own distribution
     p_value = pairs_p_value(simulate(setting, cut_by_draft_confidence).pairs, setting.params)
@@ -289,8 +301,11 @@ def test_a_cut_chosen_before_the_pass_is_lossless() -> None:
     assert p_value > 0.001
 
 
-PLANTED = [pytest.param("cut before the first rejection", cut_before_the_first_rejection,
-                        id="first-rejection"),
+PLANTED = [pytest.param("cut one token short of the first rejection",
+                        cut_short_of_the_first_rejection, id="short-of-rejection"),
+           pytest.param("cut before the first rejection, its token left out",
+                        cut_before_the_first_rejection, id="first-rejection",
+                        marks=pytest.mark.slow),
            pytest.param("cut by the drawn token's probability",
                         cut_by_the_drawn_tokens_probability, id="drawn-token",
                         marks=pytest.mark.slow)]

@@ -38,8 +38,10 @@ session's budget for its next request (:attr:`Pass.budget`): the leading positio
 own worth the level the last passes verified (None while the budget does not bind).
 
 Batching and budgets change nothing but floating-point rounding: every session's tokens, RNG
-stream and acceptance decisions are its own (the randomness is per position), except that
-a cut tree is verified as a smaller tree (its exact-mode tokens for a seed are not fixed).
+stream and acceptance decisions are its own (the randomness is per position), except in
+exact mode where the edge does not send the rest of a cut block (``k`` auto, ``--proactive
+auto``, an edge older than this rule) and for a cut tree, verified as a smaller tree: a cut
+moves an exact-mode block's end there, and the tokens for a seed with it.
 The scheduler knows nothing of sessions beyond the cache and the acceptance each job comes
 with.
 """
@@ -160,7 +162,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
             zip(work, all_logits, prompt_rows, strict=True)):
         if request.prompt_logprobs and prompt is None:  # a chain's: the rows before the block's
             prompt, logits = logits[:len(request.context) - 1], logits[len(request.context) - 1:]
-        # logits: [n + 1, vocab]
+        # logits: [n + 1, vocab] ([n, vocab] for a chain cut after n - 1: request.scored)
         assert request.params.seed is not None
         matcher = matchers[i] if i < len(matchers) else None
         if matcher is not None:  # masked before anything reads them, log-probabilities too
@@ -183,9 +185,9 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
               prompt: np.ndarray | None) -> tuple[Logprobs | None, Logprobs | None]:
     """The log-probabilities the session asked for: of the tokens ``result`` emits, each
-    from the row of ``logits`` ``[n + 1, vocab]`` that decided it (a tree's rows follow its
-    accepted path), and of the context after its first token from ``prompt``
-    ``[len(context) - 1, vocab]`` (raw, see :mod:`spececd.core.logprobs`)."""
+    from the row of ``logits`` ``[len(request.scored) + 1, vocab]`` that decided it (a
+    tree's rows follow its accepted path), and of the context after its first token from
+    ``prompt`` ``[len(context) - 1, vocab]`` (raw, see :mod:`spececd.core.logprobs`)."""
     params = request.params
     emitted_lp = prompt_lp = None
     if params.logprobs is not None:
@@ -211,10 +213,10 @@ def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
 
 
 def _target(logits: np.ndarray, request: VerifyRequest) -> np.ndarray:
-    """The target's distributions ``[n + 1, vocab]`` at the root and after each drafted
-    token, or at temperature 0 its tokens ``[n + 1]`` (point masses: no distribution is
-    built, no draw made). Penalties depend on the tokens before a row: a chain's rows
-    follow one another, a tree's row follows its node's path."""
+    """The target's distributions at the root and after each scored token
+    (``[len(request.scored) + 1, vocab]``), or at temperature 0 its tokens (point masses:
+    no distribution is built, no draw made). Penalties depend on the tokens before a row: a
+    chain's rows follow one another, a tree's row follows its node's path."""
     context, params = request.context, request.params
     process = greedy_tokens if params.greedy else process_logits
     if request.parents is None or not params.penalized:

@@ -23,12 +23,15 @@ positions:
   tokens per second already give per position's cost would lower them. Prompts' chunks
   fill the rest, a share of the budget kept for them so that joining is never starved.
 - Lossless by construction: a leading prefix of a draft (:func:`cut_draft`), chosen from
-  costs and past acceptance, is simply a shorter draft; the verifier never sees the rest.
-  Whether a position is kept may depend on what precedes it, never on the pass's outputs
+  costs and past acceptance, verified as a shorter draft (a chain's first token past the
+  cut decided from the last row, as an uncut verification decides it: the block ends
+  where the edge put it). Whether a position is kept may depend on what precedes it,
+  never on the pass's outputs
   nor on the token drafted there (not even the draft's own probability of that token: a
   position kept because of the token drawn there no longer holds a sample of the draft's
-  distribution, which verification assumes; the draft's distribution there, before its
-  draw, is fair). tests/core/test_budget.py plants both bugs.
+  distribution, which verification assumes, where the token past the cut is left out, as in
+  a cut tree; the draft's distribution there, before its draw, is fair).
+  tests/core/test_budget.py plants such bugs.
 - The budget bites only when the batch fills it: a pass whose whole work fits, or that
   holds one session, runs whole.
 - A runtime that pads every row of a forward to the longest (transformers' batched pass,
@@ -44,7 +47,8 @@ positions:
 :func:`plan` also returns the *level*: the least worth a verified position had to have. A
 session's budget, told to its edge (the verdict's ``budget``), is the number of leading
 positions of its own whose worth reaches the level (:meth:`DepthAcceptance.budget`), so the
-edge drafts no positions that will be cut.
+edge drafts no positions that will be cut (except in exact mode with a fixed ``k``, whose
+blocks a seed fixes only whole).
 
 Pure: no clock, no I/O; the caller feeds measured seconds.
 """
@@ -71,8 +75,9 @@ HEADROOM = 2.0  # a pass may take this many times its sessions' tokens alone, pa
 AMORTISE = 4.0  # a prompt's chunk is at least this many times the positions a row's cost buys
 # A pass that took more than this many times what the fit predicts is folded in as that
 # many times: one stalled pass (its process descheduled or stopped, swapping) would
-# otherwise hold the budget down for a hundred passes; a lasting change still moves the
-# fit, by up to this much a pass.
+# otherwise hold the budget down for a hundred passes; a lasting change is still learned,
+# a little slower (a cost up tenfold for good: predicted at 5.3x the old after 20 passes
+# and 8.1x after 50, where unclipped 5.9x and 8.4x).
 OUTLIER = 4.0
 
 

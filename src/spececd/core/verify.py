@@ -50,9 +50,9 @@ the token past the cut as an uncut block would keeps the block's end where the e
 it: a seeded sample is the same whatever the server cut.
 
 At temperature 0 every row is a point mass, and ``target_probs`` may be given as the
-target's tokens instead, ``[n + 1]`` integers: every mode then keeps the drafted tokens
-equal to them (the same result as with one-hot rows, in any mode), with no distribution
-built and no random draw.
+target's tokens instead, ``[n + 1]`` integers (``[n]`` cut): every mode then keeps the
+drafted tokens equal to them (the same result as with one-hot rows, in any mode), with no
+distribution built and no random draw.
 
 This module is pure: arrays and an explicit RNG in, a frozen result out.
 
@@ -107,7 +107,7 @@ def tree_depth(parents: Sequence[int]) -> int:
 
 def verify(
     draft_tokens: Sequence[int],  # [n]
-    target_probs: np.ndarray,  # [n + 1, vocab], or the target's tokens [n + 1]
+    target_probs: np.ndarray,  # [n + 1, vocab], or the target's tokens [n + 1] ([n] cut)
     rng: np.random.Generator | Callable[[int], np.random.Generator],
     mode: Mode,
     draft_probs: Sequence[SparseProbs] | None = None,  # [n], required in exact mode

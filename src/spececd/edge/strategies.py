@@ -119,12 +119,12 @@ class Rounds:
     verdict's accepted drafts plus the verifier's own token. ``k`` is fixed (``k_max``) or,
     ``adaptive``, chosen each round by :class:`DraftLengthPolicy` from live measurements.
 
-    Sampled in exact mode with a fixed ``k``, a seed fixes the tokens only if every block
-    ends where an uninterrupted run's does (an exact-mode draw depends on whether a drafted
-    token stands at its position): such rounds draft whole blocks whatever the server's
-    budget, and where the server cut a chain and kept its first token past the cut (the
-    verifier decides that token as an uncut block would), the next round sends the rest of
-    the block."""
+    Sampled in exact mode with a fixed ``k`` in chains, a seed fixes the tokens only if
+    every block ends where an uninterrupted run's does (an exact-mode draw depends on
+    whether a drafted token stands at its position): such rounds draft whole blocks
+    whatever the server's budget, and where the server cut a chain and kept its first token
+    past the cut (the verifier decides that token as an uncut block would), the next round
+    sends the rest of the block."""
 
     proactive = False  # whether drafting overlaps the round trip (BlockAhead)
     streams = False
@@ -134,7 +134,7 @@ class Rounds:
         # Measures always (trees take their shape from it); chooses k when adaptive.
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
         self.fixed_blocks = (not adaptive and work.mode is Mode.EXACT
-                             and not work.params.greedy)
+                             and not work.params.greedy and work.tree_width == 1)
         # The rest of a block the server cut, and the history it continues.
         self.rest: tuple[list[int], Tree] | None = None
 

@@ -62,9 +62,12 @@ and a ``Verdict`` or ``Tokens`` frame then says how many positions it expects to
 the session's next draft or hint (``budget``); left off while it verifies whatever comes.
 A ``Verdict`` on a draft the pass cut then also says how many leading positions it verified
 (``verified``; a ``Tokens`` frame's ``drafted`` says it), so that the edge counts none
-past them as rejected. An edge that follows it drafts no positions that would be cut; one
-that ignores it loses nothing but the drafting (a cut draft is verified as the shorter
-draft it begins with).
+past them as rejected. A cut chain's first token past the cut is decided from the row after
+the last verified one, as an uncut verification decides it (kept: the verdict's
+``next_token`` is that token), so that the block ends where the edge put it. An edge that
+follows the budget drafts no positions that would be cut (except in exact mode with a
+fixed ``k``: whole blocks, so that a seed fixes the tokens); one that ignores it loses
+nothing but the drafting.
 
 ``Draft.context_len`` is the length of the server-side context the draft builds on; the
 server first cuts its context to that length, then appends ``prefix`` (the prompt, a new
