@@ -353,8 +353,7 @@ class BatchScheduler:
         of (or, prompts it had no room for, nothing), to run again. If the forward fails,
         each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
-        chosen = plan(offers, self.budget(len(batch)), self.cost,
-                      self.backend.padded)
+        chosen = plan(offers, self.budget(len(batch)), self.cost, self.backend.padded)
         if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
             chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []

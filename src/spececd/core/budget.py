@@ -26,12 +26,11 @@ positions:
   costs and past acceptance, verified as a shorter draft (a chain's first token past the
   cut decided from the last row, as an uncut verification decides it: the block ends
   where the edge put it). Whether a position is kept may depend on what precedes it,
-  never on the pass's outputs
-  nor on the token drafted there (not even the draft's own probability of that token: a
-  position kept because of the token drawn there no longer holds a sample of the draft's
-  distribution, which verification assumes, where the token past the cut is left out, as in
-  a cut tree; the draft's distribution there, before its draw, is fair).
-  tests/core/test_budget.py plants such bugs.
+  never on the pass's outputs nor on the token drafted there (not even the draft's own
+  probability of that token where the token past the cut is left out, as in a cut tree:
+  a position kept because of the token drawn there no longer holds a sample of the
+  draft's distribution, which verification assumes; the draft's distribution there,
+  before its draw, is fair). tests/core/test_budget.py plants such bugs.
 - The budget bites only when the batch fills it: a pass whose whole work fits, or that
   holds one session, runs whole.
 - A runtime that pads every row of a forward to the longest (transformers' batched pass,

@@ -135,8 +135,9 @@ class Rounds:
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
         self.fixed_blocks = (not adaptive and work.mode is Mode.EXACT
                              and not work.params.greedy and work.tree_width == 1)
-        # The rest of a block the server cut, and the history it continues.
-        self.rest: tuple[list[int], Tree] | None = None
+        # A block the server cut: the history its rest continues, the chain sent, and where
+        # its rest starts.
+        self.rest: tuple[list[int], Tree, int] | None = None
 
     def choose(self, limit: int) -> int:
         """The draft length for a round with ``limit`` positions left: the policy's choice
@@ -172,9 +173,7 @@ class Rounds:
             chain = tree.trunk()  # what was sent
             if n < len(chain.tokens) and verdict.next_token == chain.tokens[n]:
                 # Kept past a cut (a correction is never the drafted token itself).
-                dists = None if chain.dists is None else chain.dists[n + 1:]
-                self.rest = ([*out.history, *chain.tokens[:n + 1]],
-                             Tree.of_chain(chain.tokens[n + 1:], dists))
+                self.rest = ([*out.history, *chain.tokens[:n + 1]], chain, n + 1)
         return [Piece((*(tree.tokens[i] for i in path), verdict.next_token), from_draft=n,
                       logprobs=verdict.logprobs, prompt_logprobs=verdict.prompt_logprobs,
                       drafted=depth)]
@@ -184,9 +183,10 @@ class Rounds:
         within ``room``; the rest of a block the server cut, where it continues."""
         rest, self.rest = self.rest, None
         if rest is not None and rest[0] == history:  # drafted already: a function of both
-            chain = rest[1]
-            return Tree.of_chain(chain.tokens[:limit],
-                                 None if chain.dists is None else chain.dists[:limit])
+            _, chain, start = rest
+            end = start + limit
+            return Tree.of_chain(chain.tokens[start:end],
+                                 None if chain.dists is None else chain.dists[start:end])
         tree = self.work.tree(history, self.choose(limit), room, self.policy)
         self.work.stats.draft_steps += len(tree.chain)
         return tree
