@@ -18,9 +18,16 @@ import pytest
 
 from spececd.backends.base import CachedSequence, Extend
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.scheduler import BatchScheduler, Pass, VerificationError, run_verifications
+from spececd.cloud.scheduler import (
+    BatchScheduler,
+    Pass,
+    VerificationError,
+    _Job,
+    run_verifications,
+)
 from spececd.core.budget import DepthAcceptance
 from spececd.core.params import Mode, SamplingParams
+from spececd.core.sampling import SparseProbs
 from spececd.protocol.cloud_session import VerifyRequest
 from tests.toy import ToyBackend, ToyModel, greedy
 
@@ -491,3 +498,22 @@ def test_a_padded_runtime_gets_a_prompt_in_chunks_where_an_unpadded_one_takes_it
         assert bool(alone) == chunked, (padded, backend.batches)
         # One pass either way: the prompt's chunk is all of it, so its token rides after.
         assert len(backend.batches) == 1 + chunked and len(backend.batches[-1]) == 4
+
+
+def test_an_exact_mode_sampled_tree_is_offered_to_the_budget_at_a_position_a_level() -> None:
+    """A tree whose levels' sizes were drawn (exact mode, sampled: it carries draft
+    distributions) is charged one position a level, so the budget's cut never depends on a
+    draw (tests/core/test_budget.py shows the bias where it does); a tree the drafter
+    shaped without drawing is charged its nodes."""
+    backend = ToyBackend(ToyModel(seed=0))
+    point = SparseProbs(np.array([5]), np.array([1.0], dtype=np.float32))
+    shaped = dataclasses.replace(request([1, 2, 3], [5, 6, 7, 8, 9]), parents=(-1, -1, 0, 0, 2))
+    drawn = dataclasses.replace(shaped, mode=Mode.EXACT, draft_probs=(point,) * 5)
+    loop = asyncio.new_event_loop()
+    try:
+        offers = [_Job(backend.new_sequence(), req, loop.create_future(), 0.0).offer()
+                  for req in (shaped, drawn)]
+    finally:
+        loop.close()
+    assert offers[0].nodes == (2, 4, 5)
+    assert offers[1].nodes == (1, 2, 3)

@@ -29,8 +29,9 @@ from spececd.core.budget import (
     tree_nodes,
 )
 from spececd.core.params import Mode
-from spececd.core.sampling import SparseProbs
+from spececd.core.sampling import SparseProbs, sample_sparse
 from spececd.core.verify import VerifyResult, verify
+from tests.chisq import chi_square_p
 from tests.core.test_verify import SETTINGS, VerifyFn, pairs_p_value, simulate
 
 
@@ -435,3 +436,46 @@ def test_a_short_first_chunk_does_not_make_the_next_prompt_pay_a_row_for_little(
     chunk would be 5 tokens for a row's fixed cost, under MIN_CHUNK, so it waits."""
     chosen = plan([decoding([]), Offer(5, (), ()), Offer(300, (), ())], 100, padded=True)
     assert chosen.chunks == (0, 5, 0) and chosen.depths == (0, 0, None)
+
+
+# -- an exact-mode sampled tree: the size of a level is drawn ------------------------------
+
+def tree_out_of_a_binding_budget(drawn: bool, draws: int = 20_000) -> np.ndarray:
+    """The first token out of a one-level tree sampled for exact verification, the edge's
+    way (a chain token from q = (0.9, 0.1), then a sibling while the mass left beside it is
+    at least 0.2), in a pass with one position left for drafts, the planner charging the
+    level as :func:`tree_nodes` does with ``drawn``: counts of each token [2]."""
+    from spececd.edge.drafter import _drawn_siblings
+
+    draft = SparseProbs(np.array([0, 1]), np.array([0.9, 0.1], dtype=np.float32))
+    target_probs = np.full((3, 2), 0.5)  # [nodes + 1, vocab]: p = (0.5, 0.5) at the root
+    rng = np.random.default_rng(7)
+    counts = np.zeros(2, dtype=np.int64)
+    for _ in range(draws):
+        token = sample_sparse(draft, rng)
+        nodes = [(token, draft), *_drawn_siblings(draft, token, rng, 1, 0.2)]
+        tokens = [t for t, _ in nodes]
+        probs = [d for _, d in nodes]
+        parents = [-1] * len(nodes)
+        offers = [Offer(0, (0.9,), tree_nodes(parents, len(tokens), drawn=drawn)),
+                  decoding(())]
+        depth = plan(offers, 3).depths[0]  # two sessions' tokens and one position more
+        assert depth is not None
+        cut_tokens, cut_probs, cut_parents, _ = cut_draft(tokens, probs, parents, depth)
+        result = verify(cut_tokens, target_probs[:len(cut_tokens) + 1], rng, Mode.EXACT,
+                        cut_probs, parents=cut_parents)
+        counts[cut_tokens[result.num_accepted - 1] if result.num_accepted
+               else result.next_token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drawn", [True, False], ids=["charged-before-draws", "planted-by-size"])
+def test_a_cut_of_an_exact_mode_sampled_tree_is_lossless(drawn: bool) -> None:
+    """Charged one position a level, the tree is cut whatever it drew, and the token is the
+    target's (0.5 each); the planted bug weighs the level by its size, which its draw sets
+    (the likely token leaves too little mass for a sibling and fits), and gives 0.55."""
+    counts = tree_out_of_a_binding_budget(drawn)
+    p_value = chi_square_p(counts, np.full(2, counts.sum() / 2))
+    print(f"tree charged {'before its draws' if drawn else 'by its size'}: "
+          f"{counts / counts.sum()}, chi-square p={p_value:.3g}")
+    assert (p_value > 0.001) == drawn

@@ -256,7 +256,8 @@ class _Job:
             held = common_prefix(cached, context[:-1])  # behind or diverged: cut to this
         if request.prompt_logprobs:
             held = 0
-        nodes = tree_nodes(request.parents, len(request.tokens))
+        nodes = tree_nodes(request.parents, len(request.tokens),
+                           drawn=request.draft_probs is not None)
         acceptance = self.acceptance or DepthAcceptance()
         return Offer(len(context) - 1 - held, tuple(acceptance.worth(len(nodes))), nodes,
                      chunkable=not request.prompt_logprobs)

@@ -239,7 +239,11 @@ class Offer:
     server's cache lacks before the last one (0 for a session decoding), whether they may
     be split into chunks (``chunkable``), and its draft: ``worth[j]`` of depth ``j + 1``
     and ``nodes[j]`` the positions verifying it as deep as ``j + 1`` computes (``j + 1``
-    for a chain; a tree's nodes of at most that depth)."""
+    for a chain; a tree's nodes of at most that depth), as charged (:func:`tree_nodes`).
+
+    A draft's length, and every ``nodes`` that decides a cut, must be fixed before the
+    draft's tokens are sampled: a cut that depends on a token drawn at the depth it keeps
+    is not lossless (module docstring)."""
 
     prefill: int
     worth: tuple[float, ...]
@@ -439,11 +443,10 @@ def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
         n = min(depth + 1, len(tokens))
         return (tuple(tokens[:n]), tuple(draft_probs[:n]) if draft_probs is not None else None,
                 None, tuple(range(n)))
-    levels: list[int] = []
+    levels = _levels(parents)
     kept: list[int] = []
     index: dict[int, int] = {}
-    for i, parent in enumerate(parents):
-        levels.append(1 if parent < 0 else levels[parent] + 1)
+    for i in range(len(parents)):
         if levels[i] <= depth:
             index[i] = len(kept)
             kept.append(i)
@@ -452,15 +455,32 @@ def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
             tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept), tuple(kept))
 
 
-def tree_nodes(parents: Sequence[int] | None, size: int) -> tuple[int, ...]:
+def tree_nodes(parents: Sequence[int] | None, size: int, drawn: bool = False
+               ) -> tuple[int, ...]:
     """For a draft of ``size`` tokens (a tree with ``parents``), the positions verifying
-    it as deep as ``1, 2, ...`` computes: :attr:`Offer.nodes`."""
-    if parents is None:
-        return tuple(range(1, size + 1))
-    levels: list[int] = []
-    for parent in parents:
-        levels.append(1 if parent < 0 else levels[parent] + 1)
+    it as deep as ``1, 2, ...`` computes: :attr:`Offer.nodes`.
+
+    ``drawn``: the tree was sampled for exact verification, where how many siblings a
+    level holds is set by the token drawn there (the edge draws siblings while the mass
+    left beside it is worth a node). A cut that weighs a level by its size would then keep
+    it or not by its draw, and is not lossless (q = (0.9, 0.1), p = (0.5, 0.5): the kept
+    level is the one whose draw was the likely token; 0.55 for it where the target gives
+    0.5). Such a tree is charged one position a level, a cost fixed before its draws, as a
+    chain of its depth: its siblings ride outside the budget (at most its width less one a
+    level), and the pass's count of what it computed, which the fit reads, holds them."""
+    if parents is None or drawn:
+        depth = size if parents is None else max(_levels(parents), default=0)
+        return tuple(range(1, depth + 1))
+    levels = _levels(parents)
     deepest = max(levels, default=0)
     counts = np.bincount(levels, minlength=deepest + 1)[1:]
     return tuple(int(c) for c in np.cumsum(counts))
+
+
+def _levels(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1: a child of the context's last token)."""
+    levels: list[int] = []
+    for parent in parents:
+        levels.append(1 if parent < 0 else levels[parent] + 1)
+    return levels
 
