@@ -87,6 +87,9 @@ class ServerConfig:
     # An ONNX Runtime GenAI draft folder the browser edge's page may download and draft
     # with ("": none; the page drafts by lookup).
     web_draft: str = ""
+    # Origins of pages other than the server's own that may open WebSocket sessions (a
+    # browser names its page's; "*": any). The server's own page always may.
+    allowed_origins: tuple[str, ...] = ()
 
     def limits(self) -> Limits:
         """The limits every session is held to: this section's settings of those names."""
@@ -183,8 +186,8 @@ def _read(path: str, what: str) -> str:
 
 
 def parse_choices(value: Any) -> tuple[str, ...]:
-    """``choice``: a list of strings (a TOML array, repeated ``--choice`` flags) or, from
-    the environment, one string of comma-separated choices."""
+    """A setting of several strings (``choice``, ``allowed_origins``): a list (a TOML
+    array, a repeated flag) or, from the environment, one string separated by commas."""
     if isinstance(value, str):
         return tuple(c for c in (part.strip() for part in value.split(",")) if c)
     if isinstance(value, list | tuple) and all(isinstance(c, str) for c in value):
@@ -237,10 +240,10 @@ def settings(cls: type[Config]) -> dict[str, Callable[[Any], Any]]:
     """The section's settings, by name, each with the function that converts its value."""
     types = get_type_hints(cls)
     found: dict[str, Callable[[Any], Any]] = {
-        f.name: functools.partial(_convert, kind=types[f.name])
-        for f in fields(cls) if f.name not in ("options", "choice")}
+        f.name: (parse_choices if types[f.name] == tuple[str, ...]
+                 else functools.partial(_convert, kind=types[f.name]))
+        for f in fields(cls) if f.name != "options"}
     if cls is EdgeConfig:
-        found["choice"] = parse_choices
         found.update({name: parse for name, parse in OPTION_SETTINGS.items()
                       if name != "reconnect"})  # the API's Reconnect object has no text form
     return found

@@ -62,7 +62,7 @@ class ThreadServer:
     def __init__(self, engine: CloudService, transports: Sequence[str] = ("http",), *,
                  port: int = 0, tls: tuple[str, str] | None = None,
                  request_timeout: float = registry.REQUEST_TIMEOUT,
-                 close_engine: bool = True) -> None:
+                 allowed_origins: tuple[str, ...] = (), close_engine: bool = True) -> None:
         self.engine, self.close_engine = engine, close_engine
         bound = threading.Event()
         self.urls: dict[str, str] = {}
@@ -72,8 +72,8 @@ class ThreadServer:
             self.url = urls[0]
             bound.set()
 
-        listeners = [registry.Listener(name, "127.0.0.1", port, request_timeout)
-                     for name in transports]
+        listeners = [registry.Listener(name, "127.0.0.1", port, request_timeout,
+                                       allowed_origins) for name in transports]
         self.server = LoopTask(lambda: registry.serve(engine, listeners, tls, ready))
         while not bound.wait(0.05):
             if self.server.task.done():  # it failed to start: say why

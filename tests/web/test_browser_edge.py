@@ -73,10 +73,26 @@ def tab(server: ServerProcess) -> Iterator[Any]:
             urlsplit(request.url).hostname or ""))
         page.goto(f"http://127.0.0.1:{server.port}/")
         page.wait_for_function("window.spececd !== undefined")
-        page.evaluate("async () => { await spececd.connect(spececd.defaultServer()); }")
+        page.evaluate("async () => { await spececd.connect(await spececd.defaultServer()); }")
         yield page
         context.close()
         browser.close()
+
+
+def test_a_link_to_the_page_naming_another_server_is_not_followed(
+        tab: Any, server: ServerProcess) -> None:
+    """A crafted link to the served page (``?server=`` elsewhere) would send the token the
+    user types to that host: the page served by a SpecECD server talks to it alone."""
+    page = tab.context.new_page()
+    try:
+        page.goto(f"http://127.0.0.1:{server.port}/?server=ws://evil.example:1")
+        page.wait_for_function("window.spececd !== undefined")
+        own = f"ws://127.0.0.1:{server.port}"
+        assert page.evaluate("spececd.defaultServer()") == own
+        page.wait_for_function("document.getElementById('server').value !== ''")
+        assert page.input_value("#server") == own
+    finally:
+        page.close()
 
 
 def run(tab: Any, **options: Any) -> dict[str, Any]:

@@ -14,14 +14,27 @@ import { decodeFrame } from "./protocol.js";
 const $ = (id) => document.getElementById(id);
 const MAX_SUPPORT = 64; // exact mode: the draft distribution is cut to this many tokens
 
-/** The server's WebSocket address: ?server=..., else the host that served this page. */
-function defaultServer() {
+const SERVED = location.protocol === "http:" || location.protocol === "https:";
+
+// Whether a SpecECD server served this page: its own origin answers the tokenizer's
+// fingerprint (a static host does not).
+const servedByServer = SERVED
+  ? fetch("/v1/tokenizer/fingerprint").then((reply) => reply.ok, () => false)
+  : Promise.resolve(false);
+
+/**
+ * The server's WebSocket address: the server that served this page; ?server=... only where
+ * no SpecECD server served it (a static host, a file opened from disk), so that a crafted
+ * link to a served page cannot send the token typed into it to another host.
+ */
+async function defaultServer() {
+  const own = SERVED ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}` : null;
   const asked = new URLSearchParams(location.search).get("server");
-  if (asked) return asked;
-  if (location.protocol === "http:" || location.protocol === "https:") {
-    return `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}`;
+  if (asked && own && (await servedByServer)) {
+    console.warn(`?server=${asked} ignored: this page talks to the server that served it`);
+    return own;
   }
-  return "ws://127.0.0.1:8765";
+  return asked || own || "ws://127.0.0.1:8765";
 }
 
 /** The plain-HTTP address of a ws:// or wss:// server (its tokenizer and draft are there). */
@@ -73,7 +86,7 @@ async function drafter(server, runtimeAsked) {
  * as the OpenAI API's accepted_prediction_tokens) and the others (`rejected`).
  */
 async function run(options, onPiece = () => {}) {
-  const server = options.server || defaultServer();
+  const server = options.server || (await defaultServer());
   const { tokenizer, link } = await connect(server);
   let source = null, runtime = "none (lookup)";
   if (options.source === "lookup") {
@@ -141,7 +154,7 @@ function renderer(element, dropped) {
 
 /** The text healing drops from the form's prompt ("" when it is not healed). */
 async function droppedText(options) {
-  const { tokenizer } = await connect(options.server || defaultServer());
+  const { tokenizer } = await connect(options.server || (await defaultServer()));
   return tokenizer.heal(tokenizer.encode(options.prompt))?.dropped ?? "";
 }
 
@@ -203,7 +216,7 @@ async function onGenerate(event) {
   }
 }
 
-$("server").value = defaultServer();
+defaultServer().then((server) => { if (!$("server").value) $("server").value = server; });
 $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";

@@ -90,6 +90,12 @@ def add_parser(sub: Any) -> None:
                    "models/draft-onnx) that the browser edge's page, served at / on the "
                    "WebSocket port, may download and draft with (default: none; the page "
                    "drafts by lookup)")
+    g.add_argument("--allowed-origin", dest="allowed_origins", action="append",
+                   metavar="ORIGIN", help="a web page's origin (e.g. https://app.example) "
+                   "other than this server's own that may open WebSocket sessions; repeat "
+                   "for more, * for any. Pages of other origins are refused (403), so that "
+                   "no site a user visits can drive a server on their machine "
+                   "(default: none)")
     g.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="logs on stderr as text or as JSON lines (with session ids)")
     p.set_defaults(run=run)
@@ -113,7 +119,7 @@ def serve(cfg: ServerConfig, token: str) -> int:
     from spececd.transports import registry
     from spececd.transports.web import WebEdge
 
-    listeners = [registry.Listener(name, cfg.host, port, cfg.request_timeout)
+    listeners = [registry.Listener(name, cfg.host, port, cfg.request_timeout, cfg.allowed_origins)
                  for name, port in
                  (("websocket", cfg.port), ("grpc", cfg.grpc_port), ("http", cfg.http_port))
                  if port >= 0]

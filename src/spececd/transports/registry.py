@@ -67,6 +67,7 @@ class Listener:
     host: str
     port: int
     request_timeout: float = REQUEST_TIMEOUT
+    allowed_origins: tuple[str, ...] = ()  # websocket: other pages' origins that may connect
 
     def url(self, port: int, tls: bool) -> str:
         scheme = {"websocket": "ws", "grpc": "grpc", "http": "http"}[self.transport]
@@ -94,7 +95,9 @@ async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str,
             if len(urls) == len(listeners):
                 bound.set()
 
-        extra = {"web": web} if listener.transport == "websocket" and web is not None else {}
+        extra: dict[str, Any] = {}
+        if listener.transport == "websocket":
+            extra = {"web": web, "allowed_origins": listener.allowed_origins}
         tasks.append(asyncio.ensure_future(
             module.serve(engine, listener.host, listener.port, tls, on_ready,
                          request_timeout=listener.request_timeout, **extra)))

@@ -21,9 +21,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as ws_serve
@@ -45,14 +46,38 @@ __all__ = ["WebSocketTransport", "client_ssl_context", "serve", "server_ssl_cont
 WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the socket refuses
 
 
-def _http_handler(engine: CloudService, web: WebEdge) -> Callable[[ServerConnection, Request],
-                                                                 Response | None]:
+def origin_allowed(origin: str | None, host: str | None, allowed: Sequence[str]) -> bool:
+    """Whether a WebSocket handshake from a page of ``origin`` (its ``Origin`` header;
+    None: not a browser, which sends none) may open a session on the server it reached as
+    ``host`` (its ``Host`` header): the server's own pages may, and the origins in
+    ``allowed`` (``*``: any). A browser sends every page's origin, so without this any site
+    the user visits could generate on a server on their machine."""
+    if origin is None or "*" in allowed or origin in allowed:
+        return True
+    parsed = urlsplit(origin)
+    return parsed.scheme in ("http", "https") and host is not None and \
+        parsed.netloc.lower() == host.lower()
+
+
+def _http_handler(engine: CloudService, web: WebEdge, allowed_origins: Sequence[str]
+                  ) -> Callable[[ServerConnection, Request], Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         endpoint = ops.BY_PATH.get(request.path)
         reply: ops.Reply | None
         if endpoint is not None:
             reply = endpoint.answer(engine)
+        elif (twice := [name for name in ("Upgrade", "Origin", "Host")
+                        if len(request.headers.get_all(name)) > 1]):
+            return connection.respond(HTTPStatus.BAD_REQUEST,
+                                      f"more than one {twice[0]} header: send one\n")
         elif request.headers.get("Upgrade", "").lower() == "websocket":
+            origin = request.headers.get("Origin")
+            if not origin_allowed(origin, request.headers.get("Host"), allowed_origins):
+                log.warning("refused a WebSocket handshake from origin %s", origin)
+                return connection.respond(
+                    HTTPStatus.FORBIDDEN,
+                    f"origin {origin} may not open a session here: serve the page from this "
+                    f"server, or start it with --allowed-origin {origin}\n")
             return None  # a WebSocket upgrade (at / too, where a browser gets the page)
         else:
             reply = web.answer(request.path)
@@ -95,17 +120,21 @@ def _handler(engine: CloudService) -> Callable[[ServerConnection], Awaitable[Non
 
 async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
                 ready: Callable[[int], None] | None = None,
-                request_timeout: float = REQUEST_TIMEOUT, web: WebEdge | None = None) -> None:
+                request_timeout: float = REQUEST_TIMEOUT, web: WebEdge | None = None,
+                allowed_origins: Sequence[str] = ()) -> None:
     """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
     the port bound (``port`` 0: any free one); a handshake not done within
     ``request_timeout`` seconds is dropped; ``web``: what plain GETs other than the
-    operators' endpoints answer (the browser edge's page and draft; default: the page)."""
+    operators' endpoints answer (the browser edge's page and draft; default: the page);
+    ``allowed_origins``: pages of other origins than the server's own that may open
+    sessions (:func:`origin_allowed`; 403 for the rest)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
     # open_timeout: a handshake not done within the request timeout (a client sending it
     # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
-                        compression=None, process_request=_http_handler(engine, web or WebEdge()),
+                        compression=None, process_request=_http_handler(engine, web or WebEdge(),
+                                                        allowed_origins),
                         open_timeout=request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
