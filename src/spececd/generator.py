@@ -350,6 +350,13 @@ class Generator:
         self.close()
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(f"the prompt holds a lone UTF-16 surrogate at character "
+                                 f"{exc.start}, which is not Unicode text: pass the "
+                                 "character itself") from None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
             raise InputError("the prompt is empty: give some text or token ids")

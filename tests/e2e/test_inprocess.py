@@ -177,3 +177,12 @@ def test_per_call_options_and_threshold_with_cloud_only(tiny_gen: Generator) -> 
     out = tiny_gen.generate(ids, max_tokens=8, seed=3, cloud_only=True, options=lossy)
     assert len(out.token_ids) == 8  # cloud-only verifies nothing: no threshold is sent
     assert lossy.with_settings(mode="exact").threshold == 0.0
+
+
+def test_a_prompt_that_is_no_unicode_text_is_an_input_error(tiny_gen: Generator) -> None:
+    """A lone surrogate (a str Python holds but UTF-8 cannot encode): the caller's error,
+    named, not the tokenizer's TypeError."""
+    from spececd.errors import InputError
+
+    with pytest.raises(InputError, match="surrogate at character 4"):
+        tiny_gen.generate("def \ud800", max_tokens=2)

@@ -39,7 +39,8 @@ REQUEST_TIMEOUT = 2.0  # the server's, short here so that a slow client is cut o
 MAX_REQUEST_BYTES = 1 << 20  # the default
 JUNK: list[Any] = [0, -1, 2**40, 2**70, 1.5, -0.0, 1e308, "x", "", "spececd", None, True,
                    [], [1, 2], [-5, 10**6], [[1], [2**33]], {"a": 1}, "\u0000\ud7ff",
-                   [{"role": "user", "content": "x"}], [{"role": "tool"}], "a" * 300]
+                   [{"role": "user", "content": "x"}], [{"role": "tool"}], "a" * 300, "\ud800",
+                   [{"role": "user", "content": "x\udfff"}]]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n",
           "temperature", "top_p", "top_k", "stop", "seed", "stream", "logit_bias", "k",
           "mode", "proactive", "stream_options", "echo", "logprobs", "ignore_eos", "other"]
@@ -278,3 +279,43 @@ def test_a_client_sending_one_byte_a_second_is_cut_off_with_a_408(
     error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "request_timeout" and "request timeout" in error["message"]
     legitimate.check(references)
+
+
+LONE = "x = \ud800 and \udfff, NUL \u0000"  # lone surrogates: JSON allows them, UTF-8 does not
+HOSTILE_TEXT = [
+    ("/v1/completions", {"prompt": LONE}),
+    ("/v1/completions", {"prompt": [LONE, "y"]}),
+    ("/v1/completions", {"prompt": "x", "stop": [LONE]}),
+    ("/v1/completions", {"prompt": "x", "suffix": LONE}),
+    ("/v1/completions", {"prompt": "x", "prediction": {"type": "content", "content": LONE}}),
+    ("/v1/completions", {"prompt": "x", "user": LONE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": LONE}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": LONE, "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": LONE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": LONE, "schema": {"type": "string",
+                                                           "pattern": LONE}}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {
+                                  "name": LONE, "parameters": {"type": "object"}}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prediction": {"type": "content", "content": LONE}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "model": LONE}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {LONE: 1}}),
+]
+
+
+@pytest.mark.parametrize("path,fields", HOSTILE_TEXT)
+def test_lone_surrogates_and_nul_anywhere_are_no_server_error(
+        api_server: ApiThread, path: str, fields: dict[str, Any]) -> None:
+    """Text JSON carries but UTF-8 cannot (a lone surrogate) or a C string ends at (NUL),
+    in every text field: a 200 or a 4xx in OpenAI's shape, never a 500."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, **fields}
+    for stream in (False, True):
+        status, answer = api_server.post(path, {**body, "stream": stream})
+        check_refusal(status, answer if not stream or status != 200 else None)

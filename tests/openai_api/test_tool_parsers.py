@@ -69,6 +69,17 @@ def test_hermes_text_before_a_call_is_content(size: int) -> None:
     assert named(calls) == [("search", {"q": 'a "quoted" </tool> {brace}'})]
 
 
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+def test_hermes_an_end_tag_inside_the_arguments_is_text(size: int) -> None:
+    """A call whose arguments spell the end tag (code that writes tool calls) ends at the
+    tag after its JSON, not at the one inside its string."""
+    text = ('<tool_call>\n{"name": "write", "arguments": {"code": "print(\'</tool_call>\')",'
+            ' "n": "\\"</tool_call>"}}\n</tool_call>\nDone.')
+    content, calls = streamed(HermesParser(), text, size)
+    assert named(calls) == [("write", {"code": "print('</tool_call>')", "n": '"</tool_call>'})]
+    assert content == "Done."
+
+
 @pytest.mark.parametrize("size", [1, 5, 10_000])
 def test_hermes_malformed_json_is_left_as_content(size: int) -> None:
     bad = '<tool_call>\n{"name": "f", "arguments": {"x": 1}\n</tool_call>'  # a brace short

@@ -70,6 +70,30 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # ignored: no padding is added to the events
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` that holds a
+    lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # The path is ASCII-safe (a key may hold the surrogate: it is escaped there).
+            where = f"{path}.{str(key).encode('utf-8', 'backslashreplace').decode()}"
+            if _lone_surrogate(key, "") is not None:
+                return where
+            if (found := _lone_surrogate(item, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _lone_surrogate(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
 class FieldError(InputError):
     """A request field's value is invalid: ``param`` names the field."""
 
@@ -171,6 +195,20 @@ class Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """JSON's ``\\ud800`` escapes can spell a lone surrogate, which is no Unicode
+        text (UTF-8 cannot encode it, and a tokenizer refuses it): a 400 naming the
+        field, wherever it sits in the body."""
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise FieldError(where.lstrip("."), f"`{where.lstrip('.')}` holds a lone UTF-16 "
+                             "surrogate (a \\ud800-\\udfff escape without its pair), "
+                             "which is not Unicode text: send the character itself, or "
+                             "both halves of its surrogate pair")
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -224,7 +224,7 @@ class _TaggedStream(ToolStream):
                 self.buffer = self.buffer.lstrip()
                 self.after_call = not self.buffer
             if self.inside:
-                at = self.buffer.find(self.end)
+                at = _find_outside_strings(self.buffer, self.end)
                 if at < 0:
                     return "".join(content), calls
                 body, self.buffer = self.buffer[:at], self.buffer[at + len(self.end):]
@@ -325,6 +325,25 @@ class _Llama3Stream(ToolStream):
         rest = self.buffer[self.done:] if self.done else self.prefix + self.buffer
         self.buffer, self.prefix, self.done = "", "", 0
         return (rest if rest.strip() else ""), []
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _find_outside_strings(text: str, tag: str) -> int:
+    """Where ``tag`` first stands in ``text`` outside its JSON strings (an end tag that a
+    call's arguments spell, ``{"code": "</tool_call>"}``, is text), or -1; also -1 while
+    a string is still open (more text may close it)."""
+    pos = 0
+    while (at := text.find(tag, pos)) >= 0:
+        quote = text.find('"', pos, at)
+        if quote < 0:
+            return at
+        string = _JSON_STRING.match(text, quote)
+        if string is None:
+            return -1
+        pos = string.end()
+    return -1
 
 
 def _partial_suffix(text: str, tag: str) -> int:
