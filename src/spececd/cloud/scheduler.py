@@ -290,7 +290,6 @@ class BatchScheduler:
         self.level = 0.0  # the least worth verified, smoothed over passes (sessions' budgets)
         self._short = False  # the last pass took under INLINE_BELOW_S
         self._queue: list[_Job] = []
-        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def verify(self, sequence: CachedSequence, request: VerifyRequest,
@@ -301,23 +300,22 @@ class BatchScheduler:
         which the pass's outcome updates). Raises :class:`VerificationError` when the pass
         fails for this job."""
         loop = asyncio.get_running_loop()
-        if self._task is None or self._wake is None:
-            self._wake = asyncio.Event()
-            self._task = loop.create_task(self._run(self._wake))
         future: asyncio.Future[Pass] = loop.create_future()
         self._queue.append(_Job(sequence, request, future, time.perf_counter(), matcher,
                                 acceptance))
-        self._wake.set()
+        if self._task is None:  # jobs queued in this turn of the loop join its first pass
+            self._task = loop.create_task(self._run())
         return await future
 
     def budget(self, rows: int) -> int | None:
         """Positions a pass of ``rows`` sessions may compute (None: no budget)."""
         return pass_budget(self.token_budget, self.cost, rows, self.pass_latency_s)
 
-    async def _run(self, wake: asyncio.Event) -> None:
-        while True:
-            await wake.wait()
-            wake.clear()
+    async def _run(self) -> None:
+        """The worker: passes while jobs are queued, then it ends (the next job starts
+        another), so that an idle scheduler holds no task that a loop closed without
+        :meth:`close` would destroy pending."""
+        try:
             while self._queue:
                 batch = self._take()
                 if not batch:
@@ -332,6 +330,8 @@ class BatchScheduler:
                                 f"{type(exc).__name__}: {exc}"))
                     waiting = []
                 self._queue[:0] = waiting  # prompts not all in: first in the next pass
+        finally:
+            self._task = None
 
     def _take(self) -> list[_Job]:
         """The next batch, taken off the queue: sessions decoding or verifying first (in
