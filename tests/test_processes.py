@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proctree import HAS_PROC, Process, running, tree
+from tests.proctree import HAS_PROC, Process, command, running, tree
 
 if not HAS_PROC:
     pytest.skip("descendants are found through /proc (Linux)", allow_module_level=True)
@@ -196,3 +196,35 @@ def test_a_child_whose_parent_ended_before_it_bound_ends_as_it_binds(tmp_path: P
         proc.wait()
     assert seen
     assert not end_all(seen)
+
+
+@pytest.mark.parametrize("stage", ["starting", "running"])
+def test_a_sigkilled_bench_leaves_no_process(tiny_models: dict[str, Path], stage: str) -> None:
+    """``spececd bench`` SIGKILLed (no handler of its own runs) as its first child starts,
+    or once its server and workers all run: every process it started ends with it (each
+    is started bound to it, :func:`spececd.processes.bound`). Before, its servers ran on."""
+    pytest.importorskip("torch")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spececd", "bench", "--draft-model", str(tiny_models["draft"]),
+         "--target-model", str(tiny_models["llama"]), "--num-prompts", "1", "--iterations",
+         "1", "--max-tokens", "400", "--rtt-ms", "0", "--k", "2", "--proactive", "off",
+         "--out", str(tiny_models["llama"].parent / f"killed-{stage}")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen: set[Process] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen |= (found := tree(proc.pid))
+            serving = any("spececd serve" in command(p) or " serve " in command(p)
+                          for p in found)
+            if (stage == "starting" and found) or (stage == "running" and serving
+                                                    and len(found) >= 3):
+                break
+            time.sleep(0.02)
+        assert seen, "the bench started no process"
+    finally:
+        proc.kill()
+        proc.wait()
+        left = end_all(seen)
+    assert not left, f"left running: {[command(p) or p for p in left]}"

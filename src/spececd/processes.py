@@ -42,7 +42,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from types import FrameType
 
 STOPPING = (signal.SIGTERM, signal.SIGINT)
@@ -187,3 +187,18 @@ def end_with_parent(parent: int | None = None) -> bool:
         log.warning("the parent process %d has ended: ending this one", parent)
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def bound(command: Sequence[str]) -> list[str]:
+    """``command`` started so that it ends with this process, SIGKILL of this one included:
+    through ``python -m spececd.processes PID COMMAND...``, which binds itself to this
+    process (:func:`end_with_parent`) and then becomes the command (the kernel's flag
+    outlives ``exec``). For children that are not this project's Python (vLLM's server,
+    llama.cpp's binaries) as for those that are. Start it from the main thread (see
+    :func:`end_with_parent`)."""
+    return [sys.executable, "-m", "spececd.processes", str(os.getpid()), *command]
+
+
+if __name__ == "__main__":
+    end_with_parent(int(sys.argv[1]))
+    os.execvp(sys.argv[2], sys.argv[2:])

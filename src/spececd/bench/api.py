@@ -45,6 +45,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spececd.bench.child import STALL_S, ChildLines
+from spececd.processes import bound
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Process:
         port = free_port()
         started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spececd", command, "--port", str(port), *args],
+            bound([sys.executable, "-m", "spececd", command, "--port", str(port), *args]),
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             env={**os.environ, **(env or {})})
         assert self.proc.stderr is not None

@@ -64,6 +64,7 @@ from spececd.bench.window import RAMP_S, WARMUP_S, ClientResult, Window, window_
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
+from spececd.processes import end_with_parent
 from spececd.protocol.messages import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ _window: Window | None = None  # a draft process's (set as the pool starts it)
 def _enter(window: Window) -> None:
     global _window
     _window = window
+    end_with_parent()  # a client process ends with the bench, SIGKILL included
 
 
 def _draft_process(url: str, draft_model: str, prompt: list[int], k: int, max_tokens: int,

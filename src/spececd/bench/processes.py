@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from spececd.backends.registry import model_format
 from spececd.bench.api import free_port
 from spececd.bench.child import STALL_S, ChildFailed, ChildLines, Stalled, kill
+from spececd.processes import bound
 
 if TYPE_CHECKING:
     from spececd.bench.runner import BenchConfig
@@ -53,7 +54,7 @@ class Worker:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         started = time.perf_counter()
         self.what = what
-        self.proc = subprocess.Popen(self.COMMAND,
+        self.proc = subprocess.Popen(bound(self.COMMAND),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, start_new_session=True)
         assert self.proc.stdout is not None
@@ -134,7 +135,7 @@ def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
              f" in {resolved_dtype(cfg.dtype, cfg.device)}"
              if model_format(cfg.target) == "hf" else "")
     started = time.perf_counter()
-    proc = subprocess.Popen(server_command(cfg, transports), stderr=subprocess.PIPE,
+    proc = subprocess.Popen(bound(server_command(cfg, transports)), stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **SERVER_ENV},
                             start_new_session=True)
     assert proc.stderr is not None
@@ -163,10 +164,10 @@ def start_openai_server(target: str, draft: str, k: int, max_batch: int,
     port = free_port()
     config = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-         "--served-model-name", target, "--dtype", dtype, "--host", "127.0.0.1",
-         "--port", str(port), "--max-num-seqs", str(max_batch),
-         "--speculative-config", json.dumps(config)],
+        bound([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+               "--served-model-name", target, "--dtype", dtype, "--host", "127.0.0.1",
+               "--port", str(port), "--max-num-seqs", str(max_batch),
+               "--speculative-config", json.dumps(config)]),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **SERVER_ENV}, start_new_session=True)
     assert proc.stderr is not None

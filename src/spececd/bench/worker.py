@@ -48,6 +48,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spececd.bench.api import ApiRunner
+from spececd.processes import bound
 
 if TYPE_CHECKING:
     from spececd.backends.base import Backend
@@ -183,7 +184,8 @@ class SpeculativeBinaryRunner:
         # written the last lines (ggml-org/llama.cpp#22142): a run that succeeded can lose
         # its timing lines, about one run in seven here. Such a run is run again.
         for attempt in range(1, self.ATTEMPTS + 1):
-            done = subprocess.run(command, capture_output=True, text=True, errors="replace",
+            done = subprocess.run(bound(command), capture_output=True, text=True,
+                                  errors="replace",
                                   timeout=600)
             log = done.stdout + done.stderr  # its log lines go to either, by build
             found = {kind: re.search(rf"{kind} +(\d+) tokens in +([\d.]+) seconds", log)
