@@ -615,3 +615,19 @@ def test_a_kept_hint_keeps_the_gate_open_and_resets_the_pause() -> None:
         gate.step(1, kept=False, hinted=False)
         closed += 1
     assert closed == 10  # the kept hint reset the pause to its first length
+
+
+def test_an_untimed_round_teaches_acceptance_but_not_costs() -> None:
+    """A round whose wait was a switch's (``timed=False``) leaves the costs as they were
+    (one such round of 2 s, taken, would make every draft length look dear), while its
+    acceptance and drafting time count."""
+    policy = DraftLengthPolicy(k_max=8)
+    for _ in range(6):
+        policy.observe(4, 4, 0.004, 0.010, 0.002)
+    costs = [policy.cost(k) for k in range(1, 9)]
+    kept = policy.acceptance()
+    policy.observe(4, 0, 0.004, 2.0, 1.5, timed=False)
+    assert [policy.cost(k) for k in range(1, 9)] == costs
+    assert policy.acceptance()[0] < kept[0]
+    policy.observe(4, 0, 0.004, 2.0, 1.5)  # the planted bug: taken as a sample
+    assert policy.cost(4) > 10 * costs[3]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.core.chooser import Arm, HintGate
 from spececd.core.params import Mode, SamplingParams
-from spececd.core.policy import Ema
+from spececd.core.policy import DraftLengthPolicy, Ema
 from spececd.core.stats import GenerationStats
 from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
@@ -360,10 +361,21 @@ def test_auto_leaves_a_stream_midway_where_rounds_are_faster(
         return after(transport, stale)
 
     monkeypatch.setattr(Link, "_after", staticmethod(spy))
+    timed: list[bool] = []  # each round's, as adaptive k took it
+    observe = DraftLengthPolicy.observe
+
+    def observed(policy: DraftLengthPolicy, *args: Any, **kw: Any) -> None:
+        timed.append(kw.get("timed", True))
+        observe(policy, *args, **kw)
+
+    monkeypatch.setattr(DraftLengthPolicy, "observe", observed)
     try:
         stats = GenerationStats()
         n = 128
         assert generate(edge, PROMPTS[0], stats, max_tokens=n) == greedy(target, PROMPTS[0], n)
+        # The round after the switch back (its wait: a new hello, the server catching up)
+        # is no sample of a round's cost for adaptive k; every other round is.
+        assert timed.count(False) == 1 and not timed[0], timed  # it began with the probe
         # Streamed: the probe's two segments of 16 (after an unmeasured first exchange).
         assert 2 * 16 <= stats.auto_stream_tokens < n // 2
         assert stats.accepted >= n // 4  # the rest in rounds, their drafts all kept

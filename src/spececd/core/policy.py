@@ -173,10 +173,12 @@ class DraftLengthPolicy:
         return estimates
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                network_s: float, positions: int | None = None) -> None:
+                network_s: float, positions: int | None = None, timed: bool = True) -> None:
         """Feed one round: tokens drafted and accepted, the drafting time, the verifier's
         reported time, and the rest of the round trip; ``positions``: what the verifier
-        computed (a tree's nodes; default ``drafted``)."""
+        computed (a tree's nodes; default ``drafted``). ``timed=False``: the round's verify
+        and network times carry a one-off wait (a switch from streaming: a new hello, the
+        server catching up) and are left out; its acceptance and drafting still count."""
         positions = drafted if positions is None else positions
         self.rounds += 1
         self._accepted = [a * self.decay for a in self._accepted]
@@ -187,6 +189,8 @@ class DraftLengthPolicy:
                 self._accepted[i] += 1
         if drafted > 0 and draft_s > 0:
             self._draft_step.update(draft_s / drafted)
+        if not timed:
+            return
         if drafted <= 1 or not self._verify_base.seen:
             self._verify_base.update(verify_s)
         else:

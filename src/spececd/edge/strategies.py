@@ -138,6 +138,9 @@ class Rounds:
         # A block the server cut: the history its rest continues, the chain sent, and where
         # its rest starts.
         self.rest: tuple[list[int], Tree, int] | None = None
+        # The next round follows a switch from streaming (a new hello, the server catching
+        # up): its wait is no sample of what a round costs.
+        self.cold = False
 
     def choose(self, limit: int) -> int:
         """The draft length for a round with ``limit`` positions left: the policy's choice
@@ -166,7 +169,9 @@ class Rounds:
         depth = len(tree.chain) if verdict.verified is None else min(len(tree.chain),
                                                                      verdict.verified)
         self.policy.observe(depth, verdict.num_accepted, draft_s, verdict.verify_s,
-                            round_s - verdict.verify_s - hidden_s, len(tree.tokens))
+                            round_s - verdict.verify_s - hidden_s, len(tree.tokens),
+                            timed=not self.cold)
+        self.cold = False
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
         if self.fixed_blocks and verdict.path is None:
@@ -566,6 +571,7 @@ class Adaptive:
                 self.stream_work.link.leave_stream()
                 self.arm, self.warm = arm, False
                 self.current = self.rounds[self.kind]
+                self.current.cold = True  # its first round's wait is the switch's
             return pieces
         kind = self.kind
         if self.kind_warm:
