@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
