@@ -1,9 +1,11 @@
 """What `spececd bench` and `spececd bench load` run their models on: the target's device
-and dtype reach every process that runs it (auto: float32 on a CPU, bfloat16 on a GPU),
+and dtype reach every process that runs it (auto: the model's own where the device
+computes it natively, float32 elsewhere),
 and the default draft is the other commands' (its fastest form installed here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,13 +29,26 @@ def test_the_server_gets_the_benchs_device_and_dtype() -> None:
     assert (flag(gpu, "--device"), flag(gpu, "--dtype")) == ("cuda:1", "float16")
 
 
-def test_auto_is_float32_on_a_cpu_and_bfloat16_on_a_gpu() -> None:
+def test_auto_is_the_models_own_dtype_where_the_device_computes_it(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The bench labels its runs with the dtype the server and the worker resolve, by the
+    backend's rule (spececd.backends.dtypes): a float32 model in float32, a bfloat16 one in
+    bfloat16 on a CPU that computes it and float32 on one that does not."""
     torch = pytest.importorskip("torch")
-    assert resolved_dtype("auto", "cpu") == "float32"
-    assert resolved_dtype("bfloat16", "cpu") == "bfloat16"
+    from spececd.backends.dtypes import cpu_computes_bf16
+
+    fp32 = str(tiny_models["llama"])
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert resolved_dtype("auto", "cpu", fp32) == "float32"
+    assert resolved_dtype("bfloat16", "cpu", fp32) == "bfloat16"
+    assert resolved_dtype("auto", "cpu", str(bf16)) == ("bfloat16" if cpu_computes_bf16()
+                                                        else "float32")
     # on a machine without CUDA, a cuda device falls back to the CPU, and so does auto
-    assert resolved_dtype("auto", "cuda") == ("bfloat16" if torch.cuda.is_available()
-                                              else "float32")
+    assert resolved_dtype("auto", "cuda", fp32) == ("bfloat16" if torch.cuda.is_available()
+                                                    else "float32")
 
 
 def test_the_target_alone_loads_in_the_jobs_dtype(tiny_models: dict[str, Path]) -> None:

@@ -59,10 +59,13 @@ class ServerProcess:
                   and "--engine" not in self.extra and Path(str(self.target)).is_dir()
                   and not any(Path(str(self.target)).glob("*.onnx"))
                   and not any(Path(str(self.target)).glob("*.xml")) else [])
+        # float32 unless a test asks: the references the tests compare with are float32,
+        # and auto is bfloat16 on a CPU with AMX (tests/e2e/test_bfloat16.py covers that)
+        dtype = [] if "--dtype" in self.extra else ["--dtype", "float32"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spececd", self.command,
              *(["--target-model", str(self.target)] if self.target else []),
-             "--device", "cpu", "--threads", "1", "--port", str(self.port), *static,
+             "--device", "cpu", "--threads", "1", "--port", str(self.port), *static, *dtype,
              *self.extra],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout

@@ -20,6 +20,7 @@ import torch and transformers for inference.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import threading
@@ -32,7 +33,7 @@ import torch
 
 # Imported here, at import time: transformers' lazy attributes are not thread-safe on first
 # use (models load on the torch thread only, see torch_thread).
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from spececd.backends.base import (
@@ -46,6 +47,7 @@ from spececd.backends.base import (
     resolve_keep,
     tree_layout,
 )
+from spececd.backends.dtypes import CPU_BF16_FLAGS, auto_dtype, cpu_flags, stored_dtype
 from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
 from spececd.errors import InputError
 
@@ -115,12 +117,49 @@ def resolve_device(device: str) -> torch.device:
                      f"(`spececd devices` lists what is usable here)")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+def resolve_dtype(dtype: str, device: torch.device, model: str | None = None) -> torch.dtype:
+    """The torch dtype ``dtype`` names for ``model`` (a folder or hub id) on ``device``
+    (``auto``: :mod:`spececd.backends.dtypes`)."""
+    return choose_dtype(dtype, device, model)[0]
+
+
+def choose_dtype(dtype: str, device: torch.device, model: str | None = None
+                 ) -> tuple[torch.dtype, str]:
+    """:func:`resolve_dtype`, and why, in words (the commands' first line says it)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise InputError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype], f"{dtype} (asked for)"
+    stored = model_dtype(model) if model is not None else None
+    if device.type == "cpu":
+        flags = sorted(cpu_flags() & set(CPU_BF16_FLAGS))
+        native = bool(flags)
+    else:
+        flags = []
+        native = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    chosen = auto_dtype(stored, device.type, native)
+    if chosen == (stored or "float32"):
+        why = f"{chosen}, the model's own" + (
+            f" (this CPU computes it: {', '.join(flags)})" if flags and chosen != "float32"
+            else "")
+    elif device.type == "cpu":
+        why = (f"float32: the model is stored in {stored}, which this CPU does not compute "
+               f"faster (no {' or '.join(CPU_BF16_FLAGS)}); --dtype {stored} runs it so")
+    else:
+        why = f"{chosen}: the model's {stored or 'float32'} in half precision on {device.type}"
+    return DTYPES[chosen], why
+
+
+def model_dtype(model: str) -> str | None:
+    """The dtype ``model``'s weights are stored in, as its config says (None: it does not
+    say, or the config cannot be read here)."""
+    folder = Path(model).expanduser()
+    try:
+        if folder.is_dir():
+            return stored_dtype(json.loads((folder / "config.json").read_text()))
+        return stored_dtype(AutoConfig.from_pretrained(model).to_dict())
+    except (OSError, ValueError):
+        return None
 
 
 def _load(source: str, dtype: torch.dtype, device: torch.device,
@@ -249,7 +288,7 @@ class HFBackend(Backend):
         process, at first torch's choice); see :func:`model_thread`."""
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # no bars on load
         self.device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, self.device)
+        torch_dtype, self.dtype_reason = choose_dtype(dtype, self.device, model)
         local = Path(model).expanduser()
         if local.exists() and not (local / "config.json").is_file():
             raise InputError(f"model folder {model!r} has no config.json: point at a folder "

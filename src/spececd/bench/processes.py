@@ -28,13 +28,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolved_dtype(dtype: str, device: str) -> str:
-    """What ``dtype`` is for a transformers model on ``device`` (auto: float32 on a CPU,
-    bfloat16 on a GPU; a GPU this machine lacks falls back to the CPU), by the backend's
-    own rule."""
+def resolved_dtype(dtype: str, device: str, model: str) -> str:
+    """What ``dtype`` is for the transformers ``model`` on ``device`` (auto: its own where
+    the device computes it natively, :mod:`spececd.backends.dtypes`; a GPU this machine
+    lacks falls back to the CPU), by the backend's own rule."""
     from spececd.backends.hf import resolve_device, resolve_dtype
 
-    return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+    return str(resolve_dtype(dtype, resolve_device(device), model)).removeprefix("torch.")
 
 
 def label(model: str) -> str:
@@ -132,7 +132,7 @@ def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
     what = f"the verifier server ({label(cfg.target)}, {cfg.engine} engine" + (
         f", token budget {cfg.token_budget})" if cfg.token_budget is not None else ")")
     log.info("%s: starting on %s%s", what, cfg.device,
-             f" in {resolved_dtype(cfg.dtype, cfg.device)}"
+             f" in {resolved_dtype(cfg.dtype, cfg.device, cfg.target)}"
              if model_format(cfg.target) == "hf" else "")
     started = time.perf_counter()
     proc = subprocess.Popen(bound(server_command(cfg, transports)), stderr=subprocess.PIPE,

@@ -295,7 +295,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "backend": ", ".join(sorted({model_format(m)
                                                       for m in [*drafts, *targets]})),
                          "transport": ", ".join(cfg.transports), "device": cfg.device,
-                         "dtype": resolved_dtype(cfg.dtype, cfg.device),
+                         "dtype": ", ".join(dict.fromkeys(
+                             resolved_dtype(cfg.dtype, cfg.device, t) for t in targets)),
                          "draft_device": cfg.draft_device, "stall_s": cfg.stall_s,
                          **({"api": {"requests": api.NUM_REQUESTS,
                                      "input_len": api.INPUT_LEN,

@@ -81,7 +81,7 @@ class HFRunner:
 
         self.torch = torch
         self.device = resolve_device(job.get("device", "cpu"))
-        dtype = resolve_dtype(job.get("dtype", "auto"), self.device)
+        dtype = resolve_dtype(job.get("dtype", "auto"), self.device, job["target"])
         self.tokenizer = AutoTokenizer.from_pretrained(job["target"])
         self.model = AutoModelForCausalLM.from_pretrained(
             job["target"], dtype=dtype).to(self.device).eval()

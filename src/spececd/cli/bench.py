@@ -308,7 +308,7 @@ def run_load(args: argparse.Namespace) -> int:
                 server.wait(60)
     if "vllm-spec" in kinds:  # vLLM speculating with the draft on the server
         server, url = start_openai_server(target_model, server_draft, args.k, args.max_batch,
-                                          resolved_dtype(args.dtype, args.device),
+                                          resolved_dtype(args.dtype, args.device, target_model),
                                           args.stall_timeout)
         urls.append(url)
         try:
@@ -325,7 +325,7 @@ def run_load(args: argparse.Namespace) -> int:
                   "token_budgets": budgets, "steady_spread": window.STEADY_SPREAD,
                   "k": args.k, "max_tokens": args.max_tokens, "acceptance": acceptances,
                   "temperature": args.temperature, "device": args.device,
-                  "dtype": resolved_dtype(args.dtype, args.device),
+                  "dtype": resolved_dtype(args.dtype, args.device, target_model),
                   "draft_device": args.draft_device},
          "rows": rows}, indent=1))
     markdown = load_report.table(rows)

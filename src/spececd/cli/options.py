@@ -328,6 +328,11 @@ def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = 
 
     draft = choose_draft(cfg.draft_model, cfg.device) if needs_model(cfg.options) else None
     said = draft if draft is not None else f"{cfg.options.draft_source.value} (no draft model)"
+    target = cfg.target_model or default_model("target")
+    if not cfg.server and model_format(target) == "hf":  # the dtype it will load in, and why
+        from spececd.backends.hf import choose_dtype, resolve_device
+
+        said = f"{said} · target in {choose_dtype(cfg.dtype, resolve_device(cfg.device), target)[1]}"
     print(f"{name}: draft {said}", file=out or sys.stderr, flush=True)
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype,
                                   threads=edge_threads(cfg, draft.model if draft else None),
@@ -339,7 +344,7 @@ def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = 
                               tls_ca=cfg.tls_ca or None, tls_verify=cfg.tls_verify,
                               target_tokenizer=cfg.target_tokenizer or None,
                               round_timeout=cfg.round_timeout, **common)
-    return Generator.load(model, cfg.target_model or default_model("target"), **common)
+    return Generator.load(model, target, **common)
 
 
 def sampling_kwargs(cfg: EdgeConfig, seed: int | None, stop: list[str] | None = None
