@@ -33,27 +33,38 @@ LOGIT_TOLERANCE = 1e-4
 FIXED_K = 4
 
 
-def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The reference: transformers' own greedy generation, no stop token. Computed once
-    per model folder (as last written), prompt and length."""
+def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int,
+              dtype: str = "float32") -> list[int]:
+    """The reference: transformers' own greedy generation in ``dtype``, no stop token.
+    Computed once per model folder (as last written), dtype, prompt and length."""
     written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
-    return list(_greedy(Path(model_dir), written, tuple(ids), max_new_tokens))
+    return list(_greedy(Path(model_dir), written, tuple(ids), max_new_tokens, dtype))
 
 
 @functools.lru_cache(maxsize=4)
-def _reference_model(model_dir: Path, written: int) -> Any:
+def _reference_model(model_dir: Path, written: int, dtype: str = "float32") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+def hf_logits(model_dir: Path, ids: list[int], dtype: str = "float32") -> np.ndarray:
+    """The target's logits after ``ids`` (``[vocab]``), a fresh forward in ``dtype``."""
+    import torch
+
+    written = max(f.stat().st_mtime_ns for f in Path(model_dir).iterdir())
+    with torch.no_grad():
+        logits = _reference_model(Path(model_dir), written, dtype)(torch.tensor([ids])).logits
+    return logits[0, -1].float().numpy()  # type: ignore[no-any-return]
 
 
 @functools.lru_cache(maxsize=1024)  # modules check the same prompts of the default pair
-def _greedy(model_dir: Path, written: int, ids: tuple[int, ...], max_new_tokens: int
-            ) -> tuple[int, ...]:
+def _greedy(model_dir: Path, written: int, ids: tuple[int, ...], max_new_tokens: int,
+            dtype: str = "float32") -> tuple[int, ...]:
     import torch
 
-    out = _reference_model(model_dir, written).generate(
+    out = _reference_model(model_dir, written, dtype).generate(
         torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=0)
     return tuple(out[0, len(ids):].tolist())
@@ -74,21 +85,22 @@ def hf_greedy_healed(model_dir: Path, ids: list[int], allowed: tuple[int, ...],
     return [first, *hf_greedy(model_dir, [*ids, first], max_new_tokens - 1)]
 
 
-def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams
-                            ) -> np.ndarray:  # [V * V]: P(first = a, second = b)
+def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams,
+                            dtype: str = "float32") -> np.ndarray:  # [V * V]: P(first = a, second = b)
     import torch
 
     from spececd.backends.registry import load_backend
 
-    backend = load_backend(str(target), device="cpu", dtype="float32")
+    backend = load_backend(str(target), device="cpu", dtype=dtype)
     model = backend.model  # type: ignore[attr-defined]
     vocab = backend.vocab_size
     params = replace(params, prompt_len=len(prompt))  # penalties count what follows it
     with torch.no_grad():  # the tokenizer's ids only: a padded model's extra rows are none
-        first = process_logits(model(torch.tensor([prompt])).logits[0, -1:, :vocab].numpy(),
-                               params, prompt, len(prompt))[0]
+        first = process_logits(
+            model(torch.tensor([prompt])).logits[0, -1:, :vocab].float().numpy(), params,
+            prompt, len(prompt))[0]
         batch = torch.tensor([[*prompt, a] for a in range(vocab)])
-        rows = model(batch).logits[:, -1, :vocab].numpy()
+        rows = model(batch).logits[:, -1, :vocab].float().numpy()
         second = np.stack([process_logits(rows[a:a + 1], params, [*prompt, a],
                                           len(prompt) + 1)[0] for a in range(vocab)])
     return (first[:, None] * second).reshape(-1)  # type: ignore[no-any-return]

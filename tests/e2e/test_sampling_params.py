@@ -56,7 +56,8 @@ def test_combined_parameters_over_the_network(vocab_server: ServerProcess,
         assert_distribution(gen, tiny_vocab_pair["target"], SETTINGS["combined"])
 
 
-def assert_distribution(gen: Generator, target: Path, setting: dict[str, Any]) -> None:
+def assert_distribution(gen: Generator, target: Path, setting: dict[str, Any],
+                        dtype: str = "float32") -> None:
     draws, prompt, vocab = 3000, [1, 2, 2, 3], 10
     completions = gen.generate_n(prompt, draws, max_tokens=2, temperature=1.0, seed=4321,
                                  stop_token_ids=[], **setting)
@@ -64,9 +65,9 @@ def assert_distribution(gen: Generator, target: Path, setting: dict[str, Any]) -
     assert all(len(p) == 2 for p in pairs)
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
     params = gen.params(temperature=1.0, **setting)
-    expected = exact_pair_distribution(target, prompt, params) * draws
+    expected = exact_pair_distribution(target, prompt, params, dtype) * draws
     plain = exact_pair_distribution(target, prompt, SamplingParams(temperature=1.0,
-                                                                   top_p=params.top_p))
+                                                                   top_p=params.top_p), dtype)
     assert np.abs(expected / draws - plain).sum() > 0.1  # the setting changes the target
     p_value = chi_square_p(observed, expected)
     accepted = sum(c.stats.accepted for c in completions)
