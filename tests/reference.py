@@ -86,7 +86,8 @@ def hf_greedy_healed(model_dir: Path, ids: list[int], allowed: tuple[int, ...],
 
 
 def exact_pair_distribution(target: Path, prompt: list[int], params: SamplingParams,
-                            dtype: str = "float32") -> np.ndarray:  # [V * V]: P(first = a, second = b)
+                            dtype: str = "float32"
+                            ) -> np.ndarray:  # [V * V]: P(first = a, second = b)
     import torch
 
     from spececd.backends.registry import load_backend

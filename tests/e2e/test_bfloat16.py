@@ -26,7 +26,6 @@ from spececd.generator import Generator  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.reference import hf_greedy, hf_logits  # noqa: E402
 
-
 TIE = 0.125  # logits: four bfloat16 steps at the default target's scale, where a shape's
 # rounding can flip the order; the conformance tests measured one
 N = 48

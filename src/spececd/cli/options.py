@@ -332,7 +332,8 @@ def load_generator(cfg: EdgeConfig, name: str = "spececd", out: TextIO | None = 
     if not cfg.server and model_format(target) == "hf":  # the dtype it will load in, and why
         from spececd.backends.hf import choose_dtype, resolve_device
 
-        said = f"{said} · target in {choose_dtype(cfg.dtype, resolve_device(cfg.device), target)[1]}"
+        dtype = choose_dtype(cfg.dtype, resolve_device(cfg.device), target)[1]
+        said = f"{said} · target in {dtype}"
     print(f"{name}: draft {said}", file=out or sys.stderr, flush=True)
     common: dict[str, Any] = dict(device=cfg.device, dtype=cfg.dtype,
                                   threads=edge_threads(cfg, draft.model if draft else None),
