@@ -4,7 +4,7 @@ float32 elsewhere (vLLM's convention).
 Speculation pays by how little verifying k positions costs beside one decode step. In a
 dtype the device computes natively that cost is nearly flat in k (a GPU; on a CPU with AMX
 the default target in bfloat16 verified 17 positions for 1.1 steps, where float32 cost 2:
-docs/benchmarks.md), so ``auto`` takes the model's own dtype there:
+docs/guide/models.md#dtypes), so ``auto`` takes the model's own dtype there:
 
 - a CPU: bfloat16 for a model stored in bfloat16, where the CPU's flags name AMX-BF16
   (``/proc/cpuinfo``; elsewhere none are read, and it is float32); float32 for every other
