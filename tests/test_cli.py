@@ -77,7 +77,8 @@ def test_generate_streams_text_and_a_summary(capsys: pytest.CaptureFixture[str],
                          "--seed", "1", "--color", "never")
     assert code == 0 and "\033[" not in out
     assert "tokens/s" in err and "acceptance" in err and "mean accepted length" in err
-    assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
+    assert err.splitlines()[0] == (f"spececd: draft {pair[1]} (transformers) · target in "
+                                   "float32, the model's own")
 
 
 def test_chat_names_its_draft_first(capsys: pytest.CaptureFixture[str], pair: list[str],
@@ -85,7 +86,8 @@ def test_chat_names_its_draft_first(capsys: pytest.CaptureFixture[str], pair: li
     monkeypatch.setattr(sys, "stdin", io.StringIO("def f():\n\n"))
     code, out, err = run(capsys, "chat", *pair, "--max-tokens", "4", "--color", "never")
     assert code == 0 and out.startswith("assistant> ")
-    assert err.splitlines()[0] == f"spececd: draft {pair[1]} (transformers)"
+    assert err.splitlines()[0] == (f"spececd: draft {pair[1]} (transformers) · target in "
+                                   "float32, the model's own")
 
 
 def test_threshold_mode_is_labelled_lossy(capsys: pytest.CaptureFixture[str],
@@ -164,7 +166,8 @@ def test_demo_runs_on_a_models_folder(capsys: pytest.CaptureFixture[str], tmp_pa
                        "--color", "always")
     assert code == 0
     # the default draft in the form this folder has: transformers' alone
-    assert out.splitlines()[0] == f"SpecECD demo: draft {tmp_path / 'draft'} (transformers)"
+    assert out.splitlines()[0] == (f"SpecECD demo: draft {tmp_path / 'draft'} (transformers) · "
+                                   "target in float32, the model's own")
     # Per prompt and overall: SpecECD beside the target alone, measured in this run, and
     # (greedy by default) the target alone's very tokens.
     compared = [line for line in out.splitlines() if re.fullmatch(

@@ -158,7 +158,7 @@ def test_bench_load_starts_a_server_for_each_token_budget(
                 for kind, speed in (("cloud-only", 10.0), ("lookup", 15.0))]
 
     monkeypatch.setattr(processes, "start_server", start_server)
-    monkeypatch.setattr(processes, "resolved_dtype", lambda dtype, device: "float32")
+    monkeypatch.setattr(processes, "resolved_dtype", lambda dtype, device, model: "float32")
     monkeypatch.setattr(load, "run_curve", run_curve)
     monkeypatch.setattr(registry, "load_backend", lambda *a, **kw: SimpleNamespace(
         tokenizer=SimpleNamespace(encode=lambda text: [1, 2]), vocab_size=8))

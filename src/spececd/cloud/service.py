@@ -579,6 +579,7 @@ class CloudService:
             "kv_evictions": 0,
             **self.runner.status(),
             "errors": dict(sum((link.session.errors for link in links), self.errors)),
+            "tasks": _tasks(),  # the server loop's asyncio tasks (a leak grows them)
             "uptime_s": round(time.time() - self.started, 1),
             "engine": self.name,
             "model": self.target.description,
@@ -589,3 +590,10 @@ class CloudService:
             self.release(link)
         self.runner.close()
 
+
+def _tasks() -> int | None:
+    """The running event loop's tasks, or None off any loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return None

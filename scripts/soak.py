@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""A soak with faults: many edge clients against two `spececd serve` replicas behind nginx
+for minutes, with clients that vanish mid-generation, one replica SIGKILLed and restarted,
+and the other drained (SIGTERM) and restarted; what the servers hold is sampled over time.
+
+Clients (threads of this process, drafting by lookup, greedy, over WebSocket through nginx)
+loop until the end: most run a whole generation and check its tokens against the target
+alone's (transformers' greedy, computed here first); some vanish at a random moment (their
+socket shut without a close: mid-prefill, mid-round or mid-stream, as timing falls). A
+generation whose replica dies reconnects through nginx and resumes. Every sample (each
+``--sample-s``) reads, for each replica, its RSS, open file descriptors and threads from
+``/proc`` and its sessions, KV bytes and asyncio tasks from ``/status``; every exchange's
+latency is kept by the second.
+
+It ends with a JSON report and a plot (memory, sessions and KV over time), and exits 1 if
+any generation differed from the reference, hung, or failed without a typed error; or if
+sessions or KV bytes are left once the clients are gone.
+
+usage: python scripts/soak.py [--minutes 10] [--clients 32] [--out soak-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from spececd import processes
+from spececd.deploy import Ports, loopback, nginx_conf
+from spececd.edge.transport import Transport
+from spececd.errors import SpecECDError
+from spececd.generator import Generator
+from spececd.transports.registry import connector
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = REPO / "models" / "target"
+MAX_TOKENS = 48
+HANG_S = 120.0  # a generation taking longer than this has hung
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Replica:
+    """One `spececd serve` on its own ports, bound to this process's life."""
+
+    def __init__(self, ports: Ports) -> None:
+        self.ports = ports
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(processes.bound(
+            [sys.executable, "-m", "spececd", "serve", "--target-model", str(TARGET),
+             "--port", str(self.ports.websocket), "--grpc-port", "-1", "--http-port", "-1",
+             "--dtype", "float32", "--threads", "1", "--max-sessions", "256",
+             "--idle-timeout", "30", "--drain-timeout", "10"]),
+            stderr=subprocess.PIPE, text=True)
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if "serving" in line:
+                break
+        else:
+            raise RuntimeError(f"replica on {self.ports.websocket} did not start")
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drained
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports.websocket}/status",
+                                        timeout=5) as reply:
+                return json.loads(reply.read())  # type: ignore[no-any-return]
+        except OSError:
+            return None
+
+    def proc_sample(self) -> dict[str, float]:
+        """RSS (MiB), open descriptors and threads of the server process (``/proc``)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        pid = self.proc.pid
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
+                    "threads": int(fields["Threads"]),
+                    "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+        except (OSError, KeyError, ValueError):
+            return {}
+
+
+class Timed:
+    """A transport that records each exchange's latency (a send to the next reply) and can
+    be shut from another thread, as a client vanishing shuts its socket."""
+
+    def __init__(self, inner: Transport, latencies: list[tuple[float, float]]) -> None:
+        self.inner, self.latencies = inner, latencies
+        self.sent: float | None = None
+
+    def send(self, frame: bytes) -> None:
+        self.sent = time.monotonic()
+        self.inner.send(frame)
+
+    def recv(self) -> bytes:
+        frame = self.inner.recv()
+        if self.sent is not None:
+            now = time.monotonic()
+            self.latencies.append((now, now - self.sent))
+            self.sent = None
+        return frame
+
+    def vanish(self) -> None:
+        ws = getattr(self.inner, "_ws", None)
+        if ws is not None:
+            with contextlib.suppress(OSError):
+                ws.socket.shutdown(socket.SHUT_RDWR)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def references(prompts: list[str]) -> dict[str, list[int]]:
+    """The target alone's greedy tokens for each prompt (transformers, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    out = {}
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        out[prompt] = generated[0, len(ids):].tolist()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--vanish", type=float, default=0.2, help="share of generations that vanish")
+    p.add_argument("--sample-s", type=float, default=5.0)
+    p.add_argument("--out", type=Path, default=Path("soak-out"))
+    args = p.parse_args()
+    with processes.ended_with_this_one():
+        return soak(args)
+
+
+def soak(args: argparse.Namespace) -> int:
+    prompts = [*json.loads((REPO / "models" / "heldout_prompts.json").read_text())[:12],
+               *(p["prompt"] if isinstance(p, dict) else p for p in json.loads(
+                   (REPO / "models" / "copy_prompts.json").read_text())[:4])]
+    print(f"references for {len(prompts)} prompts...", flush=True)
+    expected = references(prompts)
+    free = free_ports(4)
+    replicas = [Replica(Ports(free[0], -1, -1)), Replica(Ports(free[1], -1, -1))]
+    listen = Ports(free[2], -1, free[3])
+    runtime = Path(tempfile.mkdtemp(prefix="spececd-soak-"))
+    runtime.chmod(0o755)
+    conf = runtime / "nginx.conf"
+    conf.write_text(nginx_conf(loopback([r.ports for r in replicas], listen), str(runtime),
+                               "127.0.0.1"))
+    for replica in replicas:
+        replica.start()
+    nginx = subprocess.Popen(processes.bound(["nginx", "-c", str(conf)]),
+                             stderr=subprocess.DEVNULL)
+    url = f"ws://127.0.0.1:{listen.websocket}"
+    time.sleep(1.0)
+    duration = args.minutes * 60
+    started = time.monotonic()
+    end = started + duration
+    lock = threading.Lock()
+    counts = {"done": 0, "identical": 0, "differed": 0, "vanished": 0, "typed_errors": 0,
+              "untyped_errors": 0, "hung": 0, "reconnects": 0, "tokens": 0}
+    failures: list[str] = []
+    latencies: list[tuple[float, float]] = []
+    token_times: list[tuple[float, int]] = []
+
+    def client(i: int) -> None:
+        rng = random.Random(i)
+        transports: list[Timed] = []
+        connect = connector(url, recv_timeout=60)
+
+        def timed() -> Transport:
+            t = Timed(connect(), latencies)
+            transports.append(t)
+            return t
+
+        gen = Generator.remote(None, url, timed, options=None)
+        gen.options = gen.options.with_settings(draft_source="lookup", proactive="off"
+                                                if i % 2 else "auto")
+        while time.monotonic() < end:
+            prompt = rng.choice(prompts)
+            vanish = rng.random() < args.vanish
+            if vanish:  # shut the socket at a random moment, as a client that disappears
+                delay = rng.uniform(0.0, 1.0)
+                threading.Timer(delay, lambda: [t.vanish() for t in list(transports)]).start()
+            began = time.monotonic()
+            try:
+                out = gen.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                   stop_token_ids=[], token_healing=False)
+            except SpecECDError as exc:
+                with lock:
+                    counts["vanished" if vanish else "typed_errors"] += 1
+                    if not vanish:
+                        failures.append(f"client {i}: {type(exc).__name__}: {exc}")
+                continue
+            except Exception as exc:  # a soak reports what it finds
+                with lock:
+                    counts["vanished" if vanish else "untyped_errors"] += 1
+                    if not vanish:
+                        failures.append(f"client {i}: {type(exc).__name__}: {exc}")
+                continue
+            seconds = time.monotonic() - began
+            with lock:
+                counts["done"] += 1
+                counts["reconnects"] += out.stats.reconnects
+                counts["tokens"] += len(out.token_ids)
+                token_times.append((time.monotonic(), len(out.token_ids)))
+                if seconds > HANG_S:
+                    counts["hung"] += 1
+                if list(out.token_ids) == expected[prompt]:
+                    counts["identical"] += 1
+                elif not vanish:  # a vanished socket that reconnected still must match
+                    counts["differed"] += 1
+                    failures.append(f"client {i}: {prompt[:30]!r} differs")
+                else:
+                    counts["differed"] += 1
+                    failures.append(f"client {i} (vanish resumed): {prompt[:30]!r} differs")
+            transports.clear()
+        gen.close()
+
+    samples: list[dict[str, Any]] = []
+
+    def sample() -> None:
+        now = time.monotonic() - started
+        row: dict[str, Any] = {"t": round(now, 1)}
+        for j, replica in enumerate(replicas):
+            row[f"r{j}"] = {**replica.proc_sample(), **{
+                k: v for k, v in (replica.status() or {}).items()
+                if k in ("sessions", "kv_bytes", "tasks")}}
+        with lock:
+            window = [lat for at, lat in latencies if at > time.monotonic() - args.sample_s]
+            tokens = sum(n for at, n in token_times if at > time.monotonic() - args.sample_s)
+        row["tokens_per_s"] = tokens / args.sample_s
+        if len(window) >= 20:
+            row["round_p50_ms"] = 1e3 * statistics.median(window)
+            row["round_p99_ms"] = 1e3 * statistics.quantiles(window, n=100)[98]
+        samples.append(row)
+        print(json.dumps(row), flush=True)
+
+    faults: list[dict[str, Any]] = []
+
+    def fault_plan() -> None:
+        time.sleep(duration / 3)
+        victim = replicas[0]
+        assert victim.proc is not None
+        faults.append({"t": round(time.monotonic() - started, 1), "what": "SIGKILL replica 0"})
+        victim.proc.kill()
+        victim.proc.wait()
+        time.sleep(2.0)
+        victim.start()
+        faults.append({"t": round(time.monotonic() - started, 1), "what": "replica 0 back"})
+        time.sleep(max(0.0, started + 2 * duration / 3 - time.monotonic()))
+        drained = replicas[1]
+        assert drained.proc is not None
+        faults.append({"t": round(time.monotonic() - started, 1), "what": "SIGTERM replica 1"})
+        drained.proc.send_signal(signal.SIGTERM)
+        drained.proc.wait(60)
+        drained.start()
+        faults.append({"t": round(time.monotonic() - started, 1), "what": "replica 1 back"})
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(args.clients)]
+    faulter = threading.Thread(target=fault_plan, daemon=True)
+    try:
+        for thread in threads:
+            thread.start()
+        faulter.start()
+        while time.monotonic() < end:
+            time.sleep(args.sample_s)
+            sample()
+        for thread in threads:
+            thread.join(HANG_S)
+        counts["hung"] += sum(thread.is_alive() for thread in threads)
+        time.sleep(35.0)  # past the idle timeout: whatever a vanished client left is gone
+        sample()
+    finally:
+        nginx.terminate()
+        nginx.wait(10)
+        for replica in replicas:
+            if replica.proc is not None:
+                replica.proc.terminate()
+                replica.proc.wait(30)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return report(args, samples, faults, counts, failures)
+
+
+def report(args: argparse.Namespace, samples: list[dict[str, Any]],
+           faults: list[dict[str, Any]], counts: dict[str, int], failures: list[str]) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    last = samples[-1]
+    left = {j: (last[f"r{j}"].get("sessions"), last[f"r{j}"].get("kv_bytes")) for j in (0, 1)}
+    # RSS growth after warm-up (the first fifth), per replica, outside its restarts.
+    growth = {}
+    for j in (0, 1):
+        key = f"r{j}"
+        rss = [(s["t"], s[key].get("rss_mib")) for s in samples if s[key].get("rss_mib")]
+        restart = [f["t"] for f in faults if f"replica {j} back" in f["what"]]
+        after = [r for t, r in rss if t > (restart[0] + 60 if restart else samples[-1]["t"] / 5)]
+        if len(after) >= 2:
+            growth[key] = round(after[-1] / after[0] - 1, 4)
+    p99 = [s["round_p99_ms"] / s["round_p50_ms"] for s in samples if "round_p99_ms" in s]
+    result = {"minutes": args.minutes, "clients": args.clients, "vanish": args.vanish,
+              "counts": counts, "faults": faults, "left_at_end": left,
+              "rss_growth_after_warmup": growth,
+              "round_p99_over_p50_median": round(statistics.median(p99), 2) if p99 else None,
+              "failures": failures[:50], "samples": samples}
+    (args.out / "soak.json").write_text(json.dumps(result, indent=1))
+    with contextlib.suppress(ImportError):  # the plot where matplotlib is installed
+        plot(samples, faults, args.out / "soak.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    bad = (counts["differed"] or counts["untyped_errors"] or counts["hung"]
+           or any(s or kv for s, kv in left.values()))
+    return 1 if bad else 0
+
+
+def plot(samples: list[dict[str, Any]], faults: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    t = [s["t"] for s in samples]
+    for j in (0, 1):
+        key = f"r{j}"
+        axes[0].plot(t, [s[key].get("rss_mib") for s in samples], label=f"replica {j}")
+        axes[1].plot(t, [s[key].get("sessions") for s in samples], label=f"replica {j}")
+        axes[2].plot(t, [(s[key].get("kv_bytes") or 0) / 2**20 for s in samples],
+                     label=f"replica {j}")
+    axes[3].plot(t, [s.get("tokens_per_s") for s in samples], label="tokens/s (clients)")
+    axes[3].plot(t, [s.get("round_p99_ms") for s in samples], label="round p99 ms")
+    for ax, name in zip(axes, ("RSS (MiB)", "sessions", "KV (MiB)", "tokens/s, p99 ms"),
+                        strict=True):
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+        for f in faults:
+            ax.axvline(f["t"], color="grey", linestyle=":", linewidth=0.8)
+    axes[-1].set_xlabel("seconds")
+    axes[0].set_title("spececd serve x2 behind nginx: a soak with vanishing clients, "
+                      "a SIGKILL and a drain", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
