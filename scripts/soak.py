@@ -172,9 +172,9 @@ def soak(args: argparse.Namespace) -> int:
                    (REPO / "models" / "copy_prompts.json").read_text())[:4])]
     print(f"references for {len(prompts)} prompts...", flush=True)
     expected = references(prompts)
-    free = free_ports(4)
-    replicas = [Replica(Ports(free[0], -1, -1)), Replica(Ports(free[1], -1, -1))]
-    listen = Ports(free[2], -1, free[3])
+    free = free_ports(9)  # WebSocket is served; nginx wants the other ports named too
+    replicas = [Replica(Ports(*free[0:3])), Replica(Ports(*free[3:6]))]
+    listen = Ports(*free[6:9])
     runtime = Path(tempfile.mkdtemp(prefix="spececd-soak-"))
     runtime.chmod(0o755)
     conf = runtime / "nginx.conf"
@@ -183,9 +183,12 @@ def soak(args: argparse.Namespace) -> int:
     for replica in replicas:
         replica.start()
     nginx = subprocess.Popen(processes.bound(["nginx", "-c", str(conf)]),
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.PIPE, text=True)
     url = f"ws://127.0.0.1:{listen.websocket}"
     time.sleep(1.0)
+    if nginx.poll() is not None:
+        assert nginx.stderr is not None
+        raise RuntimeError(f"nginx did not start: {nginx.stderr.read()}")
     duration = args.minutes * 60
     started = time.monotonic()
     end = started + duration

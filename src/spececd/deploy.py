@@ -132,6 +132,8 @@ http {{
         location / {{
             proxy_pass http://spececd_websocket;
             proxy_http_version 1.1;
+            # The host the browser asked for: the replica lets in pages of that origin
+            proxy_set_header Host $http_host;
             proxy_set_header Upgrade $http_upgrade;
             proxy_set_header Connection $connection_upgrade;
             proxy_read_timeout {idle};

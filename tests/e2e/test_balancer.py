@@ -219,3 +219,20 @@ def test_replicas_behind_nginx_lose_no_session(cluster: Cluster, tiny_models: di
           f"{sum(reconnects)}); longest wait for a chunk per session: median "
           f"{statistics.median(longest):.2f} s, max {longest[-1]:.2f} s; all waits: p99 "
           f"{every[int(0.99 * (len(every) - 1))]:.2f} s")
+
+
+def test_a_page_served_through_nginx_opens_sessions_and_another_sites_does_not(
+        cluster: Cluster) -> None:
+    """nginx passes the browser's Host on, so a page of the balancer's own origin may open a
+    session on a replica (which lets in pages of the host asked for), and another site's may
+    not (403)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    url = cluster.url("websocket")
+    own = f"http://127.0.0.1:{cluster.listen.websocket}"
+    with connect(url, origin=own, open_timeout=10) as ws:  # type: ignore[arg-type]
+        ws.send(b"")  # opened: the replica answers a frame it cannot read with an error
+    with pytest.raises(InvalidStatus) as refused:
+        connect(url, origin="https://elsewhere.example", open_timeout=10)  # type: ignore[arg-type]
+    assert refused.value.response.status_code == 403
