@@ -274,35 +274,44 @@ def soak(args: argparse.Namespace) -> int:
 
     faults: list[dict[str, Any]] = []
 
-    def fault_plan() -> None:
-        time.sleep(duration / 3)
+    def fault(what: str) -> None:
+        faults.append({"t": round(time.monotonic() - started, 1), "what": what})
+        print(json.dumps(faults[-1]), flush=True)
+
+    def kill_and_restart() -> None:
         victim = replicas[0]
         assert victim.proc is not None
-        faults.append({"t": round(time.monotonic() - started, 1), "what": "SIGKILL replica 0"})
+        fault("SIGKILL replica 0")
         victim.proc.kill()
         victim.proc.wait()
         time.sleep(2.0)
         victim.start()
-        faults.append({"t": round(time.monotonic() - started, 1), "what": "replica 0 back"})
-        time.sleep(max(0.0, started + 2 * duration / 3 - time.monotonic()))
+        fault("replica 0 back")
+
+    def drain_and_restart() -> None:
         drained = replicas[1]
         assert drained.proc is not None
-        faults.append({"t": round(time.monotonic() - started, 1), "what": "SIGTERM replica 1"})
+        fault("SIGTERM replica 1 (drain)")
         drained.proc.send_signal(signal.SIGTERM)
         drained.proc.wait(60)
         drained.start()
-        faults.append({"t": round(time.monotonic() - started, 1), "what": "replica 1 back"})
+        fault("replica 1 back")
+
+    # Run by the main thread, which starts the replicas again: a child bound to this
+    # process ends with the thread that started it (spececd.processes.end_with_parent).
+    plan = [(started + duration / 3, kill_and_restart),
+            (started + 2 * duration / 3, drain_and_restart)]
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)
                for i in range(args.clients)]
-    faulter = threading.Thread(target=fault_plan, daemon=True)
     try:
         for thread in threads:
             thread.start()
-        faulter.start()
         while time.monotonic() < end:
             time.sleep(args.sample_s)
             sample()
+            while plan and time.monotonic() >= plan[0][0]:
+                plan.pop(0)[1]()
         for thread in threads:
             thread.join(HANG_S)
         counts["hung"] += sum(thread.is_alive() for thread in threads)

@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from spececd import processes
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -62,11 +64,13 @@ class ServerProcess:
         # float32 unless a test asks: the references the tests compare with are float32,
         # and auto is bfloat16 on a CPU with AMX (tests/e2e/test_bfloat16.py covers that)
         dtype = [] if "--dtype" in self.extra else ["--dtype", "float32"]
-        self.proc = subprocess.Popen(
+        # Bound to this process: a test run killed (its worker SIGKILLed, a timeout) leaves
+        # no server behind.
+        self.proc = subprocess.Popen(processes.bound(
             [sys.executable, "-m", "spececd", self.command,
              *(["--target-model", str(self.target)] if self.target else []),
              "--device", "cpu", "--threads", "1", "--port", str(self.port), *static, *dtype,
-             *self.extra],
+             *self.extra]),
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stderr is not None
@@ -118,7 +122,8 @@ class NginxProcess:
     def __init__(self, conf: str, runtime_dir: Path) -> None:
         path = runtime_dir / "nginx.conf"
         path.write_text(conf)
-        self.proc = subprocess.Popen(["nginx", "-c", str(path)], stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(processes.bound(["nginx", "-c", str(path)]),
+                                     stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         assert self.proc.stderr is not None
