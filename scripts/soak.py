@@ -4,10 +4,12 @@ for minutes, with clients that vanish mid-generation, one replica SIGKILLed and 
 and the other drained (SIGTERM) and restarted; what the servers hold is sampled over time.
 
 Clients (threads of this process, drafting by lookup, greedy, over WebSocket through nginx)
-loop until the end: most run a whole generation and check its tokens against the target
-alone's (transformers' greedy, computed here first); some vanish at a random moment (their
-socket shut without a close: mid-prefill, mid-round or mid-stream, as timing falls). A
-generation whose replica dies reconnects through nginx and resumes. Every sample (each
+loop until the end, each generation checked against the target alone's tokens
+(transformers' greedy, computed here first). In a share of them (``--vanish``) the link
+drops at a random moment (the socket shut without a close: mid-prefill, mid-round or
+mid-stream, as timing falls): the server sees a client vanish, and the edge reconnects
+through nginx with its history and must still end with the same tokens. So does a
+generation whose replica dies. Every sample (each
 ``--sample-s``) reads, for each replica, its RSS, open file descriptors and threads from
 ``/proc`` and its sessions, KV bytes and asyncio tasks from ``/status``; every exchange's
 latency is kept by the second.
@@ -127,11 +129,16 @@ class Timed:
             self.sent = None
         return frame
 
-    def vanish(self) -> None:
+    def vanish(self) -> bool:
+        """Shut the socket under the link (no close frame); whether one was open."""
         ws = getattr(self.inner, "_ws", None)
-        if ws is not None:
-            with contextlib.suppress(OSError):
-                ws.socket.shutdown(socket.SHUT_RDWR)
+        if ws is None:
+            return False
+        try:
+            ws.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        return True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -193,7 +200,8 @@ def soak(args: argparse.Namespace) -> int:
     started = time.monotonic()
     end = started + duration
     lock = threading.Lock()
-    counts = {"done": 0, "identical": 0, "differed": 0, "vanished": 0, "typed_errors": 0,
+    counts = {"done": 0, "identical": 0, "differed": 0, "dropped": 0, "vanished": 0,
+              "typed_errors": 0,
               "untyped_errors": 0, "hung": 0, "reconnects": 0, "tokens": 0}
     failures: list[str] = []
     latencies: list[tuple[float, float]] = []
@@ -215,9 +223,13 @@ def soak(args: argparse.Namespace) -> int:
         while time.monotonic() < end:
             prompt = rng.choice(prompts)
             vanish = rng.random() < args.vanish
-            if vanish:  # shut the socket at a random moment, as a client that disappears
-                delay = rng.uniform(0.0, 1.0)
-                threading.Timer(delay, lambda: [t.vanish() for t in list(transports)]).start()
+            if vanish:  # shut the socket at a random moment, as a link that drops
+                def drop() -> None:
+                    if any([t.vanish() for t in list(transports)]):
+                        with lock:
+                            counts["dropped"] += 1
+
+                threading.Timer(rng.uniform(0.0, 1.0), drop).start()
             began = time.monotonic()
             try:
                 out = gen.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
