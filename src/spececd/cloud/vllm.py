@@ -375,7 +375,12 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
         raise InputError(f"the vLLM engine needs vLLM ({exc}): {INSTALL}") from None
     from transformers import AutoConfig
 
+    from spececd.backends.hf import resolve_device, resolve_dtype
     from spececd.backends.registry import load_tokenizer
+
+    if dtype == "auto":  # the built-in engine's rule (spececd.backends.dtypes), not vLLM's
+        dtype = str(resolve_dtype(dtype, resolve_device(config.device), model)
+                    ).removeprefix("torch.")
 
     # The server's context limit, or the model's own where that is shorter (vLLM refuses a
     # longer max_model_len than the model's).
