@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -345,19 +346,21 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]],
     args.out.mkdir(parents=True, exist_ok=True)
     last = samples[-1]
     left = {j: (last[f"r{j}"].get("sessions"), last[f"r{j}"].get("kv_bytes")) for j in (0, 1)}
-    # RSS growth after warm-up (the first fifth), per replica, outside its restarts.
-    growth = {}
+    # RSS growth within each steady stretch (between faults, its first minute left out as
+    # warm-up: sessions move between the replicas at a fault, and memory follows them).
+    cuts = [0.0, *(f["t"] for f in faults), samples[-1]["t"]]
+    growth: dict[str, list[float]] = {}
     for j in (0, 1):
         key = f"r{j}"
-        rss = [(s["t"], s[key].get("rss_mib")) for s in samples if s[key].get("rss_mib")]
-        restart = [f["t"] for f in faults if f"replica {j} back" in f["what"]]
-        after = [r for t, r in rss if t > (restart[0] + 60 if restart else samples[-1]["t"] / 5)]
-        if len(after) >= 2:
-            growth[key] = round(after[-1] / after[0] - 1, 4)
+        for start, stop in itertools.pairwise(cuts):
+            rss = [s[key]["rss_mib"] for s in samples
+                   if start + 60 <= s["t"] <= stop and s[key].get("rss_mib")]
+            if len(rss) >= 2:
+                growth.setdefault(key, []).append(round(rss[-1] / rss[0] - 1, 4))
     p99 = [s["round_p99_ms"] / s["round_p50_ms"] for s in samples if "round_p99_ms" in s]
     result = {"minutes": args.minutes, "clients": args.clients, "vanish": args.vanish,
               "counts": counts, "faults": faults, "left_at_end": left,
-              "rss_growth_after_warmup": growth,
+              "rss_growth_by_steady_stretch": growth,
               "round_p99_over_p50_median": round(statistics.median(p99), 2) if p99 else None,
               "failures": failures[:50], "samples": samples}
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))

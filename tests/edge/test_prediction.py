@@ -51,6 +51,10 @@ def aligned(output: Sequence[int], prediction: Sequence[int] = PREDICTED) -> Ali
     (PREDICTED[:5] + PREDICTED[15:20], 20, 10),  # ten tokens deleted
     ([*PREDICTED[:5], 1, 2, 3, 4], -1, 5),  # left it: nothing to propose
     (PREDICTED, 30, 30),  # its end: nothing more to propose
+    # Back over a part already followed: picked up there, but no token credited twice (a
+    # diff of 1..8 and (1 2 3) x 4 has 3 in common; the backward re-anchor credited 12).
+    ([*PREDICTED[:3]] * 4, 3, 3),
+    ([*PREDICTED[:10], *PREDICTED[2:6], *PREDICTED[10:14]], 14, 14),
 ])
 def test_the_output_is_aligned_with_the_prediction_as_a_diff_would(
         output: list[int], at: int, hits: int) -> None:

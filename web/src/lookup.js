@@ -78,6 +78,12 @@ export const PREDICTION_SLACK = 2; // prediction tokens an edit of a token or tw
  * output's token is one of the next PREDICTION_SLACK + 1 prediction tokens. `sync` follows
  * an output that grows and rolls back.
  */
+/** Credit the prediction's `count` tokens before `place`, those past `frontier` only:
+ * [hits, frontier] after. */
+function credit(hits, frontier, place, count) {
+  return [hits + Math.max(0, place - Math.max(frontier, place - count)), Math.max(frontier, place)];
+}
+
 export class Alignment {
   constructor(prediction, maxNgram = PREDICTION_MAX_NGRAM, minNgram = MIN_NGRAM) {
     if (!(minNgram >= 1 && minNgram <= maxNgram)) {
@@ -89,8 +95,9 @@ export class Alignment {
     this.output = [];
     // After output[:i]: [where the output continues in the prediction (-1: it left it),
     // where it last stood there, output tokens since it was last picked up (or since it
-    // left), output tokens that followed the prediction].
-    this.states = [[0, 0, 0, 0]];
+    // left), prediction tokens credited as appearing in the output, the prediction's place
+    // past the last one credited (each credited once, in order, as a diff would)].
+    this.states = [[0, 0, 0, 0, 0]];
   }
 
   /** Align `output` (the generated tokens), keeping what it shares with the last. */
@@ -114,27 +121,27 @@ export class Alignment {
     return at >= 0 ? run : 0;
   }
 
-  /** The output's tokens that followed the prediction. */
+  /** Prediction tokens that appeared in the output, each counted once, in order. */
   get hits() { return this.states[this.states.length - 1][3]; }
 
-  step([at, last, run, hits], token) {
+  step([at, last, run, hits, frontier], token) {
     const prediction = this.prediction;
     if (at >= 0 && at < prediction.length && prediction[at] === token) {
-      return [at + 1, at + 1, run + 1, hits + 1];
+      return [at + 1, at + 1, run + 1, ...credit(hits, frontier, at + 1, 1)];
     }
     const since = at >= 0 ? 1 : run + 1;
     const found = this.anchor(last);
     if (found !== null) {
       const [place, length] = found;
-      return [place, place, length, hits + Math.min(length, since)];
+      return [place, place, length, ...credit(hits, frontier, place, Math.min(length, since))];
     }
     if (since <= PREDICTION_SLACK) {
       const end = Math.min(prediction.length, last + PREDICTION_SLACK + 1);
       for (let i = last; i < end; i++) {
-        if (prediction[i] === token) return [i + 1, i + 1, 1, hits + 1];
+        if (prediction[i] === token) return [i + 1, i + 1, 1, ...credit(hits, frontier, i + 1, 1)];
       }
     }
-    return [-1, last, since, hits];
+    return [-1, last, since, hits, frontier];
   }
 
   /** Where the output continues in the prediction by the longest suffix of it found there

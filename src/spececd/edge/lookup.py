@@ -365,6 +365,12 @@ PREDICTION_MAX_NGRAM = 8  # the longest suffix of the output a prediction re-anc
 PREDICTION_SLACK = 2  # prediction tokens an edit of a token or two may skip, picked up again
 
 
+def _credit(hits: int, frontier: int, place: int, count: int) -> tuple[int, int]:
+    """Credit the prediction's ``count`` tokens before ``place`` as appearing in the output,
+    those past ``frontier`` only (each once): the hits and the frontier after."""
+    return hits + max(0, place - max(frontier, place - count)), max(frontier, place)
+
+
 class Alignment:
     """Where an output stands in a ``prediction`` of it (OpenAI's Predicted Outputs), as a
     diff would align the two: the output follows the prediction token by token; where it
@@ -385,9 +391,10 @@ class Alignment:
         self.output: list[int] = []
         # After output[:i]: (where the output continues in the prediction, -1 when it left
         # it; where it last stood there; output tokens that followed it since it was last
-        # picked up, the suffix that picked it up included, or tokens since it left; output
-        # tokens that followed the prediction).
-        self._states: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]
+        # picked up, the suffix that picked it up included, or tokens since it left;
+        # prediction tokens credited as appearing in the output; the prediction's place
+        # past the last one credited: each is credited once, in order, as a diff would).
+        self._states: list[tuple[int, int, int, int, int]] = [(0, 0, 0, 0, 0)]
 
     def sync(self, output: Sequence[int]) -> None:
         """Align ``output`` (the generated tokens), keeping what it shares with the last."""
@@ -407,32 +414,33 @@ class Alignment:
     def run(self) -> int:
         """Output tokens that followed the prediction since it was last picked up, those
         that picked it up included (0 when it left it)."""
-        at, _, run, _ = self._states[-1]
+        at, _, run, _, _ = self._states[-1]
         return run if at >= 0 else 0
 
     @property
     def hits(self) -> int:
-        """The output's tokens that followed the prediction: prediction tokens that
-        appeared in the output, in its order."""
+        """Prediction tokens that appeared in the output, each counted once and in the
+        prediction's order, as a diff counts them (an output that goes back and follows
+        a part of the prediction again is not credited again)."""
         return self._states[-1][3]
 
-    def _step(self, state: tuple[int, int, int, int], token: int
-              ) -> tuple[int, int, int, int]:
-        at, last, run, hits = state
+    def _step(self, state: tuple[int, int, int, int, int], token: int
+              ) -> tuple[int, int, int, int, int]:
+        at, last, run, hits, frontier = state
         prediction = self.prediction
         if 0 <= at < prediction.size and prediction[at] == token:
-            return at + 1, at + 1, run + 1, hits + 1
+            return at + 1, at + 1, run + 1, *_credit(hits, frontier, at + 1, 1)
         since = 1 if at >= 0 else run + 1  # output tokens since it left the prediction
         found = self._anchor(last)
         if found is not None:  # the suffix's tokens since it left were the prediction's
             place, length = found
-            return place, place, length, hits + min(length, since)
+            return place, place, length, *_credit(hits, frontier, place, min(length, since))
         if since <= PREDICTION_SLACK:
             near = np.flatnonzero(prediction[last:last + PREDICTION_SLACK + 1] == token)
             if near.size:
                 place = last + int(near[0]) + 1
-                return place, place, 1, hits + 1
-        return -1, last, since, hits
+                return place, place, 1, *_credit(hits, frontier, place, 1)
+        return -1, last, since, hits, frontier
 
     def _anchor(self, last: int) -> tuple[int, int] | None:
         """Where the output continues in the prediction by the longest suffix of it found

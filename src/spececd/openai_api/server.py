@@ -234,22 +234,19 @@ class Run:
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage. With a prediction, its ``accepted_prediction_tokens`` are the
-        prediction's tokens that appeared in a completion (aligned as a diff would:
-        :class:`~spececd.edge.lookup.Alignment`) and ``rejected_prediction_tokens`` the
-        prediction's other tokens, per choice, summed over the choices. Without one, the
-        session's own drafts stand for it: drafted tokens the verifier accepted (they
-        appear in the completion), and those it rejected."""
+        prediction's tokens that appeared in a completion (aligned as a diff would, each
+        counted once: :class:`~spececd.edge.lookup.Alignment`) and
+        ``rejected_prediction_tokens`` the prediction's other tokens, per choice, summed
+        over the choices; without one, both are 0 (the ``speculative`` object counts the
+        drafts). Unlike OpenAI's, ``completion_tokens`` counts the generated tokens only,
+        not the rejected prediction tokens: a prediction costs the server no generation."""
         completion = sum(c.tokens for c in self.choices)
-        if self.prediction:
-            accepted = rejected = 0
-            for c in self.choices:
-                alignment = Alignment(self.prediction)
-                alignment.sync(c.token_ids)
-                hits = min(alignment.hits, len(self.prediction))
-                accepted, rejected = accepted + hits, rejected + len(self.prediction) - hits
-        else:
-            accepted = sum(c.from_draft for c in self.choices)
-            rejected = sum(c.stats.drafted for c in self.choices) - accepted
+        accepted = rejected = 0
+        for c in self.choices if self.prediction else ():
+            alignment = Alignment(self.prediction)
+            alignment.sync(c.token_ids)
+            accepted += alignment.hits
+            rejected += len(self.prediction) - alignment.hits
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "completion_tokens_details": {"accepted_prediction_tokens": accepted,
