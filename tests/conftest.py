@@ -100,6 +100,12 @@ SLOW_VARIANTS = frozenset({
     "[http-1000]",
     "tests/e2e/test_transports.py::test_fuzzing_leaves_legitimate_sessions_unchanged"
     "[grpc-1000]",
+    # bfloat16: match verification is the same for any dtype's probabilities; exact stays.
+    "tests/e2e/test_bfloat16.py::"
+    "test_sampling_in_bfloat16_keeps_the_targets_bfloat16_distribution[match]",
+    # A bench SIGKILLed as its first child starts: the child then dies with the bench's
+    # pipe anyway; the one killed with its server and worker running stays.
+    "tests/test_processes.py::test_a_sigkilled_bench_leaves_no_process[starting]",
 })
 
 

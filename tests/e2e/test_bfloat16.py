@@ -67,7 +67,7 @@ def test_greedy_in_bfloat16_is_the_target_alones_up_to_ties(bf16_gen: Generator)
     assert identical >= len(prompts) // 2  # ties are rare: most prompts never meet one
 
 
-@pytest.mark.parametrize("mode", ["exact", pytest.param("match", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["exact", "match"])
 def test_sampling_in_bfloat16_keeps_the_targets_bfloat16_distribution(
         mode: str, tiny_vocab_pair: dict[str, Path]) -> None:
     """Every sampling parameter at once, both sides in bfloat16: the first two tokens'
