@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from types import FrameType
@@ -194,8 +195,12 @@ def bound(command: Sequence[str]) -> list[str]:
     through ``python -m spececd.processes PID COMMAND...``, which binds itself to this
     process (:func:`end_with_parent`) and then becomes the command (the kernel's flag
     outlives ``exec``). For children that are not this project's Python (vLLM's server,
-    llama.cpp's binaries) as for those that are. Start it from the main thread (see
-    :func:`end_with_parent`)."""
+    llama.cpp's binaries) as for those that are. Only from the main thread: the kernel
+    ends the child when the *thread* that started it ends (:func:`end_with_parent`), so a
+    command started from another thread (a test restarting a server from a helper thread)
+    runs unbound, ended by its caller as before."""
+    if threading.current_thread() is not threading.main_thread():
+        return list(command)
     return [sys.executable, "-m", "spececd.processes", str(os.getpid()), *command]
 
 

@@ -538,3 +538,23 @@ def test_an_idle_scheduler_holds_no_task_a_closed_loop_would_destroy(
         del scheduler, loop
         gc.collect()
     assert "Task was destroyed" not in caplog.text
+
+
+def test_a_scheduler_closed_before_its_worker_ran_still_verifies(
+        executor: ThreadPoolExecutor) -> None:
+    """close() cancels a worker that never ran (its own ``finally`` never clears it): the
+    next job starts a new worker instead of waiting on the dead one."""
+    backend = ToyBackend(ToyModel(seed=0))
+    scheduler = BatchScheduler(backend, executor, Metrics())
+    (first, req, _), (second, req2, expected2) = jobs(backend)[:2]
+
+    async def main() -> list[int]:
+        job = asyncio.ensure_future(scheduler.verify(first, req))
+        await asyncio.sleep(0)  # queued, its worker created and not yet run
+        scheduler.close()
+        await asyncio.sleep(0)
+        job.cancel()  # its session went with the close
+        done = await asyncio.wait_for(scheduler.verify(second, req2), 10)
+        return [*req2.tokens, done.result.next_token]
+
+    assert asyncio.run(main()) == expected2

@@ -68,3 +68,20 @@ def test_logprob_fields_are_checked_and_partial_characters_keep_their_bytes() ->
     from spececd.openai_api.server import byte_level_decoder
 
     assert byte_level_decoder() == {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def test_a_lone_surrogate_is_found_at_any_depth_without_recursion() -> None:
+    """The check walks the body with a stack of its own: a body nested past Python's
+    recursion limit (json.loads takes some on 3.12 and 3.13) is a 400, not a 500."""
+    from spececd.openai_api.schema import _lone_surrogate
+
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    inner.append("x\ud800")
+    found = _lone_surrogate({"user": deep, "prompt": "ok"}, "")
+    assert found is not None and found.startswith(".user[0][0]") and found.endswith("[0]")
+    assert _lone_surrogate({"logit_bias": {"\udfff": 1}}, "") == ".logit_bias.\\udfff"
+    assert _lone_surrogate({"messages": [{"content": "fine"}]}, "") is None

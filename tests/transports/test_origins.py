@@ -16,7 +16,7 @@ from spececd.cloud.builtin import BuiltinRunner
 from spececd.cloud.metrics import Metrics
 from spececd.cloud.service import CloudService
 from spececd.protocol import messages as m
-from spececd.transports.websocket import origin_allowed
+from spececd.transports.websocket import allowed_origins, origin_allowed
 from tests.support.protocol import hello
 from tests.support.servers import ThreadServer
 from tests.toy import ToyBackend, ToyModel
@@ -78,9 +78,17 @@ def test_a_handshake_with_two_hosts_or_origins_is_refused_not_an_error(
 
 
 def test_the_origin_rule() -> None:
-    assert origin_allowed(None, "h:1", ())
-    assert origin_allowed("http://h:1", "H:1", ())
-    assert origin_allowed("https://h:1", "h:1", ())
-    assert not origin_allowed("ftp://h:1", "h:1", ())
-    assert not origin_allowed("http://h:1", None, ())
+    assert origin_allowed(None, "h:1", ())  # no browser
+    assert origin_allowed("http://127.0.0.1:1", "127.0.0.1:1", ())
+    assert origin_allowed("https://LOCALHOST:1", "localhost:1", ())
+    assert origin_allowed("http://[::1]:1", "[::1]:1", ())
+    assert origin_allowed("http://10.0.0.5:8765", "10.0.0.5:8765", ())  # an address: its own
+    assert not origin_allowed("ftp://127.0.0.1:1", "127.0.0.1:1", ())
+    assert not origin_allowed("http://127.0.0.1:1", None, ())
+    # DNS rebinding: a site pointing its own name at 127.0.0.1 sends a Host that matches.
+    assert not origin_allowed("http://evil.example:8765", "evil.example:8765", ())
+    # A name other than localhost is let in by name, as browsers send it.
+    named = allowed_origins(["HTTP://GPU-box:8765/"])
+    assert named == ("http://gpu-box:8765",)
+    assert origin_allowed("http://gpu-box:8765", "gpu-box:8765", named)
     assert origin_allowed("https://x", "h:1", ("*",))

@@ -12,9 +12,10 @@ docs/guide/models.md#dtypes), so ``auto`` takes the model's own dtype there:
   on a Xeon with it and no AMX, the default target's step took 21.8 ms in bfloat16 against
   15.6 in float32 (one thread; 14.1 against 11.2 on two) and 17 positions cost about as
   much in either, so float32 is the faster there;
-- a GPU (CUDA, Metal): the model's half dtype (bfloat16 only where the GPU computes it,
-  else float16), and bfloat16 (float16 where it lacks bfloat16) for a model stored in
-  float32, as vLLM runs float32 checkpoints in half precision.
+- a GPU (CUDA, Metal): the model's half dtype (bfloat16 only where the GPU computes it, not
+  emulated: Ampere and later, and Metal; else float16), and bfloat16 (float16 where it lacks
+  bfloat16) for a model stored in float32, as vLLM runs float32 checkpoints in half
+  precision.
 
 Greedy output is identical to the target alone *in the same dtype*: a bfloat16 target's
 top two logits can be within its rounding of each other, where a pass over several

@@ -136,7 +136,10 @@ def choose_dtype(dtype: str, device: torch.device, model: str | None = None
         native = bool(flags)
     else:
         flags = []
-        native = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        # Computed, not emulated (a T4 or V100 emulates it; vLLM refuses it there); Metal
+        # kept bfloat16 before this rule, and keeps it.
+        native = device.type == "mps" or (device.type == "cuda" and torch.cuda.is_bf16_supported(
+            including_emulation=False))
     chosen = auto_dtype(stored, device.type, native)
     if chosen == (stored or "float32"):
         why = f"{chosen}, the model's own" + (

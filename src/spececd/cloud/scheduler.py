@@ -303,7 +303,9 @@ class BatchScheduler:
         future: asyncio.Future[Pass] = loop.create_future()
         self._queue.append(_Job(sequence, request, future, time.perf_counter(), matcher,
                                 acceptance))
-        if self._task is None:  # jobs queued in this turn of the loop join its first pass
+        # Jobs queued in this turn of the loop join the new worker's first pass; a worker
+        # cancelled before it ran (close()) never cleared itself.
+        if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
         return await future
 

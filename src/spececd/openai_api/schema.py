@@ -72,25 +72,32 @@ class StreamOptions(BaseModel):
 
 def _lone_surrogate(value: Any, path: str) -> str | None:
     """The path (``messages[0].content``) of the first string in ``value`` that holds a
-    lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            # The path is ASCII-safe (a key may hold the surrogate: it is escaped there).
-            where = f"{path}.{str(key).encode('utf-8', 'backslashreplace').decode()}"
-            if _lone_surrogate(key, "") is not None:
-                return where
-            if (found := _lone_surrogate(item, where)) is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if (found := _lone_surrogate(item, f"{path}[{i}]")) is not None:
-                return found
+    lone surrogate, or None. Walked with a stack of its own, each path built only when found:
+    a body nested deeper than Python's recursion limit (json.loads takes some) is no server
+    error, and no deep body costs its depth squared."""
+    labels: list[tuple[int, str]] = [(-1, path)]  # (parent, label): a path's steps
+    stack: list[tuple[int, Any]] = [(0, value)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                steps = []
+                while at >= 0:
+                    at, label = labels[at]
+                    steps.append(label)
+                return "".join(reversed(steps))
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                # ASCII-safe (a key may hold the surrogate: it is escaped there).
+                labels.append((at, f".{str(key).encode('utf-8', 'backslashreplace').decode()}"))
+                stack.append((len(labels) - 1, inner))
+                stack.append((len(labels) - 1, key))  # the key before its value
+        elif isinstance(item, list):
+            for i in reversed(range(len(item))):
+                labels.append((at, f"[{i}]"))
+                stack.append((len(labels) - 1, item[i]))
     return None
 
 

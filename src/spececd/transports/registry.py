@@ -97,7 +97,7 @@ async def serve(engine: CloudService, listeners: list[Listener], tls: tuple[str,
 
         extra: dict[str, Any] = {}
         if listener.transport == "websocket":
-            extra = {"web": web, "allowed_origins": listener.allowed_origins}
+            extra = {"web": web, "origins": listener.allowed_origins}
         tasks.append(asyncio.ensure_future(
             module.serve(engine, listener.host, listener.port, tls, on_ready,
                          request_timeout=listener.request_timeout, **extra)))

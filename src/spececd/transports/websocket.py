@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from http import HTTPStatus
@@ -49,17 +50,36 @@ WS_OVERHEAD = 64 * 1024  # room above the session's message limit before the soc
 def origin_allowed(origin: str | None, host: str | None, allowed: Sequence[str]) -> bool:
     """Whether a WebSocket handshake from a page of ``origin`` (its ``Origin`` header;
     None: not a browser, which sends none) may open a session on the server it reached as
-    ``host`` (its ``Host`` header): the server's own pages may, and the origins in
-    ``allowed`` (``*``: any). A browser sends every page's origin, so without this any site
-    the user visits could generate on a server on their machine."""
-    if origin is None or "*" in allowed or origin in allowed:
+    ``host`` (its ``Host`` header): the origins in ``allowed`` (lower case, no trailing
+    slash: :func:`allowed_origins`; ``*``: any) may, and the server's own pages where the
+    browser reached it by an address no other site can claim (``localhost``, an IP
+    address). A browser sends every page's origin, so without this any site the user visits
+    could generate on a server on their machine; and a site that points its own name at
+    127.0.0.1 (DNS rebinding) sends a matching ``Host``, so a name other than ``localhost``
+    must be allowed by name (``--allowed-origin http://gpu-box:8765``)."""
+    if origin is None or "*" in allowed or origin.lower().rstrip("/") in allowed:
         return True
     parsed = urlsplit(origin)
-    return parsed.scheme in ("http", "https") and host is not None and \
-        parsed.netloc.lower() == host.lower()
+    if parsed.scheme not in ("http", "https") or host is None:
+        return False
+    if parsed.netloc.lower() != host.lower():
+        return False
+    name = (parsed.hostname or "").rstrip(".")
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
-def _http_handler(engine: CloudService, web: WebEdge, allowed_origins: Sequence[str]
+def allowed_origins(origins: Sequence[str]) -> tuple[str, ...]:
+    """``--allowed-origin`` values as browsers send origins: lower case, no trailing slash."""
+    return tuple(origin.lower().rstrip("/") for origin in origins)
+
+
+def _http_handler(engine: CloudService, web: WebEdge, allowed: Sequence[str]
                   ) -> Callable[[ServerConnection, Request], Response | None]:
     def process_request(connection: ServerConnection, request: Request) -> Response | None:
         endpoint = ops.BY_PATH.get(request.path)
@@ -72,7 +92,7 @@ def _http_handler(engine: CloudService, web: WebEdge, allowed_origins: Sequence[
                                       f"more than one {twice[0]} header: send one\n")
         elif request.headers.get("Upgrade", "").lower() == "websocket":
             origin = request.headers.get("Origin")
-            if not origin_allowed(origin, request.headers.get("Host"), allowed_origins):
+            if not origin_allowed(origin, request.headers.get("Host"), allowed):
                 log.warning("refused a WebSocket handshake from origin %s", origin)
                 return connection.respond(
                     HTTPStatus.FORBIDDEN,
@@ -121,20 +141,20 @@ def _handler(engine: CloudService) -> Callable[[ServerConnection], Awaitable[Non
 async def serve(engine: CloudService, host: str, port: int, tls: tuple[str, str] | None = None,
                 ready: Callable[[int], None] | None = None,
                 request_timeout: float = REQUEST_TIMEOUT, web: WebEdge | None = None,
-                allowed_origins: Sequence[str] = ()) -> None:
+                origins: Sequence[str] = ()) -> None:
     """Serve until cancelled; ``tls``: PEM certificate and key (wss://); ``ready`` gets
     the port bound (``port`` 0: any free one); a handshake not done within
     ``request_timeout`` seconds is dropped; ``web``: what plain GETs other than the
     operators' endpoints answer (the browser edge's page and draft; default: the page);
-    ``allowed_origins``: pages of other origins than the server's own that may open
-    sessions (:func:`origin_allowed`; 403 for the rest)."""
+    ``origins``: pages of other origins than the server's own that may open sessions
+    (:func:`origin_allowed`; 403 for the rest)."""
     limit = engine.limits.max_message_bytes + WS_OVERHEAD
     context = server_ssl_context(*tls) if tls else None
     # open_timeout: a handshake not done within the request timeout (a client sending it
     # slowly) is dropped.
     async with ws_serve(_handler(engine), host, port, ssl=context, max_size=limit,
-                        compression=None, process_request=_http_handler(engine, web or WebEdge(),
-                                                        allowed_origins),
+                        compression=None, process_request=_http_handler(
+                            engine, web or WebEdge(), allowed_origins(origins)),
                         open_timeout=request_timeout) as ws_server:
         if ready is not None:
             ready(int(next(iter(ws_server.sockets)).getsockname()[1]))
