@@ -91,11 +91,12 @@ def add_parser(sub: Any) -> None:
                    "WebSocket port, may download and draft with (default: none; the page "
                    "drafts by lookup)")
     g.add_argument("--allowed-origin", dest="allowed_origins", action="append",
-                   metavar="ORIGIN", help="a web page's origin (e.g. https://app.example) "
-                   "other than this server's own that may open WebSocket sessions; repeat "
-                   "for more, * for any. Pages of other origins are refused (403), so that "
-                   "no site a user visits can drive a server on their machine "
-                   "(default: none)")
+                   metavar="ORIGIN", help="a web page's origin (e.g. https://app.example, or "
+                   "http://gpu-box:8765 for this server's own page under a host name) that "
+                   "may open WebSocket sessions; repeat for more, * for any. The page this "
+                   "server serves is let in where the browser reached it by localhost or an "
+                   "IP address; other origins are refused (403), so that no site a user "
+                   "visits can drive a server on their machine (default: none)")
     g.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="logs on stderr as text or as JSON lines (with session ids)")
     p.set_defaults(run=run)
