@@ -465,3 +465,14 @@ def test_the_page_says_what_the_server_refused(tab: Any) -> None:
     tab.wait_for_function("document.body.dataset.state === 'error'", timeout=30_000)
     assert "auth_failed" in (tab.text_content("#error") or "")
     tab.fill("#token", TOKEN)
+
+
+def test_the_form_says_what_is_wrong_with_k(tab: Any) -> None:
+    """A draft length that is no number is refused with what k takes (it was read as NaN and
+    drafted nothing, silently)."""
+    tab.fill("#k", "x")
+    tab.click("#generate")
+    tab.wait_for_function("document.body.dataset.state === 'error'", timeout=30_000)
+    assert "k must be auto or a whole number" in (tab.text_content("#error") or "")
+    tab.fill("#k", "auto")
+

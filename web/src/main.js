@@ -158,12 +158,22 @@ async function droppedText(options) {
   return tokenizer.heal(tokenizer.encode(options.prompt))?.dropped ?? "";
 }
 
+/** The form's k: "auto" or a whole number of at least 1 (anything else says so). */
+function draftLength(text) {
+  const value = text.trim().toLowerCase();
+  if (value === "auto") return "auto";
+  if (!/^[0-9]+$/.test(value) || Number(value) < 1) {
+    throw new Error(`k must be auto or a whole number of at least 1, got "${text}"`);
+  }
+  return Number(value);
+}
+
 function form() {
   return {
     server: $("server").value.trim(), token: $("token").value,
     prompt: $("prompt").value, maxTokens: Number($("max-tokens").value),
     temperature: Number($("temperature").value), seed: Number($("seed").value),
-    k: $("k").value.trim() === "auto" ? "auto" : Number($("k").value), runtime: $("runtime-choice").value,
+    k: draftLength($("k").value), runtime: $("runtime-choice").value,
     source: document.querySelector("input[name=source]:checked").value,
     prediction: $("prediction").value,
   };
@@ -176,8 +186,8 @@ async function onGenerate(event) {
   document.body.dataset.state = "running";
   $("error").hidden = true;
   $("generate").disabled = true;
-  const options = form();
   try {
+    const options = form();
     const dropped = await droppedText(options);
     const spec = await run(options, renderer($("out-spec"), dropped));
     const s = spec.stats;
