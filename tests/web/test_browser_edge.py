@@ -476,3 +476,25 @@ def test_the_form_says_what_is_wrong_with_k(tab: Any) -> None:
     assert "k must be auto or a whole number" in (tab.text_content("#error") or "")
     tab.fill("#k", "auto")
 
+
+
+def test_a_run_that_failed_mid_stream_leaves_no_frame_for_the_next(tab: Any,
+                                                                    reference: Any) -> None:
+    """A cloud-only run (the server streams its tokens) that fails in the page after its
+    first piece leaves the rest of the stream on the socket; the next run must not read
+    those frames as its own (the link is dropped on any error)."""
+    failed = tab.evaluate("""async (options) => {
+        let pieces = 0;
+        try {
+            await spececd.run(options, () => { if (++pieces === 2) throw new Error("boom"); });
+        } catch (exc) {
+            return String(exc.message || exc);
+        }
+        return null;
+    }""", {"token": TOKEN, "maxTokens": MAX_TOKENS, "temperature": 0, "prompt": HELDOUT[0],
+           "source": "cloud"})
+    assert failed == "boom"
+    page = run(tab, prompt=HELDOUT[1], source="lookup")
+    alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
+                               temperature=0, token_healing=True)
+    assert page["tokens"] == alone.token_ids

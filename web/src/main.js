@@ -110,13 +110,21 @@ async function run(options, onPiece = () => {}) {
     : tokenizer.encode(options.prompt));
   const temperature = options.temperature ?? 0;
   const reconnects = link.reconnects;
-  const result = await generate(link, promptIds, {
-    fingerprint: tokenizer.fingerprint, authToken: options.token || "",
-    params: { maxTokens: options.maxTokens ?? 96, temperature, topK: options.topK ?? 0,
-      topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
-    mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
-    healIds: healing ? healing.allowed : null,
-  }, onPiece);
+  let result;
+  try {
+    result = await generate(link, promptIds, {
+      fingerprint: tokenizer.fingerprint, authToken: options.token || "",
+      params: { maxTokens: options.maxTokens ?? 96, temperature, topK: options.topK ?? 0,
+        topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
+      mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
+      healIds: healing ? healing.allowed : null,
+    }, onPiece);
+  } catch (exc) {
+    // A run that failed may leave frames of its own on the socket (the rest of a stream, a
+    // verdict not read): the next run starts on a new one.
+    link.drop();
+    throw exc;
+  }
   const text = tokenizer.decode(result.tokens);
   const dropped = healing ? healing.dropped : "";
   let prediction = null;
