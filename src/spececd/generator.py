@@ -427,14 +427,17 @@ class Generator:
                    if token_healing and isinstance(prompt, str) else None)
         return (list(healing.prompt_ids), healing) if healing else (ids, None)
 
-    def prediction_ids(self, prediction: str | Sequence[int] | None) -> tuple[int, ...]:
+    def prediction_ids(self, prediction: str | Sequence[int] | None, dropped: str = ""
+                       ) -> tuple[int, ...]:
         """A prediction of the output (Predicted Outputs) as the ids it is drafted in: a
-        text in the target's tokens (no start token: it is text inside a sequence), ids as
-        given, checked; empty for none."""
+        text in the target's tokens (no start token: it is text inside a sequence), after
+        ``dropped`` (the text token healing took off the prompt, which the output's first
+        token spells again: a prompt ending mid-word is continued by a token that also
+        spells the word's start), ids as given, checked; empty for none."""
         if not prediction:
             return ()
-        ids = (self.tokenizer.encode(prediction, bos=False) if isinstance(prediction, str)
-               else list(prediction))
+        ids = (self.tokenizer.encode(dropped + prediction, bos=False)
+               if isinstance(prediction, str) else list(prediction))
         check_token_ids(ids, self.vocab_size, "the prediction")
         return tuple(ids)
 
@@ -457,7 +460,8 @@ class Generator:
             run = dataclasses.replace(run, params=dataclasses.replace(
                 run.params, heal_ids=healing.allowed))
         if prediction:
-            run = dataclasses.replace(run, prediction=self.prediction_ids(prediction))
+            run = dataclasses.replace(run, prediction=self.prediction_ids(
+                prediction, healing.dropped if healing is not None else ""))
         return ids, run, healing
 
     def _stream_healed(self, ids: list[int], run: Resolved, healing: Healing | None,

@@ -122,3 +122,30 @@ def test_a_malformed_prediction_is_a_400_that_names_it(client: Any, prediction: 
         # the field's path, as OpenAI names it (prediction, prediction.content[0].type, ...)
         assert refused.value.body["param"].startswith("prediction")
         assert "prediction" in refused.value.body["message"]
+
+
+def test_a_prompt_ending_mid_word_drafts_its_prediction_from_the_first_token(
+        client: Any, tokenizer: Any) -> None:
+    """Token healing drops a prompt's last token, and the output's first token spells it
+    again with what follows: the prediction is tokenized after that dropped text, so its
+    first token is the output's (tokenized alone, the word's rest did not align and the
+    first tokens were the target's own)."""
+    import re
+
+    expected = target_text(tokenizer, EDIT["prompt"], N)
+    word = re.search(r"[A-Za-z_]{5,}", expected)
+    assert word is not None
+    cut = word.start() + 2  # within the word
+    prompt = EDIT["prompt"] + expected[:cut]
+    reply = client.completions.create(model="spececd", prompt=prompt, max_tokens=24,
+                                      temperature=0, extra_body={"token_healing": True}
+                                      ).choices[0].text  # healed, no prediction
+    chunks = list(client.completions.create(
+        model="spececd", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"prediction": {"type": "content", "content": reply},
+                    "token_healing": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply
+    sources = [c.choices[0].model_extra["spececd"]["source"] for c in chunks if c.choices]
+    assert sources[0] == "prediction", sources[:4]
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 20

@@ -98,14 +98,15 @@ async function run(options, onPiece = () => {}) {
   } else if (options.source !== "cloud") {
     throw new Error(`unknown draft source ${options.source}`);
   }
-  // A prediction of the output is text inside a sequence: no special tokens. Cloud-only
-  // runs draft nothing, so they use none.
-  const predictionIds = options.predictionIds
-    || (options.prediction ? tokenizer.encode(options.prediction, false) : []);
-  if (source !== null && predictionIds.length) source = new PredictedSource(predictionIds, source);
   // A text prompt is healed as the Python edge heals it (its last token dropped, the first
   // generated token masked to those that spell it); ids (`promptIds`) run as given.
   const healing = options.promptIds ? null : tokenizer.heal(tokenizer.encode(options.prompt));
+  // A prediction of the output is text inside a sequence (no special tokens), after what
+  // healing dropped, which the output's first token spells again. Cloud-only runs draft
+  // nothing, so they use none.
+  const predictionIds = options.predictionIds || (options.prediction
+    ? tokenizer.encode((healing ? healing.dropped : "") + options.prediction, false) : []);
+  if (source !== null && predictionIds.length) source = new PredictedSource(predictionIds, source);
   const promptIds = options.promptIds || (healing ? healing.promptIds
     : tokenizer.encode(options.prompt));
   const temperature = options.temperature ?? 0;

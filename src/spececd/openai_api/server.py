@@ -207,6 +207,9 @@ class Choice:
         return calls[:max(room, 0)]
 
     prompt_text: str = ""  # what echo puts before the completion
+    # Predicted Outputs: the prediction's ids as this choice drafts them (after the text
+    # token healing took off its prompt, which its first token spells again); none: ()
+    prediction: tuple[int, ...] = ()
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # None: unverified
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
@@ -243,10 +246,10 @@ class Run:
         completion = sum(c.tokens for c in self.choices)
         accepted = rejected = 0
         for c in self.choices if self.prediction else ():
-            alignment = Alignment(self.prediction)
+            alignment = Alignment(c.prediction)
             alignment.sync(c.token_ids)
             accepted += alignment.hits
-            rejected += len(self.prediction) - alignment.hits
+            rejected += len(c.prediction) - alignment.hits
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "completion_tokens_details": {"accepted_prediction_tokens": accepted,
@@ -320,6 +323,14 @@ class Api:
             except InputError as exc:
                 raise FieldError(found[0], str(exc)) from None
 
+    def _dropped(self, text: str | None, constraint: Constraint | None) -> str:
+        """The text token healing takes off the prompt ``text`` (None: a prompt not healed),
+        as the generator heals it: never under a constraint."""
+        if text is None or constraint is not None:
+            return ""
+        _, healing = self.gen.healed(text, True)
+        return healing.dropped if healing is not None else ""
+
     def start(self, body: Sampling, prompts: list[list[int]], max_tokens: int | None,
               kind: str, tools: ToolPlan | None = None,
               prompt_texts: Sequence[str] = (),
@@ -361,18 +372,21 @@ class Api:
         parser = tools.parser if tools is not None else None
         texts = list(prompt_texts) or [""] * len(prompts)
         healed = heal_texts or [None] * len(prompts)
+        text = body.prediction.text() if body.prediction else None
+        try:  # in the target's tokens, as the output is; after what healing drops
+            predictions = [self.gen.prediction_ids(text, self._dropped(
+                healed[p], sampling["constraint"])) for p in range(len(prompts))]
+        except InputError as exc:
+            raise FieldError("prediction", f"prediction: {exc}") from None
         choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
                           tools=parser.stream() if parser else None,
                           max_calls=tools.max_calls if tools is not None else None,
-                          prompt_text=texts[p] if echo else "", prompt=healed[p] or ids)
+                          prompt_text=texts[p] if echo else "", prompt=healed[p] or ids,
+                          prediction=predictions[p])
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = score_only or (self.cloud_only if body.cloud_only is None
                                     else body.cloud_only)
-        try:  # in the target's tokens, as the output is
-            prediction = self.gen.prediction_ids(body.prediction.text() if body.prediction
-                                                 else None)
-        except InputError as exc:
-            raise FieldError("prediction", f"prediction: {exc}") from None
+        prediction = predictions[0] if predictions else ()
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
                    options, cloud_only, f"{kind}-{secrets.token_hex(12)}", logprobs, echo,
                    score_only, prediction)
@@ -388,7 +402,7 @@ class Api:
                         choice.prompt, choice.stats, seed=choice.seed,
                         token_healing=isinstance(choice.prompt, str),
                         cloud_only=run.cloud_only, stop=run.stop, options=run.options,
-                        prediction=run.prediction, **run.sampling):
+                        prediction=choice.prediction, **run.sampling):
                     await queue.put((choice, chunk))
             except Exception as exc:
                 await queue.put((choice, exc))
