@@ -87,8 +87,8 @@ class ServerConfig:
     # An ONNX Runtime GenAI draft folder the browser edge's page may download and draft
     # with ("": none; the page drafts by lookup).
     web_draft: str = ""
-    # Origins of pages other than the server's own that may open WebSocket sessions (a
-    # browser names its page's; "*": any). The server's own page always may.
+    # Origins of pages that may open WebSocket sessions besides the server's own page
+    # reached by localhost or an IP address (a browser names its page's; "*": any).
     allowed_origins: tuple[str, ...] = ()
 
     def limits(self) -> Limits:

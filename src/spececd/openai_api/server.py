@@ -231,7 +231,6 @@ class Run:
     logprobs: int | None = None  # alternatives per token, when asked
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     score_only: bool = False  # max_tokens 0: nothing generated (the prompt scored, if asked)
-    prediction: tuple[int, ...] = ()  # Predicted Outputs: the prediction's ids (none: ())
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
 
@@ -245,7 +244,7 @@ class Run:
         not the rejected prediction tokens: a prediction costs the server no generation."""
         completion = sum(c.tokens for c in self.choices)
         accepted = rejected = 0
-        for c in self.choices if self.prediction else ():
+        for c in (c for c in self.choices if c.prediction):
             alignment = Alignment(c.prediction)
             alignment.sync(c.token_ids)
             accepted += alignment.hits
@@ -375,7 +374,8 @@ class Api:
         text = body.prediction.text() if body.prediction else None
         try:  # in the target's tokens, as the output is; after what healing drops
             predictions = [self.gen.prediction_ids(text, self._dropped(
-                healed[p], sampling["constraint"])) for p in range(len(prompts))]
+                healed[p], sampling["constraint"])) if text else ()
+                for p in range(len(prompts))]
         except InputError as exc:
             raise FieldError("prediction", f"prediction: {exc}") from None
         choices = [Choice(p * body.n + i, ids, (base + p * body.n + i) % 2**63,
@@ -386,10 +386,9 @@ class Api:
                    for p, ids in enumerate(prompts) for i in range(body.n)]
         cloud_only = score_only or (self.cloud_only if body.cloud_only is None
                                     else body.cloud_only)
-        prediction = predictions[0] if predictions else ()
         return Run(body, choices, sum(len(ids) for ids in prompts), sampling, body.stops(),
                    options, cloud_only, f"{kind}-{secrets.token_hex(12)}", logprobs, echo,
-                   score_only, prediction)
+                   score_only)
 
     async def chunks(self, run: Run) -> AsyncIterator[tuple[Choice, StreamChunk]]:
         """Every choice's chunks as they come, the choices generated concurrently."""
