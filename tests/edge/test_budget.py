@@ -106,7 +106,7 @@ def test_rounds_draft_no_more_than_the_budget(toy: tuple[ToyBackend, ToyBackend]
     transport = Budgeted(verifier, budget=2)
     assert generate(draft, transport, k=6, proactive=proactive) == greedy(target, PROMPT, N)
     hello = transport.sent[0]
-    assert isinstance(hello, m.Hello) and hello.protocol_version == m.BUDGET_VERSION
+    assert isinstance(hello, m.Hello) and hello.protocol_version == m.WIDTH_VERSION
     drafts = [len(f.tokens) for f in transport.sent if isinstance(f, m.Draft)]
     assert drafts[0] == 6 and max(drafts[1:]) == 2  # the first before any budget was heard
 
@@ -120,11 +120,15 @@ def test_stream_drafting_hints_no_deeper_than_the_budget(toy: tuple[ToyBackend, 
     assert not [f for f in transport.sent[2:] if isinstance(f, m.Hint)]  # 0: no hints at all
 
 
-def test_an_edge_greets_an_older_server_without_the_budget(
+@pytest.mark.parametrize("server_version,offered", [
+    (7, (m.WIDTH_VERSION, m.BUDGET_VERSION)),  # without the width, still with the budget
+    (6, (m.WIDTH_VERSION, m.BUDGET_VERSION, 2)),  # without either
+])
+def test_an_edge_greets_an_older_server_at_a_version_it_speaks(
         toy: tuple[ToyBackend, ToyBackend], verifier: LocalServer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, server_version: int, offered: tuple[int, ...]) -> None:
     draft, target = toy
-    monkeypatch.setattr(m, "COMPATIBLE_VERSIONS", (2, 3, 4, 5, 6))  # a protocol-6 server
+    monkeypatch.setattr(m, "COMPATIBLE_VERSIONS", tuple(range(2, server_version + 1)))
     opened: list[Budgeted] = []
 
     def connect() -> Budgeted:
@@ -139,10 +143,13 @@ def test_an_edge_greets_an_older_server_without_the_budget(
     finally:
         client.close()
     assert out == greedy(target, PROMPT, N)
-    assert len(opened) == 2  # refused, then greeted again on a new connection
+    # Each refusal, then a greeting again on a new connection; auto's stream session greets
+    # too, at once below every version refused.
+    assert len(opened) == len(offered)
     hellos = [f for t in opened for f in t.sent if isinstance(f, m.Hello)]
-    versions = [h.protocol_version for h in hellos]  # auto's stream session greets too
-    assert versions[0] == m.BUDGET_VERSION and set(versions[1:]) == {2}
+    versions = [h.protocol_version for h in hellos]
+    assert tuple(versions[:len(offered)]) == offered
+    assert set(versions[len(offered):]) <= {offered[-1]}
 
 
 def test_edges_under_a_loaded_server_follow_the_budget_it_sends(

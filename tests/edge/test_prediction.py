@@ -14,14 +14,19 @@ from collections.abc import Sequence
 
 import pytest
 
+from spececd.backends.base import tokenizer_fingerprint
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
+from spececd.edge.client import EdgeClient
 from spececd.edge.drafter import Drafter
 from spececd.edge.lookup import Alignment, NgramLookup, PredictionLookup
-from spececd.edge.options import resolve
+from spececd.edge.options import EdgeOptions, Site, resolve
 from spececd.edge.sources import PredictedDraft
+from spececd.protocol import messages as m
+from spececd.protocol.cloud_session import Limits
 from spececd.transports.memory import local_verifier
+from tests.edge.test_budget import Budgeted
 from tests.edge.test_client import PROMPTS, client
 from tests.edge.test_lookup import DRAWS, TOP_K, halved, p_value, pair_distribution
 from tests.rounds import generate
@@ -208,3 +213,50 @@ def test_sampling_with_a_prediction_keeps_the_target_distribution() -> None:
 
 def test_a_prediction_reported_with_another_distribution_is_caught() -> None:
     assert pair_p_value(HalvedPrediction) < 0.001
+
+
+# -- long passes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proactive", ["off", "on", "stream"])
+@pytest.mark.parametrize("max_draft", [64, 24])
+def test_a_followed_prediction_goes_in_passes_as_long_as_the_server_verifies(
+        proactive: str, max_draft: int) -> None:
+    """With ``k`` auto, a prediction the output keeps following is sent past the 8 tokens
+    that bound a model's drafts (in rounds, and in stream drafting's hints), as far as the
+    server's pass width (its welcome's; here ``max_draft``, the built-in runner's), in
+    fewer passes; the output is the target's."""
+    draft, target = toy_pair(agreement=0.7)
+    target.pass_s = 0.002  # a step long enough for hints to go out between them
+    server = local_verifier(target, Limits(max_draft=max_draft))
+    prompt, n = PROMPTS[0], 160
+    expected = greedy(target, prompt, n)
+    edited = [*expected[:60], 7, 8, *expected[62:]]  # an edit: the prediction picked up again
+    passes, longest = {}, {}
+    try:
+        for name, prediction, k in (("k=8", edited, 8), ("auto", edited, "auto")):
+            link = Budgeted(server, rewrite=False)
+            fingerprint = tokenizer_fingerprint(draft.tokenizer, draft.vocab_size)
+            edge = EdgeClient(Drafter(draft), lambda link=link: link, fingerprint,
+                              draft.max_context)
+            options = EdgeOptions().with_settings(k=k, proactive=proactive)
+            run = resolve(options.resolved(Site(in_process=False)),
+                          {"temperature": 0.0, "seed": 1, "max_tokens": n},
+                          Site(in_process=False), len(prompt))
+            run = dataclasses.replace(run, prediction=tuple(prediction))
+            stats = GenerationStats()
+            try:
+                out = [t for o in edge.generate(prompt, run, stats) for t in o.token_ids]
+            finally:
+                edge.close()
+            assert out == expected, name
+            welcome = next(f for f in link.log if isinstance(f, m.Welcome))
+            assert welcome.width == max_draft
+            passes[name] = stats.target_passes
+            longest[name] = max(len(f.tokens) for f in link.sent
+                                if isinstance(f, m.Draft | m.Hint))
+    finally:
+        server.close()
+    assert longest["k=8"] <= 8  # (stream drafting hints in chunks)
+    assert 8 < longest["auto"] <= max_draft
+    assert passes["auto"] < passes["k=8"]

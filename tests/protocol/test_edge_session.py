@@ -63,9 +63,11 @@ def test_a_hello_without_extras_speaks_protocol_2_for_servers_not_yet_upgraded()
     plain = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5))
     penalized = EdgeSession(FP, Mode.MATCH, SamplingParams(seed=1, prompt_len=5,
                                                            presence_penalty=0.5))
-    # Each offers the budget (7) first; a server that refuses it gets the lowest version.
+    # Each offers the width (8) first, then the budget (7); a server that refuses both gets
+    # the lowest version.
     for edge in (plain, penalized):
-        assert edge.hello_message.protocol_version == m.BUDGET_VERSION
+        assert edge.hello_message.protocol_version == m.WIDTH_VERSION
+        assert edge.older_server() and edge.hello_message.protocol_version == m.BUDGET_VERSION
         assert edge.older_server() and not edge.older_server()
     assert plain.hello_message.protocol_version == 2
     assert plain.hello_message.extras == m.SamplingExtras()  # prompt_len matters to no one

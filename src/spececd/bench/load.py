@@ -62,8 +62,10 @@ from spececd.bench.child import STALL_S, within
 from spececd.bench.load_report import arrival_label, kind_label
 from spececd.bench.window import RAMP_S, WARMUP_S, ClientResult, Window, window_figures
 from spececd.core.params import Mode, SamplingParams
+from spececd.core.policy import TreeShape
 from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
+from spececd.edge.drafter import Tree
 from spececd.processes import end_with_parent
 from spececd.protocol.messages import Fingerprint
 
@@ -86,6 +88,10 @@ class ReplayDrafter:
     def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
                         ) -> tuple[int, ...]:
         return ()
+
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        return None  # it stands for a draft model
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int

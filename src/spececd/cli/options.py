@@ -117,8 +117,9 @@ def add_model_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    "OpenVINO or ONNX model's runtime, else the cpu with a notice); ONNX "
                    "models also dml and qnn, OpenVINO gpu; `spececd devices` lists them "
                    "(default: auto)")
-    g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 "
-                   "(default: auto = float32 on cpu, bfloat16 on GPUs)")
+    g.add_argument("--dtype", help="auto, float32, float16 or bfloat16 (default: auto = the "
+                   "model's own dtype where the device computes it faster: GPUs, and "
+                   "bfloat16 on CPUs with AMX; float32 elsewhere)")
     g.add_argument("--threads", type=int, help="CPU threads (default: on transformers, all "
                    "cores but one for a target and for an in-process pair, one for a draft "
                    "beside a remote verifier, so that an edge and a server on one machine do "

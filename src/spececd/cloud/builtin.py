@@ -108,6 +108,8 @@ class BuiltinRunner:
         self._last_used: dict[str, float] = {}
         self.kv_evictions = 0
 
+    width = 0  # any draft the limits allow, in one forward
+
     def unsupported(self, mode: Mode, params: SamplingParams) -> str:
         return ""  # every mode and sampling setting
 

@@ -156,6 +156,12 @@ class ModelRunner(Protocol):
         """The model it serves, as the service reads it."""
         ...
 
+    @property
+    def width(self) -> int:
+        """The longest draft it verifies in one pass (0: any the limits allow), told to
+        edges as the Welcome's ``width``."""
+        ...
+
     def unsupported(self, mode: Mode, params: SamplingParams) -> str:
         """Why this runner cannot serve a session in ``mode`` with ``params`` ("" when it
         can); the hello is then refused with an ``unsupported`` error."""

@@ -167,7 +167,8 @@ class CloudService:
         self.runner = runner
         self.target: Target = runner.target
         self.limits = dataclasses.replace(
-            limits, max_context=min(limits.max_context, self.target.max_context))
+            limits, max_context=min(limits.max_context, self.target.max_context),
+            width=runner.width)
         self.policy = policy or ServicePolicy()
         self.fingerprint = tokenizer_fingerprint(self.target.tokenizer, self.target.vocab_size)
         self._bundle: bytes | None = None

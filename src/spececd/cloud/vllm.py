@@ -135,6 +135,7 @@ class VllmRunner:
     whose speculative config names :data:`PROPOSER`, loaded by :func:`start`."""
 
     name = "vllm"
+    width = MAX_PROPOSED  # longer drafts take more engine steps
 
     def __init__(self, llm: Any, target: VllmTarget, hints: HintChannel,
                  known_issue: str = "") -> None:

@@ -196,12 +196,13 @@ class EdgeClient:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
             return Adaptive(work, stream, self.chooser, self.rounds_chooser,
                             self.hints_chooser, self.hint_gate, self.rounds_estimate, arm,
-                            k_max, adaptive=options.k is None)
+                            k_max, adaptive=options.k is None, width=welcome.pass_width)
         if options.proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max, gate=self.hint_gate,
-                                  estimate=self.rounds_estimate)
+                                  estimate=self.rounds_estimate,
+                                  width=welcome.pass_width if options.k is None else 0)
         rounds = BlockAhead if options.proactive is Proactive.ON else Rounds
-        return rounds(work, k_max, adaptive=options.k is None)
+        return rounds(work, k_max, adaptive=options.k is None, width=welcome.pass_width)
 
     def bound_rounds(self, run: Resolved) -> None:
         """Tell the chooser what rounds could bring here, by what this client has measured

@@ -176,6 +176,14 @@ class DraftSource(Protocol):
         """A draft of depth up to ``k`` after ``history``, branched where ``shape`` says (a
         source that drafts chains only returns its chain)."""
 
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        """The draft after ``history`` where this source proposes one without a model step
+        (a lookup's match, a prediction the output follows), as :meth:`tree` drafts it
+        (``shape`` None: a chain) but never continued by a model; None where it would
+        draft with a model or proposes nothing. Whether it is None depends on the history
+        alone, so that a round's draft length may follow it losslessly."""
+
 
 class Drafter:
     """``lock``: held for each call, so drafters of one backend (one per concurrent
@@ -213,6 +221,10 @@ class Drafter:
     def looked_up_among(self, history: Sequence[int], tokens: Sequence[int]
                         ) -> tuple[int, ...]:
         return ()
+
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        return None  # every token is a model step
 
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int

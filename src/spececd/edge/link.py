@@ -57,8 +57,9 @@ class Link:
         # server's part of it is a look-up), on connections already open (opening an HTTP
         # link is another round trip): stream drafting reads it.
         self.rtt = Ema(0.0)
-        # The server refused a protocol-7 hello: every session greets it without the budget.
-        self.older_server = False
+        # The lowest hello version the server refused (version_mismatch), if any: every
+        # session greets it below that.
+        self.refused: int | None = None
 
     def close(self) -> None:
         """Say goodbye to the server (a ``Close``, when the connection still takes it) and
@@ -116,8 +117,8 @@ class Link:
                 sent, received = transport.bytes_sent, transport.bytes_received
                 greeted_now = self._greeted is not session
                 if greeted_now:
-                    if self.older_server:
-                        session.older_server()
+                    if self.refused is not None:
+                        session.older_server(self.refused)
                     hello = session.hello(checked=self._checked)
                     t0 = time.perf_counter()
                     transport.send(hello)
@@ -129,11 +130,12 @@ class Link:
                             # What the stream left may still be in flight (the welcome):
                             # this connection serves no later exchange.
                             self.drop()
+                        refused = session.hello_message.protocol_version
                         if not isinstance(exc, VersionMismatch) or not session.older_server():
                             raise
-                        self.older_server = True
-                        log.info("the server speaks an older protocol; greeting it again "
-                                 "without the budget")
+                        self.refused = refused
+                        log.info("the server refused protocol %d; greeting it again with %d",
+                                 refused, session.hello_message.protocol_version)
                         self.drop()  # the refusal closed the session
                         continue
                     if not opened and stale is None:  # (a stream left: its step in between)

@@ -128,6 +128,16 @@ class Lookup(abc.ABC):
 
     def tree(self, history: Sequence[int], k: int, shape: TreeShape, mode: Mode,
              params: SamplingParams, seed: int, max_support: int) -> Tree:
+        return self._proposed(history, k, shape, mode, params)
+
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        """What :meth:`tree` proposes (no model here), None where nothing matches."""
+        tree = self._proposed(history, k, shape, mode, params)
+        return tree if tree.tokens else None
+
+    def _proposed(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+                  params: SamplingParams) -> Tree:
         tree = self.propose(history, k, shape, params.prompt_len)
         self._proposals.record(history, tree.trunk().tokens)
         return Tree(tree.tokens, tree.parents, reported(tree.tokens, mode, params), tree.chain)

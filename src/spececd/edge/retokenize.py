@@ -52,6 +52,10 @@ class CrossDrafter:
                         ) -> tuple[int, ...]:
         return ()
 
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        return None  # every token is a model step
+
     def draft(self, history: Sequence[int], k: int, mode: Mode, params: SamplingParams,
               seed: int, max_support: int
               ) -> tuple[tuple[int, ...], tuple[SparseProbs, ...] | None]:

@@ -101,16 +101,32 @@ class HybridDraft(OneDecision):
                         ) -> tuple[int, ...]:
         return self._proposals.among(history, tokens)
 
-    def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
-              params: SamplingParams, seed: int, max_support: int) -> Tree:
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        """The lookup's draft where it matches (never extended by the model)."""
+        looked = self._looked(history, k, shape, mode, params)
+        if looked is not None:
+            self._proposals.record(history, looked.trunk().tokens)
+        return looked
+
+    def _looked(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+                params: SamplingParams) -> Tree | None:
         looked = self.lookup.propose(history, k, shape, params.prompt_len)
         if self.lookup.match_len < self.min_match or not looked.tokens:
+            return None
+        return Tree(looked.tokens, looked.parents, reported(looked.tokens, mode, params),
+                    looked.chain)
+
+    def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+              params: SamplingParams, seed: int, max_support: int) -> Tree:
+        looked = self._looked(history, k, shape, mode, params)
+        if looked is None:
             tree = drafted(self.model, history, k, shape, mode, params, seed, max_support)
             self._proposals.record(history, tree.trunk().tokens, 0)
             return tree
-        dists = reported(looked.tokens, mode, params)
         chain = looked.trunk().tokens
         more: tuple[int, ...] = ()
+        dists = looked.dists
         if self.extend and len(chain) < k:
             more, more_dists = self.model.draft([*history, *chain], k - len(chain), mode,
                                                 params, seed, max_support)
@@ -119,7 +135,7 @@ class HybridDraft(OneDecision):
                 dists = (*dists, *more_dists)
         self._proposals.record(history, (*chain, *more), len(chain))
         if not more:
-            return Tree(looked.tokens, looked.parents, dists, looked.chain)
+            return looked
         last, n = looked.chain[-1], len(looked.tokens)
         return Tree((*looked.tokens, *more),
                     (*looked.parents, last, *range(n, n + len(more) - 1)), dists,
@@ -161,11 +177,30 @@ class PredictedDraft(OneDecision):
         """The indices of ``tokens`` (emitted after ``history``) the prediction proposed."""
         return self._proposals.among(history, tokens)
 
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        """The prediction's draft where the output follows it, else the session's own
+        source's free draft."""
+        tokens, first = self._predicted(history, k, params)
+        if first:
+            self._proposals.record(history, tokens)
+            return Tree.of_chain(tokens, reported(tokens, mode, params))
+        tree = self.own.free(history, k, shape, mode, params)
+        if tree is not None:
+            self._proposals.record(history, tree.trunk().tokens, 0)
+        return tree
+
+    def _predicted(self, history: Sequence[int], k: int, params: SamplingParams
+                   ) -> tuple[tuple[int, ...], bool]:
+        """The prediction's tokens after ``history``, and whether they draft first there."""
+        tokens = self.prediction.propose(history, k, None, params.prompt_len).tokens
+        first = self.prediction.match_len >= self.min_run or len(history) == params.prompt_len
+        return tokens, bool(tokens) and first
+
     def _tree(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
               params: SamplingParams, seed: int, max_support: int) -> Tree:
-        tokens = self.prediction.propose(history, k, None, params.prompt_len).tokens
-        if tokens and (self.prediction.match_len >= self.min_run
-                       or len(history) == params.prompt_len):
+        tokens, first = self._predicted(history, k, params)
+        if first:
             self._proposals.record(history, tokens)
             return Tree.of_chain(tokens, reported(tokens, mode, params))
         tree = drafted(self.own, history, k, shape, mode, params, seed, max_support)

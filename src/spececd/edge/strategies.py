@@ -32,6 +32,7 @@ from spececd.core.policy import (
     LinearFit,
     RoundsEstimate,
     StrategyChooser,
+    TreeShape,
     hint_shape,
     stream_lookahead,
 )
@@ -78,36 +79,55 @@ class Work:
         settings (the tokens and, in exact mode, their distributions); tokens proposed
         without a model step are not counted as draft steps."""
         assert self.params.seed is not None
-        before = self.free()
+        before = self.free_counts()
         block = self.drafter.draft(history, k, self.mode, self.params, self.params.seed,
                                    self.max_support)
         self.count_free(before)
         return block
 
-    def free(self) -> tuple[int, int]:
+    def free_counts(self) -> tuple[int, int]:
         """What the drafter has proposed without a model step so far: tokens a constraint
         forced, and tokens looked up."""
         return self.drafter.forced, self.drafter.looked_up
 
     def count_free(self, before: tuple[int, int]) -> None:
-        """Uncount the tokens proposed without a model step since :meth:`free` was
+        """Uncount the tokens proposed without a model step since :meth:`free_counts` was
         ``before``: callers count every drafted token as a draft step, and these were none
         (the emitter counts those the output kept). Count the looked-up ones as such."""
-        forced, looked_up = self.free()
+        forced, looked_up = self.free_counts()
         self.stats.draft_steps -= forced - before[0] + looked_up - before[1]
         self.stats.lookup_drafted += looked_up - before[1]
+
+    def free(self, history: Sequence[int], k: int, room: int = 0,
+             policy: DraftLengthPolicy | None = None) -> Tree | None:
+        """The drafter's draft after ``history`` where it proposes one without a model step
+        (:meth:`~spececd.edge.drafter.DraftSource.free`): up to ``k`` deep, branched as
+        ``policy`` finds worth it where the server verifies trees (None: a chain); None
+        where it would draft with the model."""
+        shape = self.shape(k, room, policy) if policy is not None else None
+        before = self.free_counts()
+        tree = self.drafter.free(history, k, shape, self.mode, self.params)
+        self.count_free(before)
+        return tree
+
+    def shape(self, k: int, room: int, policy: DraftLengthPolicy) -> TreeShape | None:
+        """How a round's draft of ``k`` may branch (None: a chain), in at most ``room``
+        nodes."""
+        welcome = self.session.welcome
+        width = self.tree_width if self.session.trees else 1
+        if width == 1 or welcome is None:
+            return None
+        return policy.tree_shape(k, width, max(k, min(k * width, welcome.max_draft, room)))
 
     def tree(self, history: Sequence[int], k: int, room: int, policy: DraftLengthPolicy
              ) -> Tree:
         """A round's draft: a chain of ``k`` tokens, branched as ``policy`` finds worth it
         when the server verifies trees, in at most ``room`` nodes."""
-        welcome = self.session.welcome
-        width = self.tree_width if self.session.trees else 1
-        if width == 1 or welcome is None:
+        shape = self.shape(k, room, policy)
+        if shape is None:
             return Tree.of_chain(*self.draft(history, k))
         assert self.params.seed is not None
-        shape = policy.tree_shape(k, width, max(k, min(k * width, welcome.max_draft, room)))
-        before = self.free()
+        before = self.free_counts()
         tree = self.drafter.tree(history, k, shape, self.mode, self.params, self.params.seed,
                                  self.max_support)
         self.count_free(before)
@@ -124,15 +144,26 @@ class Rounds:
     whether a drafted token stands at its position): such rounds draft whole blocks
     whatever the server's budget, and where the server cut a chain and kept its first token
     past the cut (the verifier decides that token as an uncut block would), the next round
-    sends the rest of the block."""
+    sends the rest of the block.
+
+    Drafts that cost nothing to draft (a lookup's, a prediction's:
+    :meth:`~spececd.edge.drafter.DraftSource.free`) have a length policy of their own when
+    adaptive, up to ``width`` (the server's pass width): where their runs keep being
+    accepted, a round sends them as far as the measured tokens per second pay, not the
+    ``k_max`` that bounds drafts a model step each. Whether a round drafts for free is a
+    function of the history, as every draft length is, so it stays lossless."""
 
     proactive = False  # whether drafting overlaps the round trip (BlockAhead)
     streams = False
 
-    def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
+    def __init__(self, work: Work, k_max: int, adaptive: bool, width: int = 0) -> None:
         self.work, self.k_max, self.adaptive = work, k_max, adaptive
         # Measures always (trees take their shape from it); chooses k when adaptive.
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
+        # Free drafts' own (None: k fixed), starting where model drafts are bounded.
+        self.free = DraftLengthPolicy(k_max=max(k_max, width), k_initial=k_max,
+                                      proactive=self.proactive) if adaptive else None
+        self.free_round = False  # whether this round's draft cost nothing to draft
         self.fixed_blocks = (not adaptive and work.mode is Mode.EXACT
                              and not work.params.greedy and work.tree_width == 1)
         # A block the server cut: the history its rest continues, the chain sent, and where
@@ -142,15 +173,21 @@ class Rounds:
         # up): its wait is no sample of what a round costs.
         self.cold = False
 
-    def choose(self, limit: int) -> int:
-        """The draft length for a round with ``limit`` positions left: the policy's choice
-        when adaptive, else ``k_max`` (at most ``limit``), and never past the server's
-        budget (the positions it expects to verify: it would cut the rest), except in
-        fixed blocks."""
+    @property
+    def round_policy(self) -> DraftLengthPolicy:
+        """The length policy of this round's kind of draft: free drafts' or model drafts'."""
+        return self.free if self.free is not None and self.free_round else self.policy
+
+    def choose(self, limit: int, policy: DraftLengthPolicy | None = None) -> int:
+        """The draft length for a round with ``limit`` positions left: ``policy``'s choice
+        (default: model drafts') when adaptive, else ``k_max`` (at most ``limit``), and never
+        past the server's budget (the positions it expects to verify: it would cut the
+        rest), except in fixed blocks."""
         budget = self.work.session.budget
         if budget is not None and not self.fixed_blocks:
             limit = min(limit, budget)
-        return self.policy.choose(limit) if self.adaptive else min(self.k_max, limit)
+        policy = policy or self.policy
+        return policy.choose(limit) if self.adaptive else min(self.k_max, limit)
 
     def step(self, out: Emitter) -> list[Piece]:
         stats = self.work.stats
@@ -168,9 +205,9 @@ class Rounds:
         # never judged: neither rejections for adaptive k nor drafted in the stats.
         depth = len(tree.chain) if verdict.verified is None else min(len(tree.chain),
                                                                      verdict.verified)
-        self.policy.observe(depth, verdict.num_accepted, draft_s, verdict.verify_s,
-                            round_s - verdict.verify_s - hidden_s, len(tree.tokens),
-                            timed=not self.cold)
+        self.round_policy.observe(depth, verdict.num_accepted, draft_s, verdict.verify_s,
+                                  round_s - verdict.verify_s - hidden_s, len(tree.tokens),
+                                  timed=not self.cold)
         self.cold = False
         n = verdict.num_accepted
         path = tree.chain[:n] if verdict.path is None else verdict.path
@@ -187,12 +224,18 @@ class Rounds:
         """The round's draft after ``history``: up to ``limit`` tokens deep, its siblings
         within ``room``; the rest of a block the server cut, where it continues."""
         rest, self.rest = self.rest, None
+        self.free_round = False
         if rest is not None and rest[0] == history:  # drafted already: a function of both
             _, chain, start = rest
             end = start + limit
             return Tree.of_chain(chain.tokens[start:end],
                                  None if chain.dists is None else chain.dists[start:end])
-        tree = self.work.tree(history, self.choose(limit), room, self.policy)
+        tree = None
+        if self.free is not None:
+            tree = self.work.free(history, self.choose(limit, self.free), room, self.free)
+            self.free_round = tree is not None
+        if tree is None:
+            tree = self.work.tree(history, self.choose(limit), room, self.policy)
         self.work.stats.draft_steps += len(tree.chain)
         return tree
 
@@ -223,8 +266,9 @@ class Ahead:
     by the next round's draft, valid if the verdict accepts everything and its own token
     equals the guess."""
 
-    def __init__(self, work: Work, context: list[int], k: int) -> None:
+    def __init__(self, work: Work, context: list[int], k: int, free: bool = False) -> None:
         self.work, self.context, self.k = work, context, k
+        self.free = free  # drafted only where it costs nothing (a free round's block ahead)
         self.tokens: tuple[int, ...] = ()
         self.dists: tuple[SparseProbs, ...] | None = None
         self.seconds = 0.0
@@ -235,7 +279,12 @@ class Ahead:
         if self._done:  # a retried exchange after a reconnect: the block is still valid
             return
         t0 = time.perf_counter()
-        self.tokens, self.dists = self.work.draft(self.context, 1 + self.k)
+        if self.free:
+            tree = self.work.free(self.context, 1 + self.k)
+            if tree is not None:
+                self.tokens, self.dists = tree.tokens, tree.dists
+        else:
+            self.tokens, self.dists = self.work.draft(self.context, 1 + self.k)
         self.seconds = time.perf_counter() - t0
         self._done = True
 
@@ -262,8 +311,8 @@ class BlockAhead(Rounds):
 
     proactive = True
 
-    def __init__(self, work: Work, k_max: int, adaptive: bool) -> None:
-        super().__init__(work, k_max, adaptive)
+    def __init__(self, work: Work, k_max: int, adaptive: bool, width: int = 0) -> None:
+        super().__init__(work, k_max, adaptive, width)
         self.ahead: Ahead | None = None
         self.hit = False
 
@@ -271,6 +320,7 @@ class BlockAhead(Rounds):
         ahead = self.ahead
         self.hit = ahead is not None and ahead.matches(history)
         if ahead is not None and self.hit:
+            self.free_round = ahead.free
             return ahead.block(limit)
         return super().draft(history, limit, room)
 
@@ -278,7 +328,8 @@ class BlockAhead(Rounds):
         stats = self.work.stats
         chain = tree.trunk().tokens
         limit = min(out.remaining, out.room) - len(chain) - 2  # the next round's, on a hit
-        ahead = self.ahead = (Ahead(self.work, [*out.history, *chain], self.choose(limit))
+        ahead = self.ahead = (Ahead(self.work, [*out.history, *chain],
+                                    self.choose(limit, self.round_policy), self.free_round)
                               if limit > 0 else None)
         verdict = self.verdict(out.history, tree, ahead.run if ahead else None)
         seconds = ahead.seconds if ahead else 0.0
@@ -356,13 +407,17 @@ class StreamDrafting(CloudOnly):
     also goes to ``estimate``, which outlives the generation: what rounds would bring on
     this link (for ``--proactive auto``). Within ``--proactive auto`` a ``hints`` chooser
     also decides, from the tokens per second each brings, whether to send hints at all
-    or let the server generate alone (cloud-only generation), at any step."""
+    or let the server generate alone (cloud-only generation), at any step.
+
+    Where the draft costs nothing (a lookup, a prediction:
+    :meth:`~spececd.edge.drafter.DraftSource.free`) it reaches ``width`` tokens (the
+    server's pass width) instead of ``ahead``, sent at once."""
 
     def __init__(self, work: Work, ahead: int, gate: HintGate | None = None,
                  estimate: RoundsEstimate | None = None,
-                 hints: StrategyChooser | None = None) -> None:
+                 hints: StrategyChooser | None = None, width: int = 0) -> None:
         super().__init__(work)
-        self.ahead = ahead
+        self.ahead, self.width = ahead, max(ahead, width)
         self.gate = gate or HintGate()  # closed while hints keep arriving too late
         self.estimate = estimate
         # --proactive auto: hints (Arm.STREAM) or none (Arm.CLOUD), whichever brings more
@@ -408,16 +463,16 @@ class StreamDrafting(CloudOnly):
             self.step_fit.update(reply.drafted, reply.compute_s)
         return piece
 
-    def lookahead(self) -> int:
-        """How far past the last token received to draft
-        (:func:`~spececd.core.policy.stream_lookahead`: from the round trip and the server's
-        step time, at most the server's ``max_draft``), no deeper than the server's budget
-        past where it will be (it verifies no more of a hint in a step)."""
+    def lookahead(self, depth: int) -> int:
+        """How far past the last token received to draft ``depth`` tokens ahead of the
+        server (:func:`~spececd.core.policy.stream_lookahead`: from the round trip and the
+        server's step time, at most the server's ``max_draft``), no deeper than the
+        server's budget past where it will be (it verifies no more of a hint in a step)."""
         session = self.work.session
         welcome, budget = session.welcome, session.budget
         if budget == 0:
             return 0  # the server verifies no hint now: draft nothing
-        depth = self.ahead if budget is None else min(self.ahead, budget)
+        depth = depth if budget is None else min(depth, budget)
         return stream_lookahead(depth, self.work.link.rtt.value, self.server_step.value,
                                 welcome.max_draft if welcome is not None else self.ahead)
 
@@ -449,21 +504,33 @@ class StreamDrafting(CloudOnly):
     def exchange(self, out: Emitter) -> list[Piece]:
         """One exchange: draft ahead and send a hint, taking whatever tokens have arrived,
         or, when there is nothing to draft (or hints are off), wait for the next tokens."""
-        want = min(self.lookahead(), min(out.remaining, out.room) - 1) - len(self.draft)
+        room = min(out.remaining, out.room) - 1
+        want = min(self.lookahead(self.ahead), room) - len(self.draft)
+        wide = (min(self.lookahead(self.width), room) - len(self.draft)
+                if self.width > self.ahead else want)  # for a draft that costs nothing
         self.hinted = self.sent > 0  # hints out: the server's steps may verify them
-        if not (self.requested and want > 0 and self.gate.open and self.arm is Arm.STREAM
+        if not (self.requested and wide > 0 and self.gate.open and self.arm is Arm.STREAM
                 and self.work.link.transport is not None):
             return super().step(out)  # ask for the generation, or wait for the next tokens
-        draft_step, server_step = self.draft_step.value, self.server_step.value
-        chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
-                 if draft_step and server_step else 2)
         work = self.work
+        history = [*out.history, *self.draft]
         t0 = time.perf_counter()
-        tokens, alternatives = self.drafted([*out.history, *self.draft], max(1, min(chunk, want)))
+        free = work.free(history, wide) if wide > want else None
+        alternatives: tuple[tuple[int, int], ...] = ()
+        if free is not None:
+            tokens = free.trunk().tokens
+        elif want <= 0:
+            return super().step(out)
+        else:
+            draft_step, server_step = self.draft_step.value, self.server_step.value
+            chunk = (round(STREAM_CHUNK_OF_STEP * server_step / draft_step)
+                     if draft_step and server_step else 2)
+            tokens, alternatives = self.drafted(history, max(1, min(chunk, want)))
         seconds = time.perf_counter() - t0
-        self.draft_step.update(seconds / max(1, len(tokens)))
-        if self.estimate is not None:
-            self.estimate.drafted(len(tokens), seconds)
+        if free is None:  # the draft model's pace (free tokens cost none of it)
+            self.draft_step.update(seconds / max(1, len(tokens)))
+            if self.estimate is not None:
+                self.estimate.drafted(len(tokens), seconds)
         work.stats.draft_s += seconds
         work.stats.draft_steps += len(tokens)
         work.stats.tree_siblings += len(alternatives)
@@ -490,7 +557,7 @@ class StreamDrafting(CloudOnly):
         # candidates per depth they carried.
         shape = hint_shape(work.tree_width, n, len(self.draft), self.kept.value,
                            self.step_fit.slope / self.breadth.value, self.server_step.value)
-        before = work.free()
+        before = work.free_counts()
         tree = work.drafter.tree(history, n, shape, work.mode, work.params, work.params.seed,
                                  work.max_support)
         work.count_free(before)
@@ -516,13 +583,14 @@ class Adaptive:
     def __init__(self, rounds: Work, stream: Work, chooser: StrategyChooser,
                  rounds_chooser: StrategyChooser, hints_chooser: StrategyChooser,
                  gate: HintGate, estimate: RoundsEstimate, arm: Arm, k_max: int,
-                 adaptive: bool) -> None:
+                 adaptive: bool, width: int = 0) -> None:
         self.stream_work, self.chooser, self.gate = stream, chooser, gate
         self.estimate = estimate
         self.rounds_chooser, self.hints_chooser = rounds_chooser, hints_chooser
-        self.arm, self.k_max = arm, k_max
-        self.rounds: dict[Arm, Rounds] = {Arm.AHEAD: BlockAhead(rounds, k_max, adaptive),
-                                          Arm.PLAIN: Rounds(rounds, k_max, adaptive)}
+        self.arm, self.k_max, self.width = arm, k_max, width
+        self.rounds: dict[Arm, Rounds] = {
+            Arm.AHEAD: BlockAhead(rounds, k_max, adaptive, width),
+            Arm.PLAIN: Rounds(rounds, k_max, adaptive, width)}
         self.kind = rounds_chooser.start()  # the kind of rounds
         self.current: Strategy = (self.rounds[self.kind] if arm is Arm.ROUNDS
                                   else self.streaming())
@@ -541,7 +609,7 @@ class Adaptive:
         """The server generating from the history as it stands: with hints, or without
         (cloud-only generation), whichever the ``hints_chooser`` finds faster."""
         return StreamDrafting(self.stream_work, self.k_max, self.gate, self.estimate,
-                              self.hints_chooser)
+                              self.hints_chooser, self.width)
 
     def step(self, out: Emitter) -> list[Piece]:
         position = out.generated  # the arms are compared stage by stage of a generation

@@ -39,16 +39,20 @@ class EdgeSession:
                  auth_token: str = "", threshold: float = 0.0, trees: bool = False,
                  budget: bool = True) -> None:
         """``trees``: ask for token trees (a protocol-4 hello; the welcome says whether
-        the server verifies them). ``budget``: offer to read the server's budget (a
-        protocol-7 hello; an older server refuses it, and :meth:`older_server` then
-        greets at the lowest version that carries the rest)."""
+        the server verifies them). ``budget``: offer to read the server's budget and width
+        (a protocol-8 hello; an older server refuses it, and :meth:`older_server` then
+        greets at 7, the budget alone, and then at the lowest version that carries the
+        rest)."""
         if params.seed is None:
             raise ValueError("the edge session needs a concrete seed")
-        # The lowest version that carries what is asked, so that older servers still serve.
-        self.hello_message = m.Hello.from_params(params, fingerprint, mode.value, auth_token,
-                                                 threshold, trees, budget)
-        self._without_budget = m.Hello.from_params(params, fingerprint, mode.value,
-                                                   auth_token, threshold, trees)
+        # The hellos to offer, newest first; the last is the lowest version that carries
+        # what is asked, so that older servers still serve.
+        hellos = [m.Hello.from_params(params, fingerprint, mode.value, auth_token, threshold,
+                                      trees, reads)
+                  for reads in ((m.WIDTH_VERSION, m.BUDGET_VERSION) if budget else ()) + (0,)]
+        self._hellos = [h for i, h in enumerate(hellos)
+                        if i == 0 or h.protocol_version < hellos[i - 1].protocol_version]
+        self.hello_message = self._hellos[0]
         # Positions of the next draft or hint the server expects to verify, as its last
         # reply said (None: any, or a server that does not say).
         self.budget: int | None = None
@@ -73,13 +77,17 @@ class EdgeSession:
             hello = dataclasses.replace(hello, fingerprint=m.SAME_FINGERPRINT)
         return m.encode(hello)
 
-    def older_server(self) -> bool:
-        """The server refused this session's hello with ``version_mismatch``: whether a
-        hello of a lower version (without the budget) may serve, now :attr:`hello_message`."""
-        if self.hello_message.protocol_version <= self._without_budget.protocol_version:
-            return False
-        self.hello_message = self._without_budget
-        return True
+    def older_server(self, refused: int | None = None) -> bool:
+        """The server refused a hello of version ``refused`` (default: this session's own)
+        with ``version_mismatch``: greet below it, with fewer reply fields read, where a
+        lower version carries what is asked (now :attr:`hello_message`); whether one does."""
+        refused = self.hello_message.protocol_version if refused is None else refused
+        stepped = False
+        while len(self._hellos) > 1 and self._hellos[0].protocol_version >= refused:
+            self._hellos.pop(0)
+            stepped = True
+        self.hello_message = self._hellos[0]
+        return stepped
 
     @property
     def generating(self) -> int | None:

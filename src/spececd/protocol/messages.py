@@ -90,20 +90,24 @@ from spececd.core.sampling import SparseProbs
 from spececd.core.verify import check_tree
 from spececd.protocol.errors import MalformedFrame, VersionMismatch
 
-PROTOCOL_VERSION = 7  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
+PROTOCOL_VERSION = 8  # 3: the Hello's sampling extras; 4: token trees; 5: trees in hints;
 # 6: the Hello's constraint (a schema, regex, choice or grammar the output must match),
-# log-probabilities and token healing (heal_ids); 7: the server's budget in replies
+# log-probabilities and token healing (heal_ids); 7: the server's budget in replies;
+# 8: the Welcome's width
 # The versions a server accepts. An edge sends the lowest version that carries what it
 # asks for (2 without extras or trees), so mixed fleets keep working through a rolling
 # upgrade of servers first (an edge asking for trees needs a server that speaks 4); only a
 # version-4 hello gets the Welcome field an older edge could not read. An edge sends hints
 # with alternatives only to a server whose Welcome says 5 (older ones refuse the field).
-COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6, 7)
+COMPATIBLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 TREES_VERSION = 4  # the lowest hello that offers token trees
 # The lowest hello whose edge reads the budget in verdicts and tokens frames. An edge offers
 # it by default and, answered version_mismatch by an older server, greets again at the
 # lowest version that carries the rest of what it asks for (no budget then).
 BUDGET_VERSION = 7
+# The lowest hello whose edge reads the Welcome's width; offered by default too, and answered
+# version_mismatch by an older server, the edge greets again at BUDGET_VERSION.
+WIDTH_VERSION = 8
 HINT_TREES_VERSION = 5  # the lowest welcome whose server takes alternatives in hints
 
 # The kinds of field on the wire (WIRE of each message; :func:`_check` knows each).
@@ -216,10 +220,11 @@ class Hello:
     @classmethod
     def from_params(cls, params: SamplingParams, fingerprint: Fingerprint, mode: str,
                     auth_token: str = "", threshold: float = 0.0, trees: bool = False,
-                    budget: bool = False) -> Hello:
+                    reads: int = 0) -> Hello:
         """The hello that asks for ``params`` (whose ``seed`` must be set), speaking the
         lowest version that carries it; ``trees``: offer token trees (version 4 at least);
-        ``budget``: read the server's budget in replies (version 7 at least).
+        ``reads``: the version whose replies the edge reads (:data:`BUDGET_VERSION`: the
+        server's budget; :data:`WIDTH_VERSION`: that and the Welcome's width; 0: neither).
         ``max_tokens`` and ``stop_token_ids`` stay with the edge; the prompt's length
         travels only where the server needs it (penalties over the output, a constraint,
         token healing)."""
@@ -236,8 +241,7 @@ class Hello:
         hello = cls(0, fingerprint, mode, params.temperature, params.top_k, params.top_p,
                     params.seed, auth_token, threshold, extras, params.constraint, ask,
                     params.heal_ids)
-        version = max(hello.lowest_version(), TREES_VERSION if trees else 0,
-                      BUDGET_VERSION if budget else 0)
+        version = max(hello.lowest_version(), TREES_VERSION if trees else 0, reads)
         return cls(version, fingerprint, mode, params.temperature, params.top_k,
                    params.top_p, params.seed, auth_token, threshold, extras,
                    params.constraint, ask, params.heal_ids)
@@ -322,26 +326,37 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     """The server's answer to a hello. Wire: ``[session_id, protocol_version, max_draft,
-    max_context, lossy?, trees?]``."""
+    max_context, lossy?, trees?, width?]``."""
 
     TYPE: ClassVar[int] = 2
-    WIRE: ClassVar[tuple[str, ...]] = (_STR, _INT, _INT, _INT, _BOOL, _BOOL)
-    OPTIONAL: ClassVar[int] = 2
+    WIRE: ClassVar[tuple[str, ...]] = (_STR, _INT, _INT, _INT, _BOOL, _BOOL, _INT)
+    OPTIONAL: ClassVar[int] = 3
     session_id: str
     protocol_version: int
     max_draft: int
     max_context: int
     lossy: bool = False  # the session's mode may change the output distribution
     trees: bool = False  # the server verifies token trees (protocol 4 hellos only)
+    # The longest draft the server's runner verifies in one pass (protocol 8 hellos only;
+    # 0: not said, read as max_draft): how far an edge may send drafts that cost it nothing
+    # to draft (a prediction, a lookup) in one round.
+    width: int = 0
 
     def body(self) -> list[Any]:
         body: list[Any] = [self.session_id, self.protocol_version, self.max_draft,
                            self.max_context]
-        if self.lossy or self.trees:
+        if self.lossy or self.trees or self.width:
             body.append(self.lossy)
-        if self.trees:
-            body.append(True)
+        if self.trees or self.width:
+            body.append(self.trees)
+        if self.width:
+            body.append(self.width)
         return body
+
+    @property
+    def pass_width(self) -> int:
+        """The longest draft one round should send (:attr:`width`, else ``max_draft``)."""
+        return min(self.width or self.max_draft, self.max_draft)
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Welcome:

@@ -1,7 +1,7 @@
 """The seed's JSON shape (``/v1/sessions``), for clients that bring their own drafter.
 
     POST   /v1/sessions                {mode, temperature, top_k, top_p, seed}
-                                       -> 201 {session_id, mode, max_draft, max_context}
+                                       -> 201 {session_id, mode, max_draft, width, max_context}
     POST   /v1/sessions/{id}/prefill   {token_ids} -> {total_tokens}
     POST   /v1/sessions/{id}/verify    {draft_tokens, draft_probs?}
                                        -> {accepted_prefix_len, preds, next_token,
@@ -61,6 +61,9 @@ class SessionCreated(BaseModel):
     session_id: str
     mode: str = Field(description="the mode in effect (greedy at temperature 0)")
     max_draft: int = Field(description="drafted tokens per verify, at most")
+    width: int = Field(description="drafted tokens the server verifies in one pass, at most: "
+                       "how far to send drafts that cost nothing to draft (a lookup, a "
+                       "prediction of the output)")
     max_context: int = Field(description="tokens of history, drafts included, at most")
 
 
@@ -139,7 +142,8 @@ class Sessions:
         limits = self.engine.limits
         return SessionCreated(session_id=session_id,
                               mode="greedy" if params.temperature == 0 else params.mode,
-                              max_draft=limits.max_draft, max_context=limits.max_context)
+                              max_draft=limits.max_draft, width=limits.pass_width,
+                              max_context=limits.max_context)
 
     def get(self, session_id: str) -> JsonSession:
         self._expire()
