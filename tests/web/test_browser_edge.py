@@ -292,23 +292,47 @@ def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> No
     assert chosen == [[8, 8, 3], [8, 1, 1], [8, 1, 1]]
 
 
-def test_fields_a_newer_server_adds_are_ignored(tab: Any) -> None:
-    """The protocol's optional trailing fields: a verdict or welcome from a newer server
-    (a field this page does not know after those it reads) decodes as before."""
+def test_frames_decode_as_python_encodes_them(tab: Any) -> None:
+    """The page reads what protocol 8 adds (a verdict's budget and cut, the welcome's pass
+    width) as Python encodes it, and the optional trailing fields a newer server may add
+    after them decode as before."""
     import msgpack  # type: ignore[import-untyped]
 
     from spececd.protocol import messages as m
 
-    frames = [m.encode(m.Verdict(7, 2, 99, 0.01)), m.encode(m.Welcome("s", 6, 16, 512))]
-    newer = [msgpack.packb([*msgpack.unpackb(frame), None, None, None, 123])
-             for frame in frames]
+    frames = [m.encode(m.Verdict(7, 2, 99, 0.01)), m.encode(m.Welcome("s", 6, 16, 512)),
+              m.encode(m.Verdict(7, 2, 99, 0.01, budget=5, verified=3)),
+              m.encode(m.Welcome("s", 8, 64, 512, width=24))]
+    newer = [msgpack.packb([*msgpack.unpackb(frame), *[None] * (11 - len(
+        msgpack.unpackb(frame))), 123]) for frame in frames]
     decoded = tab.evaluate("(frames) => frames.map((f) => spececd.decodeFrame("
                            "new Uint8Array(f).buffer))", [list(f) for f in frames + newer])
-    assert decoded[0] == decoded[2] == {"type": "verdict", "seq": 7, "numAccepted": 2,
-                                        "nextToken": 99, "verifyS": 0.01}
-    assert decoded[1] == decoded[3] == {"type": "welcome", "sessionId": "s",
-                                        "protocolVersion": 6, "maxDraft": 16,
-                                        "maxContext": 512, "lossy": False}
+    verdict = {"type": "verdict", "seq": 7, "numAccepted": 2, "nextToken": 99,
+               "verifyS": 0.01, "budget": None, "verified": None}
+    welcome = {"type": "welcome", "sessionId": "s", "protocolVersion": 6, "maxDraft": 16,
+               "maxContext": 512, "lossy": False, "width": 16}
+    assert decoded[0] == decoded[4] == verdict
+    assert decoded[1] == decoded[5] == welcome
+    assert decoded[2] == decoded[6] == {**verdict, "budget": 5, "verified": 3}
+    assert decoded[3] == decoded[7] == {**welcome, "protocolVersion": 8, "maxDraft": 64,
+                                        "width": 24}
+
+
+def test_a_followed_prediction_goes_in_passes_past_eight(tab: Any, reference: Any) -> None:
+    """With k auto, a prediction the reply follows is drafted past the 8 tokens a model's
+    drafts stop at, up to the server's pass width (its welcome's): more than 9 tokens a
+    target pass, which passes of 8 cannot give; the text is the target alone's."""
+    n = 160
+    for prompt in HELDOUT:  # the first whose reply runs long
+        ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)", prompt)
+        alone = reference.generate(ids, cloud_only=True, max_tokens=n, temperature=0)
+        if len(alone.token_ids) >= 120:
+            break
+    reply = reference.tokenizer.decode(alone.token_ids)
+    page = run(tab, promptIds=ids, source="lookup", prediction=reply, maxTokens=n, k="auto")
+    assert page["tokens"] == alone.token_ids
+    assert len(page["tokens"]) / page["rounds"] > 9
+    assert tab.errors == []
 
 
 @pytest.mark.parametrize("source", ["lookup", "model", "hybrid"])

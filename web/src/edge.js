@@ -24,11 +24,13 @@ export function clipEmitted(tokens, stopIds, remaining) {
  * DraftLengthPolicy chooses): each drafted position is kept with probability `alpha`
  * (estimated from where rounds stopped), a round of k drafts gains (1 - alpha^(k+1)) /
  * (1 - alpha) tokens and costs k draft steps and one round trip. Until a few rounds are
- * measured, and for drafts that cost nothing (lookup), it drafts `kMax`.
+ * measured it drafts `initial` (default `kMax`). Drafts that cost nothing (a lookup, a
+ * prediction) have one of their own, up to the server's pass width, from 8.
  */
 export class DraftLength {
-  constructor(kMax) {
+  constructor(kMax, initial = kMax) {
     this.kMax = kMax;
+    this.initial = Math.min(initial, kMax);
     this.kept = 0; // drafted positions accepted
     this.stops = 0; // rounds that stopped at a rejected draft
     this.rounds = 0;
@@ -39,7 +41,7 @@ export class DraftLength {
 
   choose(limit) {
     const most = Math.min(this.kMax, limit);
-    if (this.rounds < 3 || most <= 1) return most;
+    if (this.rounds < 3 || most <= 1) return Math.min(this.initial, most);
     const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
     let best = 1, bestRate = 0;
     for (let k = 1; k <= most; k++) {
@@ -117,8 +119,11 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   const maxContext = welcome.maxContext;
   const settings = { mode: options.mode, params, maxSupport: options.maxSupport,
     promptLen: promptIds.length };
-  // A number: that many drafts a round (at most); "auto": chosen each round, up to 8.
-  const length = new DraftLength(Math.min(options.k === "auto" ? 8 : options.k, welcome.maxDraft));
+  // A number: that many drafts a round (at most); "auto": chosen each round, up to 8, and
+  // drafts that cost nothing up to the server's pass width.
+  const auto = options.k === "auto";
+  const length = new DraftLength(Math.min(auto ? 8 : options.k, welcome.maxDraft));
+  const freeLength = new DraftLength(Math.max(length.kMax, welcome.width), length.kMax);
   let finished = false;
 
   const emit = (tokens, fromDraft, lookedUp, predicted, drafted, done) => {
@@ -162,9 +167,16 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // The verifier adds one token of its own.
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - 1);
+        // Never past the server's budget (it would cut the rest).
+        const room = session.budget === null ? limit : Math.min(limit, session.budget);
         const t0 = performance.now();
-        const k = options.k === "auto" ? length.choose(limit) : Math.min(length.kMax, limit);
-        const block = await source.draft(history, k, settings);
+        // A draft that costs nothing to draft has its own length policy (with k auto).
+        let block = auto ? await source.free(history, freeLength.choose(room), settings) : null;
+        const policy = block ? freeLength : length;
+        if (!block) {
+          const k = auto ? length.choose(room) : Math.min(length.kMax, limit);
+          block = await source.draft(history, k, settings);
+        }
         const t1 = performance.now();
         const verdict = await link.exchange(session,
           () => session.draft(history, block.tokens, block.dists));
@@ -172,11 +184,14 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         stats.draftSeconds += draftSeconds;
         stats.verifySeconds += verdict.verifyS;
         const n = verdict.numAccepted;
+        // Where the server cut the draft (its budget), the positions past the cut were never
+        // judged: neither rejections for the draft length nor drafted in the statistics.
+        const judged = Math.min(block.tokens.length, verdict.verified ?? Infinity);
         // Looked-up tokens cost no draft step.
-        length.observe(block.tokens.length, n, block.lookedUp === block.tokens.length ? null
+        policy.observe(judged, n, block.lookedUp === block.tokens.length ? null
           : draftSeconds, (performance.now() - t1) / 1000);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
-          Math.min(block.predicted || 0, n), block.tokens.length, false);
+          Math.min(block.predicted || 0, n), judged, false);
       }
     }
   } finally {

@@ -9,10 +9,9 @@
 
 import { decode as unpack, encode as pack } from "@msgpack/msgpack";
 
-// The lowest version that carries what this page asks for (messages.py's
-// Hello.lowest_version): 2, or 6 where the hello carries token healing's mask.
-export const PROTOCOL_VERSION = 2;
-export const HEALING_VERSION = 6;
+// The version this page greets with (messages.py's WIDTH_VERSION): it reads the server's
+// budget in verdicts (7) and its pass width in the welcome (8).
+export const PROTOCOL_VERSION = 8;
 export const TICK = 2.5e-4; // seconds per unit of time on the wire
 
 const HELLO = 1, WELCOME = 2, DRAFT = 3, VERDICT = 4, CLOSE = 5, ERROR = 6, GENERATE = 7,
@@ -82,7 +81,7 @@ function hexBytes(hex) {
 export function helloFrame({ fingerprint, mode, temperature, topK, topP, seed, authToken,
   healIds = null, promptLen = 0 }) {
   const healing = healIds !== null && healIds.length > 0;
-  const body = [HELLO, healing ? HEALING_VERSION : PROTOCOL_VERSION, fingerprint.vocab_size,
+  const body = [HELLO, PROTOCOL_VERSION, fingerprint.vocab_size,
     hexBytes(fingerprint.tokenizer_hash), mode, temperature, topK, topP, seed,
     authToken || ""];
   if (healing) body.push(0, [1, 0, 0, 0, promptLen, [], []], null, null, packIds(healIds));
@@ -108,12 +107,17 @@ export function decodeFrame(data) {
   switch (type) {
     case WELCOME:
       need(4);
+      // width: the longest draft the server verifies in one pass (0: not said, maxDraft)
       return { type: "welcome", sessionId: body[0], protocolVersion: body[1],
-        maxDraft: body[2], maxContext: body[3], lossy: Boolean(body[4]) };
+        maxDraft: body[2], maxContext: body[3], lossy: Boolean(body[4]),
+        width: Math.min(body[6] || body[2], body[2]) };
     case VERDICT:
       need(4);
+      // budget: positions of the next draft the server expects to verify (null: any);
+      // verified: the leading positions of this draft it verified when it cut the rest
+      // (null: all)
       return { type: "verdict", seq: body[0], numAccepted: body[1], nextToken: body[2],
-        verifyS: body[3] * TICK };
+        verifyS: body[3] * TICK, budget: body[7] ?? null, verified: body[8] ?? null };
     case TOKENS:
       need(4);
       return { type: "tokens", seq: body[0], tokenIds: unpackIds(body[1]), done: body[2],
@@ -138,6 +142,7 @@ export class EdgeSession {
     this.serverLen = 0;
     this.seq = 0;
     this.pending = null;
+    this.budget = null; // positions of the next draft the server expects to verify, as it said
   }
 
   /** The greeting; the server then holds nothing of this session. */
@@ -145,6 +150,7 @@ export class EdgeSession {
     this.welcome = null;
     this.serverLen = 0;
     this.pending = null;
+    this.budget = null;
     return helloFrame(this.helloFields);
   }
 
@@ -190,6 +196,7 @@ export class EdgeSession {
       }
       this.serverLen = pending.contextLen + pending.prefixLen + message.numAccepted + 1;
       this.pending = null;
+      this.budget = message.budget;
       return message;
     }
     if (message.type === "tokens" && pending?.kind === "generate" && message.seq === pending.seq) {

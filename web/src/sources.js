@@ -5,7 +5,10 @@
 // proposes the lookup where it matches a suffix of at least HYBRID_MIN_MATCH tokens and asks
 // the model elsewhere. PredictedSource puts a prediction of the output first (Predicted
 // Outputs), as PredictedDraft does: its blocks also say how many of their first tokens came
-// from the prediction (`predicted`).
+// from the prediction (`predicted`). `await source.free(history, k, settings)` gives the
+// block where the source drafts without a model step (a lookup's match, a prediction the
+// output follows), else null (DraftSource.free): such drafts go as far as the server's pass
+// width.
 
 import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 
@@ -30,6 +33,11 @@ export class LookupSource {
     const tokens = this.lookup.propose(history, k);
     return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length };
   }
+
+  async free(history, k, settings) {
+    const block = await this.draft(history, k, settings);
+    return block.tokens.length ? block : null;
+  }
 }
 
 export class ModelSource {
@@ -40,6 +48,10 @@ export class ModelSource {
 
   async draft(history, k, settings) {
     return this.drafter.draft(history, k, settings);
+  }
+
+  async free() {
+    return null; // every token is a model step
   }
 }
 
@@ -52,10 +64,12 @@ export class HybridSource {
   }
 
   async draft(history, k, settings) {
+    return (await this.free(history, k, settings)) || this.drafter.draft(history, k, settings);
+  }
+
+  async free(history, k, settings) {
     const tokens = this.lookup.propose(history, k);
-    if (this.lookup.matchLen < this.minMatch || !tokens.length) {
-      return this.drafter.draft(history, k, settings);
-    }
+    if (this.lookup.matchLen < this.minMatch || !tokens.length) return null;
     return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length };
   }
 }
@@ -75,15 +89,31 @@ export class PredictedSource {
    * source's draft elsewhere, and the prediction's where that proposes nothing. The
    * prediction's tokens are reported one-hot, so verification stays lossless. */
   async draft(history, k, settings) {
-    const tokens = this.prediction.propose(history, k, settings.promptLen);
+    const [tokens, first] = this.predicted(history, k, settings);
     const predicted = () => ({ tokens, dists: reported(tokens, settings), lookedUp: tokens.length,
       predicted: tokens.length });
-    if (tokens.length && (this.prediction.matchLen >= this.minRun
-                          || history.length === settings.promptLen)) {
-      return predicted();
-    }
+    if (first) return predicted();
     const own = await this.own.draft(history, k, settings);
     if (own.tokens.length || !tokens.length) return { ...own, predicted: 0 };
     return predicted(); // the page's source has nothing
+  }
+
+  /** The prediction's block where it drafts first, else the page's own source's free one. */
+  async free(history, k, settings) {
+    const [tokens, first] = this.predicted(history, k, settings);
+    if (first) {
+      return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length,
+        predicted: tokens.length };
+    }
+    const own = await this.own.free(history, k, settings);
+    return own && { ...own, predicted: 0 };
+  }
+
+  /** The prediction's tokens after `history`, and whether they draft first there. */
+  predicted(history, k, settings) {
+    const tokens = this.prediction.propose(history, k, settings.promptLen);
+    const first = this.prediction.matchLen >= this.minRun
+      || history.length === settings.promptLen;
+    return [tokens, tokens.length > 0 && first];
   }
 }
