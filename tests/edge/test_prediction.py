@@ -16,10 +16,12 @@ import pytest
 
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.core.params import Mode, SamplingParams
+from spececd.core.policy import TreeShape
 from spececd.core.sampling import SparseProbs
 from spececd.core.stats import GenerationStats
+from spececd.edge import client as client_module
 from spececd.edge.client import EdgeClient
-from spececd.edge.drafter import Drafter
+from spececd.edge.drafter import Drafter, Tree
 from spececd.edge.lookup import Alignment, NgramLookup, PredictionLookup
 from spececd.edge.options import EdgeOptions, Site, resolve
 from spececd.edge.sources import PredictedDraft
@@ -260,3 +262,50 @@ def test_a_followed_prediction_goes_in_passes_as_long_as_the_server_verifies(
     assert longest["k=8"] <= 8  # (stream drafting hints in chunks)
     assert 8 < longest["auto"] <= max_draft
     assert passes["auto"] < passes["k=8"]
+
+
+class HalvedFreePrediction(PredictedDraft):
+    """The planted bug in a round's free draft: its tokens reported as if drawn from a
+    distribution that gives them only half their mass."""
+
+    def free(self, history: Sequence[int], k: int, shape: TreeShape | None, mode: Mode,
+             params: SamplingParams) -> Tree | None:
+        tree = super().free(history, k, shape, mode, params)
+        if tree is None or tree.dists is None:
+            return tree
+        return dataclasses.replace(tree, dists=halved(tree.tokens))
+
+
+def client_pairs(monkeypatch: pytest.MonkeyPatch, kind: type[PredictedDraft]) -> float:
+    """The first two sampled tokens through the edge's rounds with ``k`` auto (a round's
+    free draft from the prediction), against the target alone's distribution."""
+    monkeypatch.setattr(client_module, "PredictedDraft", kind)
+    draft, target = toy_pair(agreement=0.5)
+    prompt = list(b"def f(x):")
+    prediction = tuple(greedy(target, prompt, 3))
+    server = local_verifier(target)
+    edge = client(draft, server, k="auto", proactive="off", mode="exact")
+    outputs: Counter[tuple[int, int]] = Counter()
+    try:
+        for seed in range(DRAWS):
+            run = resolve(edge.options, {"temperature": 1.0, "top_k": TOP_K, "seed": seed,
+                                         "max_tokens": 3}, edge.site, len(prompt))
+            run = dataclasses.replace(run, prediction=prediction)
+            out = [t for o in edge.client.generate(prompt, run, GenerationStats())
+                   for t in o.token_ids]
+            outputs[(out[0], out[1])] += 1
+    finally:
+        edge.close()
+        server.close()
+    return p_value(outputs, pair_distribution(target, prompt,
+                                              SamplingParams(temperature=1.0, top_k=TOP_K)))
+
+
+def test_free_rounds_with_k_auto_keep_the_target_distribution(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert client_pairs(monkeypatch, PredictedDraft) > 0.001
+
+
+def test_a_free_round_reported_with_another_distribution_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert client_pairs(monkeypatch, HalvedFreePrediction) < 0.001
