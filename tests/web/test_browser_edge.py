@@ -15,7 +15,8 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -522,3 +523,158 @@ def test_a_run_that_failed_mid_stream_leaves_no_frame_for_the_next(tab: Any,
     alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
                                temperature=0, token_healing=True)
     assert page["tokens"] == alone.token_ids
+
+
+# -- hostile frames ---------------------------------------------------------------------------
+
+JUNK: list[Any] = [None, -1, 2**63 - 1, -2**63, 1.5, float("nan"), float("inf"), "x", "",
+                   b"\x00\xff", [], [1, "a"], {"a": 1}, True, False, [[[[]]]]]
+
+
+def hostile_frames(rng: random.Random, count: int) -> list[bytes]:
+    """What a broken or hostile server might send: valid frames of every kind the page reads
+    with a field replaced by another kind, cut short, run long, or with their bytes flipped;
+    msgpack values that are no frame; random bytes."""
+    import msgpack
+
+    from spececd.protocol import messages as m
+
+    valid = [m.encode(m.Welcome("s", 8, 64, 512, width=32)),
+             m.encode(m.Verdict(1, 1, 7, 0.01, budget=4, verified=2)),
+             m.encode(m.Verdict(1, 2, 7, 0.01)), m.encode(m.Tokens(1, (5, 6), True, 0.01)),
+             m.encode(m.Error("draining", "bye", 1, True))]
+    frames = []
+    for _ in range(count):
+        kind = rng.random()
+        body = list(msgpack.unpackb(rng.choice(valid)))
+        if kind < 0.5:
+            for _ in range(rng.randint(1, 3)):
+                body[rng.randrange(len(body))] = rng.choice(JUNK)
+        elif kind < 0.6:
+            body = body[:rng.randrange(len(body))]
+        elif kind < 0.7:
+            body += [rng.choice(JUNK) for _ in range(rng.randint(1, 6))]
+        elif kind < 0.8:
+            body = rng.choice(JUNK)
+        if kind < 0.9:
+            frame = msgpack.packb(body)
+            if rng.random() < 0.2:  # a byte or two flipped
+                data = bytearray(frame)
+                for _ in range(rng.randint(1, 2)):
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+                frame = bytes(data)
+        else:
+            frame = bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))
+        frames.append(frame)
+    return frames
+
+
+@pytest.mark.parametrize("count", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_hostile_frames_are_protocol_errors_in_javascript(tab: Any, count: int) -> None:
+    """Every frame a session may receive, whatever it holds, is read as a message or refused
+    with a typed ProtocolError: never another exception (a TypeError from a field of the
+    wrong kind would leave the page's run with no code to show), for a session awaiting its
+    welcome and one awaiting a verdict."""
+    frames = hostile_frames(random.Random(count), count)
+    outcomes = tab.evaluate("""(frames) => frames.map((f) => {
+        const fields = {fingerprint: {vocab_size: 512, tokenizer_hash: "ab"}, mode: "exact",
+                        temperature: 0, topK: 0, topP: 1, seed: 1, authToken: ""};
+        const fresh = new spececd.EdgeSession(fields);
+        const waiting = new spececd.EdgeSession(fields);
+        waiting.welcome = {type: "welcome"};
+        waiting.draft([1, 2, 3], [4, 5], null);
+        return [fresh, waiting].map((session) => {
+            try {
+                return "read " + session.receive(new Uint8Array(f).buffer).type;
+            } catch (exc) {
+                return exc instanceof spececd.ProtocolError && typeof exc.code === "string"
+                    ? "refused " + exc.code : "crashed " + exc;
+            }
+        });
+    })""", [list(f) for f in frames])
+    seen = Counter(o for pair in outcomes for o in pair)
+    print(f"JS hostile frames: {count} frames, outcomes {dict(seen)}")
+    assert not [o for o in seen if o.startswith("crashed")]
+    assert seen["refused malformed_frame"] > count // 4  # the fields were checked
+    assert tab.errors == []
+
+
+class HostileServer:
+    """A WebSocket server on loopback that answers each frame with what ``answer`` gives: a
+    frame to send, ``b""`` to stay silent, or None to close the connection."""
+
+    def __init__(self, answer: Callable[[bytes], bytes | None]) -> None:
+        import asyncio
+        import threading
+
+        from websockets.asyncio.server import serve
+
+        self.answer = answer
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def handle(ws: Any) -> None:
+            async for frame in ws:
+                reply = self.answer(frame)
+                if reply is None:
+                    await ws.close()
+                    return
+                if reply:
+                    await ws.send(reply)
+
+        async def main() -> None:
+            async with serve(handle, "127.0.0.1", 0) as server:
+                self.port = server.sockets[0].getsockname()[1]
+                self.stop = self.loop.create_future()
+                ready.set()
+                await self.stop
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),),
+                                       daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set_result, None)
+        self.thread.join(10)
+
+
+def test_a_hostile_server_gives_the_page_an_error_not_a_hang(
+        tab: Any, server: ServerProcess, reference: Any) -> None:
+    """Runs against a server that answers every frame with a hostile one, nothing, or a
+    closed socket: each ends within its reply timeout and reconnections with an error that
+    says what went wrong, and the page then runs against its own server as before."""
+    import time
+
+    rng = random.Random(5)
+    frames = hostile_frames(rng, 400)
+    hostile = HostileServer(lambda frame: rng.choice([*frames[:50], b"", None])
+                            if rng.random() < 0.3 else rng.choice(frames))
+    ids = tab.evaluate("(text) => spececd.loaded.tokenizer.encode(text)", HELDOUT[0])
+    try:
+        errors = []
+        for _ in range(24):
+            began = time.monotonic()
+            errors.append(tab.evaluate("""async ([url, options]) => {
+                const own = spececd.loaded.link;
+                spececd.loaded.link = new spececd.Link(url,
+                    {attempts: 2, delayMs: 10, timeoutMs: 500});
+                try {
+                    await spececd.run(options);
+                    return "no error";
+                } catch (exc) {
+                    return (exc.code ? exc.code + ": " : "") + exc.message;
+                } finally {
+                    spececd.loaded.link = own;
+                }
+            }""", [f"ws://127.0.0.1:{hostile.port}",
+                   {"token": TOKEN, "promptIds": ids, "source": "lookup", "maxTokens": 8}]))
+            assert time.monotonic() - began < 10
+    finally:
+        hostile.close()
+    print("errors:", Counter(e.split(":")[0] for e in errors))
+    assert all(e and e != "no error" for e in errors), errors
+    page = run(tab, promptIds=ids, source="lookup")
+    alone = reference.generate(ids, cloud_only=True, max_tokens=MAX_TOKENS, temperature=0)
+    assert page["tokens"] == alone.token_ids
+    assert tab.errors == []

@@ -53,12 +53,23 @@ class Socket {
     this.bytesSent += frame.byteLength;
   }
 
-  /** The next frame; a frame that arrived before the socket closed is still read. */
-  async recv() {
+  /** The next frame, within `timeoutMs` (else the link is deemed dead: ConnectionLost); a
+   * frame that arrived before the socket closed is still read. */
+  async recv(timeoutMs) {
+    const deadline = performance.now() + timeoutMs;
     for (;;) {
       if (this.frames.length) return this.frames.shift();
       if (this.failure) throw this.failure;
-      await new Promise((resolve) => { this.waiting = resolve; });
+      const left = deadline - performance.now();
+      if (left <= 0) {
+        throw new ConnectionLost(`no reply from ${this.url} within ${timeoutMs / 1000} s`);
+      }
+      let timer;
+      await new Promise((resolve) => {
+        this.waiting = resolve;
+        timer = setTimeout(resolve, left);
+      });
+      clearTimeout(timer);
     }
   }
 
@@ -68,10 +79,16 @@ class Socket {
   }
 }
 
+// Seconds without a reply before the link is deemed dead (the Python edge's --round-timeout).
+export const ROUND_TIMEOUT_MS = 120000;
+
 export class Link {
-  /** `url`: the server's ws:// or wss:// address; `reconnect`: attempts and first delay. */
-  constructor(url, { attempts = 8, delayMs = 100, maxDelayMs = 2000 } = {}) {
+  /** `url`: the server's ws:// or wss:// address; `reconnect`: attempts and first delay;
+   * `timeoutMs`: how long a reply may take. */
+  constructor(url, { attempts = 8, delayMs = 100, maxDelayMs = 2000,
+    timeoutMs = ROUND_TIMEOUT_MS } = {}) {
     this.url = url;
+    this.timeoutMs = timeoutMs;
     this.attempts = attempts;
     this.delayMs = delayMs;
     this.maxDelayMs = maxDelayMs;
@@ -113,14 +130,14 @@ export class Link {
         const greetedNow = this.greeted !== session;
         if (greetedNow) {
           socket.send(session.hello());
-          const welcome = session.receive(await socket.recv());
+          const welcome = session.receive(await socket.recv(this.timeoutMs));
           if (welcome.type !== "welcome") throw new ProtocolError("unexpected_message", "no welcome");
           this.greeted = session;
         }
         if (makeFrame === null) return session.welcome;
         const frame = makeFrame(greetedNow);
         if (frame !== null) socket.send(frame);
-        return session.receive(await socket.recv());
+        return session.receive(await socket.recv(this.timeoutMs));
       } catch (exc) {
         const draining = exc instanceof ProtocolError && exc.code === "draining";
         if (!(exc instanceof ConnectionLost) && !draining) throw exc;

@@ -9,7 +9,7 @@ import { Link } from "./link.js";
 import { HybridSource, LookupSource, ModelSource, PredictedSource } from "./sources.js";
 import { TargetTokenizer } from "./tokenizer.js";
 import { Alignment, NgramLookup } from "./lookup.js";
-import { decodeFrame } from "./protocol.js";
+import { EdgeSession, ProtocolError, decodeFrame } from "./protocol.js";
 
 const $ = (id) => document.getElementById(id);
 const MAX_SUPPORT = 64; // exact mode: the draft distribution is cut to this many tokens
@@ -240,4 +240,4 @@ $("form").addEventListener("submit", onGenerate);
 $("compare").addEventListener("change", () => { $("panel-cloud").hidden = !$("compare").checked; });
 $("server-info").textContent = "";
 window.spececd = { run, connect, loaded, defaultServer, NgramLookup, Alignment, DraftLength,
-  decodeFrame, LookupSource, PredictedSource };
+  decodeFrame, LookupSource, PredictedSource, EdgeSession, Link, ProtocolError };

@@ -49,8 +49,29 @@ export function unpackIds(value) {
     const view = new DataView(value.buffer, value.byteOffset, value.byteLength);
     return Array.from({ length: value.length / 2 }, (_, i) => view.getUint16(2 * i, true));
   }
-  if (!Array.isArray(value)) throw new ProtocolError("malformed_frame", "ids expected");
+  if (!Array.isArray(value) || !value.every(isCount)) {
+    throw new ProtocolError("malformed_frame", "token ids expected");
+  }
   return value;
+}
+
+/** A whole number of at least 0 (msgpack's ints decode as numbers, or bigints past 2^53). */
+function isCount(value) {
+  return Number.isSafeInteger(value) && value >= 0;
+}
+
+/** The fields of a message of `type` after checking each against its kind (messages.py's
+ * WIRE): a frame whose field is of another kind is malformed, as Python's decode says. */
+function checked(type, body, kinds) {
+  const ok = { count: isCount, int: Number.isSafeInteger,
+    str: (v) => typeof v === "string", bool: (v) => typeof v === "boolean",
+    "count?": (v) => v === null || v === undefined || isCount(v), any: () => true };
+  kinds.forEach((kind, i) => {
+    if (!ok[kind](body[i])) {
+      throw new ProtocolError("malformed_frame", `message ${type}'s field ${i} is not a ${kind}`);
+    }
+  });
+  return body;
 }
 
 /** Draft distributions ([{ids, probs}], one per drafted token) as the wire's three arrays. */
@@ -107,12 +128,15 @@ export function decodeFrame(data) {
   switch (type) {
     case WELCOME:
       need(4);
+      checked(type, body, ["str", "count", "count", "count", "any", "any", "count?"]);
       // width: the longest draft the server verifies in one pass (0: not said, maxDraft)
       return { type: "welcome", sessionId: body[0], protocolVersion: body[1],
         maxDraft: body[2], maxContext: body[3], lossy: Boolean(body[4]),
         width: Math.min(body[6] || body[2], body[2]) };
     case VERDICT:
       need(4);
+      checked(type, body, ["count", "count", "count", "count", "any", "any", "any", "count?",
+        "count?"]);
       // budget: positions of the next draft the server expects to verify (null: any);
       // verified: the leading positions of this draft it verified when it cut the rest
       // (null: all)
@@ -120,10 +144,12 @@ export function decodeFrame(data) {
         verifyS: body[3] * TICK, budget: body[7] ?? null, verified: body[8] ?? null };
     case TOKENS:
       need(4);
+      checked(type, body, ["count", "any", "bool", "count"]);
       return { type: "tokens", seq: body[0], tokenIds: unpackIds(body[1]), done: body[2],
         computeS: body[3] * TICK };
     case ERROR:
       need(4);
+      checked(type, body, ["str", "str", "int", "bool"]);
       throw new ProtocolError(body[0], body[1], body[3]);
     default:
       throw new ProtocolError("unexpected_message", `unexpected message type ${type}`);
