@@ -72,6 +72,7 @@ class ServerConfig:
     max_sessions: int = _POLICY.max_sessions
     max_context: int = _LIMITS.max_context
     max_draft: int = _LIMITS.max_draft
+    pass_width: int = _LIMITS.pass_width  # the longest free draft edges send; 0: the runner's
     max_batch: int = _RUNNER.max_batch
     max_kv_bytes: int = _RUNNER.max_kv_bytes
     token_budget: str = _RUNNER.token_budget  # positions per pass: auto, off or a number

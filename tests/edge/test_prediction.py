@@ -221,16 +221,16 @@ def test_a_prediction_reported_with_another_distribution_is_caught() -> None:
 
 
 @pytest.mark.parametrize("proactive", ["off", "on", "stream"])
-@pytest.mark.parametrize("max_draft", [64, 24])
+@pytest.mark.parametrize("max_draft,pass_width,width", [(64, 0, 64), (24, 0, 24), (64, 16, 16)])
 def test_a_followed_prediction_goes_in_passes_as_long_as_the_server_verifies(
-        proactive: str, max_draft: int) -> None:
+        proactive: str, max_draft: int, pass_width: int, width: int) -> None:
     """With ``k`` auto, a prediction the output keeps following is sent past the 8 tokens
     that bound a model's drafts (in rounds, and in stream drafting's hints), as far as the
-    server's pass width (its welcome's; here ``max_draft``, the built-in runner's), in
-    fewer passes; the output is the target's."""
+    server's pass width (its welcome's: the built-in runner's ``max_draft``, or less where
+    ``--pass-width`` caps it), in fewer passes; the output is the target's."""
     draft, target = toy_pair(agreement=0.7)
     target.pass_s = 0.002  # a step long enough for hints to go out between them
-    server = local_verifier(target, Limits(max_draft=max_draft))
+    server = local_verifier(target, Limits(max_draft=max_draft, pass_width=pass_width))
     prompt, n = PROMPTS[0], 160
     expected = greedy(target, prompt, n)
     edited = [*expected[:60], 7, 8, *expected[62:]]  # an edit: the prediction picked up again
@@ -253,14 +253,14 @@ def test_a_followed_prediction_goes_in_passes_as_long_as_the_server_verifies(
                 edge.close()
             assert out == expected, name
             welcome = next(f for f in link.log if isinstance(f, m.Welcome))
-            assert welcome.width == max_draft
+            assert welcome.width == width
             passes[name] = stats.target_passes
             longest[name] = max(len(f.tokens) for f in link.sent
                                 if isinstance(f, m.Draft | m.Hint))
     finally:
         server.close()
     assert longest["k=8"] <= 8  # (stream drafting hints in chunks)
-    assert 8 < longest["auto"] <= max_draft
+    assert 8 < longest["auto"] <= width
     assert passes["auto"] < passes["k=8"]
 
 

@@ -166,9 +166,10 @@ class CloudService:
         limits = limits or Limits()
         self.runner = runner
         self.target: Target = runner.target
+        widths = [w for w in (limits.pass_width, runner.width) if w > 0]
         self.limits = dataclasses.replace(
             limits, max_context=min(limits.max_context, self.target.max_context),
-            width=runner.width)
+            pass_width=min(widths, default=0))
         self.policy = policy or ServicePolicy()
         self.fingerprint = tokenizer_fingerprint(self.target.tokenizer, self.target.vocab_size)
         self._bundle: bytes | None = None

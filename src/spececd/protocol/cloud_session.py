@@ -63,15 +63,14 @@ class Limits:
     max_draft: int = 64
     max_context: int = 4096
     max_message_bytes: int = 1 << 20
-    # The longest draft the runner verifies in one pass (0: max_draft); the runner's, not
-    # a setting (CloudService sets it).
-    width: int = 0
+    # The longest draft told to edges as the server's pass width (the Welcome's width): 0,
+    # the runner's (CloudService fills it in), else at most this.
+    pass_width: int = 0
 
     @property
-    def pass_width(self) -> int:
-        """The longest draft worth sending in one round, as edges are told it (the
-        Welcome's ``width``): the runner's width within ``max_draft``."""
-        return min(self.width or self.max_draft, self.max_draft)
+    def width(self) -> int:
+        """The pass width as edges are told it: :attr:`pass_width` within ``max_draft``."""
+        return min(self.pass_width or self.max_draft, self.max_draft)
 
 
 @dataclass(frozen=True)
@@ -301,7 +300,7 @@ class CloudSession:
         self.trees = self._trees and hello.protocol_version >= m.TREES_VERSION
         self.budgets = hello.protocol_version >= m.BUDGET_VERSION
         limits = self.limits
-        width = limits.pass_width if hello.protocol_version >= m.WIDTH_VERSION else 0
+        width = limits.width if hello.protocol_version >= m.WIDTH_VERSION else 0
         return m.encode(m.Welcome(self.session_id, m.PROTOCOL_VERSION, limits.max_draft,
                                   limits.max_context, self.lossy, self.trees, width))
 

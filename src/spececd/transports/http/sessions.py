@@ -142,7 +142,7 @@ class Sessions:
         limits = self.engine.limits
         return SessionCreated(session_id=session_id,
                               mode="greedy" if params.temperature == 0 else params.mode,
-                              max_draft=limits.max_draft, width=limits.pass_width,
+                              max_draft=limits.max_draft, width=limits.width,
                               max_context=limits.max_context)
 
     def get(self, session_id: str) -> JsonSession:
