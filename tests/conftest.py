@@ -76,14 +76,17 @@ SLOW_VARIANTS = frozenset({
     "tests/e2e/test_balancer.py::test_replicas_behind_nginx_lose_no_session[http]",
     "tests/bench/test_bench_cli.py::test_bench_load_reports_a_curve",
     "tests/backends/test_onnx_openvino.py::test_lossless_against_a_server",
-    # Model-free drafts in process: match verification is the same for any draft, and the
-    # one-hot exact rows of looked-up drafts go over the wire in websocket-hybrid-exact,
-    # which stays in the default suite (tests/edge/test_lookup.py keeps every source and
-    # mode, with the planted bug, on the toy pair in seconds).
+    # Model-free drafts: tests/edge/test_lookup.py keeps every source and mode, with the
+    # planted bug, on the toy pair in seconds, and tests/edge/test_prediction.py the edge's
+    # rounds with k auto, whose free rounds draft the prediction (with its planted bug);
+    # exact drafts' distributions go over the wire in test_sampling_keeps_the_target_
+    # distribution[exact-1.0-0.9-websocket] (a one-hot one is their simplest case).
     "tests/e2e/test_transports.py::test_looked_up_drafts_keep_the_target_distribution"
     "[memory-hybrid-match]",
     "tests/e2e/test_transports.py::test_looked_up_drafts_keep_the_target_distribution"
     "[memory-lookup-exact]",
+    "tests/e2e/test_transports.py::test_looked_up_drafts_keep_the_target_distribution"
+    "[websocket-hybrid-exact]",
     # Match verification of sampled drafts: tests/core/test_verify.py (with its planted
     # bugs) and test_sampling_params.py's match variants; exact mode stays over the wire.
     "tests/e2e/test_transports.py::test_sampling_keeps_the_target_distribution"
