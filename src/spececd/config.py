@@ -77,6 +77,7 @@ class ServerConfig:
     max_kv_bytes: int = _RUNNER.max_kv_bytes
     token_budget: str = _RUNNER.token_budget  # positions per pass: auto, off or a number
     pass_latency_ms: float = _RUNNER.pass_latency_ms  # the latency aim bounding auto's
+    max_batched_tokens: int = _RUNNER.max_batched_tokens  # positions a pass computes at most
     max_message_bytes: int = _LIMITS.max_message_bytes
     idle_timeout: float = _POLICY.idle_timeout
     # Seconds a client has to send a whole HTTP request or WebSocket handshake (slowloris).

@@ -25,7 +25,7 @@ from spececd.cloud.scheduler import (
     _Job,
     run_verifications,
 )
-from spececd.core.budget import DepthAcceptance
+from spececd.core.budget import DepthAcceptance, cells
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.cloud_session import VerifyRequest
@@ -41,10 +41,12 @@ class Recording(ToyBackend):
     def __init__(self) -> None:
         super().__init__(ToyModel(seed=0))
         self.batches: list[list[CachedSequence]] = []
+        self.extended: list[int] = []  # new positions of each batched forward
 
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         assert items, "a pass of nothing (transformers' extend_batch refuses one)"
         self.batches.append([item.sequence for item in items])
+        self.extended.append(cells([len(item.ids) for item in items], self.padded))
         if any(POISON in item.ids for item in items):
             raise RuntimeError("scripted: the pass failed")
         return super().extend_batch(items)
@@ -302,6 +304,31 @@ def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
     # pass is never held to a budget).
     assert len(passes) == 2
     assert isinstance(results[3], Pass) and results[3].batch == 1
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
+def test_prompts_past_the_cap_go_in_chunks_with_no_budget(
+        executor: ThreadPoolExecutor, padded: bool) -> None:
+    """No budget (``off``), and a cap of 64 positions a pass (``max_batched_tokens``): a
+    lone 200-token prompt, and three joining at once, are prefilled in chunks of at most 64
+    in forwards of their own, and answered once all in with what a whole prefill gives."""
+    backend = Recording()
+    backend.padded = padded
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, POISON, n)] for n in (200, 150, 90)]
+    for group in (prompts[:1], prompts):
+        expected = [greedy(backend, prompt, 4) for prompt in group]
+        backend.batches.clear()
+        backend.extended.clear()
+        work = [(backend.new_sequence(), request(prompt, out[:3]))
+                for prompt, out in zip(group, expected, strict=True)]
+        scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=0,
+                                   max_batched_tokens=64)
+        for result, out in zip(run(scheduler, work), expected, strict=True):
+            assert isinstance(result, Pass)
+            assert (result.result.num_accepted, result.result.next_token) == (3, out[3])
+        assert max(backend.extended) <= 64
+        assert len(backend.batches) > sum(len(p) for p in group) // 64
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])

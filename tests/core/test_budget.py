@@ -479,3 +479,28 @@ def test_a_cut_of_an_exact_mode_sampled_tree_is_lossless(drawn: bool) -> None:
     print(f"tree charged {'before its draws' if drawn else 'by its size'}: "
           f"{counts / counts.sum()}, chi-square p={p_value:.3g}")
     assert (p_value > 0.001) == drawn
+
+
+def test_no_pass_computes_more_than_the_cap() -> None:
+    """The cap from memory (``max_batched_tokens``) holds where the budget lets a pass run
+    whole: 32 prompts of 4k tokens joining at once with nobody decoding, one prompt alone,
+    and no budget at all, go in chunks within it, first come first served; beside sessions
+    decoding it bounds the budget (drafts cut by worth), every session's token still
+    goes; within it, nothing changes."""
+    joining = [Offer(4096, (0.5,) * 4, tree_nodes(None, 4)) for _ in range(32)]
+    for budget in (None, 100_000):
+        chosen = plan(joining, budget, cap=2048)
+        assert chosen.positions(joining) <= 2048
+        assert chosen.chunks[:1] == (2048,) and sum(chosen.chunks) == 2048
+        assert all(depth is None for depth in chosen.depths)
+    lone = [Offer(10_000, (), ())]
+    assert plan(lone, None, cap=2048).chunks == (2048,)
+    small = [Offer(300, (), ()), Offer(200, (), ()), Offer(2000, (), ())]
+    chosen = plan(small, None, cap=2048)
+    assert chosen.depths[:2] == (0, 0) and chosen.chunks == (0, 0, 2048 - 301 - 201)
+    deciding = [decoding([0.9] * 64) for _ in range(32)]
+    chosen = plan(deciding, None, cap=1024)
+    assert chosen.positions(deciding) <= 1024 and all(d is not None for d in chosen.depths)
+    assert plan(deciding, None, cap=4096).depths == (64,) * 32  # within it: whole
+    padded = plan(joining, None, padded=True, cap=2048)
+    assert 0 < cells([c for c in padded.chunks if c], padded=True) <= 2048  # rows x the longest

@@ -77,6 +77,10 @@ def add_parser(sub: Any) -> None:
                    f"(default: {d.token_budget})")
     g.add_argument("--pass-latency-ms", type=float, help="the latency aim of one pass that "
                    f"bounds --token-budget auto (default: {d.pass_latency_ms:g})")
+    g.add_argument("--max-batched-tokens", type=int, help="built-in engine: positions one "
+                   "pass computes at most whatever the budget, a bound from memory (vLLM's "
+                   "max_num_batched_tokens): prompts past it are prefilled in chunks "
+                   f"(default: {d.max_batched_tokens}; 0: no cap)")
     g.add_argument("--idle-timeout", type=float, help="seconds of silence before a session is "
                    f"evicted (default: {d.idle_timeout})")
     g.add_argument("--request-timeout", type=float, help="seconds a client has to send a "

@@ -82,8 +82,8 @@ def static_path(backend: Backend, static: str, max_context: int) -> Backend:
 
 class BuiltinRunner:
     """See the module docstring; of ``config``, it reads ``max_batch``, ``max_kv_bytes``
-    (the KV cache bytes held across sessions at most, 0: no cap), ``token_budget`` and
-    ``pass_latency_ms``."""
+    (the KV cache bytes held across sessions at most, 0: no cap), ``token_budget``,
+    ``pass_latency_ms`` and ``max_batched_tokens``."""
 
     name = "builtin"
 
@@ -99,7 +99,8 @@ class BuiltinRunner:
         self.scheduler = BatchScheduler(backend, self.executor, metrics, config.max_batch,
                                         inline=self._own_executor,
                                         token_budget=config.budget(),
-                                        pass_latency_s=config.pass_latency_ms / 1e3)
+                                        pass_latency_s=config.pass_latency_ms / 1e3,
+                                        max_batched_tokens=config.max_batched_tokens)
         self._caches: dict[str, CachedSequence] = {}
         self._acceptance: dict[tuple[str, str], DepthAcceptance] = {}  # session, source
         self._sources: dict[str, DepthAcceptance] = {}  # by draft source, every session's

@@ -36,7 +36,8 @@ class RunnerConfig:
     path (``static``: ``auto`` on a GPU only, ``on``, ``off``), the positions one pass
     computes at most (``token_budget``: ``auto``, learned from what passes cost and bounded
     by ``pass_latency_ms``; ``off``: everything queued in one pass; or a number; see
-    :mod:`spececd.core.budget`) and vLLM's own settings."""
+    :mod:`spececd.core.budget`), the positions any pass computes whatever the budget
+    (``max_batched_tokens``: prompts past it go in chunks) and vLLM's own settings."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -47,6 +48,10 @@ class RunnerConfig:
     static: str = "auto"
     token_budget: str = "auto"
     pass_latency_ms: float = 100.0
+    # Positions one pass computes at most whatever the budget (0: no cap), a bound from
+    # memory: vLLM's max_num_batched_tokens, whose default its OpenAI server takes on CPUs
+    # and most GPUs.
+    max_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # vLLM only
     engine_args: str = ""  # vLLM only: a JSON object of further engine arguments
 
@@ -56,6 +61,9 @@ class RunnerConfig:
         ``pass_latency_ms`` not above 0."""
         if not self.pass_latency_ms > 0:
             raise InputError(f"pass_latency_ms must be above 0, got {self.pass_latency_ms:g}")
+        if self.max_batched_tokens < 0:
+            raise InputError(f"max_batched_tokens must be 0 (no cap) or more, got "
+                             f"{self.max_batched_tokens}")
         value = str(self.token_budget).strip().lower()
         if value == "auto":
             return None

@@ -274,11 +274,12 @@ class BatchScheduler:
 
     ``token_budget``: positions per pass at most (0: no budget), or None (``auto``): learned,
     the most a pass computes within ``pass_latency_s`` (see the module docstring and
-    :meth:`~spececd.core.budget.PassCost.budget`)."""
+    :meth:`~spececd.core.budget.PassCost.budget`). ``max_batched_tokens``: the positions
+    any pass computes at most, whatever the budget (0: no cap; ``plan``'s ``cap``)."""
 
     def __init__(self, backend: Backend, executor: Executor, metrics: Metrics,
                  max_batch: int = 32, inline: bool = False, token_budget: int | None = 0,
-                 pass_latency_s: float = 0.1) -> None:
+                 pass_latency_s: float = 0.1, max_batched_tokens: int = 0) -> None:
         self.backend = backend
         self.executor = executor
         self.metrics = metrics
@@ -286,6 +287,7 @@ class BatchScheduler:
         self.inline = inline
         self.token_budget = token_budget
         self.pass_latency_s = pass_latency_s
+        self.cap = max_batched_tokens or None
         self.cost = PassCost()  # what a pass costs here, by rows and positions
         self.level = 0.0  # the least worth verified, smoothed over passes (sessions' budgets)
         self._short = False  # the last pass took under INLINE_BELOW_S
@@ -356,7 +358,8 @@ class BatchScheduler:
         of (or, prompts it had no room for, nothing), to run again. If the forward fails,
         each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
-        chosen = plan(offers, self.budget(len(batch)), self.cost, self.backend.padded)
+        chosen = plan(offers, self.budget(len(batch)), self.cost, self.backend.padded,
+                      self.cap)
         if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
             chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []

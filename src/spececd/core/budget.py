@@ -32,7 +32,8 @@ positions:
   draft's distribution, which verification assumes; the draft's distribution there,
   before its draw, is fair). tests/core/test_budget.py plants such bugs.
 - The budget bites only when the batch fills it: a pass whose whole work fits, or that
-  holds one session, runs whole.
+  holds one session, runs whole, within a cap from memory apart from the budget
+  (``plan``'s ``cap``, ``max_batched_tokens``: prompts past it go in chunks).
 - A runtime that pads every row of a forward to the longest (transformers' batched pass,
   the static path: ``Backend.padded``) computes rows x the longest row, whatever the
   others' lengths: positions are counted so (:func:`cells`) in the fit and the budget,
@@ -290,10 +291,17 @@ def cells(counts: Sequence[int], padded: bool) -> int:
 
 
 def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = None,
-         padded: bool = False) -> Plan:
+         padded: bool = False, cap: int | None = None) -> Plan:
     """Within ``budget`` positions (None: no budget), what each of ``offers`` gets (see the
     module docstring); ``cost``, when fitted, stops drafts' positions where they no longer
     pay. Every offer not prefilling gets its token, whatever the budget.
+
+    ``cap``: the most positions any pass computes, whatever else (None: none): a bound
+    from memory, apart from the budget's latency (vLLM's ``max_num_batched_tokens``).
+    Where the pass would run whole past it (one prompt, or prompts with nobody decoding)
+    prompts go in chunks within it, first come first served; elsewhere the budget is held
+    to it (drafts cut by worth, losslessly, as the budget cuts them). Every session
+    decoding still gets its token, and a prompt that may not be split goes whole.
 
     ``padded``: the runtime pads every row of a forward to the longest (:func:`cells`), so
     a position costs nothing below the pass's width and a whole row of them above it.
@@ -302,12 +310,17 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     within the pass's width (wider, it would pad each of their rows to its length): else
     it is prefilled in chunks, in a forward of their own."""
     whole = Plan(tuple(len(o.nodes) for o in offers), (0,) * len(offers), 0.0)
-    if budget is None or len(offers) <= 1 or cells([o.whole for o in offers], padded) <= budget:
+    total = cells([o.whole for o in offers], padded)
+    over = cap is not None and total > cap
+    if not over and (budget is None or len(offers) <= 1 or total <= budget):
         return whole
+    if cap is not None:
+        budget = cap if budget is None else min(budget, cap)
+    assert budget is not None
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
-    if not deciding:
-        return whole  # nobody decoding waits on the prompts: chunks would only cost more
+    if not deciding:  # nobody decoding waits on the prompts: chunks would only cost more,
+        return _prompts(offers, joining, budget, padded) if over else whole  # past a cap
     fitted = cost is not None and cost.fitted and cost.per_position > 0
     least_chunk = MIN_CHUNK
     if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
@@ -330,6 +343,8 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     # costs the width and pads nobody), else a chunk, first come first served (padded: no
     # chunk longer than the first, all in one forward).
     room = max(budget - positions, kept) if joining else 0
+    if cap is not None:
+        room = min(room, max(0, cap - positions))
     width = positions // len(deciding) if padded else 0
     out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
     chunks = [0] * len(offers)
@@ -354,6 +369,31 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
             if size == offer.prefill and offer.whole - size <= width:
                 out_depths[i] = len(offer.nodes)  # all in: its token and draft ride too
     return Plan(tuple(out_depths), tuple(chunks), level)
+
+
+def _prompts(offers: Sequence[Offer], joining: list[int], cap: int, padded: bool) -> Plan:
+    """:func:`plan` for prompts alone past a ``cap``: each whole while it fits, else a
+    chunk of what is left, first come first served (``padded``: chunks no longer than the
+    first, in one forward of rows x the longest); offers that may not be split go whole."""
+    depths: list[int | None] = [len(o.nodes) for o in offers]
+    chunks = [0] * len(offers)
+    room = cap - sum(offers[i].whole for i in range(len(offers)) if i not in joining)
+    longest, count = 0, 0
+    for i in joining:
+        offer = offers[i]
+        if not padded and offer.whole <= room:
+            room -= offer.whole
+            continue
+        size = min(offer.prefill, room if not padded else longest or room)
+        if size <= 0 or (padded and (count + 1) * max(longest, size) > room):
+            depths[i] = None  # no room: the next pass
+            continue
+        depths[i], chunks[i] = None, size
+        if padded:
+            longest, count = max(longest, size), count + 1
+        else:
+            room -= size
+    return Plan(tuple(depths), tuple(chunks), 0.0)
 
 
 def _pays(cost: PassCost, rows: int, worth: float, step: int, tokens: float,
