@@ -278,7 +278,9 @@ class HalvedFreePrediction(PredictedDraft):
 
 def client_pairs(monkeypatch: pytest.MonkeyPatch, kind: type[PredictedDraft]) -> float:
     """The first two sampled tokens through the edge's rounds with ``k`` auto (a round's
-    free draft from the prediction), against the target alone's distribution."""
+    free draft from the prediction), against the target alone's distribution. (Block-ahead
+    drafts its next block by the same call, and is used only where the first round kept
+    everything: past the two tokens compared here.)"""
     monkeypatch.setattr(client_module, "PredictedDraft", kind)
     draft, target = toy_pair(agreement=0.5)
     prompt = list(b"def f(x):")

@@ -250,6 +250,18 @@ def test_a_tree_round_trips_and_the_verdict_names_its_path() -> None:
     assert session.context == (1, 2, 3, 6, 5, 9)  # the path's tokens, then the target's
 
 
+@pytest.mark.parametrize("version,fields", [(7, 6), (8, 7)])
+def test_the_pass_width_goes_to_protocol_8_edges_only(version: int, fields: int) -> None:
+    """An older edge's Welcome has no field it could not read (its decoder refuses a
+    seventh); a protocol-8 edge is told the width, within ``max_draft``."""
+    session = CloudSession(FP, LIMITS, trees=True)
+    body = msgpack.unpackb(receive(session, hello(protocol_version=version)))
+    assert len(body) - 1 == fields
+    welcome = m.decode(msgpack.packb(body))
+    assert isinstance(welcome, m.Welcome)
+    assert welcome.width == (LIMITS.max_draft if version >= m.WIDTH_VERSION else 0)
+
+
 def test_trees_are_offered_to_protocol_4_edges_only_and_refused_unoffered() -> None:
     older = CloudSession(FP, LIMITS, trees=True)
     welcome = m.decode(receive(older, hello(protocol_version=3)))

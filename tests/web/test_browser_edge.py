@@ -311,7 +311,7 @@ def test_frames_decode_as_python_encodes_them(tab: Any) -> None:
     verdict = {"type": "verdict", "seq": 7, "numAccepted": 2, "nextToken": 99,
                "verifyS": 0.01, "budget": None, "verified": None}
     welcome = {"type": "welcome", "sessionId": "s", "protocolVersion": 6, "maxDraft": 16,
-               "maxContext": 512, "lossy": False, "width": 16}
+               "maxContext": 512, "lossy": False, "width": 0}
     assert decoded[0] == decoded[4] == verdict
     assert decoded[1] == decoded[5] == welcome
     assert decoded[2] == decoded[6] == {**verdict, "budget": 5, "verified": 3}
@@ -678,3 +678,45 @@ def test_a_hostile_server_gives_the_page_an_error_not_a_hang(
     alone = reference.generate(ids, cloud_only=True, max_tokens=MAX_TOKENS, temperature=0)
     assert page["tokens"] == alone.token_ids
     assert tab.errors == []
+
+
+def test_the_page_greets_an_older_server_at_a_version_it_speaks(tab: Any) -> None:
+    """A server older than protocol 8 refuses the page's hello with version_mismatch: the
+    page greets it again at 7 (the budget without the width), on a new connection, and
+    generates; later runs on that link greet at 7 at once."""
+    from spececd.protocol import messages as m
+
+    versions: list[int] = []
+
+    def older(frame: bytes) -> bytes | None:
+        message = m.decode(frame)
+        if isinstance(message, m.Hello):
+            versions.append(message.protocol_version)
+            if message.protocol_version > 7:
+                return m.encode(m.Error("version_mismatch", "this server speaks 7", -1, True))
+            return m.encode(m.Welcome("s", 7, 16, 4096))
+        if isinstance(message, m.Draft):
+            return m.encode(m.Verdict(message.seq, 0, 5, 0.001, budget=None))
+        return b""
+
+    server = HostileServer(older)
+    try:
+        outs = tab.evaluate("""async (url) => {
+            const own = spececd.loaded.link;
+            spececd.loaded.link = new spececd.Link(url, {attempts: 2, delayMs: 10,
+                                                        timeoutMs: 2000});
+            try {
+                const runs = [];
+                for (let i = 0; i < 2; i++) {
+                    runs.push((await spececd.run({promptIds: [1, 2, 3], source: "lookup",
+                                                  maxTokens: 4})).tokens);
+                }
+                return runs;
+            } finally {
+                spececd.loaded.link = own;
+            }
+        }""", f"ws://127.0.0.1:{server.port}")
+    finally:
+        server.close()
+    assert outs == [[5, 5, 5, 5]] * 2
+    assert versions == [8, 7, 7]

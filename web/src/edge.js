@@ -174,7 +174,10 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         let block = auto ? await source.free(history, freeLength.choose(room), settings) : null;
         const policy = block ? freeLength : length;
         if (!block) {
-          const k = auto ? length.choose(room) : Math.min(length.kMax, limit);
+          // A fixed k in exact mode, sampling, drafts whole blocks whatever the budget (a
+          // seed fixes the tokens only so), as the Python edge does.
+          const blocks = options.mode === "exact" && params.temperature > 0;
+          const k = auto ? length.choose(room) : Math.min(length.kMax, blocks ? limit : room);
           block = await source.draft(history, k, settings);
         }
         const t1 = performance.now();

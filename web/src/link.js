@@ -96,6 +96,7 @@ export class Link {
     this.greeted = null; // the session this socket greeted
     this.reconnects = 0;
     this.bytes = 0;
+    this.refused = null; // the lowest hello version the server refused, if any
   }
 
   async open() {
@@ -129,8 +130,20 @@ export class Link {
         const socket = this.socket;
         const greetedNow = this.greeted !== session;
         if (greetedNow) {
+          if (this.refused !== null) session.olderServer(this.refused);
+          const version = session.versions[0];
           socket.send(session.hello());
-          const welcome = session.receive(await socket.recv(this.timeoutMs));
+          let welcome;
+          try {
+            welcome = session.receive(await socket.recv(this.timeoutMs));
+          } catch (exc) {
+            // An older server: greet it again, on a new connection, at a version it speaks.
+            if (!(exc instanceof ProtocolError && exc.code === "version_mismatch")
+                || !session.olderServer()) throw exc;
+            this.refused = version;
+            this.drop();
+            continue;
+          }
           if (welcome.type !== "welcome") throw new ProtocolError("unexpected_message", "no welcome");
           this.greeted = session;
         }

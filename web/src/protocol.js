@@ -10,8 +10,12 @@
 import { decode as unpack, encode as pack } from "@msgpack/msgpack";
 
 // The version this page greets with (messages.py's WIDTH_VERSION): it reads the server's
-// budget in verdicts (7) and its pass width in the welcome (8).
+// budget in verdicts (7) and its pass width in the welcome (8). An older server answers
+// version_mismatch, and the page greets it again at 7, then at the lowest version that
+// carries what it asks for (2, or 6 with token healing's mask), as the Python edge does.
 export const PROTOCOL_VERSION = 8;
+export const BUDGET_VERSION = 7;
+export const HEALING_VERSION = 6;
 export const TICK = 2.5e-4; // seconds per unit of time on the wire
 
 const HELLO = 1, WELCOME = 2, DRAFT = 3, VERDICT = 4, CLOSE = 5, ERROR = 6, GENERATE = 7,
@@ -100,9 +104,9 @@ function hexBytes(hex) {
  * `promptLen` tokens of the prompt may take) [threshold 0, extras carrying the prompt's
  * length, no constraint, no log-probabilities, the mask]. */
 export function helloFrame({ fingerprint, mode, temperature, topK, topP, seed, authToken,
-  healIds = null, promptLen = 0 }) {
+  healIds = null, promptLen = 0 }, version = PROTOCOL_VERSION) {
   const healing = healIds !== null && healIds.length > 0;
-  const body = [HELLO, PROTOCOL_VERSION, fingerprint.vocab_size,
+  const body = [HELLO, version, fingerprint.vocab_size,
     hexBytes(fingerprint.tokenizer_hash), mode, temperature, topK, topP, seed,
     authToken || ""];
   if (healing) body.push(0, [1, 0, 0, 0, promptLen, [], []], null, null, packIds(healIds));
@@ -129,10 +133,11 @@ export function decodeFrame(data) {
     case WELCOME:
       need(4);
       checked(type, body, ["str", "count", "count", "count", "any", "any", "count?"]);
-      // width: the longest draft the server verifies in one pass (0: not said, maxDraft)
+      // width: the longest draft the server verifies in one pass, within maxDraft (0: not
+      // said, an older server: no long passes)
       return { type: "welcome", sessionId: body[0], protocolVersion: body[1],
         maxDraft: body[2], maxContext: body[3], lossy: Boolean(body[4]),
-        width: Math.min(body[6] || body[2], body[2]) };
+        width: Math.min(body[6] || 0, body[2]) };
     case VERDICT:
       need(4);
       checked(type, body, ["count", "count", "count", "count", "any", "any", "any", "count?",
@@ -164,6 +169,8 @@ export function decodeFrame(data) {
 export class EdgeSession {
   constructor(hello) {
     this.helloFields = hello; // see helloFrame
+    const lowest = hello.healIds && hello.healIds.length ? HEALING_VERSION : 2;
+    this.versions = [PROTOCOL_VERSION, BUDGET_VERSION, lowest]; // to offer, newest first
     this.welcome = null;
     this.serverLen = 0;
     this.seq = 0;
@@ -177,7 +184,19 @@ export class EdgeSession {
     this.serverLen = 0;
     this.pending = null;
     this.budget = null;
-    return helloFrame(this.helloFields);
+    return helloFrame(this.helloFields, this.versions[0]);
+  }
+
+  /** The server refused a hello of version `refused` (default: this session's own) with
+   * version_mismatch: greet below it where a lower version carries what is asked; whether
+   * one does. */
+  olderServer(refused = this.versions[0]) {
+    let stepped = false;
+    while (this.versions.length > 1 && this.versions[0] >= refused) {
+      this.versions.shift();
+      stepped = true;
+    }
+    return stepped;
   }
 
   /** A draft of `tokens` (with `dists` in exact sampling mode, else null) after `history`. */

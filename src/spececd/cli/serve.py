@@ -59,9 +59,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-draft", type=int,
                    help=f"drafted tokens per round at most (default: {d.max_draft})")
     g.add_argument("--pass-width", type=int, help="the longest draft told to edges as this "
-                   "server's pass width, how far they send drafts that cost nothing to draft "
-                   "(a lookup, a prediction) in one round (default: 0 = the engine's: the "
-                   "built-in verifies --max-draft in one pass, vLLM 16 a step)")
+                   "server's pass width, how far past 8 they send drafts that cost nothing "
+                   "to draft (a lookup, a prediction) in one round (default: 0 = the "
+                   "engine's: the built-in verifies --max-draft in one pass, vLLM 16 a step)")
     g.add_argument("--max-message-bytes", type=int,
                    help=f"largest frame accepted (default: {d.max_message_bytes})")
     g.add_argument("--max-batch", type=int, help="sessions verified in one forward pass at most "

@@ -190,19 +190,19 @@ class EdgeClient:
         work = Work(drafter, self.link, session, mode, drafting, stats,
                     options.max_support, options.tree_width)
         k_max = options.draft_limit(welcome.max_draft)
+        width = welcome.pass_width if options.k is None else 0  # free drafts' (k auto)
         if cloud_only:
             return CloudOnly(work)
         if arm is not None:
             stream = dataclasses.replace(work, session=stream_session, mode=Mode.MATCH)
             return Adaptive(work, stream, self.chooser, self.rounds_chooser,
                             self.hints_chooser, self.hint_gate, self.rounds_estimate, arm,
-                            k_max, adaptive=options.k is None, width=welcome.pass_width)
+                            k_max, adaptive=options.k is None, width=width)
         if options.proactive is Proactive.STREAM:
             return StreamDrafting(work, ahead=k_max, gate=self.hint_gate,
-                                  estimate=self.rounds_estimate,
-                                  width=welcome.pass_width if options.k is None else 0)
+                                  estimate=self.rounds_estimate, width=width)
         rounds = BlockAhead if options.proactive is Proactive.ON else Rounds
-        return rounds(work, k_max, adaptive=options.k is None, width=welcome.pass_width)
+        return rounds(work, k_max, adaptive=options.k is None, width=width)
 
     def bound_rounds(self, run: Resolved) -> None:
         """Tell the chooser what rounds could bring here, by what this client has measured

@@ -161,7 +161,7 @@ class Rounds:
         # Measures always (trees take their shape from it); chooses k when adaptive.
         self.policy = DraftLengthPolicy(k_max=k_max, proactive=self.proactive)
         # Free drafts' own (None: k fixed), starting where model drafts are bounded.
-        self.free = DraftLengthPolicy(k_max=max(k_max, width), k_initial=k_max,
+        self.free_policy = DraftLengthPolicy(k_max=max(k_max, width), k_initial=k_max,
                                       proactive=self.proactive) if adaptive else None
         self.free_round = False  # whether this round's draft cost nothing to draft
         self.fixed_blocks = (not adaptive and work.mode is Mode.EXACT
@@ -176,7 +176,8 @@ class Rounds:
     @property
     def round_policy(self) -> DraftLengthPolicy:
         """The length policy of this round's kind of draft: free drafts' or model drafts'."""
-        return self.free if self.free is not None and self.free_round else self.policy
+        free = self.free_policy
+        return free if free is not None and self.free_round else self.policy
 
     def choose(self, limit: int, policy: DraftLengthPolicy | None = None) -> int:
         """The draft length for a round with ``limit`` positions left: ``policy``'s choice
@@ -231,8 +232,9 @@ class Rounds:
             return Tree.of_chain(chain.tokens[start:end],
                                  None if chain.dists is None else chain.dists[start:end])
         tree = None
-        if self.free is not None:
-            tree = self.work.free(history, self.choose(limit, self.free), room, self.free)
+        if self.free_policy is not None:
+            free = self.free_policy
+            tree = self.work.free(history, self.choose(limit, free), room, free)
             self.free_round = tree is not None
         if tree is None:
             tree = self.work.tree(history, self.choose(limit), room, self.policy)
@@ -319,8 +321,8 @@ class BlockAhead(Rounds):
     def draft(self, history: list[int], limit: int, room: int) -> Tree:
         ahead = self.ahead
         self.hit = ahead is not None and ahead.matches(history)
-        if ahead is not None and self.hit:
-            self.free_round = ahead.free
+        if ahead is not None and self.hit and len(ahead.tokens) > 1:  # (a free block may
+            self.free_round = ahead.free  # end at the guess: then it is drafted anew)
             return ahead.block(limit)
         return super().draft(history, limit, room)
 

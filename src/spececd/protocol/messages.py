@@ -338,8 +338,8 @@ class Welcome:
     lossy: bool = False  # the session's mode may change the output distribution
     trees: bool = False  # the server verifies token trees (protocol 4 hellos only)
     # The longest draft the server's runner verifies in one pass (protocol 8 hellos only;
-    # 0: not said, read as max_draft): how far an edge may send drafts that cost it nothing
-    # to draft (a prediction, a lookup) in one round.
+    # 0: not said): how far an edge may send drafts that cost it nothing to draft (a
+    # prediction, a lookup) in one round.
     width: int = 0
 
     def body(self) -> list[Any]:
@@ -355,8 +355,10 @@ class Welcome:
 
     @property
     def pass_width(self) -> int:
-        """The longest draft one round should send (:attr:`width`, else ``max_draft``)."""
-        return min(self.width or self.max_draft, self.max_draft)
+        """The longest free draft one round should send: :attr:`width` within
+        ``max_draft``; 0 where the server did not say (an older one, whose runner may not
+        verify ``max_draft`` in one pass: then no long passes)."""
+        return min(self.width, self.max_draft)
 
     @classmethod
     def from_body(cls, body: list[Any]) -> Welcome:
