@@ -72,7 +72,7 @@ class EdgeClient:
         # stream drafting's hints arrive in time, and what rounds would bring (measured
         # while streaming), with the server's draft limit as last welcomed.
         self.chooser, self.hint_gate = StrategyChooser(), HintGate()
-        self.rounds_estimate, self.max_draft = RoundsEstimate(), 0
+        self.rounds_estimate, self.max_draft, self.width = RoundsEstimate(), 0, 0
         # Within rounds: block-ahead or plain; within streaming: hints, or none (the server
         # alone, cloud-only generation), switched at any step (the server's generation
         # goes on either way).
@@ -175,7 +175,7 @@ class EdgeClient:
             run, self.fingerprint, self.auth_token, True, trees)
         welcome = self.link.greet(stream_session if arm is Arm.STREAM else session, stats)
         self.link.reconnect = options.link_reconnect()
-        self.max_draft = welcome.max_draft
+        self.max_draft, self.width = welcome.max_draft, welcome.pass_width
         if auto:
             self.bound_rounds(run)  # with the round trip the hello just measured
         if probe:
@@ -209,7 +209,8 @@ class EdgeClient:
         (the hellos' round trip; from stream drafting, the server's step, the draft's and
         the share of hinted tokens kept), and that streaming brings at least the server's
         own generation: rounds that cannot win are not run (the chooser's :meth:`~spececd.
-        core.chooser.StrategyChooser.cap`)."""
+        core.chooser.StrategyChooser.cap`). With ``k`` auto, rounds may send drafts that
+        cost nothing as far as the server's pass width: the bound counts them so."""
         if not self.max_draft:
             return  # never welcomed: nothing measured
         options = run.options
@@ -217,8 +218,10 @@ class EdgeClient:
         # hints are verified: there, the ceiling (every draft kept).
         ceiling = options.session_mode(False)[0] is Mode.EXACT and run.params.temperature > 0
         estimate = self.rounds_estimate
-        self.chooser.cap(Arm.ROUNDS, estimate.speed(options.draft_limit(self.max_draft),
-                                                    self.link.rtt.value, ceiling))
+        longest = options.draft_limit(self.max_draft)
+        if options.k is None:
+            longest = max(longest, self.width)
+        self.chooser.cap(Arm.ROUNDS, estimate.speed(longest, self.link.rtt.value, ceiling))
         self.chooser.floor(Arm.STREAM, estimate.cloud_only())
 
 
