@@ -720,3 +720,40 @@ def test_the_page_greets_an_older_server_at_a_version_it_speaks(tab: Any) -> Non
         server.close()
     assert outs == [[5, 5, 5, 5]] * 2
     assert versions == [8, 7, 7]
+
+
+def test_frames_the_page_sends_decode_in_python_as_it_meant_them(tab: Any) -> None:
+    """The other way: the page's hello (plain, and with token healing's mask), drafts
+    (with exact mode's sparse distributions, and without), a request to generate and a
+    close decode in Python to the messages the page meant, so the two codecs agree both
+    ways on every frame the page sends."""
+    from spececd.protocol import messages as m
+
+    frames = tab.evaluate("""() => {
+        const fields = {fingerprint: {vocab_size: 512, tokenizer_hash: "ab12"},
+                        mode: "exact", temperature: 0.5, topK: 4, topP: 0.75, seed: 7,
+                        authToken: "t"};
+        const plain = new spececd.EdgeSession(fields);
+        const healed = new spececd.EdgeSession({...fields, healIds: [3, 4], promptLen: 5});
+        const out = [plain.hello(), healed.hello()];
+        plain.serverLen = 2;
+        out.push(plain.draft([1, 2, 3, 300], [5, 6],
+                             [{ids: [5, 9], probs: [0.75, 0.25]}, {ids: [6], probs: [1]}]));
+        out.push(plain.draft([1, 2, 3], [70000], null));
+        out.push(plain.generate([1, 2, 3, 4], 10, [0, 2]));
+        out.push(plain.close("bye"));
+        return out.map((f) => Array.from(f));
+    }""")
+    hello, healed, draft, wide, generate, close = (m.decode(bytes(f)) for f in frames)
+    fingerprint = m.Fingerprint(512, "ab12")
+    assert hello == m.Hello(m.PROTOCOL_VERSION, fingerprint, "exact", 0.5, 4, 0.75, 7, "t")
+    assert isinstance(healed, m.Hello) and healed.heal_ids == (3, 4)
+    assert healed.extras.prompt_len == 5 and healed.protocol_version == m.PROTOCOL_VERSION
+    assert isinstance(draft, m.Draft) and draft.draft_probs is not None
+    assert (draft.seq, draft.context_len, draft.prefix, draft.tokens) == (1, 2, (3, 300),
+                                                                          (5, 6))
+    assert [(list(d.ids), list(d.probs)) for d in draft.draft_probs] == [
+        ([5, 9], [0.75, 0.25]), ([6], [1.0])]
+    assert wide == m.Draft(2, 2, (3,), (70000,))
+    assert generate == m.Generate(3, 2, (3, 4), 10, (0, 2))
+    assert close == m.Close("bye")
