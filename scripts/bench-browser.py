@@ -38,7 +38,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", default="4", help="draft length of the model runs: a number, "
                         "or auto (the page's; the Python edge's runs need a number)")
-    parser.add_argument("--lookup-k", type=int, default=8)
+    parser.add_argument("--lookup-k", default="8", help="draft length of the lookup runs: a "
+                        "number, or auto (free drafts as far as the server's pass width)")
     parser.add_argument("--draft-model", default="models/draft-onnx",
                         help="the Python edge's draft (the one the server offers pages)")
     parser.add_argument("--sources", default="cloud,lookup,model,python",
@@ -46,6 +47,7 @@ def main() -> int:
     parser.add_argument("--chromium", default="/usr/lib/chromium/chromium")
     args = parser.parse_args()
     k: int | str = args.k if args.k == "auto" else int(args.k)
+    lookup_k: int | str = args.lookup_k if args.lookup_k == "auto" else int(args.lookup_k)
 
     from playwright.sync_api import sync_playwright
 
@@ -76,7 +78,8 @@ def main() -> int:
         warm = {"prompt": prompts[0], "token": args.token, "maxTokens": 8, "temperature": 0}
         for source in sources:  # load the tokenizer and the draft before timing
             if source in ("lookup", "model", "hybrid"):
-                tab.evaluate(RUN, {**warm, "source": source, "k": k})
+                tab.evaluate(RUN, {**warm, "source": source,
+                                   "k": lookup_k if source == "lookup" else k})
         for i, prompt in enumerate(prompts):
             for source in sources:
                 if source == "python":
@@ -91,7 +94,7 @@ def main() -> int:
                     row = tab.evaluate(RUN, {
                         "prompt": prompt, "token": args.token, "maxTokens": args.max_tokens,
                         "temperature": 0, "source": source,
-                        "k": args.lookup_k if source == "lookup" else k})
+                        "k": lookup_k if source == "lookup" else k})
                 total = totals.setdefault(source, dict.fromkeys(
                     ("generated", "wall", "drafted", "accepted"), 0.0))
                 for key in total:

@@ -293,6 +293,21 @@ def test_the_draft_length_follows_what_drafting_costs_and_brings(tab: Any) -> No
     assert chosen == [[8, 8, 3], [8, 1, 1], [8, 1, 1]]
 
 
+def test_free_drafts_stop_where_a_verified_position_costs_more_than_it_brings(
+        tab: Any) -> None:
+    """Drafts that cost no draft step (a lookup's) against a width of 64: where a round's
+    time grows with the positions the server verifies and a tenth of the drafts are
+    rejected, the page drafts far less than 64; where it does not grow, all of them."""
+    chosen = tab.evaluate("""() => [0.005, 0].map((perPosition) => {
+        const length = new spececd.DraftLength(64, 8);
+        for (const k of [8, 16, 32, 8, 16, 32]) {
+            length.observe(k, Math.floor(0.9 * k), null, 0.01 + perPosition * k);
+        }
+        return length.choose(100);
+    })""")
+    assert 4 <= chosen[0] <= 24 and chosen[1] == 64
+
+
 def test_frames_decode_as_python_encodes_them(tab: Any) -> None:
     """The page reads what protocol 8 adds (a verdict's budget and cut, the welcome's pass
     width) as Python encodes it, and the optional trailing fields a newer server may add

@@ -23,7 +23,9 @@ export function clipEmitted(tokens, stopIds, remaining) {
  * et al. 2023's expected tokens per round over the round's time, as the Python edge's
  * DraftLengthPolicy chooses): each drafted position is kept with probability `alpha`
  * (estimated from where rounds stopped), a round of k drafts gains (1 - alpha^(k+1)) /
- * (1 - alpha) tokens and costs k draft steps and one round trip. Until a few rounds are
+ * (1 - alpha) tokens and costs k draft steps and one round trip, which grows with the
+ * positions the server verifies (a least-squares line through the rounds' times against
+ * their drafts' lengths, as the Python policy's verify fit). Until a few rounds are
  * measured it drafts `initial` (default `kMax`). Drafts that cost nothing (a lookup, a
  * prediction) have one of their own, up to the server's pass width, from 8.
  */
@@ -36,7 +38,18 @@ export class DraftLength {
     this.rounds = 0;
     this.stepSeconds = 0; // a draft step, moving average
     this.stepped = false; // whether a draft step was measured
-    this.roundSeconds = 0; // a round's time besides drafting, moving average
+    // A round's time besides drafting against its draft's length: moving averages of k,
+    // seconds, k² and k x seconds (the newest weighing 0.2).
+    this.fit = { x: 0, y: 0, xx: 0, xy: 0 };
+  }
+
+  /** Seconds a round of `k` drafts takes besides drafting: base + slope x k, each at least
+   * 0; the mean where every round drafted as many. */
+  roundSeconds(k) {
+    const { x, y, xx, xy } = this.fit;
+    const variance = xx - x * x;
+    const slope = variance > 1e-9 * Math.max(1, xx) ? Math.max(0, (xy - x * y) / variance) : 0;
+    return Math.max(0, y - slope * x) + slope * k;
   }
 
   choose(limit) {
@@ -45,7 +58,8 @@ export class DraftLength {
     const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
     let best = 1, bestRate = 0;
     for (let k = 1; k <= most; k++) {
-      const rate = (1 - alpha ** (k + 1)) / (1 - alpha) / (k * this.stepSeconds + this.roundSeconds);
+      const rate = (1 - alpha ** (k + 1)) / (1 - alpha)
+        / (k * this.stepSeconds + this.roundSeconds(k));
       if (rate > bestRate) [best, bestRate] = [k, rate];
     }
     return best;
@@ -55,12 +69,14 @@ export class DraftLength {
    * which `accepted` were kept, and took `roundSeconds` besides. */
   observe(k, accepted, draftSeconds, roundSeconds) {
     const ema = (old, x) => (this.rounds ? 0.8 * old + 0.2 * x : x);
+    const fit = this.fit;
+    [fit.x, fit.y, fit.xx, fit.xy] = [ema(fit.x, k), ema(fit.y, roundSeconds),
+      ema(fit.xx, k * k), ema(fit.xy, k * roundSeconds)];
     if (k > 0 && draftSeconds !== null) {
       this.stepSeconds = this.stepped ? 0.8 * this.stepSeconds + 0.2 * draftSeconds / k
         : draftSeconds / k;
       this.stepped = true;
     }
-    this.roundSeconds = ema(this.roundSeconds, roundSeconds);
     this.kept += accepted;
     if (accepted < k) this.stops += 1;
     this.rounds += 1;
