@@ -320,7 +320,7 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
     if not deciding:  # nobody decoding waits on the prompts: chunks would only cost more,
-        return _prompts(offers, joining, budget, padded) if over else whole  # past a cap
+        return _prompts(offers, budget, padded) if over else whole  # past a cap
     fitted = cost is not None and cost.fitted and cost.per_position > 0
     least_chunk = MIN_CHUNK
     if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
@@ -371,16 +371,15 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     return Plan(tuple(out_depths), tuple(chunks), level)
 
 
-def _prompts(offers: Sequence[Offer], joining: list[int], cap: int, padded: bool) -> Plan:
-    """:func:`plan` for prompts alone past a ``cap``: each whole while it fits, else a
-    chunk of what is left, first come first served (``padded``: chunks no longer than the
-    first, in one forward of rows x the longest); offers that may not be split go whole."""
+def _prompts(offers: Sequence[Offer], cap: int, padded: bool) -> Plan:
+    """:func:`plan` for prompts alone (every offer a prompt that may be split) past a
+    ``cap``: each whole while it fits, else a chunk of what is left, first come first
+    served (``padded``: chunks no longer than the first, in one forward of rows x the
+    longest)."""
     depths: list[int | None] = [len(o.nodes) for o in offers]
     chunks = [0] * len(offers)
-    room = cap - sum(offers[i].whole for i in range(len(offers)) if i not in joining)
-    longest, count = 0, 0
-    for i in joining:
-        offer = offers[i]
+    room, longest, count = cap, 0, 0
+    for i, offer in enumerate(offers):
         if not padded and offer.whole <= room:
             room -= offer.whole
             continue
