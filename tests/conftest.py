@@ -9,6 +9,7 @@ like any hub model.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +128,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--static-path"):
         from spececd.cloud import builtin
 
-        chosen = builtin.static_path
+        chosen = builtin.runner_path
 
-        def static_path(backend: Any, static: str, max_context: int) -> Any:
-            on = static == "auto" and backend.name == "hf"  # a transformers target's
-            return chosen(backend, "on" if on else static, max_context)
+        def runner_path(backend: Any, config: Any, max_context: int) -> Any:
+            on = config.static == "auto" and backend.name == "hf"  # a transformers target's
+            return chosen(backend, replace(config, static="on") if on else config, max_context)
 
-        builtin.static_path = static_path  # type: ignore[assignment]
+        builtin.runner_path = runner_path  # type: ignore[assignment]
         from tests.e2e.server import STATIC_ENV
 
         os.environ[STATIC_ENV] = "1"  # servers started as subprocesses (ServerProcess)

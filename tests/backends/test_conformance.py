@@ -5,7 +5,8 @@ Runs over the torch-free toy backend (:mod:`tests.toy`, whose fresh pass is its 
 reference ``ToyModel.forward``) and, where torch is installed, the transformers backend on
 tiny Llama, Qwen2 and GPT-2 models, and the built-in runner's static path
 (:mod:`spececd.backends.static`: KV slots, padded widths, gathered batches) on the same
-models, eager, as it runs off CUDA; and the other runtimes on the tiny models converted
+models, eager, as it runs off CUDA, and its packed, paged path
+(:mod:`spececd.backends.paged`); and the other runtimes on the tiny models converted
 (:func:`tests.backends.conftest.converted`), each skipped with the reason where it is not
 installed: llama.cpp (against a fresh llama.cpp pass), ONNX Runtime GenAI and OpenVINO
 (against a fresh transformers pass over the same weights). Those three run chains only:
@@ -33,7 +34,7 @@ from spececd.backends.base import Backend, Extend, sync
 from spececd.core.verify import tree_paths
 from spececd.errors import InputError
 from tests.reference import LOGIT_TOLERANCE as TOLERANCE
-from tests.support.conformance import transformers_fresh, worst_difference
+from tests.support.conformance import difference, transformers_fresh, worst_difference
 from tests.toy import ToyBackend, ToyModel
 
 ARCHS = ["llama", "qwen2", "gpt2"]
@@ -70,12 +71,16 @@ CONVERTED = ["llama.cpp-llama", "onnx-llama", "onnx-qwen2", "openvino-llama",
 STATIC = [*(f"{arch}-static" for arch in ARCHS), "llama-static-fixed"]
 
 
+# The packed, paged path (what the built-in runner runs a transformers target on off CUDA).
+PAGED = [f"{arch}-paged" for arch in ARCHS]
+
+
 # In bfloat16, the dtype ``--dtype auto`` runs a bfloat16 model in on a CPU with AMX (and on
 # a GPU): against a fresh bfloat16 pass (BF16_TOLERANCE).
-BF16 = ["llama-bfloat16", "llama-static-bfloat16"]
+BF16 = ["llama-bfloat16", "llama-static-bfloat16", "llama-paged-bfloat16"]
 
 
-@pytest.fixture(params=["toy", *ARCHS, *STATIC, *CONVERTED, *BF16])
+@pytest.fixture(params=["toy", *ARCHS, *STATIC, *PAGED, *CONVERTED, *BF16])
 def subject(request: pytest.FixtureRequest) -> Subject:
     if request.param == "toy":
         toy = ToyBackend(ToyModel(seed=5))
@@ -104,7 +109,13 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     dtype = "bfloat16" if bf16 else "float32"
     backend = load_backend(str(tiny_models[arch]), device="cpu", dtype=dtype)
     model = backend.model  # type: ignore[attr-defined]
-    if static:
+    if static == "paged":
+        from spececd.backends.hf import HFBackend
+        from spececd.backends.paged import PagedBackend
+
+        assert isinstance(backend, HFBackend)
+        backend = PagedBackend(backend, max_context=200)
+    elif static:
         from spececd.backends.hf import HFBackend
         from spececd.backends.static import StaticBackend
 
@@ -157,7 +168,7 @@ def test_a_tree_extend_gives_each_node_its_paths_logits(subject: Subject) -> Non
         paths = tree_paths(parents)
         for node, path in enumerate(paths):
             expected = subject.fresh([*prefix, *(ids[i] for i in path)])[-1]
-            worst = max(worst, float(np.abs(logits[node] - expected).max()))
+            worst = max(worst, difference(logits[node], expected))
         kept = paths[int(rng.integers(0, n))]
         seq.select(len(prefix), [len(prefix) + i for i in kept])
         prefix = [*prefix, *(ids[i] for i in kept)]
@@ -165,7 +176,7 @@ def test_a_tree_extend_gives_each_node_its_paths_logits(subject: Subject) -> Non
         after = [int(t) for t in rng.integers(0, backend.vocab_size, size=2)]
         logits = seq.extend(after)
         expected = subject.fresh([*prefix, *after])[-2:]
-        worst = max(worst, float(np.abs(logits - expected).max()))
+        worst = max(worst, difference(logits, expected))
         prefix = [*prefix, *after]
     print(f"{backend.description}: tree max |logit difference| {worst:.2e}")
     assert worst <= subject.tolerance, worst
@@ -188,7 +199,7 @@ def test_batched_trees_match_separate_extends(subject: Subject) -> None:
         items.append(Extend(pair[0], stream[cached:], n, parents))
         references.append(pair[1].extend(stream[cached:], None, parents))
     results = backend.extend_batch(items)
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(results, references, strict=True))
+    worst = max(difference(a, b) for a, b in zip(results, references, strict=True))
     print(f"{backend.description}: batched tree max |logit difference| {worst:.2e}")
     assert worst <= subject.tolerance, worst
     assert [len(item.sequence.tokens) for item in items] == [5, 10, 20]
@@ -242,7 +253,7 @@ def test_batched_extend_matches_separate_extends(subject: Subject) -> None:
         results = backend.extend_batch(items)
         for seq, stream, logits in zip(sequences, streams, results, strict=True):
             expected = subject.fresh(stream[:len(seq.tokens)])[-logits.shape[0]:]
-            worst = max(worst, float(np.abs(logits - expected).max()))
+            worst = max(worst, difference(logits, expected))
     print(f"{backend.description}: batched max |logit difference| {worst:.2e}")
     assert worst <= subject.tolerance, worst
 
@@ -270,7 +281,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_logits_of_a_whole_prefill(
         whole.extend(prompt[:-1], keep=0)
         expected = whole.extend([prompt[-1], *draft])
         logits = seq.extend([prompt[-1], *draft])
-        worst = max(worst, float(np.abs(logits - expected).max()),
-                    float(np.abs(logits - subject.fresh([*prompt, *draft])[-5:]).max()))
+        worst = max(worst, difference(logits, expected),
+                    difference(logits, subject.fresh([*prompt, *draft])[-5:]))
     print(f"{backend.description}: chunked prefill max |logit difference| {worst:.2e}")
     assert worst <= subject.tolerance, worst

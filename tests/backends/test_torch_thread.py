@@ -43,8 +43,11 @@ def test_every_transformers_model_runs_on_the_torch_thread(target: Any, draft: A
         alone = target.new_sequence().extend(ids)
         elsewhere = ThreadPoolExecutor(1)
         from_another = elsewhere.submit(lambda: target.new_sequence().extend(ids)).result()
-        batched = target.extend_batch([Extend(target.new_sequence(), ids, 2),
-                                       Extend(target.new_sequence(), ids[:3], 1)])
+        from spececd.backends.paged import PagedBackend
+
+        packed = PagedBackend(target, 100)  # the runner's batched pass: one forward
+        batched = packed.extend_batch([Extend(packed.new_sequence(), ids, 2),
+                                       Extend(packed.new_sequence(), ids[:3], 1)])
         elsewhere.submit(lambda: draft.new_sequence().extend(ids, keep=1)).result()
         elsewhere.shutdown()
     finally:

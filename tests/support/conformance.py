@@ -42,8 +42,15 @@ def worst_difference(backend: Any, fresh: Fresh, seed: int, steps: int = 25,
         expected = expected if keep is None else expected[add - keep:]
         assert logits.shape == expected.shape
         if logits.size:
-            worst = max(worst, float(np.abs(logits - expected).max()))
+            worst = max(worst, difference(logits, expected))
     return worst
+
+
+def difference(logits: np.ndarray, expected: np.ndarray) -> float:
+    """max |logits - expected|, infinite where either holds NaN (which ``max`` of floats
+    would pass over: ``max(0.0, nan)`` is 0.0)."""
+    worst = float(np.abs(logits - expected).max())
+    return worst if np.isfinite(worst) else float("inf")
 
 
 def transformers_fresh(folder: Path) -> Fresh:

@@ -27,8 +27,10 @@ returns the logits a fresh forward pass over the same tokens would give.
 A backend declares what callers may ask of it, so that nobody probes with ``getattr``:
 ``name``, ``description`` (for people), ``vocab_size``, ``max_context``,
 ``kv_bytes_per_token`` (what one token of context costs in KV cache, for memory limits),
-``tree_attention``, ``extend_batch`` (several sequences' extends, in one forward pass
-where the runtime can) and ``thread`` (the one thread its work runs on, or None).
+``kv_block`` (the tokens its cache is allocated in), ``tree_attention``, ``extend_batch``
+(several sequences' extends, in one forward pass where the runtime can), ``kv_pages``
+(pages of a paged cache in use and free) and ``thread`` (the one thread its work runs on,
+or None).
 Backends subclass :class:`Backend` explicitly and so inherit the looping
 ``extend_batch``; mypy then reports a declared attribute a backend never sets, and a class
 that only matches structurally must define every member, ``extend_batch`` included.
@@ -167,6 +169,7 @@ class Backend(Protocol):
     max_context: int  # positions the model supports
     kv_bytes_per_token: int  # KV cache one token of context costs in one sequence
     # (llama.cpp reserves a sequence's whole context when it makes it: see its module)
+    kv_block: int = 1  # a sequence's cache is held in blocks of this many tokens
     tokenizer: Tokenizer
     tree_attention: bool = False  # extend takes trees (see the module docstring)
     # extend_batch pads every row to the longest: a pass costs rows x the longest row,
@@ -183,6 +186,10 @@ class Backend(Protocol):
         made by this backend. This default runs them one by one; a backend that can run
         them as one forward pass overrides it with the same results."""
         return [item.sequence.extend(item.ids, item.keep, item.parents) for item in items]
+
+    def kv_pages(self) -> tuple[int, int]:
+        """Pages of KV cache in use and free; (0, 0) where the cache is not paged."""
+        return 0, 0
 
 
 class ChainSequence:

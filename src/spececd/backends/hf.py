@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -186,26 +185,6 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-class BatchCache:
-    """What a batched pass gives the model's attention layers as their cache: per layer,
-    keys and values ``[batch, heads, past + width, dim]`` with the rows' cached positions
-    in place; ``update`` writes a layer's new ones after ``past`` and returns the whole.
-    Nothing else of transformers' cache API is asked for when the mask is a 4D one and the
-    positions are given (as on the static path, :mod:`spececd.backends.static`)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], past: int) -> None:
-        self.keys, self.values, self.past = keys, values, past
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer][:, :, self.past:] = key
-        self.values[layer][:, :, self.past:] = value
-        return self.keys[layer], self.values[layer]
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return 0  # positions and the mask are given; nothing derives them from this
-
-
 class HFSequence:
     def __init__(self, backend: HFBackend) -> None:
         self._backend = backend
@@ -254,7 +233,7 @@ class HFSequence:
         cache = self._new_cache()
         for index, (keys, values) in enumerate(layers):
             # A copy of its own (transformers' DynamicLayer.update concatenates onto an
-            # empty tensor): a row never aliases the batch's scratch (tests/backends/test_hf.py).
+            # empty tensor): never a view of the cache it was selected from.
             cache.update(keys, values, index)
         self._cache = cache
 
@@ -323,14 +302,12 @@ class HFBackend(Backend):
                              or text.num_attention_heads),
                          int(getattr(text, "head_dim", None)
                              or text.hidden_size // text.num_attention_heads))
-        # Whether every layer attends to the whole context (no sliding windows): batched
-        # passes then run on BatchCache, whose 4D mask is the same for every layer.
+        # Whether every layer attends to the whole context (no sliding windows): the paged
+        # path's one mask then serves every layer.
         layer_types = getattr(text, "layer_types", None)
         self.full_attention = (all(t == "full_attention" for t in layer_types)
                                if layer_types else not getattr(text, "sliding_window", None)
                                or getattr(text, "use_sliding_window", True) is False)
-        self.padded = self.full_attention  # else extend_batch runs item by item
-        self._scratch = torch.empty(0, dtype=torch_dtype, device=self.device)
         layers, heads, head_dim = self.kv_shape
         self.kv_bytes_per_token = (2 * layers * heads * head_dim
                                    * torch.tensor([], dtype=torch_dtype).element_size())
@@ -345,74 +322,11 @@ class HFBackend(Backend):
             raise TypeError("extend_batch takes sequences made by this backend")
         return sequence
 
-    @on_model_thread
-    @torch.inference_mode()
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
-        """``extend`` for several sequences in one forward pass, ids non-empty. Each layer's
-        cached keys and values are gathered once into one tensor per layer, ``[batch,
-        heads, past + width, dim]``: each row's cache left-padded to the longest, its new
-        tokens right-padded, written there in place by the pass (:class:`BatchCache`, not
-        a ``DynamicCache``, whose every update copies the whole batch again); a 4D mask says
-        what each new token sees (its row's cached tokens and its ancestors: chains as
-        trees; a padding token sees only itself). Each sequence then gets its own part back.
-        Results equal separate ``extend`` calls up to float rounding. A model with layers
-        other than full attention (sliding windows) keeps transformers' own cache, item by
-        item."""
-        if len(items) == 1 or not self.full_attention:
-            return [item.sequence.extend(*item[1:]) for item in items]
-        own = [(self._own(item.sequence), item.ids, item.keep) for item in items]
-        device = self.device
-        lengths = [len(s.tokens) for s, _, _ in own]
-        counts = [len(ids) for _, ids, _ in own]
-        past, width, batch = max(lengths), max(counts), len(own)
-        input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)
-        allowed = torch.zeros((batch, width, past + width), dtype=torch.bool, device=device)
-        positions = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for i, (item, length, n) in enumerate(zip(items, lengths, counts, strict=True)):
-            input_ids[i, :n] = torch.tensor(list(item.ids), device=device)
-            visible, depth = tree_layout(item.parents or range(-1, n - 1))
-            positions[i] = torch.arange(length, length + width, device=device)
-            positions[i, :n] = torch.tensor(length + depth - 1, device=device)
-            allowed[i, :n, past - length:past] = True
-            allowed[i, :n, past:past + n] = torch.from_numpy(visible)
-            pad = torch.arange(n, width, device=device)
-            allowed[i, pad, past + pad] = True  # padding rows see themselves only
-        layers, heads, dim = self.kv_shape
-        # In the backend's scratch, written whole: each row's left padding zeroed (masked,
-        # yet it must be finite: a masked NaN still poisons attention), its cache copied,
-        # and the new positions written by the pass.
-        shape = (2, layers, batch, heads, past + width, dim)  # keys, then values
-        scratch = self._scratch_for(math.prod(shape)).view(shape)
-        keys, values = list(scratch[0]), list(scratch[1])
-        for i, ((sequence, _, _), length) in enumerate(zip(own, lengths, strict=True)):
-            if length < past:
-                scratch[:, :, i, :, :past - length].zero_()
-            if length:
-                for layer, cached in enumerate(sequence._cache.layers):
-                    keys[layer][i, :, past - length:past] = cached.keys[0]
-                    values[layer][i, :, past - length:past] = cached.values[0]
-        logits, _ = self.forward(BatchCache(keys, values, past), input_ids=input_ids,
-                                 attention_mask=self.additive(allowed), position_ids=positions)
-        results = []
-        for i, ((sequence, ids, keep), length, n) in enumerate(
-                zip(own, lengths, counts, strict=True)):
-            sequence._set_cache([(keys[layer][i:i + 1, :, past - length:past + n],
-                                  values[layer][i:i + 1, :, past - length:past + n])
-                                 for layer in range(layers)])
-            sequence._tokens.extend(int(t) for t in ids)
-            results.append(self.valid(logits[i, n - keep:n]))
-        return results
-
-    def _scratch_for(self, elements: int) -> torch.Tensor:
-        """A flat tensor of at least ``elements``, kept from pass to pass: allocating a
-        batch's keys and values afresh each pass (hundreds of MB at 32 rows) went to fresh
-        pages from the kernel whenever the allocator's history said so, and faulting them
-        in cost as much as copying the caches (the gather's 52 ms took 127 ms after prompts
-        had been prefilled alone). It grows by a quarter past the largest pass seen."""
-        if self._scratch.numel() < elements:
-            self._scratch = torch.empty(elements + elements // 4, dtype=self._scratch.dtype,
-                                        device=self.device)
-        return self._scratch[:elements]
+        """``extend`` for each item, one by one, on transformers' own cache. The built-in
+        runner batches a target in one forward on its packed, paged path instead
+        (:mod:`spececd.backends.paged`)."""
+        return [self._own(item.sequence).extend(*item[1:]) for item in items]
 
     def forward(self, cache: Any, **inputs: Any) -> tuple[torch.Tensor, Any]:
         """The logits of one forward pass over ``inputs`` that starts from the KV cache

@@ -51,33 +51,54 @@ def start(model: str, config: RunnerConfig, limits: Limits, metrics: Metrics) ->
 
     backend = load_backend(model, device=config.device, dtype=config.dtype,
                            threads=config.threads, npu=config.npu)
-    return BuiltinRunner(static_path(backend, config.static, limits.max_context), metrics,
-                         config)
+    return BuiltinRunner(runner_path(backend, config, limits.max_context), metrics, config)
 
 
 STATIC = ("auto", "on", "off")
 
 
-def static_path(backend: Backend, static: str, max_context: int) -> Backend:
-    """``backend`` on the static path (:mod:`spececd.backends.static`) where ``static``
-    says: ``on`` for a transformers model, ``off`` never, ``auto`` on CUDA only (on the
-    CPU it measured slower: docs/deploy/gpu.md)."""
+def runner_path(backend: Backend, config: RunnerConfig, max_context: int) -> Backend:
+    """``backend`` as the built-in runner runs it. A transformers model: on the static path
+    (:mod:`spececd.backends.static`: slots, CUDA graphs) where ``config.static`` says
+    (``on``; ``auto`` on CUDA only: on the CPU it measured slower, docs/deploy/gpu.md),
+    else on the packed, paged path (:mod:`spececd.backends.paged`, its pool of
+    ``config.max_kv_bytes``) where every layer attends to the whole context, else as it
+    is (a sliding-window model extends a batch item by item). Any other runtime as it
+    is."""
+    static = config.static
     if static not in STATIC:
         raise InputError(f"static must be one of {', '.join(STATIC)}, got {static!r}")
-    if static == "off":
-        return backend
     if backend.name == "hf":  # torch and transformers are installed
         from spececd.backends.hf import HFBackend
-        from spececd.backends.static import StaticBackend
 
         if isinstance(backend, HFBackend):
-            if static == "auto" and backend.device.type != "cuda":
-                return backend
-            return StaticBackend(backend, max_context)
+            if static == "on" or (static == "auto" and backend.device.type == "cuda"):
+                from spececd.backends.static import StaticBackend
+
+                return StaticBackend(backend, max_context)
+            if backend.full_attention:
+                from spececd.backends.paged import PagedBackend
+
+                return PagedBackend(backend, max_context, pool_pages(
+                    config, backend.kv_bytes_per_token, PagedBackend.kv_block))
+            return backend
     if static == "on":
         raise InputError(f"the static path runs transformers models only, and this target "
                          f"runs on {backend.name}: leave --static at auto or off")
     return backend
+
+
+def pool_pages(config: RunnerConfig, kv_bytes_per_token: int, page: int) -> int:
+    """The pages of ``page`` tokens a capped KV pool holds (0: ``config.max_kv_bytes`` is
+    0, no cap): ``max_kv_bytes`` of them, which the runner keeps the sessions' caches
+    within between passes by evicting idle ones, and the pages one pass may add beside
+    them (its ``max_batched_tokens`` new positions, and a page begun by each of its
+    ``max_batch`` rows; with no cap on a pass's positions, as many as the cap again)."""
+    if not config.max_kv_bytes:
+        return 0
+    held = config.max_kv_bytes // (page * kv_bytes_per_token)
+    added = -(-config.max_batched_tokens // page) if config.max_batched_tokens else held
+    return max(1, held) + added + config.max_batch
 
 
 class BuiltinRunner:
@@ -93,6 +114,8 @@ class BuiltinRunner:
         self.backend = self.target = backend
         self.metrics = metrics
         self.max_kv_bytes = config.max_kv_bytes
+        metrics.kv_pages_used.set_function(lambda: backend.kv_pages()[0])
+        metrics.kv_pages_free.set_function(lambda: backend.kv_pages()[1])
         self._own_executor = backend.thread is None
         self.executor: Executor = backend.thread.executor if backend.thread is not None else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="spececd-verify")
@@ -164,14 +187,20 @@ class BuiltinRunner:
         cap, per_token = self.max_kv_bytes, self.backend.kv_bytes_per_token
         if not cap or not per_token:
             return
-        total = (self.kv_tokens() - self.kv_tokens(key) + tokens_needed) * per_token
+        block = self.backend.kv_block  # a cache is held in whole blocks (a paged one's pages)
+
+        def held(tokens: int) -> int:
+            return -(-tokens // block) * block * per_token
+
+        total = sum(held(self.kv_tokens(other)) for other in list(self._caches)
+                    if other != key) + held(tokens_needed)
         idle = sorted((other for other in self._caches
                        if other != key and other not in self._busy),
                       key=lambda other: self._last_used.get(other, 0.0))
         for victim in idle:
             if total <= cap:
                 break
-            total -= self.kv_tokens(victim) * per_token
+            total -= held(self.kv_tokens(victim))
             del self._caches[victim]
             self.kv_evictions += 1
             self.metrics.kv_evictions.inc()

@@ -31,6 +31,8 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
 - ``spececd_errors_total{code}``: typed errors answered, by code;
 - ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
+- ``spececd_kv_pages_used``, ``spececd_kv_pages_free``: the built-in runner's KV page pool
+  (:mod:`spececd.backends.paged`; both 0 on a runtime without one).
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ class Metrics:
         self._goodput = 0.0
         self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
+        self.kv_pages_used = Gauge("spececd_kv_pages_used",
+                                   "Pages of the KV page pool held by sessions", registry=r)
+        self.kv_pages_free = Gauge("spececd_kv_pages_free",
+                                   "Pages of the KV page pool free", registry=r)
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
         self.kv_evictions = Counter("spececd_kv_evictions",
                                     "KV caches freed to stay under --max-kv-bytes", registry=r)

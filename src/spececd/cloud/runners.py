@@ -64,8 +64,8 @@ def builtin_service(backend: Backend, limits: Limits | None = None,
                     policy: ServicePolicy | None = None, auth_token: str = "",
                     config: RunnerConfig | None = None) -> CloudService:
     """The service over the built-in runner serving ``backend``, loaded already (on the
-    static path where ``config.static`` says: by default on CUDA)."""
+    path :func:`~spececd.cloud.builtin.runner_path` gives it)."""
     config, limits, metrics = config or RunnerConfig(), limits or Limits(), Metrics()
-    backend = builtin.static_path(backend, config.static, limits.max_context)
+    backend = builtin.runner_path(backend, config, limits.max_context)
     return CloudService(BuiltinRunner(backend, metrics, config), limits, policy, auth_token,
                         metrics)

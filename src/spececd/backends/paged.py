@@ -1,0 +1,396 @@
+"""The built-in runner's packed, paged path: a transformers target whose sessions' keys and
+values live in pages of one pool, and whose batched pass is one forward over every row's
+new tokens packed end to end, as an engine runs it (vLLM; transformers' own continuous
+batching).
+
+- **Pages.** The pool is one tensor, ``[2, layers, pages, PAGE, kv_heads, head_dim]``
+  (keys, then values). A sequence holds a list of pages, taken as it grows and given back
+  as it shrinks or is dropped. Page 0 is never given: padding reads it. With a cap
+  (``--max-kv-bytes``) the pool is allocated whole at start and never grows (the runner
+  sizes it: :func:`~spececd.cloud.builtin.pool_pages`): a pass that needs more pages than
+  are free fails with :class:`PoolFull`; without one it starts small and doubles (one
+  copy) when full.
+- **Packing.** A pass feeds the model one row of every item's tokens end to end
+  (``[1, tokens]``): the MLPs and projections compute each token once, with no padding.
+  Each token's position is its own (a tree token's is its depth's).
+- **Attention.** Registered with transformers as an attention implementation
+  (:func:`paged_attention`), used for the pass only: each layer writes its new keys and
+  values into their pages (one ``index_copy_``), reads every row's pages (one
+  ``index_select`` of whole pages; transformers' own SDPA path over a paged cache reads
+  this way too, by index), and attends row by row in one batched SDPA call, each row's
+  queries over its own pages only, with the mask the protocol needs (its cached tokens,
+  and its tree or causal ancestors among the new ones). Only attention is padded (rows to
+  the widest row, pages to the longest row's); transformers' paged SDPA instead attends
+  every query to every row's keys under one block mask, a cost in rows squared. Nothing is
+  copied back: the pass wrote in place.
+- **Rollback** moves a length and gives back the pages past it; a tree's accepted path is
+  copied to the front (its positions only).
+
+What transformers' continuous-batching cache (``PagedAttentionCache``) does not give, and
+why this module has its own pool: token trees (its masks are causal), rollback (its
+allocator frees whole requests), and attention that does not grow with the square of the
+batch on a CPU. The design is its: pages of one tensor, read and written by index.
+
+Attention-only padding costs little: rows x widest row x pages of the longest in the
+attention's matmuls, against the MLPs' tokens x hidden x intermediate. The budget counts a
+pass as the sum of its rows' positions (``padded`` is False).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from spececd.backends.base import (
+    Backend,
+    CachedSequence,
+    Extend,
+    ModelThread,
+    is_chain,
+    on_model_thread,
+    resolve_keep,
+    tree_layout,
+)
+from spececd.backends.hf import HFBackend
+from spececd.errors import InputError
+
+log = logging.getLogger(__name__)
+
+PAGE = 16  # tokens a page holds
+INITIAL_PAGES = 64  # an uncapped pool's first size (it doubles when full)
+IMPLEMENTATION = "spececd_paged"  # the name paged_attention is registered under
+
+
+class PoolFull(InputError):
+    """A pass needs more pages than the capped pool has free."""
+
+
+class PagePool:
+    """The keys and values of every sequence of a :class:`PagedBackend`, in pages of one
+    tensor ``data`` ``[2, layers, pages, PAGE, kv_heads, head_dim]``. ``capped``: the pool
+    never grows (else it doubles when a take would fail). Taking and giving are locked: a
+    dropped sequence gives its pages back from whatever thread drops it."""
+
+    def __init__(self, kv_shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device, pages: int, capped: bool) -> None:
+        self.kv_shape, self.capped = kv_shape, capped
+        self.data = self._tensor(max(pages, 2), dtype, device)
+        self._free = list(range(self.pages - 1, 0, -1))  # page 0 is padding's
+        self._lock = threading.Lock()
+
+    def _tensor(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        layers, heads, dim = self.kv_shape
+        return torch.zeros((2, layers, pages, PAGE, heads, dim), dtype=dtype, device=device)
+
+    @property
+    def pages(self) -> int:
+        """Pages in the pool, padding's included."""
+        return int(self.data.shape[2])
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.pages - 1 - len(self._free)
+
+    def check(self, n: int) -> None:
+        """Raise :class:`PoolFull` where ``n`` pages cannot be taken."""
+        if self.capped and n > len(self._free):
+            raise PoolFull(f"the KV cache is full: {n} more pages of {PAGE} tokens are needed "
+                           f"and {len(self._free)} of {self.pages - 1} are free (the sessions "
+                           f"in this pass hold the rest): raise --max-kv-bytes, or lower "
+                           f"--max-batch or --max-batched-tokens")
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free pages, in the order they are to be used."""
+        with self._lock:
+            self.check(n)
+            if n > len(self._free):
+                self._grow(self.pages - 1 + n)
+            taken = self._free[-n:][::-1] if n else []
+            del self._free[len(self._free) - n:]
+        # Zeroed: a row's last page is read past its length (masked), and a masked NaN
+        # left there by an earlier owner would still poison attention (0 x NaN).
+        self.data[:, :, taken] = 0
+        return taken
+
+    def give(self, pages: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(pages))
+
+    def _grow(self, needed: int) -> None:
+        """At least double, to hold ``needed`` pages besides padding's (one copy)."""
+        old = self.pages
+        size = max(2 * old, needed + 1)
+        data = self._tensor(size, self.data.dtype, self.data.device)
+        data[:, :, :old] = self.data
+        self.data = data
+        self._free[:0] = range(size - 1, old - 1, -1)  # the new pages after the old free
+        log.info("the KV page pool grew to %d pages of %d tokens", size, PAGE)
+
+
+def slots(pages: Sequence[int], positions: np.ndarray) -> np.ndarray:
+    """The pool slots (``page * PAGE + offset``) of a sequence's ``positions``."""
+    table: np.ndarray = np.asarray(pages, dtype=np.int64)
+    result: np.ndarray = table[positions // PAGE] * PAGE + positions % PAGE
+    return result
+
+
+def attends(length: int, n: int, parents: Sequence[int] | None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """What each of ``n`` new tokens after ``length`` cached ones sees of its row's
+    positions (``[n, length + n]``: the cached ones and its ancestors, a chain's being
+    those before it) and the position each is given (``[n]``: a tree token's depth's).
+    Nothing past ``length + n``: what a rollback left there is stale."""
+    visible = np.ones((n, length + n), dtype=bool)
+    if is_chain(parents):
+        visible[:, length:] = np.tril(np.ones((n, n), dtype=bool))
+        return visible, np.arange(length, length + n)
+    assert parents is not None
+    tree, depth = tree_layout(parents)
+    visible[:, length:] = tree
+    return visible, length + depth - 1
+
+
+class PagedSequence:
+    """A sequence of a :class:`PagedBackend`: its tokens, and the pages they are in."""
+
+    def __init__(self, backend: PagedBackend) -> None:
+        self._backend = backend
+        self._tokens: list[int] = []
+        self.pages: list[int] = []
+        # Pages go back to the pool when the sequence is dropped (the list, not self).
+        weakref.finalize(self, backend.pool.give, self.pages)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    @property
+    def thread(self) -> ModelThread:
+        return self._backend.thread
+
+    def extend(self, ids: Sequence[int], keep: int | None = None,
+               parents: Sequence[int] | None = None) -> np.ndarray:
+        return self._backend.extend_batch([Extend(self, ids, resolve_keep(len(ids), keep),
+                                                  parents)])[0]
+
+    def reserve(self, length: int) -> None:
+        """Hold pages for ``length`` tokens."""
+        needed = -(-length // PAGE) - len(self.pages)
+        if needed > 0:
+            self.pages.extend(self._backend.pool.take(needed))
+
+    def truncate(self, n: int) -> None:
+        del self._tokens[n:]
+        keep = -(-len(self._tokens) // PAGE)
+        if len(self.pages) > keep:  # what lies past the length is never read again
+            self._backend.pool.give(self.pages[keep:])
+            del self.pages[keep:]
+
+    @on_model_thread
+    @torch.inference_mode()
+    def select(self, n: int, positions: Sequence[int]) -> None:
+        keep = [*range(n), *positions]
+        if keep != list(range(len(keep))):
+            moved = np.asarray(positions, dtype=np.int64)
+            source = torch.from_numpy(slots(self.pages, moved))
+            target = torch.from_numpy(slots(self.pages, np.arange(n, n + len(moved))))
+            flat = self._backend.flat()
+            device = flat.device
+            flat.index_copy_(2, target.to(device), flat.index_select(2, source.to(device)))
+        self._tokens = [self._tokens[i] for i in keep]
+        self.truncate(len(keep))
+
+
+@dataclass
+class PackedPass:
+    """One pass's layout, shared by every layer: where the new tokens are written
+    (``writes``, ``[tokens]`` pool slots), the pages each row reads (``reads``, ``[rows *
+    pages]``, padded with page 0), the packed token of each (row, query) cell and the cell
+    of each packed token (``queries``, ``[rows * widest]``; ``cells``, ``[tokens]``; None
+    when every row is as wide), and the additive mask ``[rows, 1, widest, pages *
+    PAGE]``."""
+
+    pool: PagePool
+    writes: torch.Tensor
+    reads: torch.Tensor
+    queries: torch.Tensor | None
+    cells: torch.Tensor | None
+    mask: torch.Tensor
+    rows: int
+    widest: int
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """Attention of layer ``layer`` over the pass: ``query`` ``[1, heads, tokens,
+        head_dim]``, ``key`` and ``value`` ``[1, kv_heads, tokens, head_dim]`` (the new
+        tokens'); returns ``[1, tokens, heads, head_dim]``."""
+        data = self.pool.data
+        width = data.shape[3] * (self.reads.shape[0] // self.rows)  # positions a row reads
+        attended = []
+        for kind, new in ((0, key), (1, value)):
+            pages = data[kind, layer]  # [pages, PAGE, kv_heads, head_dim]
+            flat = pages.view(-1, *pages.shape[2:])
+            flat.index_copy_(0, self.writes, new[0].transpose(0, 1))
+            read = pages.index_select(0, self.reads)  # [rows * pages, PAGE, ...]
+            attended.append(read.view(self.rows, width, *pages.shape[2:]).transpose(1, 2))
+        heads, dim = query.shape[1], query.shape[3]
+        packed = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+        if self.queries is not None:
+            packed = packed.index_select(0, self.queries)
+        grid = packed.reshape(self.rows, self.widest, heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            grid, attended[0], attended[1], attn_mask=self.mask, scale=scaling,
+            enable_gqa=heads != key.shape[1])  # [rows, heads, widest, head_dim]
+        cells = out.transpose(1, 2).reshape(self.rows * self.widest, heads, dim)
+        if self.cells is not None:
+            cells = cells.index_select(0, self.cells)
+        return cells[None]
+
+
+_CURRENT = threading.local()  # the pass the model thread is running, if any
+
+
+def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                    scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for a packed pass (:meth:`PackedPass.attend`)."""
+    packed: PackedPass = _CURRENT.packed
+    return packed.attend(module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(IMPLEMENTATION, paged_attention)
+
+
+class PagedBackend(Backend):
+    """A transformers target (an :class:`~spececd.backends.hf.HFBackend`, loaded, whose
+    layers all attend to the whole context) on the packed, paged path; see the module
+    docstring. ``max_context``: the longest context a sequence takes (the server's limit;
+    the model's own if shorter). ``pages``: the pool's size, allocated at once (0: no cap,
+    the pool grows)."""
+
+    name = "hf-paged"
+    tree_attention = True
+    padded = False
+    kv_block = PAGE
+    thread: ModelThread
+
+    def __init__(self, hf: HFBackend, max_context: int, pages: int = 0) -> None:
+        if not hf.full_attention:
+            raise InputError("the paged path runs models whose every layer attends to the "
+                             "whole context; this one has sliding windows")
+        self.hf, self.model, self.thread = hf, hf.model, hf.thread
+        self.device, self.tokenizer, self.vocab_size = hf.device, hf.tokenizer, hf.vocab_size
+        self.max_context = min(hf.max_context, max_context)
+        self.kv_bytes_per_token = hf.kv_bytes_per_token
+        self.pool = PagePool(hf.kv_shape, self.model.dtype, self.device,
+                             (pages or INITIAL_PAGES) + 1, capped=bool(pages))
+        size = f"a pool of {pages} pages" if pages else "a pool that grows"
+        self.description = f"{hf.description}, paged KV ({PAGE}-token pages, {size})"
+        self._configs = {id(c): c for c in (self.model.config,
+                                            self.model.config.get_text_config(decoder=True))}
+
+    def new_sequence(self) -> PagedSequence:
+        return PagedSequence(self)
+
+    def kv_pages(self) -> tuple[int, int]:
+        return self.pool.used, self.pool.free
+
+    def flat(self) -> torch.Tensor:
+        """The pool as slots: ``[2, layers, pages * PAGE, kv_heads, head_dim]``."""
+        data = self.pool.data
+        return data.view(*data.shape[:2], -1, *data.shape[4:])
+
+    def _own(self, sequence: CachedSequence) -> PagedSequence:
+        if not isinstance(sequence, PagedSequence) or sequence._backend is not self:
+            raise TypeError("extend_batch takes sequences made by this backend")
+        return sequence
+
+    @on_model_thread
+    @torch.inference_mode()
+    def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
+        """One forward over every item's new tokens, packed (see the module docstring);
+        equal to separate ``extend`` calls up to float rounding."""
+        own = [self._own(item.sequence) for item in items]
+        lengths = [len(sequence.tokens) for sequence in own]
+        counts = [len(item.ids) for item in items]
+        if not items or min(counts) == 0:
+            raise ValueError("extend_batch takes items of at least one token each")
+        for length, n in zip(lengths, counts, strict=True):
+            if length + n > self.max_context:
+                raise ValueError(f"{length + n} tokens exceed the context of "
+                                 f"{self.max_context}")
+        needed = sum(max(0, -(-(length + n) // PAGE) - len(sequence.pages))
+                     for sequence, length, n in zip(own, lengths, counts, strict=True))
+        self.pool.check(needed)  # before any sequence holds more
+        for sequence, length, n in zip(own, lengths, counts, strict=True):
+            sequence.reserve(length + n)
+        packed, positions, kept = self._layout(items, own, lengths, counts)
+        ids = torch.tensor([[t for item in items for t in item.ids]], device=self.device)
+        _CURRENT.packed = packed
+        saved = {key: config._attn_implementation for key, config in self._configs.items()}
+        try:
+            for config in self._configs.values():
+                config._attn_implementation = IMPLEMENTATION
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=packed.mask,
+                             logits_to_keep=kept, use_cache=False)
+        finally:
+            for key, config in self._configs.items():
+                config._attn_implementation = saved[key]
+            _CURRENT.packed = None
+        logits = out.logits[0]  # [kept, vocab]
+        results, start = [], 0
+        for sequence, item in zip(own, items, strict=True):
+            sequence._tokens.extend(int(t) for t in item.ids)
+            results.append(self.hf.valid(logits[start:start + item.keep]))
+            start += item.keep
+        return results
+
+    def _layout(self, items: Sequence[Extend], own: list[PagedSequence], lengths: list[int],
+                counts: list[int]) -> tuple[PackedPass, torch.Tensor, torch.Tensor]:
+        """The pass's layout, the packed tokens' positions ``[1, tokens]`` and the packed
+        indices whose logits are kept."""
+        rows, widest = len(items), max(counts)
+        pages = max(len(sequence.pages) for sequence in own)
+        reads = np.zeros((rows, pages), dtype=np.int64)
+        allowed = np.zeros((rows, widest, pages * PAGE), dtype=bool)
+        allowed[:, :, 0] = True  # a padding query sees a key (else its softmax is NaN)
+        writes, positions, queries, cells, kept = [], [], [], [], []
+        start = 0
+        for i, (item, sequence, length, n) in enumerate(zip(items, own, lengths, counts,
+                                                            strict=True)):
+            reads[i, :len(sequence.pages)] = sequence.pages
+            writes.append(slots(sequence.pages, np.arange(length, length + n)))
+            visible, at = attends(length, n, item.parents)
+            allowed[i, :n, :visible.shape[1]] = visible
+            positions.append(at)
+            queries.append(np.concatenate([np.arange(start, start + n),
+                                           np.zeros(widest - n, dtype=np.int64)]))
+            cells.append(np.arange(i * widest, i * widest + n))
+            kept.append(np.arange(start + n - item.keep, start + n))
+            start += n
+        device, dtype = self.device, self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(dtype).min)
+        uniform = min(counts) == widest  # every row as wide: the grid is the packed tokens
+
+        def tensor(parts: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(parts)).to(device)
+
+        packed = PackedPass(self.pool, tensor(writes), torch.from_numpy(reads.ravel()).to(device),
+                            None if uniform else tensor(queries),
+                            None if uniform else tensor(cells),
+                            mask[:, None].to(device), rows, widest)
+        return packed, tensor(positions)[None], tensor(kept)

@@ -1,0 +1,184 @@
+"""The packed, paged path's own logic, on the CPU (:mod:`spececd.backends.paged`): rows of
+every width packed in one pass, pages taken and given back, a capped pool that refuses
+what it cannot hold and an uncapped one that grows, and three planted bugs (a page given
+to two sequences, a row that reads past its length after a rollback, a page left dirty by
+its last owner) that the checks here catch. That its logits equal a fresh forward's over
+random extends, truncations and trees is the conformance suite's
+(``tests/backends/test_conformance.py``, its ``-paged`` subjects)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spececd.backends.base import Extend
+from spececd.cloud.runner import RunnerConfig
+from tests.reference import LOGIT_TOLERANCE
+from tests.support.conformance import difference
+
+torch = pytest.importorskip("torch")
+
+from spececd.backends import paged  # noqa: E402
+from spececd.backends.hf import HFBackend  # noqa: E402
+from spececd.backends.paged import PAGE, PagedBackend, PagePool, PoolFull  # noqa: E402
+from spececd.cloud.builtin import pool_pages, runner_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_models: dict[str, Path]) -> HFBackend:
+    return HFBackend(str(tiny_models["llama"]), device="cpu", dtype="float32")
+
+
+def fresh(hf: HFBackend, tokens: Sequence[int]) -> np.ndarray:
+    return hf.new_sequence().extend(list(tokens))
+
+
+def tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+def interleaved_worst(backend: PagedBackend, hf: HFBackend, seed: int = 0,
+                      steps: int = 20) -> float:
+    """Three sequences extended together in passes of unequal rows (a prompt, a token, a
+    draft), each sometimes rolled back: the largest |difference| of their logits from a
+    fresh forward's."""
+    rng = np.random.default_rng(seed)
+    sequences = [backend.new_sequence() for _ in range(3)]
+    worst = 0.0
+    for _ in range(steps):
+        items = []
+        for sequence in sequences:
+            if sequence.tokens and rng.random() < 0.3:
+                sequence.truncate(int(rng.integers(0, len(sequence.tokens))))
+            add = int(rng.choice([1, 3, 5, 21]))
+            if len(sequence.tokens) + add <= backend.max_context:
+                items.append(Extend(sequence, tokens(rng, add, backend.vocab_size), add))
+        for item, logits in zip(items, backend.extend_batch(items), strict=True):
+            expected = fresh(hf, item.sequence.tokens)[-len(item.ids):]
+            worst = max(worst, difference(logits, expected))
+    return worst
+
+
+def test_rows_of_every_width_go_in_one_pass_and_give_what_separate_extends_give(
+        hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200)
+    rng = np.random.default_rng(1)
+    contexts = [tokens(rng, n, hf.vocab_size) for n in (0, 17, 40, 5)]
+    new = [tokens(rng, n, hf.vocab_size) for n in (30, 1, 4, 6)]
+    parents = [None, None, None, [-1, 0, 0, 1, 2, 2]]  # a tree beside chains
+    sequences = [backend.new_sequence() for _ in contexts]
+    for sequence, context in zip(sequences, contexts, strict=True):
+        if context:
+            sequence.extend(context, 0)
+    results = backend.extend_batch([Extend(s, ids, len(ids), p)
+                                    for s, ids, p in zip(sequences, new, parents, strict=True)])
+    for context, ids, tree, logits in zip(contexts, new, parents, results, strict=True):
+        alone = hf.new_sequence()
+        if context:
+            alone.extend(context, 0)
+        expected = alone.extend(ids, len(ids), tree)
+        assert np.abs(logits - expected).max() < LOGIT_TOLERANCE
+    assert interleaved_worst(backend, hf) < LOGIT_TOLERANCE
+
+
+def test_pages_are_taken_as_a_sequence_grows_and_given_back(hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200)
+    sequence = backend.new_sequence()
+    sequence.extend(list(range(3, 3 + 2 * PAGE + 1)), 0)
+    assert backend.kv_pages()[0] == 3
+    sequence.truncate(PAGE)  # a rollback gives back the pages past the length
+    assert backend.kv_pages()[0] == 1
+    other = backend.new_sequence()
+    other.extend([5, 6], 1)
+    assert backend.kv_pages()[0] == 2
+    del sequence, other
+    gc.collect()
+    assert backend.kv_pages() == (0, backend.pool.pages - 1)  # page 0 is padding's
+
+
+def test_a_capped_pool_refuses_a_pass_it_cannot_hold_and_loses_nothing(
+        hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200, pages=4)
+    rng = np.random.default_rng(2)
+    one, two = backend.new_sequence(), backend.new_sequence()
+    held = tokens(rng, 2 * PAGE, hf.vocab_size)
+    one.extend(held, 0)
+    with pytest.raises(PoolFull, match="raise --max-kv-bytes"):
+        backend.extend_batch([Extend(one, [7], 1), Extend(two, tokens(rng, 3 * PAGE, 99), 1)])
+    assert backend.pool.pages == 5 and backend.kv_pages() == (2, 2)  # never grew, none lost
+    assert two.tokens == [] and one.tokens == held  # neither pass happened
+    assert np.abs(one.extend([7], 1) - fresh(hf, [*held, 7])[-1:]).max() < LOGIT_TOLERANCE
+
+
+def test_an_uncapped_pool_grows_and_keeps_what_it_held(
+        hf: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged, "INITIAL_PAGES", 2)
+    backend = PagedBackend(hf, max_context=200)
+    rng = np.random.default_rng(3)
+    first = tokens(rng, PAGE + 3, hf.vocab_size)
+    one = backend.new_sequence()
+    one.extend(first, 0)
+    backend.new_sequence().extend(tokens(rng, 5 * PAGE, hf.vocab_size), 0)  # grows
+    assert backend.pool.pages >= 8
+    assert np.abs(one.extend([9], 1) - fresh(hf, [*first, 9])[-1:]).max() < LOGIT_TOLERANCE
+
+
+class SharingPool(PagePool):
+    """A planted bug: every page taken is also given to the next taker."""
+
+    def take(self, n: int) -> list[int]:
+        taken = super().take(n)
+        self.give(taken)
+        return taken
+
+
+def test_a_page_given_to_two_sequences_is_caught(hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200)
+    assert interleaved_worst(backend, hf) < LOGIT_TOLERANCE
+    backend.pool = SharingPool(hf.kv_shape, hf.model.dtype, hf.device, 64, capped=False)
+    assert interleaved_worst(backend, hf) > 100 * LOGIT_TOLERANCE
+
+
+def test_a_row_that_reads_past_its_length_after_a_rollback_is_caught(
+        hf: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    attends = paged.attends
+
+    def stale(length: int, n: int, parents: Sequence[int] | None
+              ) -> tuple[np.ndarray, np.ndarray]:  # a planted bug: its whole last page
+        visible, positions = attends(length, n, parents)
+        seen = -(-(length + n) // PAGE) * PAGE
+        wide = np.zeros((n, seen), dtype=bool)
+        wide[:, :length + n] = visible
+        wide[:, length + n:] = True
+        return wide, positions
+
+    backend = PagedBackend(hf, max_context=200)
+    monkeypatch.setattr(paged, "attends", stale)
+    assert interleaved_worst(backend, hf) > 100 * LOGIT_TOLERANCE
+
+
+def test_what_a_pages_last_owner_left_never_reaches_the_next(hf: HFBackend) -> None:
+    """A row reads its last page past its length (masked); NaN left there would poison
+    attention all the same (0 x NaN), so a page is zeroed when taken."""
+    backend = PagedBackend(hf, max_context=200)
+    with torch.inference_mode():
+        backend.pool.data.fill_(float("nan"))  # every page, free ones too
+        backend.pool.data[:, :, 0] = 0  # (padding's is zeroed once, at start)
+    assert interleaved_worst(backend, hf) < LOGIT_TOLERANCE
+
+
+def test_the_runner_runs_a_transformers_target_on_the_paged_path_off_cuda(
+        hf: HFBackend) -> None:
+    config = RunnerConfig(max_kv_bytes=1 << 20, max_batched_tokens=64, max_batch=4)
+    chosen = runner_path(hf, config, 300)
+    assert isinstance(chosen, PagedBackend) and chosen.pool.capped
+    page_bytes = PAGE * hf.kv_bytes_per_token
+    assert chosen.pool.pages - 1 == pool_pages(config, hf.kv_bytes_per_token, PAGE) == \
+        (1 << 20) // page_bytes + 64 // PAGE + 4
+    assert isinstance(runner_path(hf, RunnerConfig(static="off"), 300), PagedBackend)
+    assert not runner_path(hf, RunnerConfig(), 300).pool.capped  # type: ignore[attr-defined]
+    assert runner_path(hf, RunnerConfig(static="on"), 300).name == "hf-static"
