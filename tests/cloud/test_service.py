@@ -118,9 +118,13 @@ class FailingBackend:
         self.description, self.kv_bytes_per_token = "failing", backend.kv_bytes_per_token
         self.thread = backend.thread
         self.tree_attention, self.padded = backend.tree_attention, backend.padded
+        self.kv_block = backend.kv_block
 
     def new_sequence(self) -> CachedSequence:
         return self._backend.new_sequence()
+
+    def kv_pages(self) -> tuple[int, int]:
+        return self._backend.kv_pages()
 
     def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
         if any(self.poison in item.ids for item in items):

@@ -221,11 +221,15 @@ class CountingBackend:
         self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
         self.description, self.kv_bytes_per_token = "counting", backend.kv_bytes_per_token
         self.tree_attention, self.padded = backend.tree_attention, backend.padded
+        self.kv_block = backend.kv_block
         self.fed: list[int] = []
         self.thread = backend.thread
 
     def new_sequence(self) -> Any:
         return self._backend.new_sequence()
+
+    def kv_pages(self) -> tuple[int, int]:
+        return self._backend.kv_pages()  # type: ignore[no-any-return]
 
     def extend_batch(self, items: Sequence[Extend]) -> list[Any]:
         self.fed.extend(len(item.ids) for item in items)

@@ -339,6 +339,19 @@ class PagedBackend(Backend):
             sequence.reserve(length + n)
         packed, positions, kept = self._layout(items, own, lengths, counts)
         ids = torch.tensor([[t for item in items for t in item.ids]], device=self.device)
+        logits = self.forward_packed(packed, ids, positions, kept)  # [kept, vocab]
+        results, start = [], 0
+        for sequence, item in zip(own, items, strict=True):
+            sequence._tokens.extend(int(t) for t in item.ids)
+            results.append(self.hf.valid(logits[start:start + item.keep]))
+            start += item.keep
+        return results
+
+    def forward_packed(self, packed: PackedPass, ids: torch.Tensor, positions: torch.Tensor,
+                       kept: torch.Tensor) -> torch.Tensor:
+        """The logits ``[kept, vocab]`` of the model's forward over the packed tokens
+        ``ids`` ``[1, tokens]`` at ``positions`` ``[1, tokens]``, its attention
+        ``packed``'s, at the packed indices ``kept``."""
         _CURRENT.packed = packed
         saved = {key: config._attn_implementation for key, config in self._configs.items()}
         try:
@@ -350,13 +363,8 @@ class PagedBackend(Backend):
             for key, config in self._configs.items():
                 config._attn_implementation = saved[key]
             _CURRENT.packed = None
-        logits = out.logits[0]  # [kept, vocab]
-        results, start = [], 0
-        for sequence, item in zip(own, items, strict=True):
-            sequence._tokens.extend(int(t) for t in item.ids)
-            results.append(self.hf.valid(logits[start:start + item.keep]))
-            start += item.keep
-        return results
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def _layout(self, items: Sequence[Extend], own: list[PagedSequence], lengths: list[int],
                 counts: list[int]) -> tuple[PackedPass, torch.Tensor, torch.Tensor]:
