@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures issue 37 asks for, in one run on a lent GPU machine (../shared/gpu/README.md):
-# the step's cost (bare forward, graph replay, the runner's step, eager and static), then
+# the step's cost (bare forward, graph replay, the runner's step: transformers' own cache, the
+# packed paged pass, and its fixed shapes replayed from CUDA graphs), then
 # `spececd bench` at RTT 0 and 20 ms and `spececd bench load` from 1 to 64 clients, on the
 # default target and on a cost-scaled stand-in for an 8B target. Each part runs under its
 # own timeout and logs into $OUT as it goes, so a part that hangs still says where.
@@ -73,7 +74,7 @@ run() {
         --kind cloud-only,replay,draft --acceptance 0.6,0.8 --max-tokens 48 \
         --stall-timeout 120 \
         --out "$out/load-8b"
-    # Static off, for the step's before and after on the same GPU.
+    # Fixed shapes (graphs) off: the packed, paged pass eagerly, on the same GPU.
     part bench-target-eager 90 env SPECECD_SERVER_STATIC=off python3 -m spececd bench \
         --device "$DEVICE" --target-model /tmp/target --draft-model .gpu/draft --num-prompts 6 \
         --max-tokens 64 --iterations 1 --rtt-ms 0 --k auto --proactive stream \

@@ -96,11 +96,11 @@ def bare_pass(runner: object, items: list[Extend]) -> Callable[[], None]:
     own = [backend._own(item.sequence) for item in items]
     for sequence, length, n in zip(own, lengths, counts, strict=True):
         sequence.reserve(length + n)
-    packed, positions, kept = backend._layout(items, own, lengths, counts)
-    layers = backend.pool.data.shape[1]
-    read = [[backend.pool.data[kind, layer].index_select(0, packed.reads)
-             .view(packed.rows, -1, *backend.pool.data.shape[4:]).transpose(1, 2)
-             for kind in (0, 1)] for layer in range(layers)]
+    inputs, _ = backend._layout(items, own, lengths, backend._shape(lengths, counts))
+    data, rows = backend.pool.data, inputs["mask"].shape[0]
+    read = [[data[kind, layer].index_select(0, inputs["reads"])
+             .view(rows, -1, *data.shape[4:]).transpose(1, 2).contiguous()
+             for kind in (0, 1)] for layer in range(data.shape[1])]
 
     class Bare(paged.PackedPass):
         def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor,
@@ -118,12 +118,9 @@ def bare_pass(runner: object, items: list[Extend]) -> Callable[[], None]:
                 cells = cells.index_select(0, self.cells)
             return cells[None]
 
-    bare = Bare(**{field: getattr(packed, field) for field in packed.__dataclass_fields__})
-    tokens = torch.tensor([[t for item in items for t in item.ids]])
-
     @torch.inference_mode()
     def run() -> None:
-        backend.forward_packed(bare, tokens, positions, kept)
+        backend._run(inputs, Bare)
 
     return run
 

@@ -5,14 +5,15 @@ For one target on one device, at a context of ``--context`` tokens, the median o
 
 - ``forward``: the model's own forward over one new token after a transformers
   ``DynamicCache`` of the context (what any runner must at least pay, eagerly);
-- ``replay`` (CUDA only): the static path's captured graph of a one-position pass, replayed
+- ``replay`` (CUDA only): the paged path's captured graph of a one-position pass, replayed
   alone (what a runner can at least pay with graphs);
 - ``eager step`` and ``eager verify 4``: the built-in runner's whole work for a cloud-only
   step (an empty draft: one token of the target's own) and for a 4-token draft, on the
-  transformers backend (``run_verifications``: cache sync, forward, logits processing,
-  verification, rollback);
-- ``static step`` and ``static verify 4``: the same on the static path
-  (:mod:`spececd.backends.static`; graphs on CUDA).
+  transformers backend's own cache (``run_verifications``: cache sync, forward, logits
+  processing, verification, rollback);
+- ``paged step`` and ``paged verify 4``: the same on the runner's packed, paged path
+  (:mod:`spececd.backends.paged`);
+- ``fixed step`` and ``fixed verify 4``: the same on its fixed shapes (graphs on CUDA).
 
 The issue's target on a GPU: the runner's step at most 1.3x the bare forward replayed from a
 graph. Usage::
@@ -33,7 +34,7 @@ import torch
 
 from spececd.backends.base import Backend
 from spececd.backends.hf import HFBackend
-from spececd.backends.static import StaticBackend
+from spececd.backends.paged import PagedBackend
 from spececd.cloud.scheduler import run_verifications
 from spececd.core.params import Mode, SamplingParams
 from spececd.protocol.cloud_session import VerifyRequest
@@ -94,13 +95,14 @@ def main() -> None:
     hf.thread.call(bare)
     row["eager step"] = hf.thread.call(runner_step, hf, context, (), args.reps, cuda)
     row["eager verify 4"] = hf.thread.call(runner_step, hf, context, draft, args.reps, cuda)
-    static = StaticBackend(hf, max_context=max(512, args.context + 64))
-    row["static step"] = hf.thread.call(runner_step, static, context, (), args.reps, cuda)
-    row["static verify 4"] = hf.thread.call(runner_step, static, context, draft, args.reps,
-                                            cuda)
-    if static.graphs is not None:
-        graphs = static.graphs._graphs  # the one-position graph of the step's slot
-        graph = next(entry[0] for key, entry in graphs.items() if key[-1] == 1)
+    for name, fixed in (("paged", False), ("fixed", True)):
+        paged = PagedBackend(hf, max_context=max(512, args.context + 64), fixed=fixed)
+        row[f"{name} step"] = hf.thread.call(runner_step, paged, context, (), args.reps, cuda)
+        row[f"{name} verify 4"] = hf.thread.call(runner_step, paged, context, draft,
+                                                 args.reps, cuda)
+    if paged.graphs is not None:
+        graphs = paged.graphs._graphs  # the one-position graph of the step
+        graph = next(entry[0] for key, entry in graphs.items() if key[:2] == (1, 1))
         row["replay"] = median_ms(graph.replay, args.reps, cuda)
         row["graphs"] = len(graphs)
     print(json.dumps(row), flush=True)

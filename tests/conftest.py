@@ -119,8 +119,8 @@ SLOW_VARIANTS = frozenset({
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--static-path", action="store_true",
-                     help="serve every transformers target on the built-in runner's static "
-                     "path (spececd.backends.static), as on CUDA, to check that its output "
+                     help="serve every transformers target in the built-in runner's fixed "
+                     "shapes (spececd.backends.paged), as on CUDA, to check that its output "
                      "is the target's: in process and in `spececd serve` subprocesses")
 
 

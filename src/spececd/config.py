@@ -68,7 +68,7 @@ class ServerConfig:
     npu: bool = _RUNNER.npu  # whether device "npu" may use an NPU (else: the cpu, a notice)
     dtype: str = _RUNNER.dtype
     threads: int = _RUNNER.threads
-    static: str = _RUNNER.static  # the built-in runner's static path: auto, on, off
+    static: str = _RUNNER.static  # the built-in runner's fixed shapes (graphs): auto, on, off
     max_sessions: int = _POLICY.max_sessions
     max_context: int = _LIMITS.max_context
     max_draft: int = _LIMITS.max_draft

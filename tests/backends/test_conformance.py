@@ -3,16 +3,15 @@ logits a fresh forward pass over the same tokens gives.
 
 Runs over the torch-free toy backend (:mod:`tests.toy`, whose fresh pass is its slow
 reference ``ToyModel.forward``) and, where torch is installed, the transformers backend on
-tiny Llama, Qwen2 and GPT-2 models, and the built-in runner's static path
-(:mod:`spececd.backends.static`: KV slots, padded widths, gathered batches) on the same
-models, eager, as it runs off CUDA, and its packed, paged path
-(:mod:`spececd.backends.paged`); and the other runtimes on the tiny models converted
-(:func:`tests.backends.conftest.converted`), each skipped with the reason where it is not
-installed: llama.cpp (against a fresh llama.cpp pass), ONNX Runtime GenAI and OpenVINO
-(against a fresh transformers pass over the same weights). Those three run chains only:
-the tree tests skip them.
+tiny Llama, Qwen2 and GPT-2 models, and the built-in runner's packed, paged path
+(:mod:`spececd.backends.paged`: pages of one pool, rows packed in one forward) on the same
+models, as off CUDA and on the fixed shapes of CUDA graphs (``-fixed``), eagerly; and the
+other runtimes on the tiny models converted (:func:`tests.backends.conftest.converted`),
+each skipped with the reason where it is not installed: llama.cpp (against a fresh
+llama.cpp pass), ONNX Runtime GenAI and OpenVINO (against a fresh transformers pass over
+the same weights). Those three run chains only: the tree tests skip them.
 
-The transformers backend and its static path also run in bfloat16 (``-bfloat16``), the dtype
+The transformers backend and its paged path also run in bfloat16 (``-bfloat16``), the dtype
 ``--dtype auto`` gives a bfloat16 model on a CPU with AMX, against a fresh bfloat16 pass
 (:data:`BF16_TOLERANCE`).
 
@@ -39,7 +38,7 @@ from tests.toy import ToyBackend, ToyModel
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 # bfloat16 against a fresh bfloat16 pass: measured at most 0.031 (one bfloat16 step at
-# logits of 4 to 8) on the tiny models, eager and static; four steps allowed. A cache read
+# logits of 4 to 8) on the tiny models, eager and paged; four steps allowed. A cache read
 # stale or out of place differs by whole logits.
 BF16_TOLERANCE = 0.125
 
@@ -66,21 +65,17 @@ CONVERTED = ["llama.cpp-llama", "onnx-llama", "onnx-qwen2", "openvino-llama",
              "openvino-qwen2"]
 
 
-# The static path as off CUDA (eager, slots, padded widths), and with the fixed shapes that
-# CUDA graphs are captured for (whole slots, padded batches), eagerly.
-STATIC = [*(f"{arch}-static" for arch in ARCHS), "llama-static-fixed"]
-
-
-# The packed, paged path (what the built-in runner runs a transformers target on off CUDA).
-PAGED = [f"{arch}-paged" for arch in ARCHS]
+# The built-in runner's packed, paged path, as off CUDA, and with the fixed shapes that CUDA
+# graphs are captured for (padded rows and widths, whole contexts), eagerly.
+PAGED = [*(f"{arch}-paged" for arch in ARCHS), "llama-paged-fixed", "gpt2-paged-fixed"]
 
 
 # In bfloat16, the dtype ``--dtype auto`` runs a bfloat16 model in on a CPU with AMX (and on
 # a GPU): against a fresh bfloat16 pass (BF16_TOLERANCE).
-BF16 = ["llama-bfloat16", "llama-static-bfloat16", "llama-paged-bfloat16"]
+BF16 = ["llama-bfloat16", "llama-paged-bfloat16", "llama-paged-fixed-bfloat16"]
 
 
-@pytest.fixture(params=["toy", *ARCHS, *STATIC, *PAGED, *CONVERTED, *BF16])
+@pytest.fixture(params=["toy", *ARCHS, *PAGED, *CONVERTED, *BF16])
 def subject(request: pytest.FixtureRequest) -> Subject:
     if request.param == "toy":
         toy = ToyBackend(ToyModel(seed=5))
@@ -105,22 +100,16 @@ def subject(request: pytest.FixtureRequest) -> Subject:
             return Subject(backend, fresh_llama, trees=False)
         return Subject(backend, transformers_fresh(tiny_models[name]), trees=False)
     name, bf16 = request.param.removesuffix("-bfloat16"), request.param.endswith("-bfloat16")
-    arch, _, static = name.partition("-")
+    arch, _, path = name.partition("-")
     dtype = "bfloat16" if bf16 else "float32"
     backend = load_backend(str(tiny_models[arch]), device="cpu", dtype=dtype)
     model = backend.model  # type: ignore[attr-defined]
-    if static == "paged":
+    if path:
         from spececd.backends.hf import HFBackend
         from spececd.backends.paged import PagedBackend
 
         assert isinstance(backend, HFBackend)
-        backend = PagedBackend(backend, max_context=200)
-    elif static:
-        from spececd.backends.hf import HFBackend
-        from spececd.backends.static import StaticBackend
-
-        assert isinstance(backend, HFBackend)
-        backend = StaticBackend(backend, max_context=200, fixed=static == "static-fixed")
+        backend = PagedBackend(backend, max_context=200, fixed=path == "paged-fixed")
 
     def fresh(tokens: list[int]) -> np.ndarray:
         with torch.no_grad():

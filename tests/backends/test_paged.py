@@ -1,6 +1,7 @@
 """The packed, paged path's own logic, on the CPU (:mod:`spececd.backends.paged`): rows of
-every width packed in one pass, pages taken and given back, a capped pool that refuses
-what it cannot hold and an uncapped one that grows, and three planted bugs (a page given
+every width packed in one pass, the fixed shapes of CUDA graphs (run eagerly here), pages
+taken and given back, a capped pool that refuses what it cannot hold and an uncapped one
+that grows, and three planted bugs (a page given
 to two sequences, a row that reads past its length after a rollback, a page left dirty by
 its last owner) that the checks here catch. That its logits equal a fresh forward's over
 random extends, truncations and trees is the conformance suite's
@@ -24,7 +25,14 @@ torch = pytest.importorskip("torch")
 
 from spececd.backends import paged  # noqa: E402
 from spececd.backends.hf import HFBackend  # noqa: E402
-from spececd.backends.paged import PAGE, PagedBackend, PagePool, PoolFull  # noqa: E402
+from spececd.backends.paged import (  # noqa: E402
+    BATCHES,
+    PAGE,
+    WIDTHS,
+    PagedBackend,
+    PagePool,
+    PoolFull,
+)
 from spececd.cloud.builtin import pool_pages, runner_path  # noqa: E402
 
 
@@ -83,6 +91,60 @@ def test_rows_of_every_width_go_in_one_pass_and_give_what_separate_extends_give(
         expected = alone.extend(ids, len(ids), tree)
         assert np.abs(logits - expected).max() < LOGIT_TOLERANCE
     assert interleaved_worst(backend, hf) < LOGIT_TOLERANCE
+
+
+def test_fixed_shapes_pad_rows_and_widths_and_read_whole_contexts(hf: HFBackend) -> None:
+    """The shapes graphs are captured for, run eagerly here: three rows padded to four
+    (a padding row sees only page 0), each row padded to the narrowest width that holds
+    the widest, every row reading the whole context's pages (past each row's length,
+    what earlier passes left), a tree among them; then a lone row, a pass of more rows
+    than any fixed size and a prefill wider than any fixed width (eager, their own
+    shapes). Each row's logits are a fresh forward's."""
+    fixed = PagedBackend(hf, max_context=160, fixed=True)
+    assert fixed.fixed and fixed.padded and fixed.graphs is None  # no CUDA: shapes only
+    assert fixed._shape([30, 5, 12], [3, 1, 3]) == (4, 8, 10)
+    assert fixed._shape([0], [100]) == (1, 100, 10)  # a long prefill: its own width
+    assert fixed._shape([0] * 9, [1] * 9) == (9, 1, 10)  # more rows than BATCHES
+    assert BATCHES[-1] == 8 and WIDTHS[-1] == 64
+    rng = np.random.default_rng(2)
+    streams = [tokens(rng, 40, hf.vocab_size) for _ in range(3)]
+    sequences = [fixed.new_sequence() for _ in streams]
+    for sequence, stream, cached in zip(sequences, streams, (30, 5, 12), strict=True):
+        sequence.extend(stream[:cached], keep=0)
+    for round_ in range(2):
+        parents = [-1, 0, 0] if round_ else None  # a tree in the second batch
+        items = [Extend(sequences[0], streams[0][30 + 3 * round_:33 + 3 * round_], 3),
+                 Extend(sequences[1], [streams[1][5 + round_]], 1),
+                 Extend(sequences[2], streams[2][12 + 3 * round_:15 + 3 * round_], 3,
+                        parents)]
+        for item, logits in zip(items, fixed.extend_batch(items), strict=True):
+            expected = hf.new_sequence()
+            context = item.sequence.tokens[:len(item.sequence.tokens) - len(item.ids)]
+            expected.extend(context, 0)
+            assert difference(logits, expected.extend(item.ids, 3 if len(item.ids) == 3
+                                                      else 1, item.parents)) < LOGIT_TOLERANCE
+    lone = sequences[1].extend([7, 8])
+    assert difference(lone, fresh(hf, sequences[1].tokens)[-2:]) < LOGIT_TOLERANCE
+    many = [fixed.new_sequence() for _ in range(9)]
+    for sequence, logits in zip(many, fixed.extend_batch(
+            [Extend(sequence, [4 + i, 5], 1) for i, sequence in enumerate(many)]), strict=True):
+        assert difference(logits, fresh(hf, sequence.tokens)[-1:]) < LOGIT_TOLERANCE
+    prompt = tokens(rng, 100, hf.vocab_size)
+    assert difference(fixed.new_sequence().extend(prompt, 1), fresh(hf, prompt)[-1:]) < \
+        LOGIT_TOLERANCE
+    assert interleaved_worst(fixed, hf) < LOGIT_TOLERANCE
+
+
+def test_a_trees_accepted_path_is_copied_to_the_front(hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200)
+    sequence = backend.new_sequence()
+    sequence.extend(list(range(3, 3 + PAGE - 2)), keep=0)  # the tree crosses a page
+    sequence.extend([20, 21, 22, 23], parents=[-1, -1, 1, 2])  # 20 | 21 -> 22 -> 23
+    sequence.select(PAGE - 2, [PAGE - 1, PAGE])  # keep 21 and 22
+    assert sequence.tokens == [*range(3, 3 + PAGE - 2), 21, 22]
+    logits = sequence.extend([30])
+    assert difference(logits, fresh(hf, [*range(3, 3 + PAGE - 2), 21, 22, 30])[-1:]) < \
+        LOGIT_TOLERANCE
 
 
 def test_pages_are_taken_as_a_sequence_grows_and_given_back(hf: HFBackend) -> None:
@@ -179,6 +241,9 @@ def test_the_runner_runs_a_transformers_target_on_the_paged_path_off_cuda(
     page_bytes = PAGE * hf.kv_bytes_per_token
     assert chosen.pool.pages - 1 == pool_pages(config, hf.kv_bytes_per_token, PAGE) == \
         (1 << 20) // page_bytes + 64 // PAGE + 4
-    assert isinstance(runner_path(hf, RunnerConfig(static="off"), 300), PagedBackend)
-    assert not runner_path(hf, RunnerConfig(), 300).pool.capped  # type: ignore[attr-defined]
-    assert runner_path(hf, RunnerConfig(static="on"), 300).name == "hf-static"
+    assert not chosen.fixed  # fixed shapes are CUDA's (graphs)
+    off, auto = (runner_path(hf, RunnerConfig(static=static), 300) for static in ("off", "auto"))
+    assert isinstance(off, PagedBackend) and isinstance(auto, PagedBackend)
+    assert not off.fixed and not auto.fixed and not auto.pool.capped
+    on = runner_path(hf, RunnerConfig(static="on"), 300)
+    assert isinstance(on, PagedBackend) and on.fixed

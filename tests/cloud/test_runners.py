@@ -2,8 +2,9 @@
 cloud-only generation (no hint, a right hint, a wrong one) with the target's own greedy
 tokens, ends a generation at its limit, and frees what it holds for a session.
 
-Runners: the built-in one over the toy target, over a tiny Llama eager and on the static
-path (:mod:`spececd.backends.static`, eager as off CUDA), a scripted runner with a
+Runners: the built-in one over the toy target, over a tiny Llama on its packed, paged path
+(:mod:`spececd.backends.paged`) as off CUDA and in the fixed shapes of CUDA graphs (eager
+here), a scripted runner with a
 generation of its own (stepping as vLLM's does: the hint's agreeing tokens and one more),
 and vLLM where installed (slow: its engine takes half a minute to start).
 """
@@ -102,7 +103,7 @@ class ScriptedRunner(BuiltinRunner):
 
 
 TOY_PROMPT = (5, 17, 42, 99, 3)
-KINDS = ["builtin-toy", "builtin-llama", "builtin-llama-static", "scripted-toy",
+KINDS = ["builtin-toy", "builtin-llama", "builtin-llama-fixed", "scripted-toy",
          pytest.param("vllm", marks=pytest.mark.slow)]
 
 
@@ -148,9 +149,10 @@ def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
     tiny: dict[str, Path] = request.getfixturevalue("tiny_models")
     reference = HFBackend(str(tiny["llama"]), device="cpu", dtype="float32")
     config = RunnerConfig(device="cpu", dtype="float32",
-                          static="on" if kind.endswith("static") else "off")
+                          static="on" if kind.endswith("fixed") else "off")
     runner = runners.start("builtin", str(tiny["llama"]), config, Limits(), Metrics())
-    assert ("static KV" in runner.target.description) == kind.endswith("static")
+    assert "paged KV" in runner.target.description
+    assert ("fixed shapes" in runner.target.description) == kind.endswith("fixed")
     prompt = tuple(reference.tokenizer.encode("def main(") or [1, 2, 3])
     yield Subject(runner, backend_greedy(reference), prompt)
     runner.close()

@@ -13,7 +13,7 @@ thread has no team, so it gets a thread of its own (:func:`model_thread`): a dra
 target of one thread each then run side by side on two cores, a draft step beside a
 verification pass of another session.
 
-This module and its static path (:mod:`spececd.backends.static`) are the only ones that
+This module and the runner's paged path (:mod:`spececd.backends.paged`) are the only ones that
 import torch and transformers for inference.
 """
 

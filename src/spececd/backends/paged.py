@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,10 @@ from spececd.errors import InputError
 log = logging.getLogger(__name__)
 
 PAGE = 16  # tokens a page holds
+# Fixed shapes (CUDA graphs): the widths a pass's rows are padded to (a cloud-only step is
+# one position) and the batch sizes its rows are padded to; larger passes run eagerly.
+WIDTHS = (1, 8, 16, 32, 64)
+BATCHES = (1, 2, 4, 8)
 INITIAL_PAGES = 64  # an uncapped pool's first size (it doubles when full)
 IMPLEMENTATION = "spececd_paged"  # the name paged_attention is registered under
 
@@ -279,15 +283,16 @@ class PagedBackend(Backend):
     layers all attend to the whole context) on the packed, paged path; see the module
     docstring. ``max_context``: the longest context a sequence takes (the server's limit;
     the model's own if shorter). ``pages``: the pool's size, allocated at once (0: no cap,
-    the pool grows)."""
+    the pool grows). ``fixed``: passes of a few fixed shapes (default: on CUDA), replayed
+    from CUDA graphs where ``graphs`` (on CUDA only)."""
 
     name = "hf-paged"
     tree_attention = True
-    padded = False
     kv_block = PAGE
     thread: ModelThread
 
-    def __init__(self, hf: HFBackend, max_context: int, pages: int = 0) -> None:
+    def __init__(self, hf: HFBackend, max_context: int, pages: int = 0,
+                 fixed: bool | None = None, graphs: bool = True) -> None:
         if not hf.full_attention:
             raise InputError("the paged path runs models whose every layer attends to the "
                              "whole context; this one has sliding windows")
@@ -297,8 +302,15 @@ class PagedBackend(Backend):
         self.kv_bytes_per_token = hf.kv_bytes_per_token
         self.pool = PagePool(hf.kv_shape, self.model.dtype, self.device,
                              (pages or INITIAL_PAGES) + 1, capped=bool(pages))
+        cuda = self.device.type == "cuda"
+        # Fixed shapes: on CUDA, for graphs; a test may ask for them elsewhere, to run their
+        # logic on a CPU. A pass of fixed shapes computes rows x its widest row.
+        self.fixed = self.padded = cuda if fixed is None else fixed
+        self.graphs = Graphs() if graphs and cuda and self.fixed else None
+        self.whole = -(-self.max_context // PAGE)  # pages a row reads on fixed shapes
         size = f"a pool of {pages} pages" if pages else "a pool that grows"
-        self.description = f"{hf.description}, paged KV ({PAGE}-token pages, {size})"
+        shapes = ", CUDA graphs" if self.graphs else ", fixed shapes" if self.fixed else ""
+        self.description = f"{hf.description}, paged KV ({PAGE}-token pages, {size}{shapes})"
         self._configs = {id(c): c for c in (self.model.config,
                                             self.model.config.get_text_config(decoder=True))}
 
@@ -337,28 +349,46 @@ class PagedBackend(Backend):
         self.pool.check(needed)  # before any sequence holds more
         for sequence, length, n in zip(own, lengths, counts, strict=True):
             sequence.reserve(length + n)
-        packed, positions, kept = self._layout(items, own, lengths, counts)
-        ids = torch.tensor([[t for item in items for t in item.ids]], device=self.device)
-        logits = self.forward_packed(packed, ids, positions, kept)  # [kept, vocab]
-        results, start = [], 0
-        for sequence, item in zip(own, items, strict=True):
+        shape = self._shape(lengths, counts)
+        inputs, firsts = self._layout(items, own, lengths, shape)
+        if self.graphs is not None and shape[1] in WIDTHS and shape[0] in BATCHES:
+            logits = self.graphs.run((*shape, self.pool.data.data_ptr()), inputs, self._run)
+        else:
+            logits = self._run(inputs)  # [kept, vocab]
+        results = []
+        for sequence, item, first in zip(own, items, firsts, strict=True):
             sequence._tokens.extend(int(t) for t in item.ids)
-            results.append(self.hf.valid(logits[start:start + item.keep]))
-            start += item.keep
+            results.append(self.hf.valid(logits[first:first + item.keep]))
         return results
 
-    def forward_packed(self, packed: PackedPass, ids: torch.Tensor, positions: torch.Tensor,
-                       kept: torch.Tensor) -> torch.Tensor:
-        """The logits ``[kept, vocab]`` of the model's forward over the packed tokens
-        ``ids`` ``[1, tokens]`` at ``positions`` ``[1, tokens]``, its attention
-        ``packed``'s, at the packed indices ``kept``."""
+    def _shape(self, lengths: list[int], counts: list[int]) -> tuple[int, int, int]:
+        """A pass's rows, widest row and pages a row reads: as they are, or on fixed shapes
+        the narrowest of :data:`BATCHES` and :data:`WIDTHS` that hold them (else their
+        own: an eager pass) and the whole context."""
+        rows, widest = len(counts), max(counts)
+        if not self.fixed:
+            return rows, widest, max(-(-(length + n) // PAGE)
+                                     for length, n in zip(lengths, counts, strict=True))
+        return (next((size for size in BATCHES if size >= rows), rows),
+                next((width for width in WIDTHS if width >= widest), widest), self.whole)
+
+    def _run(self, inputs: dict[str, torch.Tensor],
+             attention: type[PackedPass] | None = None) -> torch.Tensor:
+        """The logits ``[kept, vocab]`` of the model's forward over one pass's ``inputs``
+        (:meth:`_layout`), its attention :meth:`PackedPass.attend` (``attention``'s: a
+        benchmark's, scripts/pass-cost.py)."""
+        rows, _, widest, _ = inputs["mask"].shape
+        packed = (attention or PackedPass)(self.pool, inputs["writes"], inputs["reads"],
+                            inputs.get("queries"), inputs.get("cells"), inputs["mask"], rows,
+                            widest)
         _CURRENT.packed = packed
         saved = {key: config._attn_implementation for key, config in self._configs.items()}
         try:
             for config in self._configs.values():
                 config._attn_implementation = IMPLEMENTATION
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=packed.mask,
-                             logits_to_keep=kept, use_cache=False)
+            out = self.model(input_ids=inputs["ids"], position_ids=inputs["positions"],
+                             attention_mask=packed.mask, logits_to_keep=inputs["kept"],
+                             use_cache=False)
         finally:
             for key, config in self._configs.items():
                 config._attn_implementation = saved[key]
@@ -367,38 +397,101 @@ class PagedBackend(Backend):
         return logits
 
     def _layout(self, items: Sequence[Extend], own: list[PagedSequence], lengths: list[int],
-                counts: list[int]) -> tuple[PackedPass, torch.Tensor, torch.Tensor]:
-        """The pass's layout, the packed tokens' positions ``[1, tokens]`` and the packed
-        indices whose logits are kept."""
-        rows, widest = len(items), max(counts)
-        pages = max(len(sequence.pages) for sequence in own)
+                shape: tuple[int, int, int]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """A pass's inputs (:meth:`_run`), and where each item's kept logits begin. Each
+        row takes its own tokens in the packed row, or, on fixed shapes, ``widest`` of them
+        (the rest, and padding rows', padding: token 0, written to page 0, seeing its
+        row's first position only, its logits dropped)."""
+        rows, widest, pages = shape
         reads = np.zeros((rows, pages), dtype=np.int64)
         allowed = np.zeros((rows, widest, pages * PAGE), dtype=bool)
         allowed[:, :, 0] = True  # a padding query sees a key (else its softmax is NaN)
-        writes, positions, queries, cells, kept = [], [], [], [], []
-        start = 0
-        for i, (item, sequence, length, n) in enumerate(zip(items, own, lengths, counts,
-                                                            strict=True)):
+        spans = [widest if self.fixed else len(item.ids) for item in items]
+        total = rows * widest if self.fixed else sum(spans)
+        ids = np.zeros(total, dtype=np.int64)
+        writes, positions = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
+        queries, cells, kept, firsts = [], [], [], []
+        start = done = 0  # the row's first token; the logits kept before it
+        for i, (item, sequence, length, span) in enumerate(zip(items, own, lengths, spans,
+                                                               strict=True)):
+            n = len(item.ids)
             reads[i, :len(sequence.pages)] = sequence.pages
-            writes.append(slots(sequence.pages, np.arange(length, length + n)))
-            visible, at = attends(length, n, item.parents)
+            ids[start:start + n] = item.ids
+            writes[start:start + n] = slots(sequence.pages, np.arange(length, length + n))
+            visible, positions[start:start + n] = attends(length, n, item.parents)
             allowed[i, :n, :visible.shape[1]] = visible
-            positions.append(at)
             queries.append(np.concatenate([np.arange(start, start + n),
                                            np.zeros(widest - n, dtype=np.int64)]))
             cells.append(np.arange(i * widest, i * widest + n))
+            firsts.append(start + n - item.keep if self.fixed else done)
+            done += item.keep
             kept.append(np.arange(start + n - item.keep, start + n))
-            start += n
+            start += span
         device, dtype = self.device, self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype)
         mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(dtype).min)
-        uniform = min(counts) == widest  # every row as wide: the grid is the packed tokens
 
-        def tensor(parts: list[np.ndarray]) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(parts)).to(device)
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
 
-        packed = PackedPass(self.pool, tensor(writes), torch.from_numpy(reads.ravel()).to(device),
-                            None if uniform else tensor(queries),
-                            None if uniform else tensor(cells),
-                            mask[:, None].to(device), rows, widest)
-        return packed, tensor(positions)[None], tensor(kept)
+        inputs = {"ids": tensor(ids)[None], "positions": tensor(positions)[None],
+                  "writes": tensor(writes), "reads": tensor(reads.ravel()),
+                  "mask": mask[:, None].to(device),
+                  "kept": tensor(np.arange(total) if self.fixed else np.concatenate(kept))}
+        if not self.fixed and min(len(item.ids) for item in items) < widest:
+            inputs["queries"] = tensor(np.concatenate(queries))
+            inputs["cells"] = tensor(np.concatenate(cells))
+        return inputs, firsts
+
+
+Run = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+class Graphs:
+    """CUDA graphs of a pass's forward, one per shape key, captured on first use: the
+    inputs are copied into the graph's own tensors, the graph replayed, its logits copied
+    out. The pool a graph reads and writes is part of its key (a pool that grew is a new
+    tensor: its graphs are captured anew, the old ones dropped)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[int, ...], tuple[Any, dict[str, torch.Tensor],
+                                                  torch.Tensor]] = {}
+        self._failed: set[tuple[int, ...]] = set()
+        self._pool: Any = None  # one memory pool for every graph: they never run at once
+
+    def run(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor],
+            run: Run) -> torch.Tensor:
+        """``run(inputs)``, replayed from the graph of ``key``."""
+        if key in self._failed:
+            return run(inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            self._graphs = {k: v for k, v in self._graphs.items() if k[-1] == key[-1]}
+            try:
+                entry = self._graphs[key] = self._capture(inputs, run)
+            except Exception as exc:  # that shape stays eager
+                log.warning("could not capture a CUDA graph for %s (%s): it runs eagerly",
+                            key[:-1], exc)
+                self._failed.add(key)
+                return run(inputs)
+        graph, static_inputs, logits = entry
+        for name, tensor in inputs.items():
+            static_inputs[name].copy_(tensor)
+        graph.replay()
+        return logits.clone()
+
+    def _capture(self, inputs: dict[str, torch.Tensor],
+                 run: Run) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+        static_inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up passes, as capture requires; they write
+            for _ in range(2):  # the pages the real pass writes next
+                run(static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = run(static_inputs)
+        return graph, static_inputs, logits

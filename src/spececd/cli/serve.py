@@ -36,9 +36,9 @@ def add_parser(sub: Any) -> None:
                    "llama.cpp, batched here) or vLLM's engine in this process (install it "
                    f"with scripts/install-vllm.sh) (default: {d.engine})")
     e.add_argument("--static", choices=["auto", "on", "off"],
-                   help="built-in engine, transformers target: keep the KV cache in slots "
-                   "allocated once and pad passes to a few widths, replayed from CUDA graphs "
-                   "on a GPU (auto: on CUDA only; on a CPU it measured slower) "
+                   help="built-in engine, transformers target: run its packed, paged "
+                   "passes in a few fixed shapes, replayed from CUDA graphs on a GPU (auto: "
+                   "on CUDA only; on a CPU they only add padding) "
                    f"(default: {d.static})")
     e.add_argument("--tensor-parallel-size", type=int,
                    help="vLLM: split the target over this many devices (default: 1)")

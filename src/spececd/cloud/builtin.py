@@ -58,30 +58,28 @@ STATIC = ("auto", "on", "off")
 
 
 def runner_path(backend: Backend, config: RunnerConfig, max_context: int) -> Backend:
-    """``backend`` as the built-in runner runs it. A transformers model: on the static path
-    (:mod:`spececd.backends.static`: slots, CUDA graphs) where ``config.static`` says
-    (``on``; ``auto`` on CUDA only: on the CPU it measured slower, docs/deploy/gpu.md),
-    else on the packed, paged path (:mod:`spececd.backends.paged`, its pool of
-    ``config.max_kv_bytes``) where every layer attends to the whole context, else as it
-    is (a sliding-window model extends a batch item by item). Any other runtime as it
-    is."""
+    """``backend`` as the built-in runner runs it. A transformers model whose every layer
+    attends to the whole context: on the packed, paged path (:mod:`spececd.backends.paged`,
+    its pool of ``config.max_kv_bytes``), on fixed shapes replayed from CUDA graphs where
+    ``config.static`` says (``on``; ``auto`` on CUDA only); another (sliding windows) as it
+    is, a batch item by item. Any other runtime as it is."""
     static = config.static
     if static not in STATIC:
         raise InputError(f"static must be one of {', '.join(STATIC)}, got {static!r}")
     if backend.name == "hf":  # torch and transformers are installed
         from spececd.backends.hf import HFBackend
 
-        if isinstance(backend, HFBackend):
-            if static == "on" or (static == "auto" and backend.device.type == "cuda"):
-                from spececd.backends.static import StaticBackend
+        if isinstance(backend, HFBackend) and backend.full_attention:
+            from spececd.backends.paged import PagedBackend
 
-                return StaticBackend(backend, max_context)
-            if backend.full_attention:
-                from spececd.backends.paged import PagedBackend
-
-                return PagedBackend(backend, max_context, pool_pages(
-                    config, backend.kv_bytes_per_token, PagedBackend.kv_block))
-            return backend
+            fixed = static == "on" or (static == "auto" and backend.device.type == "cuda")
+            return PagedBackend(backend, max_context, pool_pages(
+                config, backend.kv_bytes_per_token, PagedBackend.kv_block), fixed=fixed)
+        if isinstance(backend, HFBackend) and static == "on":
+            raise InputError("fixed shapes (--static on) run models whose every layer "
+                             "attends to the whole context, and this one has sliding "
+                             "windows: leave --static at auto or off")
+        return backend
     if static == "on":
         raise InputError(f"the static path runs transformers models only, and this target "
                          f"runs on {backend.name}: leave --static at auto or off")

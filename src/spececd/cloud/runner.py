@@ -3,11 +3,11 @@
 The service (:mod:`spececd.cloud.service`) owns links, sessions, limits, draining, metrics
 and the one stream-generation loop; a runner owns only model work. Runners are found by
 name in :mod:`spececd.cloud.runners`: :class:`~spececd.cloud.builtin.BuiltinRunner` (a
-backend in this process, sessions batched into one forward pass; on a GPU its static path,
-:mod:`spececd.backends.static`) and :class:`~spececd.cloud.vllm.VllmRunner` (vLLM's
-engine). The service calls a runner; a runner never calls the service back, and never
-writes into a session: it returns what a pass or a step produced (:class:`Pass`,
-:class:`EngineStep`) and the service records it.
+backend in this process, sessions batched into one packed forward pass over KV pages,
+:mod:`spececd.backends.paged`, in fixed shapes replayed from CUDA graphs on a GPU) and
+:class:`~spececd.cloud.vllm.VllmRunner` (vLLM's engine). The service calls a runner; a
+runner never calls the service back, and never writes into a session: it returns what a
+pass or a step produced (:class:`Pass`, :class:`EngineStep`) and the service records it.
 
 A runner keeps what it holds for a session (a KV cache, a request) under the session's id
 and frees it on :meth:`ModelRunner.forget`. Every failure of model work is a
@@ -29,15 +29,15 @@ from spececd.protocol.cloud_session import GenerateRequest, VerifyRequest
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How the target runs, resolved once from ``[server]`` settings and flags: where
-    (``device``, ``dtype``, ``threads``: 0 for the runner's choice, ``npu``), how many
-    sessions one pass verifies at most (``max_batch``), the KV bytes held across sessions
-    at most (``max_kv_bytes``, 0: no cap; the built-in runner), the built-in runner's static
-    path (``static``: ``auto`` on a GPU only, ``on``, ``off``), the positions one pass
-    computes at most (``token_budget``: ``auto``, learned from what passes cost and bounded
-    by ``pass_latency_ms``; ``off``: everything queued in one pass; or a number; see
-    :mod:`spececd.core.budget`), the positions any pass computes whatever the budget
-    (``max_batched_tokens``: prompts past it go in chunks) and vLLM's own settings."""
+    """How the target runs, resolved once from ``[server]`` settings and flags: where (``device``,
+    ``dtype``, ``threads``: 0 for the runner's choice, ``npu``), how many sessions one pass
+    verifies at most (``max_batch``), the KV bytes held across sessions at most
+    (``max_kv_bytes``, 0: no cap; the built-in runner), the built-in runner's fixed shapes
+    and CUDA graphs (``static``: ``auto`` on a GPU only, ``on``, ``off``), the positions
+    one pass computes at most (``token_budget``: ``auto``, learned from what passes cost
+    and bounded by ``pass_latency_ms``; ``off``: everything queued in one pass; or a
+    number; see :mod:`spececd.core.budget`), the positions any pass computes whatever the
+    budget (``max_batched_tokens``: prompts past it go in chunks) and vLLM's own settings."""
 
     device: str = "auto"
     dtype: str = "auto"
