@@ -128,10 +128,24 @@ def test_the_pass_cost_fit_recovers_rows_and_positions() -> None:
     assert cost.positions_within(10, 0.074) == 100
     # A device full of rows: a pass may take HEADROOM times their tokens alone.
     assert cost.budget(64, 0.01) == cost.positions_within(64, HEADROOM * cost.predict(64, 64))
+    assert cost.error < 1e-3  # the costs are the fit's own line
     flat = PassCost()
     for rows in range(1, 10):
         flat.update(rows, 5 * rows, 0.01)  # positions cost nothing: no budget
     assert flat.per_position == 0 and flat.budget(9, 0.005) is None
+
+
+def test_the_fits_error_is_how_far_off_its_predictions_were() -> None:
+    """Costs the fit's line misses (a context term it does not have: here each pass costs
+    alternately 20% more and 20% less than rows and positions say) show as its error."""
+    cost = PassCost()
+    rng = np.random.default_rng(1)
+    assert cost.error == 0  # nothing predicted yet
+    for i in range(200):
+        rows, positions = int(rng.integers(1, 64)), int(rng.integers(1, 600))
+        line = 0.004 + 0.002 * rows + 0.0005 * positions
+        cost.update(rows, positions, line * (1.2 if i % 2 else 0.8))
+    assert 0.15 < cost.error < 0.3
 
 
 def test_one_stalled_pass_does_not_hold_the_budget_down_but_a_lasting_change_moves_it(

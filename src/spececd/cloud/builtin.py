@@ -112,6 +112,7 @@ class BuiltinRunner:
         self.backend = self.target = backend
         self.metrics = metrics
         self.max_kv_bytes = config.max_kv_bytes
+        metrics.pass_cost_error.set_function(lambda: self.scheduler.cost.error)
         metrics.kv_pages_used.set_function(lambda: backend.kv_pages()[0])
         metrics.kv_pages_free.set_function(lambda: backend.kv_pages()[1])
         self._own_executor = backend.thread is None
@@ -229,7 +230,7 @@ class BuiltinRunner:
                                  "per_row": round((cost.predict(1, 0) - cost.predict(0, 0))
                                                   * 1e3, 3),
                                  "per_position": round(cost.per_position * 1e3, 3),
-                                 "passes": cost.passes},
+                                 "passes": cost.passes, "fit_error": round(cost.error, 3)},
                 "token_budget": budget}
 
     def close(self) -> None:

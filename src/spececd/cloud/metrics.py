@@ -31,6 +31,9 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
 - ``spececd_errors_total{code}``: typed errors answered, by code;
 - ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
+- ``spececd_pass_cost_fit_error``: how far the token budget's fit of a pass's cost from its
+  rows and positions was off, ``|actual - predicted| / actual``, weighted toward recent
+  passes (0 until it is fitted; the built-in runner).
 - ``spececd_kv_pages_used``, ``spececd_kv_pages_free``: the built-in runner's KV page pool
   (:mod:`spececd.backends.paged`; both 0 on a runtime without one).
 """
@@ -101,6 +104,9 @@ class Metrics:
         self._goodput = 0.0
         self.active_sessions = Gauge("spececd_active_sessions", "Open sessions", registry=r)
         self.kv_bytes = Gauge("spececd_kv_bytes", "Bytes held in KV caches", registry=r)
+        self.pass_cost_error = Gauge(
+            "spececd_pass_cost_fit_error",
+            "Mean |actual - predicted| / actual of the token budget's pass-cost fit", registry=r)
         self.kv_pages_used = Gauge("spececd_kv_pages_used",
                                    "Pages of the KV page pool held by sessions", registry=r)
         self.kv_pages_free = Gauge("spececd_kv_pages_free",

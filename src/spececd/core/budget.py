@@ -86,18 +86,22 @@ class PassCost:
     """A pass's seconds against its rows and positions, ``base + per_row * rows +
     per_position * positions``, by least squares over passes weighted by ``decay`` per
     pass (the newest weighs most). Coefficients are never negative: one that fits negative
-    is left out and the rest refitted."""
+    is left out and the rest refitted. ``error``: how far off its predictions were."""
 
     decay: float = 0.97
     passes: int = 0
     _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _coef: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _errors: np.ndarray = field(default_factory=lambda: np.zeros(2))  # sum, weight
 
     def update(self, rows: int, positions: int, seconds: float) -> None:
         """Fold in one pass of ``rows`` sessions computing ``positions`` positions (at most
         :data:`OUTLIER` times what the fit predicts, once fitted)."""
         if self.fitted and (predicted := self.predict(rows, positions)) > 0:
+            if seconds > 0:
+                self._errors = self.decay * self._errors + (abs(seconds - predicted) / seconds,
+                                                            1.0)
             seconds = min(seconds, OUTLIER * predicted)
         x = np.array([1.0, rows, positions])
         self._xx = self.decay * self._xx + np.outer(x, x)
@@ -132,6 +136,13 @@ class PassCost:
         rows_var, positions_var, both = cov[0, 0], cov[1, 1], cov[0, 1]
         apart = positions_var - (both * both / rows_var if rows_var > 1e-9 else 0.0)
         return bool(apart >= MIN_SPREAD)
+
+    @property
+    def error(self) -> float:
+        """The fit's mean |seconds - predicted| / seconds over the passes since it was
+        fitted (weighted as the fit is; 0 before)."""
+        total, weight = self._errors
+        return float(total / weight) if weight else 0.0
 
     @property
     def per_row(self) -> float:
