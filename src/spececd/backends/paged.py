@@ -39,6 +39,7 @@ pass as the sum of its rows' positions (``padded`` is False).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -93,7 +94,11 @@ class PagePool:
 
     def _tensor(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         layers, heads, dim = self.kv_shape
-        return torch.zeros((2, layers, pages, PAGE, heads, dim), dtype=dtype, device=device)
+        # A normal tensor even when made in a pass (under inference mode), so that it may be
+        # written outside one too.
+        with torch.inference_mode(False):
+            return torch.zeros((2, layers, pages, PAGE, heads, dim), dtype=dtype,
+                               device=device)
 
     @property
     def pages(self) -> int:
@@ -228,6 +233,7 @@ class PackedPass:
     PAGE]``."""
 
     pool: PagePool
+    scratch: torch.Tensor  # flat, room for one layer's keys and values as read
     writes: torch.Tensor
     reads: torch.Tensor
     queries: torch.Tensor | None
@@ -243,12 +249,17 @@ class PackedPass:
         tokens'); returns ``[1, tokens, heads, head_dim]``."""
         data = self.pool.data
         width = data.shape[3] * (self.reads.shape[0] // self.rows)  # positions a row reads
+        shape = (self.reads.shape[0], *data.shape[3:])  # [rows * pages, PAGE, ...]
+        size = math.prod(shape)
         attended = []
         for kind, new in ((0, key), (1, value)):
             pages = data[kind, layer]  # [pages, PAGE, kv_heads, head_dim]
             flat = pages.view(-1, *pages.shape[2:])
             flat.index_copy_(0, self.writes, new[0].transpose(0, 1))
-            read = pages.index_select(0, self.reads)  # [rows * pages, PAGE, ...]
+            # Into the backend's scratch: a fresh tensor each layer came as fresh pages from
+            # the kernel, and faulting them in cost ten times the copy.
+            read = self.scratch[kind * size:(kind + 1) * size].view(shape)
+            torch.index_select(pages, 0, self.reads, out=read)
             attended.append(read.view(self.rows, width, *pages.shape[2:]).transpose(1, 2))
         heads, dim = query.shape[1], query.shape[3]
         packed = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
@@ -308,6 +319,7 @@ class PagedBackend(Backend):
         self.fixed = self.padded = cuda if fixed is None else fixed
         self.graphs = Graphs() if graphs and cuda and self.fixed else None
         self.whole = -(-self.max_context // PAGE)  # pages a row reads on fixed shapes
+        self._scratch = torch.empty(0, dtype=self.model.dtype, device=self.device)
         size = f"a pool of {pages} pages" if pages else "a pool that grows"
         shapes = ", CUDA graphs" if self.graphs else ", fixed shapes" if self.fixed else ""
         self.description = f"{hf.description}, paged KV ({PAGE}-token pages, {size}{shapes})"
@@ -352,7 +364,9 @@ class PagedBackend(Backend):
         shape = self._shape(lengths, counts)
         inputs, firsts = self._layout(items, own, lengths, shape)
         if self.graphs is not None and shape[1] in WIDTHS and shape[0] in BATCHES:
-            logits = self.graphs.run((*shape, self.pool.data.data_ptr()), inputs, self._run)
+            self._scratch_for(2 * shape[0] * shape[2] * math.prod(self.pool.data.shape[3:]))
+            key = (*shape, self.pool.data.data_ptr(), self._scratch.data_ptr())
+            logits = self.graphs.run(key, inputs, self._run)
         else:
             logits = self._run(inputs)  # [kept, vocab]
         results = []
@@ -360,6 +374,15 @@ class PagedBackend(Backend):
             sequence._tokens.extend(int(t) for t in item.ids)
             results.append(self.hf.valid(logits[first:first + item.keep]))
         return results
+
+    def _scratch_for(self, elements: int) -> torch.Tensor:
+        """A flat tensor of at least ``elements``, kept from pass to pass (it grows by a
+        quarter past the largest pass seen)."""
+        if self._scratch.numel() < elements:
+            with torch.inference_mode(False):
+                self._scratch = torch.empty(elements + elements // 4, dtype=self.model.dtype,
+                                            device=self.device)
+        return self._scratch[:elements]
 
     def _shape(self, lengths: list[int], counts: list[int]) -> tuple[int, int, int]:
         """A pass's rows, widest row and pages a row reads: as they are, or on fixed shapes
@@ -378,9 +401,11 @@ class PagedBackend(Backend):
         (:meth:`_layout`), its attention :meth:`PackedPass.attend` (``attention``'s: a
         benchmark's, scripts/pass-cost.py)."""
         rows, _, widest, _ = inputs["mask"].shape
-        packed = (attention or PackedPass)(self.pool, inputs["writes"], inputs["reads"],
-                            inputs.get("queries"), inputs.get("cells"), inputs["mask"], rows,
-                            widest)
+        data = self.pool.data
+        size = 2 * inputs["reads"].shape[0] * math.prod(data.shape[3:])
+        packed = (attention or PackedPass)(
+            self.pool, self._scratch_for(size), inputs["writes"], inputs["reads"],
+            inputs.get("queries"), inputs.get("cells"), inputs["mask"], rows, widest)
         _CURRENT.packed = packed
         saved = {key: config._attn_implementation for key, config in self._configs.items()}
         try:
@@ -415,7 +440,8 @@ class PagedBackend(Backend):
         for i, (item, sequence, length, span) in enumerate(zip(items, own, lengths, spans,
                                                                strict=True)):
             n = len(item.ids)
-            reads[i, :len(sequence.pages)] = sequence.pages
+            held = -(-(length + n) // PAGE)  # the pages its positions are in
+            reads[i, :held] = sequence.pages[:held]
             ids[start:start + n] = item.ids
             writes[start:start + n] = slots(sequence.pages, np.arange(length, length + n))
             visible, positions[start:start + n] = attends(length, n, item.parents)
@@ -450,8 +476,8 @@ Run = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 class Graphs:
     """CUDA graphs of a pass's forward, one per shape key, captured on first use: the
     inputs are copied into the graph's own tensors, the graph replayed, its logits copied
-    out. The pool a graph reads and writes is part of its key (a pool that grew is a new
-    tensor: its graphs are captured anew, the old ones dropped)."""
+    out. The pool and the scratch a graph reads and writes are part of its key (one that
+    grew is a new tensor: its graphs are captured anew, the old ones dropped)."""
 
     def __init__(self) -> None:
         self._graphs: dict[tuple[int, ...], tuple[Any, dict[str, torch.Tensor],
@@ -466,12 +492,12 @@ class Graphs:
             return run(inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            self._graphs = {k: v for k, v in self._graphs.items() if k[-1] == key[-1]}
+            self._graphs = {k: v for k, v in self._graphs.items() if k[-2:] == key[-2:]}
             try:
                 entry = self._graphs[key] = self._capture(inputs, run)
             except Exception as exc:  # that shape stays eager
                 log.warning("could not capture a CUDA graph for %s (%s): it runs eagerly",
-                            key[:-1], exc)
+                            key[:-2], exc)
                 self._failed.add(key)
                 return run(inputs)
         graph, static_inputs, logits = entry
