@@ -117,8 +117,8 @@ class PagePool:
         """Raise :class:`PoolFull` where ``n`` pages cannot be taken."""
         if self.capped and n > len(self._free):
             raise PoolFull(f"the KV cache is full: {n} more pages of {PAGE} tokens are needed "
-                           f"and {len(self._free)} of {self.pages - 1} are free (the sessions "
-                           f"in this pass hold the rest): raise --max-kv-bytes, or lower "
+                           f"and {len(self._free)} of {self.pages - 1} are free (sessions busy in "
+                           f"passes hold the rest): raise --max-kv-bytes, or lower "
                            f"--max-batch or --max-batched-tokens")
 
     def take(self, n: int) -> list[int]:
