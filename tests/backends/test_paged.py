@@ -187,7 +187,18 @@ def test_an_uncapped_pool_grows_and_keeps_what_it_held(
     backend.new_sequence().extend(tokens(rng, 5 * PAGE, hf.vocab_size), 0)  # grows
     assert backend.pool.pages >= 8
     one.reserve(len(first) + 3 * PAGE)  # outside a pass: the pool a pass grew takes writes
+    assert backend.pool.limit > 0  # half the memory free at start
     assert np.abs(one.extend([9], 1) - fresh(hf, [*first, 9])[-1:]).max() < LOGIT_TOLERANCE
+
+
+def test_an_uncapped_pool_stops_at_its_limit(hf: HFBackend) -> None:
+    pool = PagePool(hf.kv_shape, hf.model.dtype, hf.device, 3, capped=False, limit=5)
+    held = pool.take(4)  # from 2 pages, doubled to 5 (its limit), not 6 ...
+    assert pool.pages == 6 and len(set(held)) == 4 and 0 not in held
+    pool.take(1)
+    with pytest.raises(PoolFull, match="set --max-kv-bytes"):
+        pool.take(1)
+    assert pool.used == 5 and pool.pages == 6
 
 
 class SharingPool(PagePool):

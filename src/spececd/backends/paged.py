@@ -9,7 +9,7 @@ batching).
   (``--max-kv-bytes``) the pool is allocated whole at start and never grows (the runner
   sizes it: :func:`~spececd.cloud.builtin.pool_pages`): a pass that needs more pages than
   are free fails with :class:`PoolFull`; without one it starts small and doubles (one
-  copy) when full.
+  copy) when full, up to :data:`MEMORY_SHARE` of the memory free when it was made.
 - **Packing.** A pass feeds the model one row of every item's tokens end to end
   (``[1, tokens]``): the MLPs and projections compute each token once, with no padding.
   Each token's position is its own (a tree token's is its depth's).
@@ -72,6 +72,7 @@ PAGE = 16  # tokens a page holds
 WIDTHS = (1, 8, 16, 32, 64)
 BATCHES = (1, 2, 4, 8)
 INITIAL_PAGES = 64  # an uncapped pool's first size (it doubles when full)
+MEMORY_SHARE = 0.5  # of the memory free at start, what an uncapped pool may grow to
 IMPLEMENTATION = "spececd_paged"  # the name paged_attention is registered under
 
 
@@ -82,12 +83,13 @@ class PoolFull(InputError):
 class PagePool:
     """The keys and values of every sequence of a :class:`PagedBackend`, in pages of one
     tensor ``data`` ``[2, layers, pages, PAGE, kv_heads, head_dim]``. ``capped``: the pool
-    never grows (else it doubles when a take would fail). Taking and giving are locked: a
-    dropped sequence gives its pages back from whatever thread drops it."""
+    never grows; else it doubles when a take would fail, up to ``limit`` pages (0: no
+    limit). Taking and giving are locked: a dropped sequence gives its pages back from
+    whatever thread drops it."""
 
     def __init__(self, kv_shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, pages: int, capped: bool) -> None:
-        self.kv_shape, self.capped = kv_shape, capped
+                 device: torch.device, pages: int, capped: bool, limit: int = 0) -> None:
+        self.kv_shape, self.capped, self.limit = kv_shape, capped, limit
         self.data = self._tensor(max(pages, 2), dtype, device)
         self._free = list(range(self.pages - 1, 0, -1))  # page 0 is padding's
         self._lock = threading.Lock()
@@ -115,18 +117,26 @@ class PagePool:
 
     def check(self, n: int) -> None:
         """Raise :class:`PoolFull` where ``n`` pages cannot be taken."""
-        if self.capped and n > len(self._free):
+        short = n - len(self._free)
+        if short <= 0:
+            return
+        if self.capped:
             raise PoolFull(f"the KV cache is full: {n} more pages of {PAGE} tokens are needed "
                            f"and {len(self._free)} of {self.pages - 1} are free (sessions busy in "
                            f"passes hold the rest): raise --max-kv-bytes, or lower "
                            f"--max-batch or --max-batched-tokens")
+        if self.limit and self.pages - 1 + short > self.limit:
+            raise PoolFull(f"the KV cache has grown to {self.pages - 1} pages of {PAGE} tokens, "
+                           f"half of the memory free when the server started, and {n} more "
+                           f"are needed: set --max-kv-bytes (idle sessions' caches are then "
+                           f"freed to stay within it), or lower --max-batch")
 
     def take(self, n: int) -> list[int]:
         """``n`` free pages, in the order they are to be used."""
         with self._lock:
             self.check(n)
             if n > len(self._free):
-                self._grow(self.pages - 1 + n)
+                self._grow(self.pages - 1 + n - len(self._free))
             taken = self._free[-n:][::-1] if n else []
             del self._free[len(self._free) - n:]
         # Zeroed: a row's last page is read past its length (masked), and a masked NaN
@@ -142,11 +152,28 @@ class PagePool:
         """At least double, to hold ``needed`` pages besides padding's (one copy)."""
         old = self.pages
         size = max(2 * old, needed + 1)
+        if self.limit:
+            size = min(size, self.limit + 1)
         data = self._tensor(size, self.data.dtype, self.data.device)
         data[:, :, :old] = self.data
         self.data = data
         self._free[:0] = range(size - 1, old - 1, -1)  # the new pages after the old free
         log.info("the KV page pool grew to %d pages of %d tokens", size, PAGE)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes of memory free on ``device`` now (a GPU's own; the host's available memory
+    for the CPU and others), 0 where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def slots(pages: Sequence[int], positions: np.ndarray) -> np.ndarray:
@@ -311,8 +338,10 @@ class PagedBackend(Backend):
         self.device, self.tokenizer, self.vocab_size = hf.device, hf.tokenizer, hf.vocab_size
         self.max_context = min(hf.max_context, max_context)
         self.kv_bytes_per_token = hf.kv_bytes_per_token
+        limit = int(MEMORY_SHARE * free_memory(self.device)) // (PAGE * hf.kv_bytes_per_token)
         self.pool = PagePool(hf.kv_shape, self.model.dtype, self.device,
-                             (pages or INITIAL_PAGES) + 1, capped=bool(pages))
+                             (pages or min(INITIAL_PAGES, limit or INITIAL_PAGES)) + 1,
+                             capped=bool(pages), limit=limit)
         cuda = self.device.type == "cuda"
         # Fixed shapes: on CUDA, for graphs; a test may ask for them elsewhere, to run their
         # logic on a CPU. A pass of fixed shapes computes rows x its widest row.
@@ -320,7 +349,8 @@ class PagedBackend(Backend):
         self.graphs = Graphs() if graphs and cuda and self.fixed else None
         self.whole = -(-self.max_context // PAGE)  # pages a row reads on fixed shapes
         self._scratch = torch.empty(0, dtype=self.model.dtype, device=self.device)
-        size = f"a pool of {pages} pages" if pages else "a pool that grows"
+        size = (f"a pool of {pages} pages" if pages else
+                f"a pool that grows to {limit} pages" if limit else "a pool that grows")
         shapes = ", CUDA graphs" if self.graphs else ", fixed shapes" if self.fixed else ""
         self.description = f"{hf.description}, paged KV ({PAGE}-token pages, {size}{shapes})"
         self._configs = {id(c): c for c in (self.model.config,
