@@ -99,12 +99,12 @@ def test_fixed_shapes_pad_rows_and_widths_and_read_whole_contexts(hf: HFBackend)
     the widest, every row reading the whole context's pages (past each row's length,
     what earlier passes left), a tree among them; then a lone row, a pass of more rows
     than any fixed size and a prefill wider than any fixed width (eager, their own
-    shapes). Each row's logits are a fresh forward's."""
+    shapes, packed). Each row's logits are a fresh forward's."""
     fixed = PagedBackend(hf, max_context=160, fixed=True)
     assert fixed.fixed and fixed.padded and fixed.graphs is None  # no CUDA: shapes only
-    assert fixed._shape([30, 5, 12], [3, 1, 3]) == (4, 8, 10)
-    assert fixed._shape([0], [100]) == (1, 100, 10)  # a long prefill: its own width
-    assert fixed._shape([0] * 9, [1] * 9) == (9, 1, 10)  # more rows than BATCHES
+    assert fixed._shape([30, 5, 12], [3, 1, 3]) == (4, 8, 10, True)
+    assert fixed._shape([0], [100]) == (1, 100, 7, False)  # a long prefill: packed, eager
+    assert fixed._shape([0] * 9, [1] * 9) == (9, 1, 1, False)  # more rows than BATCHES
     assert BATCHES[-1] == 8 and WIDTHS[-1] == 64
     rng = np.random.default_rng(2)
     streams = [tokens(rng, 40, hf.vocab_size) for _ in range(3)]
@@ -199,6 +199,32 @@ def test_an_uncapped_pool_stops_at_its_limit(hf: HFBackend) -> None:
     with pytest.raises(PoolFull, match="set --max-kv-bytes"):
         pool.take(1)
     assert pool.used == 5 and pool.pages == 6
+
+
+def test_pages_given_back_while_a_take_holds_the_lock_wait_for_the_next_take(
+        hf: HFBackend) -> None:
+    """The garbage collector may run a dropped sequence's finalizer on the model thread in
+    the middle of a take: giving pages back must not wait for the lock (it would wait
+    for itself)."""
+    pool = PagePool(hf.kv_shape, hf.model.dtype, hf.device, 4, capped=True)
+    held = pool.take(3)
+    with pool._lock:  # as inside a take
+        pool.give(held[:2])  # returns at once
+    assert pool.free == 2 and sorted(pool.take(2)) == sorted(held[:2])
+
+
+def test_a_batch_takes_each_sequence_once_and_passes_over_empty_items(hf: HFBackend) -> None:
+    backend = PagedBackend(hf, max_context=200)
+    one, two = backend.new_sequence(), backend.new_sequence()
+    with pytest.raises(ValueError, match="each sequence once"):
+        backend.extend_batch([Extend(one, [5], 1), Extend(one, [6], 1)])
+    with pytest.raises(ValueError, match="keep must be"):
+        backend.extend_batch([Extend(one, [5], 2)])
+    assert one.tokens == [] and backend.kv_pages()[0] == 0  # refused before any page
+    empty, logits = backend.extend_batch([Extend(one, [], 0), Extend(two, [5, 6], 2)])
+    assert empty.shape == (0, hf.vocab_size) and one.tokens == []
+    assert difference(logits, fresh(hf, [5, 6])) < LOGIT_TOLERANCE
+    assert backend.extend_batch([]) == []
 
 
 class SharingPool(PagePool):

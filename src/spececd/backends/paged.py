@@ -31,20 +31,23 @@ why this module has its own pool: token trees (its masks are causal), rollback (
 allocator frees whole requests), and attention that does not grow with the square of the
 batch on a CPU. The design is its: pages of one tensor, read and written by index.
 
-Attention-only padding costs little: rows x widest row x pages of the longest in the
-attention's matmuls, against the MLPs' tokens x hidden x intermediate. The budget counts a
-pass as the sum of its rows' positions (``padded`` is False).
+Only attention is padded: its matmuls cost rows x widest row x the longest row's pages,
+against the MLPs' tokens x hidden x intermediate. Small beside the MLPs while rows are
+alike; a wide row (a prompt chunk) beside long contexts pads every row's attention to its
+width (measured: docs/deploy/many-clients.md). The budget counts a pass as the sum of its
+rows' positions (``padded`` is False; the fixed shapes pad, and are ``padded``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -77,15 +80,17 @@ IMPLEMENTATION = "spececd_paged"  # the name paged_attention is registered under
 
 
 class PoolFull(InputError):
-    """A pass needs more pages than the capped pool has free."""
+    """A pass needs more pages than the pool has free and may hold (its cap, or the
+    limit an uncapped pool grows to)."""
 
 
 class PagePool:
     """The keys and values of every sequence of a :class:`PagedBackend`, in pages of one
     tensor ``data`` ``[2, layers, pages, PAGE, kv_heads, head_dim]``. ``capped``: the pool
     never grows; else it doubles when a take would fail, up to ``limit`` pages (0: no
-    limit). Taking and giving are locked: a dropped sequence gives its pages back from
-    whatever thread drops it."""
+    limit). Pages given back go through a queue that taking drains: a dropped sequence
+    gives its pages back from whatever thread drops it, and from the garbage collector's
+    finalizers too, which may run while a take holds the pool's lock."""
 
     def __init__(self, kv_shape: tuple[int, int, int], dtype: torch.dtype,
                  device: torch.device, pages: int, capped: bool, limit: int = 0) -> None:
@@ -93,6 +98,7 @@ class PagePool:
         self.data = self._tensor(max(pages, 2), dtype, device)
         self._free = list(range(self.pages - 1, 0, -1))  # page 0 is padding's
         self._lock = threading.Lock()
+        self._given: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
 
     def _tensor(self, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         layers, heads, dim = self.kv_shape
@@ -107,16 +113,28 @@ class PagePool:
         """Pages in the pool, padding's included."""
         return int(self.data.shape[2])
 
+    def _drain(self) -> None:
+        """Put the pages given back since the last take on the free list (lock held)."""
+        while not self._given.empty():
+            self._free.extend(reversed(self._given.get_nowait()))
+
     @property
     def free(self) -> int:
-        return len(self._free)
+        with self._lock:
+            self._drain()
+            return len(self._free)
 
     @property
     def used(self) -> int:
-        return self.pages - 1 - len(self._free)
+        return self.pages - 1 - self.free
 
     def check(self, n: int) -> None:
         """Raise :class:`PoolFull` where ``n`` pages cannot be taken."""
+        with self._lock:
+            self._drain()
+            self._check(n)
+
+    def _check(self, n: int) -> None:
         short = n - len(self._free)
         if short <= 0:
             return
@@ -134,7 +152,8 @@ class PagePool:
     def take(self, n: int) -> list[int]:
         """``n`` free pages, in the order they are to be used."""
         with self._lock:
-            self.check(n)
+            self._drain()
+            self._check(n)
             if n > len(self._free):
                 self._grow(self.pages - 1 + n - len(self._free))
             taken = self._free[-n:][::-1] if n else []
@@ -145,8 +164,7 @@ class PagePool:
         return taken
 
     def give(self, pages: Sequence[int]) -> None:
-        with self._lock:
-            self._free.extend(reversed(pages))
+        self._given.put(list(pages))  # no lock: a finalizer may call this mid-take
 
     def _grow(self, needed: int) -> None:
         """At least double, to hold ``needed`` pages besides padding's (one copy)."""
@@ -308,12 +326,29 @@ _CURRENT = threading.local()  # the pass the model thread is running, if any
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0,
                     scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface for a packed pass (:meth:`PackedPass.attend`)."""
+    """transformers' attention interface for a packed pass (:meth:`PackedPass.attend`).
+    What it does not implement it refuses rather than ignores (a model whose layers cap
+    their scores or add sinks would get other logits)."""
+    for name in ("softcap", "s_aux", "sinks", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the paged pass does not implement attention's "
+                                      f"{name}; run this model with --static off and no "
+                                      f"batching, or on vLLM")
     packed: PackedPass = _CURRENT.packed
     return packed.attend(module.layer_idx, query, key, value, scaling), None
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention)
+
+
+class Shape(NamedTuple):
+    """A pass's rows, widest row, the pages each row reads and whether it is one of the
+    fixed shapes (each row padded to ``widest``, every cell's logits kept)."""
+
+    rows: int
+    widest: int
+    pages: int
+    fixed: bool
 
 
 class PagedBackend(Backend):
@@ -346,7 +381,7 @@ class PagedBackend(Backend):
         # Fixed shapes: on CUDA, for graphs; a test may ask for them elsewhere, to run their
         # logic on a CPU. A pass of fixed shapes computes rows x its widest row.
         self.fixed = self.padded = cuda if fixed is None else fixed
-        self.graphs = Graphs() if graphs and cuda and self.fixed else None
+        self.graphs = Graphs(self.device) if graphs and cuda and self.fixed else None
         self.whole = -(-self.max_context // PAGE)  # pages a row reads on fixed shapes
         self._scratch = torch.empty(0, dtype=self.model.dtype, device=self.device)
         size = (f"a pool of {pages} pages" if pages else
@@ -377,15 +412,26 @@ class PagedBackend(Backend):
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         """One forward over every item's new tokens, packed (see the module docstring);
         equal to separate ``extend`` calls up to float rounding."""
+        if not items:
+            return []
+        if any(not item.ids for item in items):  # nothing to compute for them
+            work = [item for item in items if item.ids]
+            done = iter(self.extend_batch(work) if work else [])
+            empty = np.zeros((0, self.vocab_size), dtype=np.float32)
+            return [next(done) if item.ids else empty for item in items]
         own = [self._own(item.sequence) for item in items]
         lengths = [len(sequence.tokens) for sequence in own]
         counts = [len(item.ids) for item in items]
-        if not items or min(counts) == 0:
-            raise ValueError("extend_batch takes items of at least one token each")
-        for length, n in zip(lengths, counts, strict=True):
+        if len({id(sequence) for sequence in own}) < len(own):
+            raise ValueError("extend_batch takes each sequence once")
+        for item, length, n in zip(items, lengths, counts, strict=True):
             if length + n > self.max_context:
                 raise ValueError(f"{length + n} tokens exceed the context of "
                                  f"{self.max_context}")
+            if not 0 <= item.keep <= n:
+                raise ValueError(f"keep must be 0 to {n}, got {item.keep}")
+            if not is_chain(item.parents):
+                tree_layout(item.parents or [])  # a malformed tree raises before any page
         needed = sum(max(0, -(-(length + n) // PAGE) - len(sequence.pages))
                      for sequence, length, n in zip(own, lengths, counts, strict=True))
         self.pool.check(needed)  # before any sequence holds more
@@ -393,9 +439,13 @@ class PagedBackend(Backend):
             sequence.reserve(length + n)
         shape = self._shape(lengths, counts)
         inputs, firsts = self._layout(items, own, lengths, shape)
-        if self.graphs is not None and shape[1] in WIDTHS and shape[0] in BATCHES:
-            self._scratch_for(2 * shape[0] * shape[2] * math.prod(self.pool.data.shape[3:]))
-            key = (*shape, self.pool.data.data_ptr(), self._scratch.data_ptr())
+        if self.graphs is not None and shape.fixed:
+            # Room for the largest fixed shape at once: a larger batch would move the
+            # scratch and drop every graph captured over it.
+            self._scratch_for(2 * BATCHES[-1] * shape.pages
+                              * math.prod(self.pool.data.shape[3:]))
+            key = (shape.rows, shape.widest, self.pool.pages, self.pool.data.data_ptr(),
+                   self._scratch.data_ptr())
             logits = self.graphs.run(key, inputs, self._run)
         else:
             logits = self._run(inputs)  # [kept, vocab]
@@ -414,16 +464,17 @@ class PagedBackend(Backend):
                                             device=self.device)
         return self._scratch[:elements]
 
-    def _shape(self, lengths: list[int], counts: list[int]) -> tuple[int, int, int]:
-        """A pass's rows, widest row and pages a row reads: as they are, or on fixed shapes
-        the narrowest of :data:`BATCHES` and :data:`WIDTHS` that hold them (else their
-        own: an eager pass) and the whole context."""
+    def _shape(self, lengths: list[int], counts: list[int]) -> Shape:
+        """A pass's shape: on fixed shapes, where its rows and widest row fit
+        :data:`BATCHES` and :data:`WIDTHS`, the narrowest that hold them and the whole
+        context; else (a pass larger than any fixed shape runs eagerly) as it is, packed."""
         rows, widest = len(counts), max(counts)
-        if not self.fixed:
-            return rows, widest, max(-(-(length + n) // PAGE)
-                                     for length, n in zip(lengths, counts, strict=True))
-        return (next((size for size in BATCHES if size >= rows), rows),
-                next((width for width in WIDTHS if width >= widest), widest), self.whole)
+        if self.fixed and rows <= BATCHES[-1] and widest <= WIDTHS[-1]:
+            return Shape(next(size for size in BATCHES if size >= rows),
+                         next(width for width in WIDTHS if width >= widest), self.whole, True)
+        return Shape(rows, widest, max(-(-(length + n) // PAGE)
+                                       for length, n in zip(lengths, counts, strict=True)),
+                     False)
 
     def _run(self, inputs: dict[str, torch.Tensor],
              attention: type[PackedPass] | None = None) -> torch.Tensor:
@@ -452,17 +503,17 @@ class PagedBackend(Backend):
         return logits
 
     def _layout(self, items: Sequence[Extend], own: list[PagedSequence], lengths: list[int],
-                shape: tuple[int, int, int]) -> tuple[dict[str, torch.Tensor], list[int]]:
+                shape: Shape) -> tuple[dict[str, torch.Tensor], list[int]]:
         """A pass's inputs (:meth:`_run`), and where each item's kept logits begin. Each
-        row takes its own tokens in the packed row, or, on fixed shapes, ``widest`` of them
+        row takes its own tokens in the packed row, or, in a fixed shape, ``widest`` of them
         (the rest, and padding rows', padding: token 0, written to page 0, seeing its
         row's first position only, its logits dropped)."""
-        rows, widest, pages = shape
+        rows, widest, pages, fixed = shape
         reads = np.zeros((rows, pages), dtype=np.int64)
         allowed = np.zeros((rows, widest, pages * PAGE), dtype=bool)
         allowed[:, :, 0] = True  # a padding query sees a key (else its softmax is NaN)
-        spans = [widest if self.fixed else len(item.ids) for item in items]
-        total = rows * widest if self.fixed else sum(spans)
+        spans = [widest if fixed else len(item.ids) for item in items]
+        total = rows * widest if fixed else sum(spans)
         ids = np.zeros(total, dtype=np.int64)
         writes, positions = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
         queries, cells, kept, firsts = [], [], [], []
@@ -479,7 +530,7 @@ class PagedBackend(Backend):
             queries.append(np.concatenate([np.arange(start, start + n),
                                            np.zeros(widest - n, dtype=np.int64)]))
             cells.append(np.arange(i * widest, i * widest + n))
-            firsts.append(start + n - item.keep if self.fixed else done)
+            firsts.append(start + n - item.keep if fixed else done)
             done += item.keep
             kept.append(np.arange(start + n - item.keep, start + n))
             start += span
@@ -493,8 +544,8 @@ class PagedBackend(Backend):
         inputs = {"ids": tensor(ids)[None], "positions": tensor(positions)[None],
                   "writes": tensor(writes), "reads": tensor(reads.ravel()),
                   "mask": mask[:, None].to(device),
-                  "kept": tensor(np.arange(total) if self.fixed else np.concatenate(kept))}
-        if not self.fixed and min(len(item.ids) for item in items) < widest:
+                  "kept": tensor(np.arange(total) if fixed else np.concatenate(kept))}
+        if not fixed and min(len(item.ids) for item in items) < widest:
             inputs["queries"] = tensor(np.concatenate(queries))
             inputs["cells"] = tensor(np.concatenate(cells))
         return inputs, firsts
@@ -506,10 +557,12 @@ Run = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 class Graphs:
     """CUDA graphs of a pass's forward, one per shape key, captured on first use: the
     inputs are copied into the graph's own tensors, the graph replayed, its logits copied
-    out. The pool and the scratch a graph reads and writes are part of its key (one that
-    grew is a new tensor: its graphs are captured anew, the old ones dropped)."""
+    out. The pool (its size and address) and the scratch a graph reads and writes are part
+    of its key (one that grew is a new tensor: its graphs are captured anew, the old ones
+    dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # captured and replayed on it (the thread's current is cuda:0)
         self._graphs: dict[tuple[int, ...], tuple[Any, dict[str, torch.Tensor],
                                                   torch.Tensor]] = {}
         self._failed: set[tuple[int, ...]] = set()
@@ -518,16 +571,21 @@ class Graphs:
     def run(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor],
             run: Run) -> torch.Tensor:
         """``run(inputs)``, replayed from the graph of ``key``."""
+        with torch.cuda.device(self.device):
+            return self._run(key, inputs, run)
+
+    def _run(self, key: tuple[int, ...], inputs: dict[str, torch.Tensor],
+             run: Run) -> torch.Tensor:
         if key in self._failed:
             return run(inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            self._graphs = {k: v for k, v in self._graphs.items() if k[-2:] == key[-2:]}
+            self._graphs = {k: v for k, v in self._graphs.items() if k[-3:] == key[-3:]}
             try:
                 entry = self._graphs[key] = self._capture(inputs, run)
             except Exception as exc:  # that shape stays eager
                 log.warning("could not capture a CUDA graph for %s (%s): it runs eagerly",
-                            key[:-2], exc)
+                            key[:-3], exc)
                 self._failed.add(key)
                 return run(inputs)
         graph, static_inputs, logits = entry

@@ -200,7 +200,7 @@ class BuiltinRunner:
             if total <= cap:
                 break
             total -= held(self.kv_tokens(victim))
-            del self._caches[victim]
+            self._caches.pop(victim).truncate(0)  # its pages back now, not at collection
             self.kv_evictions += 1
             self.metrics.kv_evictions.inc()
             log.info("evicted a KV cache", extra={"session": victim})
