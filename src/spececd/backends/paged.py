@@ -414,11 +414,11 @@ class PagedBackend(Backend):
         equal to separate ``extend`` calls up to float rounding."""
         if not items:
             return []
-        if any(not item.ids for item in items):  # nothing to compute for them
-            work = [item for item in items if item.ids]
+        if any(len(item.ids) == 0 for item in items):  # nothing to compute for them
+            work = [item for item in items if len(item.ids)]
             done = iter(self.extend_batch(work) if work else [])
             empty = np.zeros((0, self.vocab_size), dtype=np.float32)
-            return [next(done) if item.ids else empty for item in items]
+            return [next(done) if len(item.ids) else empty for item in items]
         own = [self._own(item.sequence) for item in items]
         lengths = [len(sequence.tokens) for sequence in own]
         counts = [len(item.ids) for item in items]
