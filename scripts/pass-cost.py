@@ -87,7 +87,7 @@ def main() -> None:
 
 def bare_pass(runner: object, items: list[Extend]) -> Callable[[], None]:
     """The packed forward of ``items`` with every row's keys and values already gathered:
-    the paged pass's layout, its attention over tensors made beforehand."""
+    the paged pass's layout and attention, its pages' writes and reads left out."""
     from spececd.backends import paged
 
     backend: paged.PagedBackend = runner  # type: ignore[assignment]
@@ -103,20 +103,9 @@ def bare_pass(runner: object, items: list[Extend]) -> Callable[[], None]:
              for kind in (0, 1)] for layer in range(data.shape[1])]
 
     class Bare(paged.PackedPass):
-        def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-            heads, dim = query.shape[1], query.shape[3]
-            grid = query[0].transpose(0, 1)
-            if self.queries is not None:
-                grid = grid.index_select(0, self.queries)
-            grid = grid.reshape(self.rows, self.widest, heads, dim).transpose(1, 2)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                grid, read[layer][0], read[layer][1], attn_mask=self.mask, scale=scaling,
-                enable_gqa=heads != key.shape[1])
-            cells = out.transpose(1, 2).reshape(self.rows * self.widest, heads, dim)
-            if self.cells is not None:
-                cells = cells.index_select(0, self.cells)
-            return cells[None]
+        def pages(self, layer: int, key: torch.Tensor, value: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            return read[layer][0], read[layer][1]  # no writes, no reads: made beforehand
 
     @torch.inference_mode()
     def run() -> None:

@@ -194,6 +194,11 @@ def free_memory(device: torch.device) -> int:
     return 0
 
 
+def pages_for(tokens: int) -> int:
+    """The pages ``tokens`` positions take."""
+    return -(-tokens // PAGE)
+
+
 def slots(pages: Sequence[int], positions: np.ndarray) -> np.ndarray:
     """The pool slots (``page * PAGE + offset``) of a sequence's ``positions``."""
     table: np.ndarray = np.asarray(pages, dtype=np.int64)
@@ -242,13 +247,13 @@ class PagedSequence:
 
     def reserve(self, length: int) -> None:
         """Hold pages for ``length`` tokens."""
-        needed = -(-length // PAGE) - len(self.pages)
+        needed = pages_for(length) - len(self.pages)
         if needed > 0:
             self.pages.extend(self._backend.pool.take(needed))
 
     def truncate(self, n: int) -> None:
         del self._tokens[n:]
-        keep = -(-len(self._tokens) // PAGE)
+        keep = pages_for(len(self._tokens))
         if len(self.pages) > keep:  # what lies past the length is never read again
             self._backend.pool.give(self.pages[keep:])
             del self.pages[keep:]
@@ -292,6 +297,24 @@ class PackedPass:
         """Attention of layer ``layer`` over the pass: ``query`` ``[1, heads, tokens,
         head_dim]``, ``key`` and ``value`` ``[1, kv_heads, tokens, head_dim]`` (the new
         tokens'); returns ``[1, tokens, heads, head_dim]``."""
+        keys, values = self.pages(layer, key, value)
+        heads, dim = query.shape[1], query.shape[3]
+        packed = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+        if self.queries is not None:
+            packed = packed.index_select(0, self.queries)
+        grid = packed.reshape(self.rows, self.widest, heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            grid, keys, values, attn_mask=self.mask, scale=scaling,
+            enable_gqa=heads != key.shape[1])  # [rows, heads, widest, head_dim]
+        cells = out.transpose(1, 2).reshape(self.rows * self.widest, heads, dim)
+        if self.cells is not None:
+            cells = cells.index_select(0, self.cells)
+        return cells[None]
+
+    def pages(self, layer: int, key: torch.Tensor, value: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer``'s new ``key`` and ``value`` into their pages and read every
+        row's: keys and values ``[rows, kv_heads, positions, head_dim]``."""
         data = self.pool.data
         width = data.shape[3] * (self.reads.shape[0] // self.rows)  # positions a row reads
         shape = (self.reads.shape[0], *data.shape[3:])  # [rows * pages, PAGE, ...]
@@ -306,18 +329,7 @@ class PackedPass:
             read = self.scratch[kind * size:(kind + 1) * size].view(shape)
             torch.index_select(pages, 0, self.reads, out=read)
             attended.append(read.view(self.rows, width, *pages.shape[2:]).transpose(1, 2))
-        heads, dim = query.shape[1], query.shape[3]
-        packed = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
-        if self.queries is not None:
-            packed = packed.index_select(0, self.queries)
-        grid = packed.reshape(self.rows, self.widest, heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            grid, attended[0], attended[1], attn_mask=self.mask, scale=scaling,
-            enable_gqa=heads != key.shape[1])  # [rows, heads, widest, head_dim]
-        cells = out.transpose(1, 2).reshape(self.rows * self.widest, heads, dim)
-        if self.cells is not None:
-            cells = cells.index_select(0, self.cells)
-        return cells[None]
+        return attended[0], attended[1]
 
 
 _CURRENT = threading.local()  # the pass the model thread is running, if any
@@ -382,7 +394,7 @@ class PagedBackend(Backend):
         # logic on a CPU. A pass of fixed shapes computes rows x its widest row.
         self.fixed = self.padded = cuda if fixed is None else fixed
         self.graphs = Graphs(self.device) if graphs and cuda and self.fixed else None
-        self.whole = -(-self.max_context // PAGE)  # pages a row reads on fixed shapes
+        self.whole = pages_for(self.max_context)  # pages a row reads on fixed shapes
         self._scratch = torch.empty(0, dtype=self.model.dtype, device=self.device)
         size = (f"a pool of {pages} pages" if pages else
                 f"a pool that grows to {limit} pages" if limit else "a pool that grows")
@@ -432,7 +444,7 @@ class PagedBackend(Backend):
                 raise ValueError(f"keep must be 0 to {n}, got {item.keep}")
             if not is_chain(item.parents):
                 tree_layout(item.parents or [])  # a malformed tree raises before any page
-        needed = sum(max(0, -(-(length + n) // PAGE) - len(sequence.pages))
+        needed = sum(max(0, pages_for(length + n) - len(sequence.pages))
                      for sequence, length, n in zip(own, lengths, counts, strict=True))
         self.pool.check(needed)  # before any sequence holds more
         for sequence, length, n in zip(own, lengths, counts, strict=True):
@@ -472,7 +484,7 @@ class PagedBackend(Backend):
         if self.fixed and rows <= BATCHES[-1] and widest <= WIDTHS[-1]:
             return Shape(next(size for size in BATCHES if size >= rows),
                          next(width for width in WIDTHS if width >= widest), self.whole, True)
-        return Shape(rows, widest, max(-(-(length + n) // PAGE)
+        return Shape(rows, widest, max(pages_for(length + n)
                                        for length, n in zip(lengths, counts, strict=True)),
                      False)
 
@@ -521,7 +533,7 @@ class PagedBackend(Backend):
         for i, (item, sequence, length, span) in enumerate(zip(items, own, lengths, spans,
                                                                strict=True)):
             n = len(item.ids)
-            held = -(-(length + n) // PAGE)  # the pages its positions are in
+            held = pages_for(length + n)  # the pages its positions are in
             reads[i, :held] = sequence.pages[:held]
             ids[start:start + n] = item.ids
             writes[start:start + n] = slots(sequence.pages, np.arange(length, length + n))
