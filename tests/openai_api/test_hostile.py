@@ -16,7 +16,9 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,15 +182,15 @@ def hostile_body(rng: random.Random) -> bytes:
     return mutate(json.dumps(body).encode(), rng)
 
 
-@pytest.mark.parametrize("count", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("count", [1000, pytest.param(10_000, marks=pytest.mark.slow)])
 def test_mutated_json_bodies_leave_legitimate_requests_unchanged(
-        api_server: ApiThread, references: dict[str, str], count: int) -> None:
-    rng = random.Random(count)
+        api_server: ApiThread, references: dict[str, str], path: str, count: int) -> None:
+    rng = random.Random(f"{path} {count}")
     statuses: Counter[int] = Counter()
     conn = http.client.HTTPConnection("127.0.0.1", api_server.port, timeout=60)
     with Legitimate(api_server) as legitimate:
         for _ in range(count):
-            path = rng.choice(("/v1/completions", "/v1/chat/completions"))
             try:
                 status, answer = api_server.post(path, hostile_body(rng), conn)
             except (http.client.HTTPException, OSError):
@@ -202,10 +204,65 @@ def test_mutated_json_bodies_leave_legitimate_requests_unchanged(
     served = legitimate.check(references)
     status, answer = api_server.post("/v1/completions", GREEDY)  # still serving
     assert status == 200 and answer["choices"][0]["text"] == references["greedy"]
-    print(f"API fuzz: {count} bodies, statuses {dict(sorted(statuses.items()))}, "
+    print(f"API fuzz of {path}: {count} bodies, statuses {dict(sorted(statuses.items()))}, "
           f"legitimate requests answered unchanged: {served}")
     assert statuses[0] == 0  # the server never dropped a connection
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) > count // 2
+
+
+def hostile_listing_request(rng: random.Random) -> bytes:
+    """A raw HTTP request for ``/v1/models`` or beside it: any method, a junk path suffix or
+    query (percent-escapes, NUL, lone surrogates' UTF-8), junk headers, a junk body."""
+    junk = ["", "x", "%00", "%ff%fe", "%ed%a0%80", "..%2f..", "a" * 3000, "?" * 5, "#", " ",
+            "\u00e9", "%", "&=&=", "[]", "{}"]
+    method = rng.choice(["GET"] * 5 + ["HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH",
+                                       "BREW", "G\x00T"])
+    path = "/v1/models"
+    if rng.random() < 0.4:
+        path += "/" + rng.choice(junk)
+    if rng.random() < 0.5:
+        path += "?" + "&".join(f"{rng.choice(junk)}={rng.choice(junk)}"
+                               for _ in range(rng.randint(1, 4)))
+    headers = {"Host": "x"}
+    for _ in range(rng.randint(0, 4)):
+        headers[rng.choice(["Authorization", "Accept", "Content-Type", "X-Junk", "Cookie",
+                            "Accept-Encoding", "Range"])] = rng.choice(
+            ["Bearer " + rng.choice(junk), "*/*", "text/html", "application/json;q=x",
+             "\u00ff" * 10, "bytes=-1", rng.choice(junk)])
+    body = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))) \
+        if rng.random() < 0.3 else b""
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n"
+                                                      for k, v in headers.items())
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    return head.encode("utf-8", "surrogatepass") + body
+
+
+@pytest.mark.parametrize("count", [1000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_hostile_requests_for_the_model_listing_are_no_server_error(
+        api_server: ApiThread, references: dict[str, str], count: int) -> None:
+    """``GET /v1/models``, the API's third endpoint, and the paths beside it under hostile
+    methods, paths, queries, headers and bodies: never a server error, every request
+    answered, and the listing unchanged after."""
+    rng = random.Random(count)
+    statuses: Counter[int] = Counter()
+    with Legitimate(api_server) as legitimate:
+        for _ in range(count):
+            with socket.create_connection(("127.0.0.1", api_server.port), timeout=30) as sock:
+                sock.sendall(hostile_listing_request(rng))
+                sock.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+            assert status < 500, answer[:300]
+            statuses[status] += 1
+    legitimate.check(references)
+    with urllib.request.urlopen(f"http://127.0.0.1:{api_server.port}/v1/models") as reply:
+        assert json.loads(reply.read())["data"][0]["id"] == MODEL
+    print(f"/v1/models fuzz: {count} requests, statuses {dict(sorted(statuses.items()))}")
+    assert statuses[0] == 0  # every request answered
+    assert statuses[200] > count // 10 and sum(
+        n for s, n in statuses.items() if 400 <= s < 500) > count // 10
 
 
 def test_oversized_requests_are_typed_errors_and_starve_nobody(

@@ -98,7 +98,7 @@ def test_the_api_answers_as_its_document_says(case: Any) -> None:
 
 @pytest.mark.slow
 @schema_in_full.parametrize()
-@settings(max_examples=1500, **SETTINGS)  # type: ignore[arg-type]
+@settings(max_examples=10_000, **SETTINGS)  # type: ignore[arg-type]
 def test_the_api_answers_as_its_document_says_at_length(case: Any) -> None:
     run(case)
 
