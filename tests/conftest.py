@@ -56,14 +56,16 @@ SLOW_VARIANTS = frozenset({
     "[match-wide-draft-memory]",
     "tests/e2e/test_padded_vocab.py::test_sampling_keeps_the_target_distribution"
     "[match-wide-draft-websocket]",
-    # The penalties one by one: the combined variant applies all three (and the logit bias
-    # and top-p) in one test, and tests/core/test_penalties.py checks each against
-    # transformers; min-p keeps its own (the combined one's 0.05 removes nothing there).
+    # The parameters one by one: the combined variant applies all of them at once (the
+    # three penalties, min-p, the logit bias and top-p; assert_distribution checks that
+    # leaving any one out changes the target's distribution), and
+    # tests/core/test_penalties.py checks each alone against transformers.
     *(f"tests/e2e/test_sampling_params.py::"
       f"test_each_parameter_keeps_the_target_distribution_in_process[{variant}]"
       for variant in ("repetition-exact", "presence-exact", "frequency-exact", "min_p-exact",
                       "logit_bias-exact", "combined-exact", "repetition-match",
-                      "presence-match", "frequency-match", "logit_bias-match")),
+                      "presence-match", "frequency-match", "logit_bias-match",
+                      "min_p-match")),
     # Constrained sampling on the toy pair: a choice in exact mode and a regex in match mode
     # keep both kinds of grammar and both verifications (and each mode's planted bug,
     # test_a_mask_on_the_drafter_alone_is_caught, stays).

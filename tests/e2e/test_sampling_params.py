@@ -29,7 +29,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "min_p": {"min_p": 0.4},
     "logit_bias": {"logit_bias": {2: 2.0, 5: -3.0}},
     "combined": {"repetition_penalty": 1.5, "presence_penalty": 0.7, "frequency_penalty": 0.5,
-                 "min_p": 0.05, "logit_bias": {3: 1.5}, "top_p": 0.95},
+                 "min_p": 0.2, "logit_bias": {3: 1.5}, "top_p": 0.7},
 }
 
 
@@ -69,6 +69,11 @@ def assert_distribution(gen: Generator, target: Path, setting: dict[str, Any],
     plain = exact_pair_distribution(target, prompt, SamplingParams(temperature=1.0,
                                                                    top_p=params.top_p), dtype)
     assert np.abs(expected / draws - plain).sum() > 0.1  # the setting changes the target
+    for name in setting:  # and so does each of its parameters, left out one at a time
+        rest = {k: v for k, v in setting.items() if k != name}
+        without = exact_pair_distribution(target, prompt, gen.params(temperature=1.0, **rest),
+                                          dtype)
+        assert np.abs(expected / draws - without).sum() > 0.05, f"{name} changes nothing"
     p_value = chi_square_p(observed, expected)
     accepted = sum(c.stats.accepted for c in completions)
     drafted = sum(c.stats.drafted for c in completions)
