@@ -21,12 +21,14 @@ export const TICK = 2.5e-4; // seconds per unit of time on the wire
 const HELLO = 1, WELCOME = 2, DRAFT = 3, VERDICT = 4, CLOSE = 5, ERROR = 6, GENERATE = 7,
   TOKENS = 8;
 
-/** A typed error the server answered (its stable `code`), or a malformed reply. */
+/** A typed error the server answered (its stable `code`, and the `seq` of the step it
+ * answers, -1 for the session's), or a malformed reply. */
 export class ProtocolError extends Error {
-  constructor(code, message, fatal = true) {
+  constructor(code, message, fatal = true, seq = -1) {
     super(message);
     this.code = code;
     this.fatal = fatal;
+    this.seq = seq;
   }
 }
 
@@ -155,7 +157,7 @@ export function decodeFrame(data) {
     case ERROR:
       need(4);
       checked(type, body, ["str", "str", "int", "bool"]);
-      throw new ProtocolError(body[0], body[1], body[3]);
+      throw new ProtocolError(body[0], body[1], body[3], body[2]);
     default:
       throw new ProtocolError("unexpected_message", `unexpected message type ${type}`);
   }
