@@ -279,6 +279,65 @@ def test_a_runners_own_step_is_abandoned_when_the_client_leaves_or_the_server_dr
         assert isinstance(replies[-1], m.Error) and replies[-1].code == "draining"
 
 
+class StalledPassRunner(BuiltinRunner):
+    """A runner whose passes wait until told (``release``): a round stays queued."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.release = asyncio.Event()
+        self.cancelled = 0
+
+    async def verify(self, key: str, request: Any) -> Any:
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return await super().verify(key, request)
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+def test_a_round_whose_client_leaves_before_its_pass_is_dropped(
+        target: ToyBackend, leaves: bool) -> None:
+    """A client that vanishes while its draft waits for a pass (a long prompt's prefill
+    behind others) takes the pass with it: the others do not wait for work nobody reads.
+    A client that stays gets its verdict."""
+    metrics = Metrics()
+    runner = StalledPassRunner(target, metrics)
+    service = CloudService(runner, metrics=metrics)
+    expected = greedy(target, PROMPT, 3)
+    replies: list[m.Message] = []
+
+    async def main() -> Ending:
+        link = service.open()
+        for frame in (hello(target), m.encode(m.Draft(1, 0, PROMPT, tuple(expected[:2])))):
+            link.put(frame)
+
+        async def send(frame: bytes) -> None:
+            replies.append(m.decode(frame))
+            if not leaves and isinstance(replies[-1], m.Verdict):
+                link.end()
+
+        serving = asyncio.ensure_future(service.serve(link, send))
+        await asyncio.sleep(0.05)
+        if leaves:
+            link.end()
+        else:
+            runner.release.set()
+        return await asyncio.wait_for(serving, 5)
+
+    ending = asyncio.run(main())
+    assert ending is Ending.CLIENT_LEFT
+    dropped = metrics.registry.get_sample_value("spececd_abandoned_passes_total")
+    if leaves:
+        assert runner.cancelled == 1 and dropped == 1
+        assert [type(r) for r in replies] == [m.Welcome]
+    else:
+        assert runner.cancelled == 0 and dropped == 0
+        assert replies[1] == m.Verdict(1, 2, expected[2], replies[1].verify_s)  # type: ignore[union-attr]
+    assert not service.links  # released either way
+
+
 class DyingRunner(BuiltinRunner):
     """The built-in runner over a :class:`FailingBackend`, gone for good once a pass failed
     (as vLLM's engine is once its worker dies): what makes the service fail."""

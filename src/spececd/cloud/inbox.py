@@ -19,6 +19,7 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
         self._arrival = asyncio.Event()
+        self._ended = asyncio.Event()
         self.ended = False
 
     def wake(self) -> None:
@@ -36,6 +37,11 @@ class Inbox:
         self.ended = True
         self._queue.put_nowait(None)
         self._arrival.set()
+        self._ended.set()
+
+    async def gone(self) -> None:
+        """Return once the client has left (frames it sent before may still be queued)."""
+        await self._ended.wait()
 
     async def arrived(self) -> None:
         """Return once something is queued (a frame, the end mark or a wake), taking

@@ -30,7 +30,9 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
   now; 0: no budget);
 - ``spececd_active_sessions``, ``spececd_kv_bytes``: gauges;
 - ``spececd_errors_total{code}``: typed errors answered, by code;
-- ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``.
+- ``spececd_kv_evictions_total``: KV caches freed to stay under ``--max-kv-bytes``;
+- ``spececd_abandoned_passes_total``: rounds dropped because their client left before
+  their pass ran (a vanished client's queued prefill costs the others nothing);
 - ``spececd_pass_cost_fit_error``: how far the token budget's fit of a pass's cost from its
   rows and positions was off, ``|actual - predicted| / actual``, weighted toward recent
   passes (0 until it is fitted; the built-in runner).
@@ -114,6 +116,9 @@ class Metrics:
         self.errors = Counter("spececd_errors", "Typed errors answered", ["code"], registry=r)
         self.kv_evictions = Counter("spececd_kv_evictions",
                                     "KV caches freed to stay under --max-kv-bytes", registry=r)
+        self.abandoned = Counter("spececd_abandoned_passes",
+                                 "Rounds dropped because their client left before they ran",
+                                 registry=r)
 
     def record_batch(self, size: int, forward_s: float, work_s: float, seconds: float,
                      waits: list[float]) -> None:

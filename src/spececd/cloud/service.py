@@ -366,9 +366,25 @@ class CloudService:
                 await link.flush(send)
 
     async def _round(self, link: Link, request: VerifyRequest) -> None:
-        """Verify one draft and queue its verdict (or the error)."""
+        """Verify one draft and queue its verdict (or the error). A client that leaves
+        before its pass has run takes the pass with it: a queued pass is dropped, a running
+        one's result discarded (the runner then rebuilds that cache from the context, should
+        the client come back), so that vanished clients cost the others no pass."""
+        verify = asyncio.ensure_future(self.runner.verify(link.key, request))
+        gone = asyncio.ensure_future(link.inbox.gone())
         try:
-            done = await self.runner.verify(link.key, request)
+            await asyncio.wait({verify, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not verify.done():
+                verify.cancel()
+                await asyncio.gather(verify, return_exceptions=True)
+        if verify.cancelled():
+            self.metrics.abandoned.inc()
+            log.info("client left before its pass: dropped", extra={"session": link.key})
+            return
+        try:
+            done = verify.result()
         except RunnerError as exc:
             self._failed(link, request.seq, exc)
             return
