@@ -9,16 +9,19 @@ loop until the end, each generation checked against the target alone's tokens
 drops at a random moment (the socket shut without a close: mid-prefill, mid-round or
 mid-stream, as timing falls): the server sees a client vanish, and the edge reconnects
 through nginx with its history and must still end with the same tokens. So does a
-generation whose replica dies. Every sample (each
+generation whose replica dies. Other clients (``--gone``) vanish for good: each of their
+generations opens a link of its own, shuts its socket at a moment chosen for a stage
+(mid-prefill of a long prompt, mid-round, mid-stream) and never comes back, so what it
+held on the server must be freed by the server alone. Every sample (each
 ``--sample-s``) reads, for each replica, its RSS, open file descriptors and threads from
-``/proc`` and its sessions, KV bytes and asyncio tasks from ``/status``; every exchange's
-latency is kept by the second.
+``/proc`` and its sessions, KV bytes and asyncio tasks from ``/status``; every round's
+latency (a draft to its verdict) is kept by the second.
 
 It ends with a JSON report and a plot (memory, sessions and KV over time), and exits 1 if
 any generation differed from the reference, hung, or failed without a typed error; or if
 sessions or KV bytes are left once the clients are gone.
 
-usage: python scripts/soak.py [--minutes 10] [--clients 32] [--out soak-out]
+usage: python scripts/soak.py [--minutes 10] [--clients 32] [--gone 4] [--out soak-out]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from spececd.deploy import Ports, loopback, nginx_conf
 from spececd.edge.transport import Transport
 from spececd.errors import SpecECDError
 from spececd.generator import Generator
+from spececd.protocol import messages as m
 from spececd.transports.registry import connector
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +115,10 @@ class Replica:
 
 
 class Timed:
-    """A transport that records each exchange's latency (a send to the next reply) and can
-    be shut from another thread, as a client vanishing shuts its socket."""
+    """A transport that records each round's latency (a send to the verdict that answers
+    it: greetings, whose welcome waits for the prompt's prefill, and streams' pushed tokens
+    are no rounds) and can be shut from another thread, as a client vanishing shuts its
+    socket."""
 
     def __init__(self, inner: Transport, latencies: list[tuple[float, float]]) -> None:
         self.inner, self.latencies = inner, latencies
@@ -126,7 +132,9 @@ class Timed:
         frame = self.inner.recv()
         if self.sent is not None:
             now = time.monotonic()
-            self.latencies.append((now, now - self.sent))
+            with contextlib.suppress(Exception):  # the edge reports a frame it cannot read
+                if isinstance(m.decode(frame), m.Verdict):
+                    self.latencies.append((now, now - self.sent))
             self.sent = None
         return frame
 
@@ -167,6 +175,9 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--vanish", type=float, default=0.2, help="share of generations that vanish")
+    p.add_argument("--gone", type=int, default=4,
+                   help="clients more, whose every generation vanishes for good (each "
+                   "followed by 1-4 s before the next, as new users arrive)")
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--out", type=Path, default=Path("soak-out"))
     args = p.parse_args()
@@ -178,8 +189,9 @@ def soak(args: argparse.Namespace) -> int:
     prompts = [*json.loads((REPO / "models" / "heldout_prompts.json").read_text())[:12],
                *(p["prompt"] if isinstance(p, dict) else p for p in json.loads(
                    (REPO / "models" / "copy_prompts.json").read_text())[:4])]
-    print(f"references for {len(prompts)} prompts...", flush=True)
-    expected = references(prompts)
+    long_prompt = " ".join(prompts[:7])  # a prefill of ~360 tokens (of 512), in chunks
+    print(f"references for {len(prompts) + 1} prompts...", flush=True)
+    expected = references([*prompts, long_prompt])
     free = free_ports(9)  # WebSocket is served; nginx wants the other ports named too
     replicas = [Replica(Ports(*free[0:3])), Replica(Ports(*free[3:6]))]
     listen = Ports(*free[6:9])
@@ -202,8 +214,8 @@ def soak(args: argparse.Namespace) -> int:
     end = started + duration
     lock = threading.Lock()
     counts = {"done": 0, "identical": 0, "differed": 0, "dropped": 0, "vanished": 0,
-              "typed_errors": 0,
-              "untyped_errors": 0, "hung": 0, "reconnects": 0, "tokens": 0}
+              "typed_errors": 0, "untyped_errors": 0, "hung": 0, "reconnects": 0, "tokens": 0,
+              "gone": 0, "gone_too_late": 0}
     failures: list[str] = []
     latencies: list[tuple[float, float]] = []
     token_times: list[tuple[float, int]] = []
@@ -266,6 +278,52 @@ def soak(args: argparse.Namespace) -> int:
             del transports[:-1]  # the link goes on to the next generation
         gen.close()
 
+    def gone_client(i: int) -> None:
+        """Generations that vanish for good: one link each, no reconnection, the socket
+        shut at a moment chosen for a stage; a generation that ends first is checked."""
+        rng = random.Random(10_000 + i)
+        links: list[Timed] = []
+        connect = connector(url, recv_timeout=60)
+
+        def one_link() -> Transport:
+            links.append(Timed(connect(), latencies))
+            return links[-1]
+
+        gen = Generator.remote(None, url, one_link, options=None)
+        stages = {"prefill": (long_prompt, "off", 0.0, 0.15),
+                  "round": (None, "off", 0.1, 1.0), "stream": (None, "stream", 0.1, 1.0)}
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(1.0, 4.0))  # the next user to arrive and vanish
+            prompt, proactive, soonest, latest = stages[rng.choice(list(stages))]
+            prompt = prompt or rng.choice(prompts)
+            gen.options = gen.options.with_settings(
+                draft_source="lookup", proactive=proactive, reconnect_attempts=0)
+            links.clear()
+            timer = threading.Timer(rng.uniform(soonest, latest),
+                                    lambda: bool(links) and links[-1].vanish())
+            timer.start()
+            try:
+                out = gen.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                   stop_token_ids=[], token_healing=False)
+            except SpecECDError:
+                with lock:
+                    counts["gone"] += 1
+                continue
+            except Exception as exc:  # a soak reports what it finds
+                with lock:
+                    counts["untyped_errors"] += 1
+                    failures.append(f"gone client {i}: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                timer.cancel()
+            with lock:
+                counts["gone_too_late"] += 1  # it ended before its socket was shut
+                if list(out.token_ids) != expected[prompt]:
+                    counts["differed"] += 1
+                    failures.append(f"gone client {i}: {prompt[:30]!r} differs")
+            gen.close()  # the next generation starts on a link of its own
+            gen = Generator.remote(None, url, one_link, options=None)
+
     samples: list[dict[str, Any]] = []
 
     def sample() -> None:
@@ -315,8 +373,10 @@ def soak(args: argparse.Namespace) -> int:
     plan = [(started + duration / 3, kill_and_restart),
             (started + 2 * duration / 3, drain_and_restart)]
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True)
-               for i in range(args.clients)]
+    threads = [*(threading.Thread(target=client, args=(i,), daemon=True)
+                 for i in range(args.clients)),
+               *(threading.Thread(target=gone_client, args=(i,), daemon=True)
+                 for i in range(args.gone))]
     try:
         for thread in threads:
             thread.start()
@@ -338,11 +398,13 @@ def soak(args: argparse.Namespace) -> int:
                 replica.proc.terminate()
                 replica.proc.wait(30)
         shutil.rmtree(runtime, ignore_errors=True)
-    return report(args, samples, faults, counts, failures)
+    rounds = [(at - started, latency) for at, latency in latencies]
+    return report(args, samples, faults, counts, failures, rounds)
 
 
 def report(args: argparse.Namespace, samples: list[dict[str, Any]],
-           faults: list[dict[str, Any]], counts: dict[str, int], failures: list[str]) -> int:
+           faults: list[dict[str, Any]], counts: dict[str, int], failures: list[str],
+           rounds: list[tuple[float, float]]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     last = samples[-1]
     left = {j: (last[f"r{j}"].get("sessions"), last[f"r{j}"].get("kv_bytes")) for j in (0, 1)}
@@ -358,10 +420,22 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]],
             if len(rss) >= 2:
                 growth.setdefault(key, []).append(round(rss[-1] / rss[0] - 1, 4))
     p99 = [s["round_p99_ms"] / s["round_p50_ms"] for s in samples if "round_p99_ms" in s]
+    # Every round of the run outside the restarts (from each fault to 30 s after the
+    # replica is back: the edges' reconnections and the history they send again).
+    restarts = [(f["t"], back["t"] + 30.0) for f, back in itertools.pairwise(faults)
+                if back["what"].endswith("back")]
+    steady = sorted(latency for at, latency in rounds
+                    if not any(start <= at <= stop for start, stop in restarts))
+    overall = ({"p50_ms": round(1e3 * statistics.median(steady), 1),
+                "p99_ms": round(1e3 * statistics.quantiles(steady, n=100)[98], 1),
+                "exchanges": len(steady)} if len(steady) >= 100 else {})
+    if overall:
+        overall["p99_over_p50"] = round(overall["p99_ms"] / overall["p50_ms"], 2)
     result = {"minutes": args.minutes, "clients": args.clients, "vanish": args.vanish,
               "counts": counts, "faults": faults, "left_at_end": left,
               "rss_growth_by_steady_stretch": growth,
               "round_p99_over_p50_median": round(statistics.median(p99), 2) if p99 else None,
+              "rounds_outside_restarts": overall,
               "failures": failures[:50], "samples": samples}
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     with contextlib.suppress(ImportError):  # the plot where matplotlib is installed

@@ -64,13 +64,17 @@ class ServerProcess:
         # float32 unless a test asks: the references the tests compare with are float32,
         # and auto is bfloat16 on a CPU with AMX (tests/e2e/test_bfloat16.py covers that)
         dtype = [] if "--dtype" in self.extra else ["--dtype", "float32"]
+        # A test's server is stopped when its module ends, with nobody left to drain for:
+        # 2 s of grace, not the default's, unless the test drains on purpose
+        drain = ([] if "--drain-timeout" in self.extra or self.command != "serve"
+                 else ["--drain-timeout", "2"])
         # Bound to this process: a test run killed (its worker SIGKILLed, a timeout) leaves
         # no server behind.
         self.proc = subprocess.Popen(processes.bound(
             [sys.executable, "-m", "spececd", self.command,
              *(["--target-model", str(self.target)] if self.target else []),
              "--device", "cpu", "--threads", "1", "--port", str(self.port), *static, *dtype,
-             *self.extra]),
+             *drain, *self.extra]),
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         deadline = time.monotonic() + timeout
         assert self.proc.stderr is not None
