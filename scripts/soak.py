@@ -99,6 +99,19 @@ class Replica:
         except OSError:
             return None
 
+    def pool_pages(self) -> int | None:
+        """The KV page pool's size in pages (``/metrics``: used and free), which grows by
+        doubling up to its limit and is kept: memory held by design, not a leak."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports.websocket}/metrics",
+                                        timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        values = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith(("spececd_kv_pages_used ", "spececd_kv_pages_free "))]
+        return int(sum(values)) if len(values) == 2 else None
+
     def proc_sample(self) -> dict[str, float]:
         """RSS (MiB), open descriptors and threads of the server process (``/proc``)."""
         if self.proc is None or self.proc.poll() is not None:
@@ -332,7 +345,7 @@ def soak(args: argparse.Namespace) -> int:
         for j, replica in enumerate(replicas):
             row[f"r{j}"] = {**replica.proc_sample(), **{
                 k: v for k, v in (replica.status() or {}).items()
-                if k in ("sessions", "kv_bytes", "tasks")}}
+                if k in ("sessions", "kv_bytes", "tasks")}, "pool_pages": replica.pool_pages()}
         with lock:
             window = [lat for at, lat in latencies if at > time.monotonic() - args.sample_s]
             tokens = sum(n for at, n in token_times if at > time.monotonic() - args.sample_s)
@@ -419,6 +432,22 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]],
                    if start + 60 <= s["t"] <= stop and s[key].get("rss_mib")]
             if len(rss) >= 2:
                 growth.setdefault(key, []).append(round(rss[-1] / rss[0] - 1, 4))
+    # The same from where the page pool reached the stretch's last size (a pool that grows
+    # holds more memory by design; a leak grows while it does not), over a minute or more.
+    at_steady_pool: dict[str, list[dict[str, float]]] = {}
+    for j in (0, 1):
+        key = f"r{j}"
+        for start, stop in itertools.pairwise(cuts):
+            rows = [s[key] | {"t": s["t"]} for s in samples
+                    if start + 60 <= s["t"] <= stop and s[key].get("rss_mib")]
+            if not rows or rows[-1].get("pool_pages") is None:
+                continue
+            steady = rows[next(i for i, r in enumerate(rows)
+                               if r["pool_pages"] == rows[-1]["pool_pages"]):]
+            if steady[-1]["t"] - steady[0]["t"] >= 60:
+                at_steady_pool.setdefault(key, []).append({
+                    "from_s": steady[0]["t"], "to_s": steady[-1]["t"],
+                    "growth": round(steady[-1]["rss_mib"] / steady[0]["rss_mib"] - 1, 4)})
     p99 = [s["round_p99_ms"] / s["round_p50_ms"] for s in samples if "round_p99_ms" in s]
     # Every round of the run outside the restarts (from each fault to 30 s after the
     # replica is back: the edges' reconnections and the history they send again).
@@ -434,6 +463,7 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]],
     result = {"minutes": args.minutes, "clients": args.clients, "vanish": args.vanish,
               "counts": counts, "faults": faults, "left_at_end": left,
               "rss_growth_by_steady_stretch": growth,
+              "rss_growth_at_steady_pool": at_steady_pool,
               "round_p99_over_p50_median": round(statistics.median(p99), 2) if p99 else None,
               "rounds_outside_restarts": overall,
               "failures": failures[:50], "samples": samples}
