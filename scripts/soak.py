@@ -312,15 +312,24 @@ def soak(args: argparse.Namespace) -> int:
             gen.options = gen.options.with_settings(
                 draft_source="lookup", proactive=proactive, reconnect_attempts=0)
             links.clear()
-            timer = threading.Timer(rng.uniform(soonest, latest),
-                                    lambda: bool(links) and links[-1].vanish())
+            shut = threading.Event()
+
+            def vanish(shut: threading.Event = shut) -> None:
+                if links and links[-1].vanish():
+                    shut.set()
+
+            timer = threading.Timer(rng.uniform(soonest, latest), vanish)
             timer.start()
             try:
                 out = gen.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
                                    stop_token_ids=[], token_healing=False)
-            except SpecECDError:
+            except SpecECDError as exc:
                 with lock:
-                    counts["gone"] += 1
+                    if shut.is_set():
+                        counts["gone"] += 1
+                    else:  # an error of the server's own, not the vanishing
+                        counts["typed_errors"] += 1
+                        failures.append(f"gone client {i}: {type(exc).__name__}: {exc}")
                 continue
             except Exception as exc:  # a soak reports what it finds
                 with lock:
@@ -461,6 +470,7 @@ def report(args: argparse.Namespace, samples: list[dict[str, Any]],
     if overall:
         overall["p99_over_p50"] = round(overall["p99_ms"] / overall["p50_ms"], 2)
     result = {"minutes": args.minutes, "clients": args.clients, "vanish": args.vanish,
+              "gone": args.gone,
               "counts": counts, "faults": faults, "left_at_end": left,
               "rss_growth_by_steady_stretch": growth,
               "rss_growth_at_steady_pool": at_steady_pool,

@@ -296,12 +296,13 @@ class StalledPassRunner(BuiltinRunner):
         return await super().verify(key, request)
 
 
-@pytest.mark.parametrize("leaves", [True, False])
+@pytest.mark.parametrize("client", ["leaves", "half_closes", "stays"])
 def test_a_round_whose_client_leaves_before_its_pass_is_dropped(
-        target: ToyBackend, leaves: bool) -> None:
+        target: ToyBackend, client: str) -> None:
     """A client that vanishes while its draft waits for a pass (a long prompt's prefill
-    behind others) takes the pass with it: the others do not wait for work nobody reads.
-    A client that stays gets its verdict."""
+    behind others) takes the pass with it, and the frames it sent after: the others do
+    not wait for work nobody reads. A client that only ends its input (a gRPC half-close)
+    or stays gets its verdict."""
     metrics = Metrics()
     runner = StalledPassRunner(target, metrics)
     service = CloudService(runner, metrics=metrics)
@@ -310,26 +311,30 @@ def test_a_round_whose_client_leaves_before_its_pass_is_dropped(
 
     async def main() -> Ending:
         link = service.open()
-        for frame in (hello(target), m.encode(m.Draft(1, 0, PROMPT, tuple(expected[:2])))):
+        for frame in (hello(target), m.encode(m.Draft(1, 0, PROMPT, tuple(expected[:2]))),
+                      m.encode(m.Draft(2, 3, PROMPT[3:], tuple(expected[:2])))):
             link.put(frame)
 
         async def send(frame: bytes) -> None:
             replies.append(m.decode(frame))
-            if not leaves and isinstance(replies[-1], m.Verdict):
+            if client == "stays" and isinstance(replies[-1], m.Verdict):
                 link.end()
 
         serving = asyncio.ensure_future(service.serve(link, send))
         await asyncio.sleep(0.05)
-        if leaves:
-            link.end()
+        if client == "leaves":
+            link.leave()
         else:
+            if client == "half_closes":
+                link.end()
             runner.release.set()
         return await asyncio.wait_for(serving, 5)
 
     ending = asyncio.run(main())
     assert ending is Ending.CLIENT_LEFT
     dropped = metrics.registry.get_sample_value("spececd_abandoned_passes_total")
-    if leaves:
+    if client == "leaves":
+        # the first draft's pass dropped, the second draft never taken
         assert runner.cancelled == 1 and dropped == 1
         assert [type(r) for r in replies] == [m.Welcome]
     else:

@@ -19,8 +19,9 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
         self._arrival = asyncio.Event()
-        self._ended = asyncio.Event()
-        self.ended = False
+        self._left = asyncio.Event()
+        self.ended = False  # no more frames will come
+        self.left = False  # and nobody reads the answers: the client is gone
 
     def wake(self) -> None:
         """Wake a :meth:`get` that waits (the service is draining); frames stay queued."""
@@ -33,15 +34,23 @@ class Inbox:
         self._arrival.set()
 
     def end(self) -> None:
-        """The client left: after the frames queued, :meth:`get` returns None."""
-        self.ended = True
-        self._queue.put_nowait(None)
-        self._arrival.set()
-        self._ended.set()
+        """No more frames will come (a gRPC client half-closed its stream, an HTTP link was
+        closed): after the frames queued, :meth:`get` returns None."""
+        if not self.ended:
+            self.ended = True
+            self._queue.put_nowait(None)
+            self._arrival.set()
+
+    def leave(self) -> None:
+        """The client is gone (its connection closed): no more frames, and no answer will
+        be read."""
+        self.left = True
+        self._left.set()
+        self.end()
 
     async def gone(self) -> None:
-        """Return once the client has left (frames it sent before may still be queued)."""
-        await self._ended.wait()
+        """Return once the client is gone (:meth:`leave`)."""
+        await self._left.wait()
 
     async def arrived(self) -> None:
         """Return once something is queued (a frame, the end mark or a wake), taking

@@ -43,7 +43,7 @@ from spececd.backends import bundle
 from spececd.backends.base import tokenizer_fingerprint
 from spececd.cloud.inbox import Inbox
 from spececd.cloud.metrics import Metrics
-from spececd.cloud.runner import EngineStep, Generation, ModelRunner, RunnerError, Target
+from spececd.cloud.runner import EngineStep, Generation, ModelRunner, Pass, RunnerError, Target
 from spececd.core.params import Constraint
 from spececd.core.policy import Ema
 from spececd.core.verify import tree_depth
@@ -128,8 +128,14 @@ class Link:
         self.inbox.put(frame)
 
     def end(self) -> None:
-        """The client left; :meth:`CloudService.serve` returns after the frames queued."""
+        """No more frames will come; :meth:`CloudService.serve` returns after answering
+        the frames queued."""
         self.inbox.end()
+
+    def leave(self) -> None:
+        """The client is gone: :meth:`CloudService.serve` drops what it has not answered
+        (a round waiting for its pass included) and returns."""
+        self.inbox.leave()
 
     @property
     def closed(self) -> bool:
@@ -279,16 +285,22 @@ class CloudService:
         log.info("session opened", extra={"session": link.key, "sessions": len(self.links)})
         return link
 
-    async def run(self, link: Link, frames: AsyncIterable[bytes], send: Send) -> Ending:
+    async def run(self, link: Link, frames: AsyncIterable[bytes], send: Send, *,
+                  half_close: bool = False) -> Ending:
         """:meth:`serve` ``link`` while a task puts every frame of ``frames`` (a
-        transport's incoming stream, which ends when the client leaves) into it."""
+        transport's incoming stream) into it. The stream's end means the client left
+        (a closed connection), unless the transport lets a client end its input and go on
+        reading (``half_close``: a gRPC stream), where it only ends the input."""
 
         async def read() -> None:
             try:
                 async for frame in frames:
                     link.put(frame)
             finally:
-                link.end()
+                if half_close:
+                    link.end()
+                else:
+                    link.leave()
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
@@ -309,7 +321,7 @@ class CloudService:
                 except TimeoutError:
                     ending = Ending.IDLE
                     return ending
-                if frame is None:
+                if frame is None or link.inbox.left:  # (a gone client reads no answer)
                     return ending
                 if self.draining:  # new work goes to another replica
                     link.error(self.refusal())
@@ -365,11 +377,11 @@ class CloudService:
                     await self._generate(link, event, send)
                 await link.flush(send)
 
-    async def _round(self, link: Link, request: VerifyRequest) -> None:
-        """Verify one draft and queue its verdict (or the error). A client that leaves
-        before its pass has run takes the pass with it: a queued pass is dropped, a running
-        one's result discarded (the runner then rebuilds that cache from the context, should
-        the client come back), so that vanished clients cost the others no pass."""
+    async def _verify(self, link: Link, request: VerifyRequest) -> Pass | None:
+        """The runner's pass for ``request``; None when the client is gone before it
+        ran: a queued pass is dropped, a running one's result discarded (and the runner's
+        cache for the session with it), so that vanished clients cost the others no pass.
+        Raises the runner's :class:`RunnerError`."""
         verify = asyncio.ensure_future(self.runner.verify(link.key, request))
         gone = asyncio.ensure_future(link.inbox.gone())
         try:
@@ -381,12 +393,19 @@ class CloudService:
                 await asyncio.gather(verify, return_exceptions=True)
         if verify.cancelled():
             self.metrics.abandoned.inc()
-            log.info("client left before its pass: dropped", extra={"session": link.key})
-            return
+            log.info("client gone before its pass: dropped", extra={"session": link.key})
+            return None
+        return verify.result()
+
+    async def _round(self, link: Link, request: VerifyRequest) -> None:
+        """Verify one draft and queue its verdict (or the error; nothing when the client
+        is gone before its pass)."""
         try:
-            done = verify.result()
+            done = await self._verify(link, request)
         except RunnerError as exc:
             self._failed(link, request.seq, exc)
+            return
+        if done is None:
             return
         drafted = len(request.tokens) if request.parents is None else tree_depth(request.parents)
         if done.verified >= 0:  # the budget cut the draft: what was verified counts
@@ -478,7 +497,9 @@ class CloudService:
         try:
             if generation is None:
                 request = session.stream_step()
-                done = await self.runner.verify(link.key, request)
+                done = await self._verify(link, request)
+                if done is None:
+                    return None
                 result = done.result
                 out = session.tokens(request, result.num_accepted, result.next_token,
                                      done.seconds, result.path, done.logprobs,

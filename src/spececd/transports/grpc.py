@@ -137,19 +137,24 @@ class _Servicer:
         self.unary = UnarySessions(engine)
 
     async def Session(self, requests: AsyncIterator[Any], context: Any) -> None:
-        async def frames() -> AsyncIterator[bytes]:
-            with contextlib.suppress(aio.AioRpcError, aio.UsageError):  # the client left
-                async for request in requests:
-                    yield request.data
-
-        async def send(frame: bytes) -> None:
-            await context.write(pb.Frame(data=frame))
-
         # The token in the metadata authorizes the link; without it (or with a wrong one)
         # the hello's token is checked, and a wrong one answered with a typed error frame.
         link = self.engine.open(authorized=hmac.compare_digest(
             _bearer(context).encode(), self.engine.auth_token.encode()))
-        ending = await self.engine.run(link, frames(), send)
+
+        async def frames() -> AsyncIterator[bytes]:
+            # A client may half-close (done writing) and still read its answers; a call
+            # that fails instead is a client gone (a cancelled call cancels this handler).
+            try:
+                async for request in requests:
+                    yield request.data
+            except (aio.AioRpcError, aio.UsageError):
+                link.leave()
+
+        async def send(frame: bytes) -> None:
+            await context.write(pb.Frame(data=frame))
+
+        ending = await self.engine.run(link, frames(), send, half_close=True)
         metadata: list[tuple[str, str]] = [("spececd-ending", ending.value)]
         refusals = {Ending.REFUSED: "server_busy", Ending.DRAINED: "draining"}
         if ending in refusals:
