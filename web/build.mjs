@@ -1,8 +1,9 @@
 // Builds the browser edge into dist/ (ignored by git): the page (with the playground's
-// predicted-output box), its stylesheet (the playground's, and this page's own rules), one
-// bundle of its JavaScript (esbuild, no CDN at run time) and ONNX Runtime Web's WebAssembly files,
-// which the bundle loads from beside itself. `spececd serve` serves dist/ at / on its
-// WebSocket port; any static host can serve it too.
+// predicted-output box), its stylesheet (the playground's, and this page's own rules), its
+// JavaScript bundled by esbuild (no CDN at run time: app.js, and the model drafter with ONNX
+// Runtime Web in a chunk loaded only to draft with the model) and ONNX Runtime Web's
+// WebAssembly files, which that chunk loads from beside itself. `spececd serve` serves
+// dist/ at / on its WebSocket port; any static host can serve it too.
 import { build } from "esbuild";
 import { copyFileSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";
@@ -13,13 +14,17 @@ const out = join(here, "dist");
 rmSync(out, { recursive: true, force: true });
 mkdirSync(out);
 await build({
-  entryPoints: [join(here, "src", "main.js")],
+  entryPoints: { app: join(here, "src", "main.js") },
   bundle: true,
   format: "esm",
+  // The model drafter (with ONNX Runtime Web) in a chunk of its own, which the page imports
+  // only when it drafts with the model.
+  splitting: true,
+  chunkNames: "chunk-[hash]",
   minify: true,
   sourcemap: false,
   target: "es2022",
-  outfile: join(out, "app.js"),
+  outdir: out,
   logLevel: "warning",
 });
 const playground = readFileSync(

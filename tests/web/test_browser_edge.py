@@ -96,6 +96,26 @@ def test_a_link_to_the_page_naming_another_server_is_not_followed(
         page.close()
 
 
+def test_a_page_that_drafts_by_lookup_never_loads_onnx_runtime(
+        tab: Any, server: ServerProcess) -> None:
+    """ONNX Runtime Web is most of the page's script (and 28 MB of WebAssembly): a page
+    that drafts by lookup or runs cloud-only loads the small bundle alone."""
+    page = tab.context.new_page()
+    fetched: list[str] = []
+    page.on("request", lambda request: fetched.append(urlsplit(request.url).path))
+    try:
+        page.goto(f"http://127.0.0.1:{server.port}/")
+        page.wait_for_function("window.spececd !== undefined")
+        for source in ("lookup", "cloud"):
+            assert run(page, prompt=HELDOUT[0], source=source)["tokens"]
+    finally:
+        page.close()
+    scripts = [path[1:] for path in fetched if path.endswith((".js", ".mjs", ".wasm"))]
+    assert "app.js" in scripts and not any(name.startswith("ort-") for name in scripts)
+    sizes = {name: (BUILT / name).stat().st_size for name in scripts}
+    assert sum(sizes.values()) < 150_000, sizes  # the runtime's chunk is over 400 KB
+
+
 def run(tab: Any, **options: Any) -> dict[str, Any]:
     """One generation in the page (window.spececd.run), with the server's token."""
     result: dict[str, Any] = tab.evaluate(

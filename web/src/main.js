@@ -3,7 +3,6 @@
 // is the same machinery for scripts and tests: run(options) gives the text, the token ids
 // and the statistics of one generation.
 
-import { pickRuntime, ModelDrafter } from "./drafter.js";
 import { DraftLength, generate } from "./edge.js";
 import { Link } from "./link.js";
 import { HybridSource, LookupSource, ModelSource, PredictedSource } from "./sources.js";
@@ -61,6 +60,9 @@ async function connect(server) {
 }
 
 async function drafter(server, runtimeAsked) {
+  // ONNX Runtime Web (most of the page's script) is loaded only by a page that drafts with
+  // the model: lookup and cloud-only runs never fetch it.
+  const { pickRuntime, ModelDrafter } = await import("./drafter.js");
   const runtime = await pickRuntime(runtimeAsked);
   if (!loaded.drafter || loaded.draftRuntime !== runtime) {
     const base = `${httpBase(server)}/draft`;
