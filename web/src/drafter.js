@@ -65,7 +65,6 @@ export class ModelDrafter {
     this.tokens = []; // what the KV cache holds
     this.past = null; // {name: Tensor} of the cache, [1, heads, tokens, head]
     this.stepSeconds = 0; // model time, all calls
-    this.steps = 0;
     this.lookedUp = 0; // a model drafts: nothing is looked up
   }
 
@@ -120,7 +119,6 @@ export class ModelDrafter {
     const vocab = logits.dims[2];
     const last = logits.data.subarray((ids.length - 1) * vocab, ids.length * vocab);
     this.stepSeconds += (performance.now() - t0) / 1000;
-    this.steps += 1;
     return last.subarray(0, this.vocabSize);
   }
 

@@ -95,7 +95,6 @@ export class Link {
     this.socket = null;
     this.greeted = null; // the session this socket greeted
     this.reconnects = 0;
-    this.bytes = 0;
     this.refused = null; // the lowest hello version the server refused, if any
   }
 
