@@ -315,8 +315,9 @@ def soak(args: argparse.Namespace) -> int:
             shut = threading.Event()
 
             def vanish(shut: threading.Event = shut) -> None:
-                if links and links[-1].vanish():
-                    shut.set()
+                shut.set()  # before the socket is shut: the generation may fail at once
+                if not (links and links[-1].vanish()):
+                    shut.clear()  # no socket open: nothing was shut
 
             timer = threading.Timer(rng.uniform(soonest, latest), vanish)
             timer.start()
