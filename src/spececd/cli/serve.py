@@ -94,10 +94,11 @@ def add_parser(sub: Any) -> None:
                    "default: $SPECECD_AUTH_TOKEN if set, else no auth)")
     g.add_argument("--tls-cert", help="TLS certificate (PEM): serve wss://")
     g.add_argument("--tls-key", help="TLS private key (PEM)")
-    g.add_argument("--web-draft", help="an ONNX Runtime GenAI draft folder (e.g. "
-                   "models/draft-onnx) that the browser edge's page, served at / on the "
-                   "WebSocket port, may download and draft with (default: none; the page "
-                   "drafts by lookup)")
+    g.add_argument("--web-draft", help="the draft that the browser edge's page, served at / "
+                   "on the WebSocket port, may download and draft with: a transformers "
+                   "folder (e.g. models/draft; exported once to fp32 ONNX, the fastest form "
+                   "in a browser, and cached) or an ONNX Runtime GenAI folder, served as it "
+                   "is (default: none; the page drafts by lookup)")
     g.add_argument("--allowed-origin", dest="allowed_origins", action="append",
                    metavar="ORIGIN", help="a web page's origin (e.g. https://app.example, or "
                    "http://gpu-box:8765 for this server's own page under a host name) that "

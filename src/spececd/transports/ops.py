@@ -25,6 +25,7 @@ class Reply:
     status: int
     content_type: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()  # any besides the content's type and length
 
 
 @dataclass(frozen=True)

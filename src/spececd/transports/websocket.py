@@ -80,8 +80,9 @@ def allowed_origins(origins: Sequence[str]) -> tuple[str, ...]:
 
 
 def _http_handler(engine: CloudService, web: WebEdge, allowed: Sequence[str]
-                  ) -> Callable[[ServerConnection, Request], Response | None]:
-    def process_request(connection: ServerConnection, request: Request) -> Response | None:
+                  ) -> Callable[[ServerConnection, Request], Awaitable[Response | None]]:
+    async def process_request(connection: ServerConnection, request: Request
+                              ) -> Response | None:
         endpoint = ops.BY_PATH.get(request.path)
         reply: ops.Reply | None
         if endpoint is not None:
@@ -100,14 +101,17 @@ def _http_handler(engine: CloudService, web: WebEdge, allowed: Sequence[str]
                     f"server, or start it with --allowed-origin {origin}\n")
             return None  # a WebSocket upgrade (at / too, where a browser gets the page)
         else:
-            reply = web.answer(request.path)
+            reply = await web.answer(request.path, request.headers.get("If-None-Match"))
             if reply is None:
                 return None  # the upgrade refuses it (426)
         response = connection.respond(HTTPStatus(reply.status), "")  # Date, Connection: close
         for name in ("Content-Type", "Content-Length"):
             del response.headers[name]
         response.headers["Content-Type"] = reply.content_type
-        response.headers["Content-Length"] = str(len(reply.body))
+        if reply.status != HTTPStatus.NOT_MODIFIED:
+            response.headers["Content-Length"] = str(len(reply.body))
+        for name, value in reply.headers:
+            response.headers[name] = value
         if endpoint is None or endpoint.name.startswith("tokenizer"):
             # The page and the tokenizer it reads, for a page served from another origin.
             response.headers["Access-Control-Allow-Origin"] = "*"
