@@ -1,8 +1,8 @@
 // Builds the browser edge into dist/ (ignored by git): the page (with the playground's
 // predicted-output box), its stylesheet (the playground's, and this page's own rules), its
-// JavaScript bundled by esbuild (no CDN at run time: app.js, and the model drafter with ONNX
-// Runtime Web in a chunk loaded only to draft with the model) and ONNX Runtime Web's
-// WebAssembly files, which that chunk loads from beside itself. `spececd serve` serves
+// JavaScript bundled by esbuild (no CDN at run time: app.js, and draft-worker.js, the worker
+// that runs the draft model on ONNX Runtime Web, started only to draft with the model) and
+// ONNX Runtime Web's WebAssembly files, which the worker loads from beside itself. `spececd serve` serves
 // dist/ at / on its WebSocket port; any static host can serve it too.
 import { build } from "esbuild";
 import { copyFileSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
@@ -14,11 +14,12 @@ const out = join(here, "dist");
 rmSync(out, { recursive: true, force: true });
 mkdirSync(out);
 await build({
-  entryPoints: { app: join(here, "src", "main.js") },
+  // The page, and the worker the draft model runs in (with ONNX Runtime Web), which the page
+  // starts only when it drafts with the model.
+  entryPoints: { app: join(here, "src", "main.js"),
+    "draft-worker": join(here, "src", "draft-worker.js") },
   bundle: true,
   format: "esm",
-  // The model drafter (with ONNX Runtime Web) in a chunk of its own, which the page imports
-  // only when it drafts with the model.
   splitting: true,
   chunkNames: "chunk-[hash]",
   minify: true,

@@ -1,8 +1,9 @@
 """The browser edge (web/) in a real headless Chromium against a real `spececd serve`: the
 page tokenizes with the server's tokenizer in JavaScript, drafts by lookup or with the draft
-model on ONNX Runtime Web (WASM: this Chromium has no WebGPU adapter), and verifies over
-the server's WebSocket in SpecECD's own protocol. One server (auth required, the ONNX draft
-offered to pages) and one browser for the module.
+model on ONNX Runtime Web (in a worker, on WebAssembly, or WebGPU on Chromium's software
+adapter where asked), and verifies over the server's WebSocket in SpecECD's own protocol.
+One server (auth required, the default draft offered to pages, exported to fp32 ONNX) and
+one browser for the module.
 
 Chromium is Debian's, driven by Playwright; the page is web/dist, built by `npm ci && npm
 run build` in web/ (the README's test command does it). Set SPECECD_SCREENSHOT to a path to
@@ -52,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     token = tmp_path_factory.mktemp("auth") / "token"
     token.write_text(TOKEN + "\n")
     proc = ServerProcess(MODELS / "target", "--auth-token-file", str(token),
-                         "--web-draft", str(MODELS / "draft-onnx"))
+                         "--web-draft", str(MODELS / "draft"))
     yield proc
     proc.stop()
 
@@ -62,7 +63,9 @@ def tab(server: ServerProcess) -> Iterator[Any]:
     """One tab on the page the server serves, kept across the module's tests (the page
     keeps its tokenizer, draft model and link)."""
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        # WebGPU on Chromium's software adapter (SwiftShader): this machine has no GPU.
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM),
+                                             args=["--enable-unsafe-webgpu"])
         context = browser.new_context(viewport={"width": 1280, "height": 900})
         page = context.new_page()
         page.errors = []
@@ -123,8 +126,10 @@ def run(tab: Any, **options: Any) -> dict[str, Any]:
             const r = await spececd.run(options);
             const s = r.stats;
             return {text: r.text, tokens: r.tokens, promptIds: r.promptIds, healIds: r.healIds,
-                    runtime: r.runtime, reconnects: r.reconnects, drafted: s.drafted,
-                    accepted: s.accepted, rounds: s.rounds, lookedUp: s.lookedUpAccepted,
+                    runtime: r.runtime, threads: r.threads, reconnects: r.reconnects,
+                    drafted: s.drafted, accepted: s.accepted, rounds: s.rounds,
+                    aheadRounds: s.aheadRounds, aheadHits: s.aheadHits,
+                    lookedUp: s.lookedUpAccepted,
                     predicted: s.predictedAccepted, prediction: r.prediction,
                     tps: s.tokensPerSecond};
         }""", {"token": TOKEN, "maxTokens": MAX_TOKENS, "temperature": 0, **options})
@@ -376,17 +381,73 @@ def test_greedy_text_is_the_target_alones(tab: Any, reference: Any, source: str)
     # The model drafts slowly on WASM here (about 20 ms a step on a loaded core): fewer.
     prompts = {"lookup": [*HELDOUT[:2], COPY[0]], "model": [HELDOUT[1]],
                "hybrid": [COPY[7]]}[source]
+    hits = 0
     for prompt in prompts:
         page = run(tab, prompt=prompt, source=source)
+        hits += page["aheadHits"]
         alone = reference.generate(prompt, cloud_only=True, max_tokens=MAX_TOKENS,
                                    temperature=0, token_healing=True)
         assert page["tokens"] == alone.token_ids
         assert page["text"] == alone.text
     assert page["runtime"] == ("none (lookup)" if source == "lookup" else "wasm")
     # Drafts were accepted, looked up where lookup drafts (the last prompt but the model's
-    # copies itself).
+    # copies itself), and blocks drafted ahead (always, by default) were sent.
     assert page["accepted"] > 0
     assert (page["lookedUp"] > 0) == (source != "model")
+    assert page["aheadRounds"] > 0 and hits > 0
+    assert tab.errors == []
+
+
+def test_the_model_drafts_in_a_worker_on_several_threads(tab: Any, reference: Any) -> None:
+    """The page is cross-origin isolated (the server's COOP/COEP headers), so ONNX Runtime
+    Web drafts on several WebAssembly threads, in the page's draft worker; the text is the
+    target alone's, in rounds with blocks drafted ahead and in plain rounds."""
+    assert tab.evaluate("self.crossOriginIsolated")
+    alone = reference.generate(HELDOUT[2], cloud_only=True, max_tokens=MAX_TOKENS,
+                               temperature=0, token_healing=True)
+    for ahead in (True, False):
+        page = run(tab, prompt=HELDOUT[2], source="model", threads=2, ahead=ahead)
+        assert page["threads"] == 2 and page["runtime"] == "wasm"
+        assert page["tokens"] == alone.token_ids
+        assert (page["aheadRounds"] > 0) == ahead
+    assert tab.evaluate("spececd.loaded.drafter.worker instanceof Worker")
+    assert tab.errors == []
+
+
+def test_the_model_drafts_on_webgpu_where_asked(tab: Any, reference: Any) -> None:
+    """WebGPU, on the software adapter Chromium offers without a GPU (SwiftShader, far
+    slower than WebAssembly: a short run): the target alone's text, drafted as on
+    WebAssembly. Left to choose (auto), the page drafts on WebAssembly rather than on a
+    software adapter."""
+    assert tab.evaluate("navigator.gpu.requestAdapter().then((a) => a.info.architecture)"
+                        ) == "swiftshader"
+    alone = reference.generate(HELDOUT[0], cloud_only=True, max_tokens=12, temperature=0,
+                               token_healing=True)
+    pages = {runtime: run(tab, prompt=HELDOUT[0], source="model", runtime=runtime, k=4,
+                          maxTokens=12) for runtime in ("webgpu", "auto")}
+    assert pages["webgpu"]["runtime"] == "webgpu" and pages["auto"]["runtime"] == "wasm"
+    for page in pages.values():
+        assert page["tokens"] == alone.token_ids
+    assert pages["webgpu"]["accepted"] > 0
+    assert tab.errors == []
+
+
+@pytest.mark.parametrize("source", ["model", "lookup"])
+def test_blocks_drafted_ahead_are_the_blocks_drafted_later(tab: Any, source: str) -> None:
+    """Drafting is a function of the history and the position (the draws' generator is
+    seeded by both), so a block drafted while a verdict travels is the block the next round
+    would draft: sampled runs in exact mode with a fixed k write the same tokens with blocks
+    drafted ahead as in plain rounds, seed by seed, and the target's distribution is checked
+    on plain rounds (test_sampled_tokens_follow_the_targets_distribution)."""
+    hits = 0
+    for seed in range(6):
+        options = dict(prompt=COPY[seed % len(COPY)], source=source, k=3, temperature=0.8,
+                       topK=40, seed=seed, mode="exact")
+        ahead, plain = run(tab, **options), run(tab, **options, ahead=False)
+        assert ahead["tokens"] == plain["tokens"], seed
+        assert plain["aheadRounds"] == 0
+        hits += ahead["aheadHits"]
+    assert hits > 0
     assert tab.errors == []
 
 

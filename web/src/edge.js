@@ -83,6 +83,41 @@ export class DraftLength {
   }
 }
 
+/**
+ * A block drafted ahead while a verdict travels (src/spececd/edge/strategies.py's Ahead):
+ * the guess of the verifier's own token followed by the next round's draft, drafted after
+ * `context` (the history and the block sent). Drafting is a function of the history and the
+ * position only, so it is exactly the block the next round would draft: lossless by
+ * construction. `free`: the block sent cost nothing to draft, and so must this one (a
+ * lookup's, a prediction's), else it is none.
+ */
+export class Ahead {
+  constructor(source, context, k, free, settings) {
+    this.context = context;
+    this.k = k;
+    this.free = free;
+    this.drafted = free ? source.free(context, 1 + k, settings)
+      : source.draft(context, 1 + k, settings);
+    this.drafted.catch(() => {}); // a failure is the next round's (or nobody's, if none)
+  }
+
+  /** The next round's draft (at most `limit` tokens) where the verdict kept every drafted
+   * token and its own was the guess, else null (also where the block ends at its guess:
+   * the round drafts anew). */
+  async block(history, limit) {
+    const drafted = await this.drafted;
+    const context = this.context;
+    if (!drafted || drafted.tokens.length < 2 || history.length !== context.length + 1
+        || history[context.length] !== drafted.tokens[0]
+        || context.some((token, i) => history[i] !== token)) return null;
+    const n = Math.min(this.k, limit);
+    const cut = (count) => Math.max(0, Math.min((count || 0) - 1, n));
+    return { tokens: drafted.tokens.slice(1, 1 + n),
+      dists: drafted.dists && drafted.dists.slice(1, 1 + n), lookedUp: cut(drafted.lookedUp),
+      predicted: cut(drafted.predicted) };
+  }
+}
+
 /** Statistics of one generation, as the Python edge counts them. */
 export class Stats {
   constructor() {
@@ -92,6 +127,8 @@ export class Stats {
     this.accepted = 0;
     this.lookedUpAccepted = 0;
     this.predictedAccepted = 0; // drafts from a prediction of the output, accepted
+    this.aheadRounds = 0; // rounds that drafted the next block while their verdict travelled
+    this.aheadHits = 0; // rounds that sent a block drafted ahead
     this.draftSeconds = 0;
     this.verifySeconds = 0;
     this.wallSeconds = 0;
@@ -140,6 +177,9 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   const auto = options.k === "auto";
   const length = new DraftLength(Math.min(auto ? 8 : options.k, welcome.maxDraft));
   const freeLength = new DraftLength(Math.max(length.kMax, welcome.width), length.kMax);
+  // A fixed k in exact mode, sampling, drafts whole blocks whatever the budget (a seed fixes
+  // the tokens only so), as the Python edge does.
+  const blocks = !auto && options.mode === "exact" && params.temperature > 0;
   let finished = false;
 
   const emit = (tokens, fromDraft, lookedUp, predicted, drafted, done) => {
@@ -179,6 +219,8 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
       // generation, so this connection ends.
       if (!done) link.drop();
     } else {
+      // A block drafted while the last verdict travelled (options.ahead), or null.
+      let ahead = null;
       while (!finished) {
         // The verifier adds one token of its own.
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
@@ -186,19 +228,37 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // Never past the server's budget (it would cut the rest).
         const room = session.budget === null ? limit : Math.min(limit, session.budget);
         const t0 = performance.now();
-        // A draft that costs nothing to draft has its own length policy (with k auto).
-        let block = auto ? await source.free(history, freeLength.choose(room), settings) : null;
-        const policy = block ? freeLength : length;
-        if (!block) {
-          // A fixed k in exact mode, sampling, drafts whole blocks whatever the budget (a
-          // seed fixes the tokens only so), as the Python edge does.
-          const blocks = options.mode === "exact" && params.temperature > 0;
-          const k = auto ? length.choose(room) : Math.min(length.kMax, blocks ? limit : room);
-          block = await source.draft(history, k, settings);
+        let block = ahead && (await ahead.block(history, limit));
+        let free = block ? ahead.free : false;
+        ahead = null;
+        if (block) {
+          stats.aheadHits += 1;
+        } else {
+          // A draft that costs nothing to draft has its own length policy (with k auto).
+          block = auto ? await source.free(history, freeLength.choose(room), settings) : null;
+          free = block !== null;
+          if (!block) {
+            const k = auto ? length.choose(room) : Math.min(length.kMax, blocks ? limit : room);
+            block = await source.draft(history, k, settings);
+          }
         }
+        const policy = free ? freeLength : length;
         const t1 = performance.now();
-        const verdict = await link.exchange(session,
+        const pending = link.exchange(session,
           () => session.draft(history, block.tokens, block.dists));
+        // The next block, drafted while this verdict travels, as if it keeps every drafted
+        // token and its own is the draft's next: used only where that is so.
+        const next = Math.min(params.maxTokens - stats.generated,
+          maxContext - history.length) - block.tokens.length - 2;
+        if (options.ahead && next > 0) {
+          const budget = session.budget === null || blocks ? next
+            : Math.min(next, session.budget);
+          ahead = new Ahead(source, [...history, ...block.tokens], auto ? policy.choose(budget)
+            : Math.min(length.kMax, budget), free, settings);
+          stats.aheadRounds += 1;
+        }
+        const verdict = await pending;
+        const roundSeconds = (performance.now() - t1) / 1000;
         const draftSeconds = (t1 - t0) / 1000;
         stats.draftSeconds += draftSeconds;
         stats.verifySeconds += verdict.verifyS;
@@ -206,12 +266,14 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // Where the server cut the draft (its budget), the positions past the cut were never
         // judged: neither rejections for the draft length nor drafted in the statistics.
         const judged = Math.min(block.tokens.length, verdict.verified ?? Infinity);
-        // Looked-up tokens cost no draft step.
+        // Looked-up tokens cost no draft step; a block drafted ahead cost only the wait for
+        // it (what drafting adds to a round's time).
         policy.observe(judged, n, block.lookedUp === block.tokens.length ? null
-          : draftSeconds, (performance.now() - t1) / 1000);
+          : draftSeconds, roundSeconds);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           Math.min(block.predicted || 0, n), judged, false);
       }
+      if (ahead) await ahead.drafted.catch(() => {}); // the drafter is free for the next run
     }
   } finally {
     stats.wallSeconds = (performance.now() - started) / 1000;

@@ -47,33 +47,38 @@ function httpBase(server) {
 
 // What the page has loaded for a server: its tokenizer, its draft model (where it offers
 // one), and the link, each once.
-const loaded = { server: null, tokenizer: null, drafter: null, draftRuntime: null, link: null };
+const loaded = { server: null, tokenizer: null, drafter: null, draftWanted: null, link: null };
 
 async function connect(server) {
   if (loaded.server !== server) {
     if (loaded.link) loaded.link.close();
-    Object.assign(loaded, { server, tokenizer: null, drafter: null, draftRuntime: null,
+    if (loaded.drafter) loaded.drafter.close();
+    Object.assign(loaded, { server, tokenizer: null, drafter: null, draftWanted: null,
       link: new Link(server) });
   }
   if (!loaded.tokenizer) loaded.tokenizer = await TargetTokenizer.fetch(httpBase(server));
   return loaded;
 }
 
-async function drafter(server, runtimeAsked) {
-  // ONNX Runtime Web (most of the page's script) is loaded only by a page that drafts with
-  // the model: lookup and cloud-only runs never fetch it.
-  const { pickRuntime, ModelDrafter } = await import("./drafter.js");
-  const runtime = await pickRuntime(runtimeAsked);
-  if (!loaded.drafter || loaded.draftRuntime !== runtime) {
+async function drafter(server, runtimeAsked, threadsAsked) {
+  // ONNX Runtime Web (most of the page's script) is loaded only by the draft worker of a
+  // page that drafts with the model: lookup and cloud-only runs never fetch it.
+  const { WorkerDrafter, defaultThreads } = await import("./drafter.js");
+  const threads = threadsAsked || defaultThreads();
+  const wanted = `${runtimeAsked}/${threads}`;
+  if (!loaded.drafter || loaded.draftWanted !== wanted) {
     const base = `${httpBase(server)}/draft`;
     const probe = await fetch(`${base}/genai_config.json`);
     if (!probe.ok) {
       throw new Error("this server offers no draft model to browsers: start it with " +
-        "`spececd serve --web-draft models/draft-onnx`, or draft by lookup");
+        "`spececd serve --web-draft models/draft`, or draft by lookup");
     }
+    if (loaded.drafter) loaded.drafter.close();
+    loaded.drafter = null;
     // The runtime's own files (WebAssembly) come from where this page came from.
-    loaded.drafter = await ModelDrafter.load(base, runtime, new URL(".", import.meta.url).href);
-    loaded.draftRuntime = runtime;
+    loaded.drafter = await WorkerDrafter.load(base, runtimeAsked,
+      new URL(".", import.meta.url).href, threads);
+    loaded.draftWanted = wanted;
   }
   return loaded.drafter;
 }
@@ -81,22 +86,25 @@ async function drafter(server, runtimeAsked) {
 /**
  * One generation. `options`: {server, token, prompt, maxTokens, temperature, topK, topP,
  * seed, mode ("exact"|"match"), source ("lookup"|"model"|"hybrid"|"cloud"), k, runtime,
+ * threads (the draft's WebAssembly threads; default: drafter.js's defaultThreads), ahead
+ * (false: plain rounds; default: blocks drafted ahead, edge.js),
  * prediction (optional: the text the output is expected to be, mostly, drafted first;
  * `predictionIds`: its ids)}, `onPiece` as edge.generate's. Returns {text, promptIds,
- * tokens, stats, runtime, prediction}: `prediction` (null without one) counts the
+ * tokens, stats, runtime, threads, prediction}: `prediction` (null without one) counts the
  * prediction's tokens that appeared in the output (`accepted`, aligned as a diff would,
  * as the OpenAI API's accepted_prediction_tokens) and the others (`rejected`).
  */
 async function run(options, onPiece = () => {}) {
   const server = options.server || (await defaultServer());
   const { tokenizer, link } = await connect(server);
-  let source = null, runtime = "none (lookup)";
+  let source = null, runtime = "none (lookup)", threads = 0;
   if (options.source === "lookup") {
     source = new LookupSource();
   } else if (options.source === "model" || options.source === "hybrid") {
-    const model = await drafter(server, options.runtime || "auto");
+    const model = await drafter(server, options.runtime || "auto", options.threads);
     source = options.source === "model" ? new ModelSource(model) : new HybridSource(model);
     runtime = model.runtime;
+    threads = model.threads;
   } else if (options.source !== "cloud") {
     throw new Error(`unknown draft source ${options.source}`);
   }
@@ -120,6 +128,7 @@ async function run(options, onPiece = () => {}) {
       params: { maxTokens: options.maxTokens ?? 96, temperature, topK: options.topK ?? 0,
         topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
       mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
+      ahead: options.ahead ?? true,
       healIds: healing ? healing.allowed : null,
     }, onPiece);
   } catch (exc) {
@@ -139,7 +148,8 @@ async function run(options, onPiece = () => {}) {
   }
   return { text: text.startsWith(dropped) ? text.slice(dropped.length) : text, promptIds,
     healIds: healing ? healing.allowed : [], tokens: result.tokens, stats: result.stats,
-    reconnects: link.reconnects - reconnects, runtime: source ? runtime : "cloud", prediction };
+    reconnects: link.reconnects - reconnects, runtime: source ? runtime : "cloud", threads,
+    prediction };
 }
 
 /** Shows pieces as they come: each token a span of its source's colour; `dropped`: the
@@ -206,7 +216,8 @@ async function onGenerate(event) {
     $("stat-acceptance").textContent = fixed(100 * s.acceptance, 1);
     $("stat-mal").textContent = fixed(s.meanAcceptedLength, 2);
     $("stat-tokens").textContent = String(s.generated);
-    $("runtime").textContent = spec.runtime;
+    $("runtime").textContent = spec.threads > 1 ? `${spec.runtime}, ${spec.threads} threads`
+      : spec.runtime;
     $("details").textContent = `${s.rounds} rounds, ${s.drafted} drafted, ${s.accepted} ` +
       `accepted (${s.lookedUpAccepted} looked-up drafts accepted); drafting ` +
       `${fixed(1000 * s.draftSeconds / Math.max(1, s.rounds), 2)} ms a round, server ` +

@@ -1,5 +1,7 @@
-// The draft model in the page: an ONNX Runtime GenAI folder (its genai_config.json names
-// the inputs and outputs) on ONNX Runtime Web, WebGPU where the browser has it, else WASM.
+// The draft model, in the page's draft worker (draft-worker.js): an ONNX Runtime GenAI folder
+// (its genai_config.json names the inputs and outputs) on ONNX Runtime Web, WebGPU where the
+// browser has it, else WebAssembly, on several threads where the page is cross-origin
+// isolated.
 // As src/spececd/edge/drafter.py drafts: one KV cache kept across rounds and cut lazily to
 // the longest prefix it shares with the (authoritative) history, so a rejected block costs
 // nothing extra; the last drafted token is never fed, the next call feeds it if the verifier
@@ -12,18 +14,28 @@ import { argmax, positionRng, processLogits, sample, sparse } from "./sampling.j
 
 const DRAFTER_STREAM = 1; // the draws' stream, apart from any other the page may add
 
-/** The runtime the page drafts on: "webgpu" where asked (or "auto") and available, else
- * "wasm". */
+/** Whether a WebGPU adapter is a software one (SwiftShader, or one the browser calls a
+ * fallback): correct, and far slower than WebAssembly. */
+export function softwareAdapter(adapter) {
+  const info = adapter.info || {};
+  return Boolean(adapter.isFallbackAdapter || info.isFallbackAdapter
+    || /swiftshader/i.test(`${info.architecture} ${info.vendor} ${info.description}`));
+}
+
+/** The runtime the page drafts on: "webgpu" where asked and the browser has an adapter, or
+ * for "auto" where it has a hardware one; else "wasm". */
 export async function pickRuntime(asked) {
   if (asked === "wasm") return "wasm";
   const gpu = typeof navigator !== "undefined" ? navigator.gpu : undefined;
-  if (gpu) {
-    try {
-      if (await gpu.requestAdapter()) return "webgpu";
-    } catch { /* no adapter */ }
+  let adapter = null;
+  try {
+    adapter = gpu ? await gpu.requestAdapter() : null;
+  } catch { /* no adapter */ }
+  if (asked === "webgpu") {
+    if (!adapter) throw new Error("this browser has no WebGPU adapter: draft on wasm");
+    return "webgpu";
   }
-  if (asked === "webgpu") throw new Error("this browser has no WebGPU adapter: draft on wasm");
-  return "wasm";
+  return adapter && !softwareAdapter(adapter) ? "webgpu" : "wasm";
 }
 
 async function fetchBytes(url) {
@@ -34,10 +46,14 @@ async function fetchBytes(url) {
 
 export class ModelDrafter {
   /** Load the draft folder at `base` (its genai_config.json, model file and external data)
-   * on `runtime` ("wasm" or "webgpu"). */
-  static async load(base, runtime, wasmPaths) {
+   * on `runtime` ("wasm" or "webgpu") with `threads` WebAssembly threads (more than one
+   * only where the page is cross-origin isolated). */
+  static async load(base, runtime, wasmPaths, threads = 1) {
     if (wasmPaths) ort.env.wasm.wasmPaths = wasmPaths;
-    ort.env.wasm.numThreads = 1; // pages without cross-origin isolation have one anyway
+    ort.env.wasm.numThreads = threads;
+    // Errors only: the runtime logs its warnings (nodes kept on the CPU under WebGPU, say)
+    // as console errors.
+    ort.env.logLevel = "error";
     const config = JSON.parse(new TextDecoder().decode(await fetchBytes(`${base}/genai_config.json`)));
     const decoder = config.model.decoder;
     const file = decoder.filename;
@@ -49,14 +65,16 @@ export class ModelDrafter {
       externalData.push({ path: `${file}.data`, data: new Uint8Array(await data.arrayBuffer()) });
     }
     const session = await ort.InferenceSession.create(model, {
-      executionProviders: [runtime], externalData, graphOptimizationLevel: "all" });
-    return new ModelDrafter(session, config, runtime);
+      executionProviders: [runtime], externalData, graphOptimizationLevel: "all",
+      logSeverityLevel: 3 });
+    return new ModelDrafter(session, config, runtime, threads);
   }
 
-  constructor(session, config, runtime) {
+  constructor(session, config, runtime, threads) {
     const decoder = config.model.decoder;
     this.session = session;
     this.runtime = runtime;
+    this.threads = threads;
     this.vocabSize = config.model.vocab_size;
     this.layers = decoder.num_hidden_layers;
     this.kvHeads = decoder.num_key_value_heads;
@@ -64,8 +82,6 @@ export class ModelDrafter {
     this.names = { ...decoder.inputs, ...decoder.outputs };
     this.tokens = []; // what the KV cache holds
     this.past = null; // {name: Tensor} of the cache, [1, heads, tokens, head]
-    this.stepSeconds = 0; // model time, all calls
-    this.lookedUp = 0; // a model drafts: nothing is looked up
   }
 
   /** Cut the cache to its first `n` tokens. */
@@ -91,7 +107,6 @@ export class ModelDrafter {
 
   /** Run `ids` after the cache; the logits of the last position [vocab]. */
   async extend(ids) {
-    const t0 = performance.now();
     const pastLen = this.tokens.length;
     const total = pastLen + ids.length;
     const feeds = {
@@ -118,7 +133,6 @@ export class ModelDrafter {
     const logits = out[this.names.logits];
     const vocab = logits.dims[2];
     const last = logits.data.subarray((ids.length - 1) * vocab, ids.length * vocab);
-    this.stepSeconds += (performance.now() - t0) / 1000;
     return last.subarray(0, this.vocabSize);
   }
 

@@ -1,0 +1,69 @@
+// The page's side of the draft model: a Worker (draft-worker.js) holds the model and ONNX
+// Runtime Web, and this proxy gives the draft sources the contract a drafter has
+// (`await drafter.draft(history, k, settings)`, sources.js). The main thread never runs the
+// model: it stays free to paint and to read the socket while a block is drafted ahead.
+
+/** WebAssembly threads for the draft: ONNX Runtime Web's own choice (half the cores, at
+ * most 4) where the page is cross-origin isolated (COOP/COEP headers, as `spececd serve`
+ * sends), else 1 (a page without isolation has no shared memory for threads). */
+export function defaultThreads() {
+  if (typeof self === "undefined" || !self.crossOriginIsolated) return 1;
+  return Math.max(1, Math.min(4, Math.ceil((navigator.hardwareConcurrency || 1) / 2)));
+}
+
+export class WorkerDrafter {
+  /** Start a worker and load the draft at `base` on `runtimeAsked` ("auto", "wasm" or
+   * "webgpu"); `wasmPaths`: where ONNX Runtime's WebAssembly files are. */
+  static async load(base, runtimeAsked, wasmPaths, threads = defaultThreads()) {
+    const worker = new Worker(new URL("./draft-worker.js", import.meta.url), { type: "module" });
+    const drafter = new WorkerDrafter(worker);
+    try {
+      const { runtime } = await drafter.call({ op: "load", base, runtime: runtimeAsked,
+        wasmPaths, threads });
+      drafter.runtime = runtime;
+      drafter.threads = threads;
+    } catch (exc) {
+      worker.terminate();
+      throw exc;
+    }
+    return drafter;
+  }
+
+  constructor(worker) {
+    this.worker = worker;
+    this.runtime = null;
+    this.threads = 1;
+    this.next = 0;
+    this.pending = new Map(); // id -> {resolve, reject}
+    worker.onmessage = ({ data }) => {
+      const call = this.pending.get(data.id);
+      this.pending.delete(data.id);
+      if (data.ok) call.resolve(data.result);
+      else call.reject(new Error(data.error));
+    };
+    worker.onerror = (event) => {
+      const error = new Error(`the draft worker failed: ${event.message || "no message"}`);
+      for (const call of this.pending.values()) call.reject(error);
+      this.pending.clear();
+    };
+  }
+
+  call(message) {
+    const id = this.next++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject });
+      this.worker.postMessage({ id, ...message });
+    });
+  }
+
+  /** Up to `k` tokens drafted after `history` (model.js's draft, in the worker). */
+  async draft(history, k, settings) {
+    const { tokens, dists } = await this.call({ op: "draft", history: Array.from(history), k,
+      settings });
+    return { tokens, dists, lookedUp: 0 };
+  }
+
+  close() {
+    this.worker.terminate();
+  }
+}

@@ -1,0 +1,70 @@
+// The page's block drafted ahead (web/src/edge.js's Ahead): used only where the verdict kept
+// every drafted token and its own was the guess, cut to the room left, with its
+// distributions and counts aligned to its tokens; drafted with the same source contract as
+// any round (a free block only where drafting costs nothing). Run: npm test (node --test).
+
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { Ahead } from "../src/edge.js";
+
+/** A source that drafts 100 + position for each position after `history`, one-hot
+ * distributions, and counts its calls; `free` drafts only where `freeBlocks`. */
+function source({ freeBlocks = true, lookedUp = 0 } = {}) {
+  const calls = [];
+  const block = (history, k) => {
+    const tokens = Array.from({ length: k }, (_, i) => 100 + history.length + i);
+    return { tokens, dists: tokens.map((t) => ({ ids: [t], probs: [1] })), lookedUp,
+      predicted: lookedUp };
+  };
+  return {
+    calls,
+    async draft(history, k) { calls.push(["draft", history.length, k]); return block(history, k); },
+    async free(history, k) { calls.push(["free", history.length, k]); return freeBlocks ? block(history, k) : null; },
+  };
+}
+
+const settings = { mode: "exact", params: { temperature: 1 }, maxSupport: 8 };
+
+test("a block drafted ahead continues a history that kept the block and took the guess", async () => {
+  const drafts = source();
+  const context = [1, 2, 3, 4]; // the history (1, 2) and the block sent (3, 4)
+  const ahead = new Ahead(drafts, context, 3, false, settings);
+  assert.deepEqual(drafts.calls, [["draft", 4, 4]]); // the guess and 3 more
+  const guess = 104;
+  const block = await ahead.block([...context, guess], 8);
+  assert.deepEqual(block.tokens, [105, 106, 107]);
+  assert.deepEqual(block.dists.map((d) => d.ids[0]), block.tokens); // aligned with its tokens
+  assert.deepEqual(await ahead.block([...context, guess], 2).then((b) => b.tokens), [105, 106]);
+});
+
+test("a verdict that rejected a drafted token or took another token finds no block", async () => {
+  const ahead = new Ahead(source(), [1, 2, 3, 4], 3, false, settings);
+  assert.equal(await ahead.block([1, 2, 3, 9], 8), null); // rejected the block's 4
+  assert.equal(await ahead.block([1, 2, 3, 4, 99], 8), null); // the target's token, not the guess
+  assert.equal(await ahead.block([1, 2, 3, 4, 104, 105], 8), null); // another length
+  assert.equal(await ahead.block([7, 2, 3, 4, 104], 8), null); // another history
+});
+
+test("a free round's block ahead is drafted only for free, and a block of the guess alone is none", async () => {
+  const none = source({ freeBlocks: false });
+  const ahead = new Ahead(none, [1, 2], 3, true, settings);
+  assert.deepEqual(none.calls, [["free", 2, 4]]);
+  assert.equal(await ahead.block([1, 2, 102], 8), null);
+  const short = new Ahead(source(), [1, 2], 0, false, settings);
+  assert.equal(await short.block([1, 2, 102], 8), null); // the guess alone: drafted anew
+});
+
+test("looked-up and predicted counts are the block's own (the guess taken off)", async () => {
+  const ahead = new Ahead(source({ lookedUp: 3 }), [1, 2], 4, true, settings);
+  const block = await ahead.block([1, 2, 102], 8);
+  assert.equal(block.tokens.length, 4);
+  assert.equal(block.lookedUp, 2);
+  assert.equal(block.predicted, 2);
+});
+
+test("a failed draft ahead fails the round that uses it, and nobody else", async () => {
+  const failing = { async draft() { throw new Error("worker gone"); }, async free() { return null; } };
+  const ahead = new Ahead(failing, [1, 2], 3, false, settings);
+  await assert.rejects(ahead.block([1, 2, 102], 8), /worker gone/);
+});
