@@ -56,6 +56,18 @@ export class WorkerDrafter {
     });
   }
 
+  /** Stop the drafts in flight after their current step (they answer with the tokens
+   * drafted so far). */
+  cancel() {
+    for (const id of this.pending.keys()) this.worker.postMessage({ op: "cancel", of: id });
+  }
+
+  /** Bring the model's cache up to `history` in the worker (model.js's warm); a failure
+   * shows at the next draft. */
+  warm(history) {
+    this.call({ op: "warm", history: Array.from(history) }).catch(() => {});
+  }
+
   /** Up to `k` tokens drafted after `history` (model.js's draft, in the worker). */
   async draft(history, k, settings) {
     const { tokens, dists } = await this.call({ op: "draft", history: Array.from(history), k,

@@ -29,6 +29,8 @@ export function clipEmitted(tokens, stopIds, remaining) {
  * measured it drafts `initial` (default `kMax`). Drafts that cost nothing (a lookup, a
  * prediction) have one of their own, up to the server's pass width, from 8.
  */
+const EXPLORE = 8; // rounds without drafts before one drafts again, to measure anew
+
 export class DraftLength {
   constructor(kMax, initial = kMax) {
     this.kMax = kMax;
@@ -41,6 +43,8 @@ export class DraftLength {
     // A round's time besides drafting against its draft's length: moving averages of k,
     // seconds, k² and k x seconds (the newest weighing 0.2).
     this.fit = { x: 0, y: 0, xx: 0, xy: 0 };
+    this.allowNone = false; // whether a round may draft nothing (model drafts, k auto)
+    this.idle = 0; // rounds in a row that chose to draft nothing
   }
 
   /** Seconds a round of `k` drafts takes besides drafting: base + slope x k, each at least
@@ -56,7 +60,11 @@ export class DraftLength {
     const most = Math.min(this.kMax, limit);
     if (this.rounds < 3 || most <= 1) return Math.min(this.initial, most);
     const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
-    let best = 1, bestRate = 0;
+    // No draft at all where a draft step costs more than it brings (the verifier's token
+    // alone), but a draft again after EXPLORE such rounds, to measure anew.
+    const none = this.allowNone && this.idle < EXPLORE;
+    let best = 1, bestRate = none ? 1 / this.roundSeconds(0) : 0;
+    if (none) best = 0;
     for (let k = 1; k <= most; k++) {
       const rate = (1 - alpha ** (k + 1)) / (1 - alpha)
         / (k * this.stepSeconds + this.roundSeconds(k));
@@ -79,6 +87,7 @@ export class DraftLength {
     }
     this.kept += accepted;
     if (accepted < k) this.stops += 1;
+    this.idle = k === 0 ? this.idle + 1 : 0;
     this.rounds += 1;
   }
 }
@@ -93,6 +102,7 @@ export class DraftLength {
  */
 export class Ahead {
   constructor(source, context, k, free, settings) {
+    this.source = source;
     this.context = context;
     this.k = k;
     this.free = free;
@@ -105,16 +115,22 @@ export class Ahead {
    * token and its own was the guess, else null (also where the block ends at its guess:
    * the round drafts anew). */
   async block(history, limit) {
-    const drafted = await this.drafted;
     const context = this.context;
-    if (!drafted || drafted.tokens.length < 2 || history.length !== context.length + 1
-        || history[context.length] !== drafted.tokens[0]
-        || context.some((token, i) => history[i] !== token)) return null;
+    if (history.length !== context.length + 1 || context.some((token, i) => history[i] !== token)) {
+      // The verdict rejected a drafted token: the block is not waited for, and its drafting
+      // stops where it can.
+      if (this.source.cancel) this.source.cancel();
+      return null;
+    }
+    const drafted = await this.drafted;
+    if (!drafted || drafted.tokens.length < 2 || history[context.length] !== drafted.tokens[0]) {
+      return null;
+    }
     const n = Math.min(this.k, limit);
     const cut = (count) => Math.max(0, Math.min((count || 0) - 1, n));
     return { tokens: drafted.tokens.slice(1, 1 + n),
       dists: drafted.dists && drafted.dists.slice(1, 1 + n), lookedUp: cut(drafted.lookedUp),
-      predicted: cut(drafted.predicted) };
+      predicted: cut(drafted.predicted), matchLen: drafted.matchLen };
   }
 }
 
@@ -176,6 +192,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   // drafts that cost nothing up to the server's pass width.
   const auto = options.k === "auto";
   const length = new DraftLength(Math.min(auto ? 8 : options.k, welcome.maxDraft));
+  length.allowNone = auto;
   const freeLength = new DraftLength(Math.max(length.kMax, welcome.width), length.kMax);
   // A fixed k in exact mode, sampling, drafts whole blocks whatever the budget (a seed fixes
   // the tokens only so), as the Python edge does.
@@ -239,7 +256,9 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
           free = block !== null;
           if (!block) {
             const k = auto ? length.choose(room) : Math.min(length.kMax, blocks ? limit : room);
-            block = await source.draft(history, k, settings);
+            block = k > 0 ? await source.draft(history, k, settings)
+              : { tokens: [], dists: options.mode === "exact" && params.temperature > 0 ? []
+                : null, lookedUp: 0 };
           }
         }
         const policy = free ? freeLength : length;
@@ -250,13 +269,17 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // token and its own is the draft's next: used only where that is so.
         const next = Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - block.tokens.length - 2;
-        if (options.ahead && next > 0) {
-          const budget = session.budget === null || blocks ? next
-            : Math.min(next, session.budget);
-          ahead = new Ahead(source, [...history, ...block.tokens], auto ? policy.choose(budget)
-            : Math.min(length.kMax, budget), free, settings);
+        const aheadK = options.ahead && next > 0 ? (auto ? policy.choose(
+          session.budget === null ? next : Math.min(next, session.budget))
+          : Math.min(length.kMax, blocks || session.budget === null ? next
+            : Math.min(next, session.budget))) : 0;
+        if (aheadK > 0) {
+          ahead = new Ahead(source, [...history, ...block.tokens], aheadK, free, settings);
           stats.aheadRounds += 1;
         }
+        // A round that leaves the model idle brings its cache up meanwhile (else its next
+        // draft feeds every token since its last at once).
+        if ((!ahead || free) && source.warm) source.warm(history);
         const verdict = await pending;
         const roundSeconds = (performance.now() - t1) / 1000;
         const draftSeconds = (t1 - t0) / 1000;
@@ -270,6 +293,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // it (what drafting adds to a round's time).
         policy.observe(judged, n, block.lookedUp === block.tokens.length ? null
           : draftSeconds, roundSeconds);
+        if (source.observe) source.observe(block, n + 1, draftSeconds + roundSeconds);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           Math.min(block.predicted || 0, n), judged, false);
       }

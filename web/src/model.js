@@ -136,9 +136,22 @@ export class ModelDrafter {
     return last.subarray(0, this.vocabSize);
   }
 
+  /** Bring the cache up to `history` (what it shares with it kept), so that the next draft
+   * after it feeds only what came since: run while a verdict travels on rounds that draft
+   * without the model (a lookup, a prediction), whose tokens it would otherwise feed all at
+   * once at its next draft. */
+  async warm(history) {
+    let kept = 0;
+    const held = this.tokens;
+    while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
+    this.truncate(kept);
+    if (kept < history.length) await this.extend(history.slice(kept));
+  }
+
   /** Up to `k` tokens drafted after `history` and, in exact sampling mode, the distribution
-   * each was drawn from (see the module's comment). */
-  async draft(history, k, { mode, params, maxSupport }) {
+   * each was drawn from (see the module's comment); fewer where `await stop()` says so
+   * between steps. */
+  async draft(history, k, { mode, params, maxSupport }, stop = async () => false) {
     let kept = 0;
     const held = this.tokens;
     while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
@@ -149,6 +162,7 @@ export class ModelDrafter {
     const report = mode === "exact" && params.temperature > 0;
     const tokens = [], dists = [];
     for (let i = 0; i < k; i++) {
+      if (i > 0 && (await stop())) break;
       const logits = await this.extend(feed);
       let token;
       if (params.temperature === 0) {

@@ -3,12 +3,14 @@
 // distribution each was drawn from (else null), and how many of the first were looked up.
 // As src/spececd/edge/sources.py: lookup alone, the draft model alone, or the hybrid, which
 // proposes the lookup where it matches a suffix of at least HYBRID_MIN_MATCH tokens and asks
-// the model elsewhere. PredictedSource puts a prediction of the output first (Predicted
+// the model elsewhere (and shorter matches where they paid more than the model in this
+// generation). PredictedSource puts a prediction of the output first (Predicted
 // Outputs), as PredictedDraft does: its blocks also say how many of their first tokens came
 // from the prediction (`predicted`). `await source.free(history, k, settings)` gives the
 // block where the source drafts without a model step (a lookup's match, a prediction the
 // output follows), else null (DraftSource.free): such drafts go as far as the server's pass
-// width.
+// width. Where a source has them, `source.cancel()` stops a draft in flight that is no longer
+// needed, and `source.warm(history)` brings a model's cache up to the history.
 
 import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 
@@ -53,14 +55,34 @@ export class ModelSource {
   async free() {
     return null; // every token is a model step
   }
+
+  /** Stop the draft in flight, where it can (a block drafted ahead that is not needed). */
+  cancel() {
+    this.drafter.cancel();
+  }
+
+  /** Bring the model's cache up to `history`, off the page's thread (rounds that drafted
+   * nothing with the model). */
+  warm(history) {
+    this.drafter.warm(history);
+  }
 }
 
+/**
+ * The lookup where it pays, the model elsewhere. A lookup matching a suffix of at least
+ * `minMatch` tokens is taken, as the Python edge's hybrid takes it; a shorter match is taken
+ * where lookups of that match length have given more tokens a second than the model's
+ * drafts in this generation (`observe`: each round's tokens over its time, drafting
+ * included, moving sums), tried twice first once the model has been. On text that copies
+ * itself that is nearly every match; on text that does not, the model.
+ */
 export class HybridSource {
   constructor(drafter, minMatch = HYBRID_MIN_MATCH) {
     this.drafter = drafter;
     this.lookup = new NgramLookup(minMatch);
     this.minMatch = minMatch;
     this.name = "hybrid";
+    this.rates = new Map(); // "model" or a match length -> {rounds, tokens, seconds}
   }
 
   async draft(history, k, settings) {
@@ -69,8 +91,34 @@ export class HybridSource {
 
   async free(history, k, settings) {
     const tokens = this.lookup.propose(history, k);
-    if (this.lookup.matchLen < this.minMatch || !tokens.length) return null;
-    return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length };
+    const matchLen = this.lookup.matchLen;
+    if (!tokens.length || (matchLen < this.minMatch && !this.pays(matchLen))) return null;
+    return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length, matchLen };
+  }
+
+  cancel() {
+    this.drafter.cancel();
+  }
+
+  warm(history) {
+    this.drafter.warm(history);
+  }
+
+  /** Whether lookups matching `matchLen` tokens have paid more than the model's drafts. */
+  pays(matchLen) {
+    const model = this.rates.get("model"), lookup = this.rates.get(matchLen);
+    if (!model || model.rounds < 2) return false;
+    if (!lookup || lookup.rounds < 2) return true;
+    return lookup.tokens / lookup.seconds >= model.tokens / model.seconds;
+  }
+
+  /** A round of this source's `block` gave `tokens` (its accepted drafts and the verifier's
+   * own) in `seconds` (drafting, the round trip). */
+  observe(block, tokens, seconds) {
+    const key = block.matchLen === undefined ? "model" : block.matchLen;
+    const rate = this.rates.get(key) || { rounds: 0, tokens: 0, seconds: 0 };
+    this.rates.set(key, { rounds: rate.rounds + 1, tokens: 0.9 * rate.tokens + tokens,
+      seconds: 0.9 * rate.seconds + seconds });
   }
 }
 
@@ -96,6 +144,19 @@ export class PredictedSource {
     const own = await this.own.draft(history, k, settings);
     if (own.tokens.length || !tokens.length) return { ...own, predicted: 0 };
     return predicted(); // the page's source has nothing
+  }
+
+  cancel() {
+    if (this.own.cancel) this.own.cancel();
+  }
+
+  warm(history) {
+    if (this.own.warm) this.own.warm(history);
+  }
+
+  /** A round of `block` (src.observe): the page's own source's where it drafted it. */
+  observe(block, tokens, seconds) {
+    if (!block.predicted && this.own.observe) this.own.observe(block, tokens, seconds);
   }
 
   /** The prediction's block where it drafts first, else the page's own source's free one. */

@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Ahead } from "../src/edge.js";
+import { Ahead, DraftLength } from "../src/edge.js";
 
 /** A source that drafts 100 + position for each position after `history`, one-hot
  * distributions, and counts its calls; `free` drafts only where `freeBlocks`. */
@@ -67,4 +67,28 @@ test("a failed draft ahead fails the round that uses it, and nobody else", async
   const failing = { async draft() { throw new Error("worker gone"); }, async free() { return null; } };
   const ahead = new Ahead(failing, [1, 2], 3, false, settings);
   await assert.rejects(ahead.block([1, 2, 102], 8), /worker gone/);
+});
+
+test("a model draft that costs more than it brings is not drafted, but measured again now and then", () => {
+  const length = new DraftLength(8);
+  length.allowNone = true;
+  // Rounds of 20 ms, a draft step of 200 ms, half the drafts kept.
+  for (let i = 0; i < 4; i++) length.observe(2, 1, 0.4, 0.02);
+  const chosen = [];
+  for (let i = 0; i < 10; i++) {
+    const k = length.choose(100);
+    chosen.push(k);
+    length.observe(k, 0, k ? 0.2 * k : null, 0.02);
+  }
+  assert.deepEqual(chosen.slice(0, 8), Array(8).fill(0));
+  assert.ok(chosen[8] > 0); // after EXPLORE rounds without drafts
+  // Where a step is cheap, it drafts.
+  const cheap = new DraftLength(8);
+  cheap.allowNone = true;
+  for (let i = 0; i < 4; i++) cheap.observe(4, 3, 0.004, 0.02);
+  assert.ok(cheap.choose(100) > 1);
+  // Free drafts' policy (allowNone off) never chooses none.
+  const free = new DraftLength(8);
+  for (let i = 0; i < 4; i++) free.observe(2, 0, 0.4, 0.02);
+  assert.ok(free.choose(100) >= 1);
 });
