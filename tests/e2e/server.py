@@ -38,16 +38,17 @@ STATIC_ENV = "SPECECD_TESTS_STATIC_PATH"  # set by pytest --static-path (tests/c
 
 
 class ServerProcess:
-    """``spececd serve`` (or another serving ``command``, such as ``api``) on 127.0.0.1;
-    started on construction, stopped by :meth:`stop`. ``urls``: the URL of every
-    transport it opened, by scheme (``ws``, ``grpc``, ``http``, with ``s`` under TLS);
-    ``url`` is the one of ``scheme`` on ``port``."""
+    """``spececd serve`` (or another serving ``command``, such as ``api``) on 127.0.0.1, run
+    by ``python`` (default: this one); started on construction, stopped by :meth:`stop`.
+    ``urls``: the URL of every transport it opened, by scheme (``ws``, ``grpc``, ``http``,
+    with ``s`` under TLS); ``url`` is the one of ``scheme`` on ``port``."""
 
     def __init__(self, target: Path | str | None, *extra: str, port: int | None = None,
                  env: dict[str, str] | None = None, scheme: str = "ws",
-                 command: str = "serve", timeout: float = 90.0) -> None:
+                 command: str = "serve", timeout: float = 90.0,
+                 python: str = sys.executable) -> None:
         self.target, self.extra, self.env = target, extra, env
-        self.command = command
+        self.command, self.python = command, python
         self.port = port or free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[str] | None = None
@@ -71,7 +72,7 @@ class ServerProcess:
         # Bound to this process: a test run killed (its worker SIGKILLed, a timeout) leaves
         # no server behind.
         self.proc = subprocess.Popen(processes.bound(
-            [sys.executable, "-m", "spececd", self.command,
+            [self.python, "-m", "spececd", self.command,
              *(["--target-model", str(self.target)] if self.target else []),
              "--device", "cpu", "--threads", "1", "--port", str(self.port), *static, *dtype,
              *drain, *self.extra]),

@@ -36,10 +36,15 @@ from spececd.transports.ops import TEXT, Reply
 
 log = logging.getLogger(__name__)
 
-# Where `npm run build` writes the page, in a checkout of the repository.
-BUILT = Path(__file__).resolve().parents[3] / "web" / "dist"
+# Where `npm run build` writes the page in a checkout of the repository, and where a wheel
+# carries it (setup.py); the checkout's where both are, so that a rebuilt page is served.
+CHECKOUT = Path(__file__).resolve().parents[3] / "web" / "dist"
+PACKAGED = Path(__file__).resolve().parents[1] / "webpage"
+BUILT = PACKAGED if (PACKAGED / "index.html").is_file() \
+    and not (CHECKOUT / "index.html").is_file() else CHECKOUT
 NOT_BUILT = ("the browser edge is not built here: run `npm ci && npm run build` in the "
-             "repository's web/ folder (Node.js 18 or newer), then restart the server\n")
+             "repository's web/ folder (Node.js 18 or newer), then restart the server (a "
+             "wheel built with npm on the machine carries the page)\n")
 DRAFT_PREFIX = "/draft/"
 _TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
           ".css": "text/css", ".html": "text/html; charset=utf-8",

@@ -1,0 +1,80 @@
+"""A wheel of SpecECD carries the browser edge's page (setup.py builds it with npm and ships
+web/dist as ``spececd/webpage``): built from the sources here, installed in an environment
+of its own, its ``spececd serve`` serves the page with no npm or Node.js on the PATH."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.builders import MODELS, REPO, requires_default_pair
+from tests.e2e.server import ServerProcess
+
+pytest.importorskip("torch")  # the installed server runs on this environment's packages
+
+pytestmark = [
+    requires_default_pair,
+    pytest.mark.skipif(shutil.which("npm") is None
+                       or not (REPO / "web" / "node_modules").is_dir(),
+                       reason="building the page needs npm and web/node_modules "
+                       "(cd web && npm ci)"),
+]
+
+
+def test_a_wheel_serves_the_browser_page_without_npm(tmp_path: Path) -> None:
+    # The sources a wheel is built from (as an sdist carries them, MANIFEST.in), copied: the
+    # build writes web/dist, which this checkout's page tests read meanwhile.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "src", source / "src",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(REPO / "web", source / "web",
+                    ignore=shutil.ignore_patterns("node_modules", "dist"))
+    (source / "web" / "node_modules").symlink_to(REPO / "web" / "node_modules")
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheels"), str(source)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = next((tmp_path / "wheels").glob("spececd-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for name in ("index.html", "app.js", "draft-worker.js", "style.css",
+                 "ort-wasm-simd-threaded.jsep.wasm"):
+        assert f"spececd/webpage/{name}" in names, name
+
+    # Installed beside this environment's packages (torch and the rest), with nothing of
+    # this checkout's on its path.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env |= {"PATH": str(venv / "bin"), "PYTHONPATH": ""}  # no npm, no node, no checkout
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                               capture_output=True, text=True, timeout=300, env=env,
+                               check=False)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    where = subprocess.run([python, "-c", "from spececd.transports import web; print(web.BUILT)"],
+                           capture_output=True, text=True, env=env, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+
+    server = ServerProcess(MODELS / "target", python=python, env=env)
+    try:
+        http = server.url.replace("ws://", "http://")
+        with urllib.request.urlopen(f"{http}/") as reply:
+            assert reply.status == 200 and b'src="app.js"' in reply.read()
+        for name in ("app.js", "draft-worker.js"):
+            with urllib.request.urlopen(f"{http}/{name}") as reply:
+                assert reply.status == 200
+                assert reply.read() == zipfile.ZipFile(wheel).read(f"spececd/webpage/{name}")
+    finally:
+        server.stop()
