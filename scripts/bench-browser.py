@@ -3,14 +3,15 @@
 Drives the page that `spececd serve` serves (web/, built) in headless Chromium through its
 `window.spececd.run`, against a server started with the ONNX draft offered to pages:
 
-    spececd serve --port 8765 --web-draft models/draft-onnx
+    spececd serve --port 8765 --web-draft models/draft
     python scripts/bench-browser.py --server ws://127.0.0.1:8765
 
 For each prompt, interleaved: the page's cloud-only run, its lookup run, its model run
-(its runtime: WASM, or WebGPU where the browser has one) and the Python edge with the same
-draft at the same fixed k (plain rounds, exact mode), all greedy, so every run writes the
-same tokens. Prints a JSON line per run and the totals: tokens/s (total tokens over total
-seconds) and acceptance (accepted over drafted), and each ratio to the page's cloud-only.
+(its runtime: WASM, or WebGPU where the browser has a hardware adapter; blocks drafted
+ahead, or plain rounds for `model:plain`) and the Python edge with the same draft at the
+same k (plain rounds, exact mode), all greedy, so every run writes the same tokens.
+Prints a JSON line per run and the totals: tokens/s (total tokens over total seconds) and
+acceptance (accepted over drafted), and each ratio to the page's cloud-only.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ def main() -> int:
     parser.add_argument("--lookup-k", default="8", help="draft length of the lookup runs: a "
                         "number, or auto (free drafts as far as the server's pass width)")
     parser.add_argument("--draft-model", default="models/draft-onnx",
-                        help="the Python edge's draft (the one the server offers pages)")
+                        help="the Python edge's draft (default: the int8 ONNX form, its "
+                        "fastest; the server's fp32 export in ~/.cache/spececd/web-drafts "
+                        "is the page's own)")
     parser.add_argument("--sources", default="cloud,lookup,model,python",
-                        help="which runs, of cloud, lookup, model, hybrid, python")
+                        help="which runs, of cloud, lookup, model, hybrid, python; the page's "
+                        "drafting runs draft blocks ahead, and with ':plain' (model:plain) "
+                        "run plain rounds")
     parser.add_argument("--chromium", default="/usr/lib/chromium/chromium")
     args = parser.parse_args()
     k: int | str = args.k if args.k == "auto" else int(args.k)
@@ -77,9 +82,10 @@ def main() -> int:
         tab.wait_for_function("window.spececd !== undefined")
         warm = {"prompt": prompts[0], "token": args.token, "maxTokens": 8, "temperature": 0}
         for source in sources:  # load the tokenizer and the draft before timing
-            if source in ("lookup", "model", "hybrid"):
-                tab.evaluate(RUN, {**warm, "source": source,
-                                   "k": lookup_k if source == "lookup" else k})
+            kind, plain = source.split(":")[0], source.endswith(":plain")
+            if kind in ("lookup", "model", "hybrid"):
+                tab.evaluate(RUN, {**warm, "source": kind, "ahead": not plain,
+                                   "k": lookup_k if kind == "lookup" else k})
         for i, prompt in enumerate(prompts):
             for source in sources:
                 if source == "python":
@@ -91,10 +97,11 @@ def main() -> int:
                         "tokens": done.token_ids, "generated": s.generated, "wall": s.wall_s,
                         "drafted": s.drafted, "accepted": s.accepted, "runtime": "python"}
                 else:
+                    kind, plain = source.split(":")[0], source.endswith(":plain")
                     row = tab.evaluate(RUN, {
                         "prompt": prompt, "token": args.token, "maxTokens": args.max_tokens,
-                        "temperature": 0, "source": source,
-                        "k": lookup_k if source == "lookup" else k})
+                        "temperature": 0, "source": kind, "ahead": not plain,
+                        "k": lookup_k if kind == "lookup" else k})
                 total = totals.setdefault(source, dict.fromkeys(
                     ("generated", "wall", "drafted", "accepted"), 0.0))
                 for key in total:
