@@ -414,6 +414,24 @@ def test_the_model_drafts_in_a_worker_on_several_threads(tab: Any, reference: An
     assert tab.errors == []
 
 
+def test_a_page_loaded_again_reads_the_draft_from_cache_storage(
+        tab: Any, server: ServerProcess) -> None:
+    """The draft's files and the runtime's WebAssembly (43 MB: more than the browser's HTTP
+    cache keeps) are kept in Cache Storage and revalidated by their ETags: a page loaded
+    again reads them from there."""
+    kept = []
+    for _ in range(2):
+        page = tab.context.new_page()
+        try:
+            page.goto(f"http://127.0.0.1:{server.port}/")
+            page.wait_for_function("window.spececd !== undefined")
+            assert run(page, prompt=HELDOUT[0], source="model", maxTokens=4)["tokens"]
+            kept.append(page.evaluate("spececd.loaded.drafter.kept"))
+        finally:
+            page.close()
+    assert {"model.onnx", "model.onnx.data", "ort-wasm-simd-threaded.jsep.wasm"} <= set(kept[1])
+
+
 def test_the_model_drafts_on_webgpu_where_asked(tab: Any, reference: Any) -> None:
     """WebGPU, on the software adapter Chromium offers without a GPU (SwiftShader, far
     slower than WebAssembly: a short run): the target alone's text, drafted as on

@@ -1,7 +1,8 @@
 // The page's draft worker: the draft model (model.js, with ONNX Runtime Web) runs here, off
 // the page's main thread, so the page never freezes while it drafts, and the page's socket
 // is read while a block is drafted ahead. Messages: {id, op: "load", base, runtime,
-// wasmPaths, threads} loads the draft and answers {runtime, threads}; {id, op: "draft",
+// wasmPaths, threads} loads the draft and answers {runtime, threads, kept: the files read
+// from Cache Storage}; {id, op: "draft",
 // history, k, settings} answers the model's block (model.js's draft) and the seconds it
 // took; {op: "cancel", of: id} stops that draft after its current step; {id, op: "warm",
 // history} brings the model's cache up to the history (model.js's warm). Each answer is {id, ok, result} or {id, ok: false, error}.
@@ -14,7 +15,7 @@ async function answer({ id, op, ...args }) {
   if (op === "load") {
     const runtime = await pickRuntime(args.runtime);
     drafter = await ModelDrafter.load(args.base, runtime, args.wasmPaths, args.threads);
-    return { runtime, threads: args.threads };
+    return { runtime, threads: args.threads, kept: drafter.kept };
   }
   if (op === "draft") {
     if (!drafter) throw new Error("the draft worker has no model loaded");

@@ -18,9 +18,10 @@ export class WorkerDrafter {
     const worker = new Worker(new URL("./draft-worker.js", import.meta.url), { type: "module" });
     const drafter = new WorkerDrafter(worker);
     try {
-      const { runtime } = await drafter.call({ op: "load", base, runtime: runtimeAsked,
+      const { runtime, kept } = await drafter.call({ op: "load", base, runtime: runtimeAsked,
         wasmPaths, threads });
       drafter.runtime = runtime;
+      drafter.kept = kept;
       drafter.threads = threads;
     } catch (exc) {
       worker.terminate();
@@ -33,6 +34,7 @@ export class WorkerDrafter {
     this.worker = worker;
     this.runtime = null;
     this.threads = 1;
+    this.kept = []; // the files its load read from Cache Storage
     this.next = 0;
     this.pending = new Map(); // id -> {resolve, reject}
     worker.onmessage = ({ data }) => {

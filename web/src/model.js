@@ -13,6 +13,9 @@ import * as ort from "onnxruntime-web";
 import { argmax, positionRng, processLogits, sample, sparse } from "./sampling.js";
 
 const DRAFTER_STREAM = 1; // the draws' stream, apart from any other the page may add
+// ONNX Runtime Web's WebAssembly, the build with WebGPU (JSEP) that web/build.mjs copies
+// beside the page.
+const WASM = "ort-wasm-simd-threaded.jsep.wasm";
 
 /** Whether a WebGPU adapter is a software one (SwiftShader, or one the browser calls a
  * fallback): correct, and far slower than WebAssembly. */
@@ -38,10 +41,28 @@ export async function pickRuntime(asked) {
   return adapter && !softwareAdapter(adapter) ? "webgpu" : "wasm";
 }
 
-async function fetchBytes(url) {
-  const reply = await fetch(url);
+// The draft's files and the runtime's WebAssembly (43 MB in all for the default draft) are
+// kept in Cache Storage across the page's loads, which the browser's HTTP cache does not do
+// for files this large; each is revalidated by its ETag (a 304 reads the kept copy). A page
+// of another origin than the server's, or one without Cache Storage (a plain-HTTP host
+// name is no secure context), fetches them anew.
+const CACHE = "spececd-drafts";
+
+/** `url`'s bytes, and whether they came from Cache Storage; null for a 404 where
+ * `optional`. */
+async function fetchKept(url, optional = false) {
+  const sameOrigin = new URL(url).origin === self.location.origin;
+  const cache = sameOrigin && typeof caches !== "undefined"
+    ? await caches.open(CACHE).catch(() => null) : null;
+  const held = cache ? await cache.match(url) : undefined;
+  const tag = held ? held.headers.get("ETag") : null;
+  const reply = await fetch(url, tag ? { headers: { "If-None-Match": tag }, cache: "no-store" }
+    : { cache: "no-store" });
+  if (reply.status === 304 && held) return { bytes: new Uint8Array(await held.arrayBuffer()), kept: true };
+  if (optional && reply.status === 404) return null;
   if (!reply.ok) throw new Error(`GET ${url}: HTTP ${reply.status}`);
-  return new Uint8Array(await reply.arrayBuffer());
+  if (cache && reply.headers.get("ETag")) await cache.put(url, reply.clone()).catch(() => {});
+  return { bytes: new Uint8Array(await reply.arrayBuffer()), kept: false };
 }
 
 export class ModelDrafter {
@@ -49,25 +70,33 @@ export class ModelDrafter {
    * on `runtime` ("wasm" or "webgpu") with `threads` WebAssembly threads (more than one
    * only where the page is cross-origin isolated). */
   static async load(base, runtime, wasmPaths, threads = 1) {
-    if (wasmPaths) ort.env.wasm.wasmPaths = wasmPaths;
+    const kept = []; // the files read from Cache Storage
+    const get = async (url, optional) => {
+      const got = await fetchKept(url, optional);
+      if (got && got.kept) kept.push(url.split("/").pop());
+      return got && got.bytes;
+    };
+    if (wasmPaths) {
+      ort.env.wasm.wasmPaths = wasmPaths;
+      ort.env.wasm.wasmBinary = await get(new URL(WASM, wasmPaths).href);
+    }
     ort.env.wasm.numThreads = threads;
     // Errors only: the runtime logs its warnings (nodes kept on the CPU under WebGPU, say)
     // as console errors.
     ort.env.logLevel = "error";
-    const config = JSON.parse(new TextDecoder().decode(await fetchBytes(`${base}/genai_config.json`)));
+    const config = JSON.parse(new TextDecoder().decode(await get(`${base}/genai_config.json`)));
     const decoder = config.model.decoder;
     const file = decoder.filename;
-    const model = await fetchBytes(`${base}/${file}`);
+    const model = await get(`${base}/${file}`);
     // The weights beside the graph, where the export put them there (a 404: none).
-    const externalData = [];
-    const data = await fetch(`${base}/${file}.data`);
-    if (data.ok) {
-      externalData.push({ path: `${file}.data`, data: new Uint8Array(await data.arrayBuffer()) });
-    }
+    const data = await get(`${base}/${file}.data`, true);
+    const externalData = data ? [{ path: `${file}.data`, data }] : [];
     const session = await ort.InferenceSession.create(model, {
       executionProviders: [runtime], externalData, graphOptimizationLevel: "all",
       logSeverityLevel: 3 });
-    return new ModelDrafter(session, config, runtime, threads);
+    const drafter = new ModelDrafter(session, config, runtime, threads);
+    drafter.kept = kept;
+    return drafter;
   }
 
   constructor(session, config, runtime, threads) {
