@@ -1,6 +1,7 @@
 """A wheel of SpecECD carries the browser edge's page (setup.py builds it with npm and ships
-web/dist as ``spececd/webpage``): built from the sources here, installed in an environment
-of its own, its ``spececd serve`` serves the page with no npm or Node.js on the PATH."""
+web/dist as ``spececd/webpage``): built from the sdist of the sources here, installed in an
+environment of its own, its ``spececd serve`` serves the page with no npm or Node.js on the
+PATH."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -29,16 +31,17 @@ pytestmark = [
 
 
 def test_a_wheel_serves_the_browser_page_without_npm(tmp_path: Path) -> None:
-    # The sources a wheel is built from (as an sdist carries them, MANIFEST.in), copied: the
-    # build writes web/dist, which this checkout's page tests read meanwhile.
-    source = tmp_path / "source"
-    source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    shutil.copytree(REPO / "src", source / "src",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    shutil.copytree(REPO / "web", source / "web",
-                    ignore=shutil.ignore_patterns("node_modules", "dist"))
+    # The sdist (MANIFEST.in: web/'s sources, not its packages or its build), and a wheel
+    # built from it, as pip builds one from PyPI's sdist; npm's packages are this checkout's.
+    sdist = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert sdist.returncode == 0, sdist.stderr[-3000:]
+    with tarfile.open(next(tmp_path.glob("spececd-*.tar.gz"))) as archive:
+        archive.extractall(tmp_path / "sdist", filter="data")
+    source = next((tmp_path / "sdist").iterdir())
+    assert (source / "web" / "src" / "main.js").is_file()
+    assert not (source / "web" / "node_modules").exists()
+    assert not (source / "web" / "dist").exists()
     (source / "web" / "node_modules").symlink_to(REPO / "web" / "node_modules")
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",

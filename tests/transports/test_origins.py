@@ -92,3 +92,27 @@ def test_the_origin_rule() -> None:
     assert named == ("http://gpu-box:8765",)
     assert origin_allowed("http://gpu-box:8765", "gpu-box:8765", named)
     assert origin_allowed("https://x", "h:1", ("*",))
+
+
+def test_a_page_request_with_its_etag_over_two_lines_is_answered(served: ThreadServer) -> None:
+    """HTTP lets a request split If-None-Match over several lines: the page's files are
+    revalidated against all of them (it was a 500)."""
+    from spececd.transports.web import BUILT
+
+    if not (BUILT / "index.html").is_file():
+        pytest.skip("the browser edge is not built: run `npm ci && npm run build` in web/")
+
+    def get(extra: str) -> bytes:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+            sock.sendall(f"GET /app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode())
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        return reply
+
+    first = get("")
+    assert first.startswith(b"HTTP/1.1 200")
+    tag = next(line.split(b": ", 1)[1] for line in first.split(b"\r\n")
+               if line.lower().startswith(b"etag:")).decode()
+    again = get(f'If-None-Match: "other"\r\nIf-None-Match: {tag}\r\n')
+    assert again.startswith(b"HTTP/1.1 304"), again[:200]

@@ -122,3 +122,32 @@ def test_a_file_the_browser_holds_is_not_sent_again(page: Path) -> None:
     (page / "ort.wasm").write_bytes(b"\0asm, rebuilt")
     changed = answer(web, "/ort.wasm", tag)
     assert changed is not None and changed.status == 200 and changed.body == b"\0asm, rebuilt"
+
+
+def test_servers_exporting_the_same_draft_at_once_each_get_a_whole_export(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two servers starting at once both export; the first to finish names the export, the
+    other uses it, and neither deletes what the other serves."""
+    from spececd.backends import onnx
+    from spececd.transports import web
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tmp_path / "draft"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    outs: list[Path] = []
+    started: list[Path] = []
+
+    def export(_: Path, out: Path, precision: str) -> Path:
+        started.append(out)
+        if len(started) == 1:  # the other server starts and finishes while this one exports
+            outs.append(web.browser_form(model))
+        (out / "genai_config.json").write_text(f'{{"who": {len(started)}}}')
+        return out
+
+    monkeypatch.setattr(onnx, "export", export)
+    ours = web.browser_form(model)
+    assert ours == outs[0]
+    assert started[0] != started[1]  # each in a folder of its own
+    assert (ours / "genai_config.json").read_text() == '{"who": 2}'  # the first done, whole
+    assert [p.name for p in ours.parent.iterdir()] == [ours.name]  # no partial left

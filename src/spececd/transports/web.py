@@ -26,8 +26,10 @@ import hashlib
 import json
 import logging
 import mimetypes
+import mmap
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,9 +129,17 @@ async def _file(folder: Path, name: str, if_none_match: str | None) -> Reply:
 def _quantized(folder: Path) -> bool:
     """Whether an ONNX Runtime GenAI folder's graph has quantized (int8, int4) weights: the
     model builder writes those as MatMulNBits nodes."""
-    config = json.loads((folder / "genai_config.json").read_text())
-    graph = folder / config["model"]["decoder"]["filename"]
-    return graph.is_file() and b"MatMulNBits" in graph.read_bytes()
+    try:
+        config = json.loads((folder / "genai_config.json").read_text())
+        graph = folder / config["model"]["decoder"]["filename"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--web-draft {folder}: its genai_config.json names no decoder "
+                         f"file ({exc!r}); make the folder with `spececd convert --to onnx`"
+                         ) from None
+    if not graph.is_file() or not graph.stat().st_size:
+        return False
+    with graph.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(b"MatMulNBits") >= 0
 
 
 def browser_form(model_dir: Path) -> Path:
@@ -137,21 +147,38 @@ def browser_form(model_dir: Path) -> Path:
     (ONNX Runtime Web's WebAssembly kernels for quantized weights are slow): exported once
     with ``spececd convert --to onnx``'s exporter into the cache
     (``$XDG_CACHE_HOME/spececd/web-drafts``, default ``~/.cache``), keyed by the model's
-    files, and reused while they are unchanged."""
+    files and the exporter's versions, and reused while they are unchanged. Servers that
+    start at once each export into a folder of their own; the first to finish names the
+    export, the others use it."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from spececd.backends.onnx import export
 
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return ""
+
     files = sorted(f for f in model_dir.iterdir() if f.is_file())
-    key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                               for f in files]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr(([(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                for f in files],
+                               installed("spececd"), installed("onnxruntime-genai"))).encode()
+                         ).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     out = root / "spececd" / "web-drafts" / f"{model_dir.resolve().name}-{key}"
     if (out / "genai_config.json").is_file():
         return out
     log.info("exporting %s to fp32 ONNX for browsers, once, into %s", model_dir, out)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    export(model_dir, partial, "fp32")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        export(model_dir, partial, "fp32")
+        try:
+            partial.rename(out)  # fails where another server's export got there first
+        except OSError:
+            if not (out / "genai_config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return out

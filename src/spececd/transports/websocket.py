@@ -101,7 +101,9 @@ def _http_handler(engine: CloudService, web: WebEdge, allowed: Sequence[str]
                     f"server, or start it with --allowed-origin {origin}\n")
             return None  # a WebSocket upgrade (at / too, where a browser gets the page)
         else:
-            reply = await web.answer(request.path, request.headers.get("If-None-Match"))
+            # (one header, or its values split over several lines, as HTTP allows)
+            held = ", ".join(request.headers.get_all("If-None-Match")) or None
+            reply = await web.answer(request.path, held)
             if reply is None:
                 return None  # the upgrade refuses it (426)
         response = connection.respond(HTTPStatus(reply.status), "")  # Date, Connection: close
