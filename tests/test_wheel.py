@@ -33,7 +33,10 @@ pytestmark = [
 def test_a_wheel_serves_the_browser_page_without_npm(tmp_path: Path) -> None:
     # The sdist (MANIFEST.in: web/'s sources, not its packages or its build), and a wheel
     # built from it, as pip builds one from PyPI's sdist; npm's packages are this checkout's.
-    sdist = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
+    # (its file list made anew, in a folder of its own: not the checkout's egg-info's)
+    (tmp_path / "egg").mkdir()
+    sdist = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base",
+                            str(tmp_path / "egg"), "sdist", "-d", str(tmp_path)],
                            cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert sdist.returncode == 0, sdist.stderr[-3000:]
     with tarfile.open(next(tmp_path.glob("spececd-*.tar.gz"))) as archive:
