@@ -1,10 +1,11 @@
 // The page's draft worker: the draft model (model.js, with ONNX Runtime Web) runs here, off
 // the page's main thread, so the page never freezes while it drafts, and the page's socket
 // is read while a block is drafted ahead. Messages: {id, op: "load", base, runtime,
-// wasmPaths, threads} loads the draft and answers {runtime, threads, kept: the files read
-// from Cache Storage}; {id, op: "draft",
+// wasmPaths, threads} loads the draft and answers {runtime, threads (those it runs on),
+// isolated, kept: the files read from Cache Storage}; {id, op: "draft",
 // history, k, settings} answers the model's block (model.js's draft) and the seconds it
-// took; {op: "cancel", of: id} stops that draft after its current step; {id, op: "warm",
+// took; {op: "cancel", of: id} stops that draft after its current step, {op: "expect", of:
+// id, token} after its first unless that is `token`; {id, op: "warm",
 // history} brings the model's cache up to the history (model.js's warm). Each answer is {id, ok, result} or {id, ok: false, error}.
 
 import { ModelDrafter, pickRuntime } from "./model.js";
@@ -15,17 +16,22 @@ async function answer({ id, op, ...args }) {
   if (op === "load") {
     const runtime = await pickRuntime(args.runtime);
     drafter = await ModelDrafter.load(args.base, runtime, args.wasmPaths, args.threads);
-    return { runtime, threads: args.threads, kept: drafter.kept };
+    return { runtime, threads: drafter.threads, isolated: self.crossOriginIsolated,
+      kept: drafter.kept };
   }
   if (op === "draft") {
     if (!drafter) throw new Error("the draft worker has no model loaded");
     const t0 = performance.now();
-    const block = await drafter.draft(args.history, args.k, args.settings, async () => {
-      await nextTask(); // a cancel message waiting is taken first
-      return cancelled.has(id);
-    });
-    cancelled.delete(id);
-    return { ...block, seconds: (performance.now() - t0) / 1000 };
+    try {
+      const block = await drafter.draft(args.history, args.k, args.settings, async (tokens) => {
+        await nextTask(); // a cancel or an expect waiting is taken first
+        return cancelled.has(id) || (expected.has(id) && tokens[0] !== expected.get(id));
+      });
+      return { ...block, seconds: (performance.now() - t0) / 1000 };
+    } finally {
+      cancelled.delete(id);
+      expected.delete(id);
+    }
   }
   if (op === "warm") {
     if (!drafter) throw new Error("the draft worker has no model loaded");
@@ -46,18 +52,25 @@ function nextTask() {
   });
 }
 
-// Drafts asked to stop after their current step ({op: "cancel", of: id}: taken at once,
-// between the steps of the draft in flight).
+// Drafts asked to stop after their current step ({op: "cancel", of: id}), and those whose
+// first token must be a given one ({op: "expect", of: id, token}: else they stop after it),
+// taken at once, between the steps of the draft in flight.
 const cancelled = new Set();
+const expected = new Map();
+const running = new Set(); // the drafts asked for and not yet answered
 
 // One message at a time, in order: a draft is answered after the one before it.
 let queue = Promise.resolve();
 self.onmessage = ({ data }) => {
-  if (data.op === "cancel") {
-    cancelled.add(data.of);
+  if (data.op === "cancel" || data.op === "expect") {
+    if (!running.has(data.of)) return; // answered already
+    if (data.op === "cancel") cancelled.add(data.of);
+    else expected.set(data.of, data.token);
     return;
   }
+  if (data.op === "draft") running.add(data.id);
   queue = queue.then(() => answer(data)).then(
     (result) => self.postMessage({ id: data.id, ok: true, result }),
-    (exc) => self.postMessage({ id: data.id, ok: false, error: String(exc?.message || exc) }));
+    (exc) => self.postMessage({ id: data.id, ok: false, error: String(exc?.message || exc) }))
+    .finally(() => running.delete(data.id));
 };

@@ -18,11 +18,10 @@ export class WorkerDrafter {
     const worker = new Worker(new URL("./draft-worker.js", import.meta.url), { type: "module" });
     const drafter = new WorkerDrafter(worker);
     try {
-      const { runtime, kept } = await drafter.call({ op: "load", base, runtime: runtimeAsked,
-        wasmPaths, threads });
-      drafter.runtime = runtime;
-      drafter.kept = kept;
-      drafter.threads = threads;
+      const loaded = await drafter.call({ op: "load", base, runtime: runtimeAsked, wasmPaths,
+        threads });
+      Object.assign(drafter, { runtime: loaded.runtime, threads: loaded.threads,
+        isolated: loaded.isolated, kept: loaded.kept });
     } catch (exc) {
       worker.terminate();
       throw exc;
@@ -34,34 +33,50 @@ export class WorkerDrafter {
     this.worker = worker;
     this.runtime = null;
     this.threads = 1;
+    this.isolated = false; // whether the worker is cross-origin isolated
     this.kept = []; // the files its load read from Cache Storage
+    this.drafts = new Set(); // the ids of drafts not yet answered
     this.next = 0;
     this.pending = new Map(); // id -> {resolve, reject}
     worker.onmessage = ({ data }) => {
       const call = this.pending.get(data.id);
+      if (!call) return; // failed or closed meanwhile
       this.pending.delete(data.id);
+      this.drafts.delete(data.id);
       if (data.ok) call.resolve(data.result);
       else call.reject(new Error(data.error));
     };
     worker.onerror = (event) => {
       const error = new Error(`the draft worker failed: ${event.message || "no message"}`);
-      for (const call of this.pending.values()) call.reject(error);
-      this.pending.clear();
+      this.failAll(error);
     };
   }
 
   call(message) {
     const id = this.next++;
+    if (message.op === "draft") this.drafts.add(id);
     return new Promise((resolve, reject) => {
       this.pending.set(id, { resolve, reject });
       this.worker.postMessage({ id, ...message });
     });
   }
 
+  failAll(error) {
+    for (const call of this.pending.values()) call.reject(error);
+    this.pending.clear();
+    this.drafts.clear();
+  }
+
   /** Stop the drafts in flight after their current step (they answer with the tokens
    * drafted so far). */
   cancel() {
-    for (const id of this.pending.keys()) this.worker.postMessage({ op: "cancel", of: id });
+    for (const id of this.drafts) this.worker.postMessage({ op: "cancel", of: id });
+  }
+
+  /** The drafts in flight stop after their first token unless it is `token` (a block
+   * drafted ahead whose guess the verdict has ruled on). */
+  expect(token) {
+    for (const id of this.drafts) this.worker.postMessage({ op: "expect", of: id, token });
   }
 
   /** Bring the model's cache up to `history` in the worker (model.js's warm); a failure
@@ -79,5 +94,6 @@ export class WorkerDrafter {
 
   close() {
     this.worker.terminate();
+    this.failAll(new Error("the draft worker was closed"));
   }
 }

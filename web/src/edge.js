@@ -45,6 +45,7 @@ export class DraftLength {
     this.fit = { x: 0, y: 0, xx: 0, xy: 0 };
     this.allowNone = false; // whether a round may draft nothing (model drafts, k auto)
     this.idle = 0; // rounds in a row that chose to draft nothing
+    this.fastest = Infinity; // the fastest round measured, seconds besides drafting
   }
 
   /** Seconds a round of `k` drafts takes besides drafting: base + slope x k, each at least
@@ -62,8 +63,10 @@ export class DraftLength {
     const alpha = Math.min(0.99, (this.kept + 1) / (this.kept + this.stops + 2));
     // No draft at all where a draft step costs more than it brings (the verifier's token
     // alone), but a draft again after EXPLORE such rounds, to measure anew.
+    // (a round without drafts costs at least the fastest round measured: the fit's line may
+    // reach 0 at k = 0)
     const none = this.allowNone && this.idle < EXPLORE;
-    let best = 1, bestRate = none ? 1 / this.roundSeconds(0) : 0;
+    let best = 1, bestRate = none ? 1 / Math.max(this.roundSeconds(0), this.fastest) : 0;
     if (none) best = 0;
     for (let k = 1; k <= most; k++) {
       const rate = (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -88,6 +91,7 @@ export class DraftLength {
     this.kept += accepted;
     if (accepted < k) this.stops += 1;
     this.idle = k === 0 ? this.idle + 1 : 0;
+    this.fastest = Math.min(this.fastest, roundSeconds);
     this.rounds += 1;
   }
 }
@@ -122,6 +126,8 @@ export class Ahead {
       if (this.source.cancel) this.source.cancel();
       return null;
     }
+    // The verdict kept the block: its drafting stops after the guess unless that is right.
+    if (this.source.expect) this.source.expect(history[context.length]);
     const drafted = await this.drafted;
     if (!drafted || drafted.tokens.length < 2 || history[context.length] !== drafted.tokens[0]) {
       return null;
@@ -277,9 +283,12 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
           ahead = new Ahead(source, [...history, ...block.tokens], aheadK, free, settings);
           stats.aheadRounds += 1;
         }
-        // A round that leaves the model idle brings its cache up meanwhile (else its next
-        // draft feeds every token since its last at once).
-        if ((!ahead || free) && source.warm) source.warm(history);
+        // A round that leaves the model idle (a free draft or none, nothing drafted ahead
+        // with the model) brings its cache up meanwhile (else its next draft feeds every
+        // token since its last at once).
+        if ((free || !block.tokens.length) && (!ahead || ahead.free) && source.warm) {
+          source.warm(history);
+        }
         const verdict = await pending;
         const roundSeconds = (performance.now() - t1) / 1000;
         const draftSeconds = (t1 - t0) / 1000;
@@ -297,7 +306,10 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           Math.min(block.predicted || 0, n), judged, false);
       }
-      if (ahead) await ahead.drafted.catch(() => {}); // the drafter is free for the next run
+      if (ahead) { // stopped, and waited for: the drafter is free for the next run
+        if (source.cancel) source.cancel();
+        await ahead.drafted.catch(() => {});
+      }
     }
   } finally {
     stats.wallSeconds = (performance.now() - started) / 1000;

@@ -216,8 +216,8 @@ async function onGenerate(event) {
     $("stat-acceptance").textContent = fixed(100 * s.acceptance, 1);
     $("stat-mal").textContent = fixed(s.meanAcceptedLength, 2);
     $("stat-tokens").textContent = String(s.generated);
-    $("runtime").textContent = spec.threads > 1 ? `${spec.runtime}, ${spec.threads} threads`
-      : spec.runtime;
+    $("runtime").textContent = spec.runtime === "wasm" && spec.threads > 1
+      ? `wasm, ${spec.threads} threads` : spec.runtime;
     $("details").textContent = `${s.rounds} rounds, ${s.drafted} drafted, ${s.accepted} ` +
       `accepted (${s.lookedUpAccepted} looked-up drafts accepted); drafting ` +
       `${fixed(1000 * s.draftSeconds / Math.max(1, s.rounds), 2)} ms a round, server ` +

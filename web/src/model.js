@@ -94,7 +94,9 @@ export class ModelDrafter {
     const session = await ort.InferenceSession.create(model, {
       executionProviders: [runtime], externalData, graphOptimizationLevel: "all",
       logSeverityLevel: 3 });
-    const drafter = new ModelDrafter(session, config, runtime, threads);
+    // The threads it runs on: ONNX Runtime falls back to one where the page is not
+    // cross-origin isolated.
+    const drafter = new ModelDrafter(session, config, runtime, ort.env.wasm.numThreads);
     drafter.kept = kept;
     return drafter;
   }
@@ -173,13 +175,14 @@ export class ModelDrafter {
     let kept = 0;
     const held = this.tokens;
     while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
+    if (kept === history.length) return; // it holds the history already (and maybe more)
     this.truncate(kept);
     if (kept < history.length) await this.extend(history.slice(kept));
   }
 
   /** Up to `k` tokens drafted after `history` and, in exact sampling mode, the distribution
-   * each was drawn from (see the module's comment); fewer where `await stop()` says so
-   * between steps. */
+   * each was drawn from (see the module's comment); fewer where `await stop(tokens)` says
+   * so between steps (given the tokens drafted so far). */
   async draft(history, k, { mode, params, maxSupport }, stop = async () => false) {
     let kept = 0;
     const held = this.tokens;
@@ -191,7 +194,7 @@ export class ModelDrafter {
     const report = mode === "exact" && params.temperature > 0;
     const tokens = [], dists = [];
     for (let i = 0; i < k; i++) {
-      if (i > 0 && (await stop())) break;
+      if (i > 0 && (await stop(tokens))) break;
       const logits = await this.extend(feed);
       let token;
       if (params.temperature === 0) {

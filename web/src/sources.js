@@ -10,7 +10,8 @@
 // block where the source drafts without a model step (a lookup's match, a prediction the
 // output follows), else null (DraftSource.free): such drafts go as far as the server's pass
 // width. Where a source has them, `source.cancel()` stops a draft in flight that is no longer
-// needed, and `source.warm(history)` brings a model's cache up to the history.
+// needed, `source.expect(token)` one whose first token is not `token` after that token, and
+// `source.warm(history)` brings a model's cache up to the history.
 
 import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 
@@ -61,6 +62,11 @@ export class ModelSource {
     this.drafter.cancel();
   }
 
+  /** Stop the draft in flight after its first token unless that is `token`. */
+  expect(token) {
+    this.drafter.expect(token);
+  }
+
   /** Bring the model's cache up to `history`, off the page's thread (rounds that drafted
    * nothing with the model). */
   warm(history) {
@@ -100,6 +106,10 @@ export class HybridSource {
     this.drafter.cancel();
   }
 
+  expect(token) {
+    this.drafter.expect(token);
+  }
+
   warm(history) {
     this.drafter.warm(history);
   }
@@ -115,6 +125,7 @@ export class HybridSource {
   /** A round of this source's `block` gave `tokens` (its accepted drafts and the verifier's
    * own) in `seconds` (drafting, the round trip). */
   observe(block, tokens, seconds) {
+    if (!block.tokens.length) return; // no draft: neither the model's nor a lookup's
     const key = block.matchLen === undefined ? "model" : block.matchLen;
     const rate = this.rates.get(key) || { rounds: 0, tokens: 0, seconds: 0 };
     this.rates.set(key, { rounds: rate.rounds + 1, tokens: 0.9 * rate.tokens + tokens,
@@ -148,6 +159,10 @@ export class PredictedSource {
 
   cancel() {
     if (this.own.cancel) this.own.cancel();
+  }
+
+  expect(token) {
+    if (this.own.expect) this.own.expect(token);
   }
 
   warm(history) {

@@ -92,3 +92,15 @@ test("a model draft that costs more than it brings is not drafted, but measured 
   for (let i = 0; i < 4; i++) free.observe(2, 0, 0.4, 0.02);
   assert.ok(free.choose(100) >= 1);
 });
+
+test("no draft is never chosen because the round-time line reaches zero at k = 0", () => {
+  // 90% kept, 2 ms steps, rounds of 10 ms at k = 1 and 100 ms at k = 8: the fitted line
+  // crosses 0 below k = 1, where a round without drafts still costs a round trip.
+  const length = new DraftLength(8);
+  length.allowNone = true;
+  for (let i = 0; i < 6; i++) {
+    const k = i % 2 ? 8 : 1;
+    length.observe(k, k === 8 ? 7 : 1, 0.002 * k, k === 8 ? 0.1 : 0.01);
+  }
+  assert.ok(length.choose(100) > 0);
+});
