@@ -80,11 +80,12 @@ export class ModelSource {
  * where lookups of that match length have given more tokens a second than the model's
  * drafts in this generation (`observe`: each round's tokens over its time, drafting
  * included, moving sums), tried twice first once the model has been. On text that copies
- * itself that is nearly every match; on text that does not, the model.
+ * itself that is nearly every match; on text that does not, the model. Its drafter is the
+ * model source's (cancel, expect, warm).
  */
-export class HybridSource {
+export class HybridSource extends ModelSource {
   constructor(drafter, minMatch = HYBRID_MIN_MATCH) {
-    this.drafter = drafter;
+    super(drafter);
     this.lookup = new NgramLookup(minMatch);
     this.minMatch = minMatch;
     this.name = "hybrid";
@@ -100,18 +101,6 @@ export class HybridSource {
     const matchLen = this.lookup.matchLen;
     if (!tokens.length || (matchLen < this.minMatch && !this.pays(matchLen))) return null;
     return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length, matchLen };
-  }
-
-  cancel() {
-    this.drafter.cancel();
-  }
-
-  expect(token) {
-    this.drafter.expect(token);
-  }
-
-  warm(history) {
-    this.drafter.warm(history);
   }
 
   /** Whether lookups matching `matchLen` tokens have paid more than the model's drafts. */
