@@ -18,6 +18,8 @@ export function clipEmitted(tokens, stopIds, remaining) {
   return [out, out.length === remaining];
 }
 
+const EXPLORE = 8; // rounds without drafts before one drafts again, to measure anew
+
 /**
  * The draft length for each round, chosen from what this generation measured (Leviathan
  * et al. 2023's expected tokens per round over the round's time, as the Python edge's
@@ -29,8 +31,6 @@ export function clipEmitted(tokens, stopIds, remaining) {
  * measured it drafts `initial` (default `kMax`). Drafts that cost nothing (a lookup, a
  * prediction) have one of their own, up to the server's pass width, from 8.
  */
-const EXPLORE = 8; // rounds without drafts before one drafts again, to measure anew
-
 export class DraftLength {
   constructor(kMax, initial = kMax) {
     this.kMax = kMax;
