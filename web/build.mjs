@@ -2,8 +2,8 @@
 // predicted-output box), its stylesheet (the playground's, and this page's own rules), its
 // JavaScript bundled by esbuild (no CDN at run time: app.js, and draft-worker.js, the worker
 // that runs the draft model on ONNX Runtime Web, started only to draft with the model) and
-// ONNX Runtime Web's WebAssembly files, which the worker loads from beside itself. `spececd serve` serves
-// dist/ at / on its WebSocket port; any static host can serve it too.
+// ONNX Runtime Web's WebAssembly files, which the worker loads from beside itself.
+// `spececd serve` serves dist/ at / on its WebSocket port; any static host can serve it too.
 import { build } from "esbuild";
 import { copyFileSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { dirname, join } from "node:path";

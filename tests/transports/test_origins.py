@@ -47,6 +47,16 @@ def opens(served: ThreadServer, origin: str | None, host: str = "127.0.0.1") -> 
         return False
 
 
+def exchange(served: ThreadServer, request: bytes) -> bytes:
+    """``request`` sent as raw bytes, and all the server answers until it closes."""
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
 def test_the_servers_own_page_and_clients_without_a_page_open_sessions(
         served: ThreadServer) -> None:
     assert opens(served, None)
@@ -69,11 +79,7 @@ def test_a_handshake_with_two_hosts_or_origins_is_refused_not_an_error(
                      "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
                      "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nOrigin: http://127.0.0.1\r\n"
                      f"{name}: websocket\r\n\r\n")
-        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
-            sock.sendall(handshake.encode())
-            reply = b""
-            while chunk := sock.recv(4096):
-                reply += chunk
+        reply = exchange(served, handshake.encode())
         assert reply.startswith(b"HTTP/1.1 400") and name.encode() in reply, (name, reply)
 
 
@@ -103,12 +109,8 @@ def test_a_page_request_with_its_etag_over_two_lines_is_answered(served: ThreadS
         pytest.skip("the browser edge is not built: run `npm ci && npm run build` in web/")
 
     def get(extra: str) -> bytes:
-        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
-            sock.sendall(f"GET /app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode())
-            reply = b""
-            while chunk := sock.recv(65536):
-                reply += chunk
-        return reply
+        return exchange(served, f"GET /app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n"
+                        .encode())
 
     first = get("")
     assert first.startswith(b"HTTP/1.1 200")

@@ -1,12 +1,13 @@
 // The page's draft worker: the draft model (model.js, with ONNX Runtime Web) runs here, off
 // the page's main thread, so the page never freezes while it drafts, and the page's socket
-// is read while a block is drafted ahead. Messages: {id, op: "load", base, runtime,
-// wasmPaths, threads} loads the draft and answers {runtime, threads (those it runs on),
-// isolated, kept: the files read from Cache Storage}; {id, op: "draft",
-// history, k, settings} answers the model's block (model.js's draft) and the seconds it
-// took; {op: "cancel", of: id} stops that draft after its current step, {op: "expect", of:
-// id, token} after its first unless that is `token`; {id, op: "warm",
-// history} brings the model's cache up to the history (model.js's warm). Each answer is {id, ok, result} or {id, ok: false, error}.
+// is read while a block is drafted ahead. Messages:
+// - {id, op: "load", base, runtime, wasmPaths, threads} loads the draft and answers
+//   {runtime, threads (those it runs on), isolated, kept: the files read from Cache Storage};
+// - {id, op: "draft", history, k, settings} answers the model's block (model.js's draft);
+// - {op: "cancel", of: id} stops that draft after its current step, and {op: "expect", of:
+//   id, token} after its first unless that is `token`;
+// - {id, op: "warm", history} brings the model's cache up to the history (model.js's warm).
+// Each answer is {id, ok, result} or {id, ok: false, error}.
 
 import { ModelDrafter, pickRuntime } from "./model.js";
 
@@ -21,13 +22,11 @@ async function answer({ id, op, ...args }) {
   }
   if (op === "draft") {
     if (!drafter) throw new Error("the draft worker has no model loaded");
-    const t0 = performance.now();
     try {
-      const block = await drafter.draft(args.history, args.k, args.settings, async (tokens) => {
+      return await drafter.draft(args.history, args.k, args.settings, async (tokens) => {
         await nextTask(); // a cancel or an expect waiting is taken first
         return cancelled.has(id) || (expected.has(id) && tokens[0] !== expected.get(id));
       });
-      return { ...block, seconds: (performance.now() - t0) / 1000 };
     } finally {
       cancelled.delete(id);
       expected.delete(id);

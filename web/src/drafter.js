@@ -3,18 +3,12 @@
 // (`await drafter.draft(history, k, settings)`, sources.js). The main thread never runs the
 // model: it stays free to paint and to read the socket while a block is drafted ahead.
 
-/** WebAssembly threads for the draft: ONNX Runtime Web's own choice (half the cores, at
- * most 4) where the page is cross-origin isolated (COOP/COEP headers, as `spececd serve`
- * sends), else 1 (a page without isolation has no shared memory for threads). */
-export function defaultThreads() {
-  if (typeof self === "undefined" || !self.crossOriginIsolated) return 1;
-  return Math.max(1, Math.min(4, Math.ceil((navigator.hardwareConcurrency || 1) / 2)));
-}
-
 export class WorkerDrafter {
   /** Start a worker and load the draft at `base` on `runtimeAsked` ("auto", "wasm" or
-   * "webgpu"); `wasmPaths`: where ONNX Runtime's WebAssembly files are. */
-  static async load(base, runtimeAsked, wasmPaths, threads = defaultThreads()) {
+   * "webgpu") and `threads` WebAssembly threads (undefined: ONNX Runtime Web's own choice,
+   * several only where the page is cross-origin isolated, as `spececd serve` serves it);
+   * `wasmPaths`: where ONNX Runtime's WebAssembly files are. */
+  static async load(base, runtimeAsked, wasmPaths, threads) {
     const worker = new Worker(new URL("./draft-worker.js", import.meta.url), { type: "module" });
     const drafter = new WorkerDrafter(worker);
     try {

@@ -200,9 +200,17 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   const length = new DraftLength(Math.min(auto ? 8 : options.k, welcome.maxDraft));
   length.allowNone = auto;
   const freeLength = new DraftLength(Math.max(length.kMax, welcome.width), length.kMax);
-  // A fixed k in exact mode, sampling, drafts whole blocks whatever the budget (a seed fixes
-  // the tokens only so), as the Python edge does.
-  const blocks = !auto && options.mode === "exact" && params.temperature > 0;
+  // Whether drafts report the distributions they were drawn from (exact mode, sampling); a
+  // fixed k then drafts whole blocks whatever the budget (a seed fixes the tokens only so),
+  // as the Python edge does.
+  const reports = options.mode === "exact" && params.temperature > 0;
+  const blocks = !auto && reports;
+  // The draft length under `policy` with `limit` positions left: never past the server's
+  // budget (it would cut the rest), except in whole blocks (the Python edge's Rounds.choose).
+  const choose = (policy, limit) => {
+    const room = blocks || session.budget === null ? limit : Math.min(limit, session.budget);
+    return auto ? policy.choose(room) : Math.min(length.kMax, room);
+  };
   let finished = false;
 
   const emit = (tokens, fromDraft, lookedUp, predicted, drafted, done) => {
@@ -248,8 +256,6 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // The verifier adds one token of its own.
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - 1);
-        // Never past the server's budget (it would cut the rest).
-        const room = session.budget === null ? limit : Math.min(limit, session.budget);
         const t0 = performance.now();
         let block = ahead && (await ahead.block(history, limit));
         let free = block ? ahead.free : false;
@@ -258,13 +264,12 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
           stats.aheadHits += 1;
         } else {
           // A draft that costs nothing to draft has its own length policy (with k auto).
-          block = auto ? await source.free(history, freeLength.choose(room), settings) : null;
+          block = auto ? await source.free(history, choose(freeLength, limit), settings) : null;
           free = block !== null;
           if (!block) {
-            const k = auto ? length.choose(room) : Math.min(length.kMax, blocks ? limit : room);
+            const k = choose(length, limit);
             block = k > 0 ? await source.draft(history, k, settings)
-              : { tokens: [], dists: options.mode === "exact" && params.temperature > 0 ? []
-                : null, lookedUp: 0 };
+              : { tokens: [], dists: reports ? [] : null, lookedUp: 0 };
           }
         }
         const policy = free ? freeLength : length;
@@ -275,10 +280,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // token and its own is the draft's next: used only where that is so.
         const next = Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - block.tokens.length - 2;
-        const aheadK = options.ahead && next > 0 ? (auto ? policy.choose(
-          session.budget === null ? next : Math.min(next, session.budget))
-          : Math.min(length.kMax, blocks || session.budget === null ? next
-            : Math.min(next, session.budget))) : 0;
+        const aheadK = options.ahead && next > 0 ? choose(policy, next) : 0;
         if (aheadK > 0) {
           ahead = new Ahead(source, [...history, ...block.tokens], aheadK, free, settings);
           stats.aheadRounds += 1;

@@ -63,9 +63,8 @@ async function connect(server) {
 async function drafter(server, runtimeAsked, threadsAsked) {
   // ONNX Runtime Web (most of the page's script) is loaded only by the draft worker of a
   // page that drafts with the model: lookup and cloud-only runs never fetch it.
-  const { WorkerDrafter, defaultThreads } = await import("./drafter.js");
-  const threads = threadsAsked || defaultThreads();
-  const wanted = `${runtimeAsked}/${threads}`;
+  const { WorkerDrafter } = await import("./drafter.js");
+  const wanted = `${runtimeAsked}/${threadsAsked || "auto"}`;
   if (!loaded.drafter || loaded.draftWanted !== wanted) {
     const base = `${httpBase(server)}/draft`;
     const probe = await fetch(`${base}/genai_config.json`);
@@ -77,7 +76,7 @@ async function drafter(server, runtimeAsked, threadsAsked) {
     loaded.drafter = null;
     // The runtime's own files (WebAssembly) come from where this page came from.
     loaded.drafter = await WorkerDrafter.load(base, runtimeAsked,
-      new URL(".", import.meta.url).href, threads);
+      new URL(".", import.meta.url).href, threadsAsked);
     loaded.draftWanted = wanted;
   }
   return loaded.drafter;
@@ -86,7 +85,7 @@ async function drafter(server, runtimeAsked, threadsAsked) {
 /**
  * One generation. `options`: {server, token, prompt, maxTokens, temperature, topK, topP,
  * seed, mode ("exact"|"match"), source ("lookup"|"model"|"hybrid"|"cloud"), k, runtime,
- * threads (the draft's WebAssembly threads; default: drafter.js's defaultThreads), ahead
+ * threads (the draft's WebAssembly threads; default: ONNX Runtime Web's choice), ahead
  * (false: plain rounds; default: blocks drafted ahead, edge.js),
  * prediction (optional: the text the output is expected to be, mostly, drafted first;
  * `predictionIds`: its ids)}, `onPiece` as edge.generate's. Returns {text, promptIds,

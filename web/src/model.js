@@ -67,9 +67,10 @@ async function fetchKept(url, optional = false) {
 
 export class ModelDrafter {
   /** Load the draft folder at `base` (its genai_config.json, model file and external data)
-   * on `runtime` ("wasm" or "webgpu") with `threads` WebAssembly threads (more than one
-   * only where the page is cross-origin isolated). */
-  static async load(base, runtime, wasmPaths, threads = 1) {
+   * on `runtime` ("wasm" or "webgpu") with `threads` WebAssembly threads (undefined: ONNX
+   * Runtime Web's own choice, half the cores and at most 4; one only where the page is not
+   * cross-origin isolated). */
+  static async load(base, runtime, wasmPaths, threads) {
     const kept = []; // the files read from Cache Storage
     const get = async (url, optional) => {
       const got = await fetchKept(url, optional);
@@ -172,23 +173,26 @@ export class ModelDrafter {
    * without the model (a lookup, a prediction), whose tokens it would otherwise feed all at
    * once at its next draft. */
   async warm(history) {
+    const kept = this.shared(history);
+    if (kept === history.length) return; // it holds the history already (and maybe more)
+    this.truncate(kept);
+    await this.extend(history.slice(kept));
+  }
+
+  /** How many of `history`'s first tokens the cache holds. */
+  shared(history) {
     let kept = 0;
     const held = this.tokens;
     while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
-    if (kept === history.length) return; // it holds the history already (and maybe more)
-    this.truncate(kept);
-    if (kept < history.length) await this.extend(history.slice(kept));
+    return kept;
   }
 
   /** Up to `k` tokens drafted after `history` and, in exact sampling mode, the distribution
    * each was drawn from (see the module's comment); fewer where `await stop(tokens)` says
    * so between steps (given the tokens drafted so far). */
   async draft(history, k, { mode, params, maxSupport }, stop = async () => false) {
-    let kept = 0;
-    const held = this.tokens;
-    while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
     // At least one token to feed: the logits of the history's last position.
-    kept = Math.min(kept, history.length - 1);
+    const kept = Math.min(this.shared(history), history.length - 1);
     this.truncate(kept);
     let feed = history.slice(kept);
     const report = mode === "exact" && params.temperature > 0;

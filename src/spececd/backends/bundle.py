@@ -53,9 +53,11 @@ def pack(tokenizer: Tokenizer, vocab_size: int) -> bytes | None:
         "eos_token_ids": list(tokenizer.eos_token_ids), "files": files}, use_bin_type=True)
 
 
-def cache_dir() -> Path:
+def cache_dir(kind: str = "tokenizers") -> Path:
+    """SpecECD's cache folder for ``kind`` (tokenizers, the browsers' drafts):
+    ``$XDG_CACHE_HOME/spececd/<kind>``, default ``~/.cache``."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "spececd" / "tokenizers"
+    return Path(root) / "spececd" / kind
 
 
 def load(data: bytes, expected: Fingerprint) -> tuple[Tokenizer, int]:

@@ -27,12 +27,12 @@ import json
 import logging
 import mimetypes
 import mmap
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from spececd.backends import bundle
 from spececd.errors import InputError
 from spececd.transports.ops import TEXT, Reply
 
@@ -165,8 +165,7 @@ def browser_form(model_dir: Path) -> Path:
                                 for f in files],
                                installed("spececd"), installed("onnxruntime-genai"))).encode()
                          ).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    out = root / "spececd" / "web-drafts" / f"{model_dir.resolve().name}-{key}"
+    out = bundle.cache_dir("web-drafts") / f"{model_dir.resolve().name}-{key}"
     if (out / "genai_config.json").is_file():
         return out
     log.info("exporting %s to fp32 ONNX for browsers, once, into %s", model_dir, out)
