@@ -1,5 +1,7 @@
-"""The playground (`GET /` of `spececd api`) in a real headless Chromium, against a real
-`spececd api` on loopback: the page loads with nothing from outside, streams a greedy
+"""The playground (`GET /` of `spececd api`: the page built from web/, in its API mode) in
+a real headless Chromium, against a real `spececd api` on loopback: its files served with
+ETags, HEAD, ranges and the page's headers beside the API's routes; the page starts in its
+API mode and offers the browser edge; it loads with nothing from outside, streams a greedy
 completion coloured by source whose text is the non-streamed completion's, fills in its
 statistics, compares with cloud-only, follows a JSON schema (its forced tokens in their own
 colour), drafts from a predicted output (its tokens in their own colour), and shows the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ import pytest
 pytest.importorskip("torch")
 sync_api = pytest.importorskip("playwright.sync_api")
 
+from spececd.transports.web import BUILT  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 
@@ -38,6 +42,8 @@ pytestmark = [
     requires_default_pair,
     pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (Debian's "
                        "chromium package; Playwright's own browser download is not used)"),
+    pytest.mark.skipif(not (BUILT / "index.html").is_file(), reason="the playground page is "
+                       "not built: run `npm ci && npm run build` in web/"),
 ]
 
 
@@ -100,6 +106,7 @@ def page(api: ServerProcess, browser: Any) -> Iterator[Page]:
     tab.on("request", lambda request: page.hosts.add(urlsplit(request.url).hostname or ""))
     tab.goto(api.url + "/")
     tab.wait_for_function("document.getElementById('model').textContent === 'spececd'")
+    tab.uncheck("#compare")  # the tests that compare ask for it
     tab.fill("#prompt", PROMPT)
     tab.fill("#max-tokens", str(MAX_TOKENS))
     tab.fill("#temperature", "0")
@@ -115,11 +122,61 @@ def completion(api: ServerProcess, **body: Any) -> dict[str, Any]:
         return json.loads(response.read())  # type: ignore[no-any-return]
 
 
+def fetch(url: str, method: str = "GET", **headers: str) -> tuple[int, Any, bytes]:
+    """The status, headers and body of a request (an error status too)."""
+    request = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def test_the_page_is_served_as_static_files_beside_the_api(api: ServerProcess) -> None:
+    """The built page (web/dist) as Starlette's StaticFiles serves it: ETag and 304, HEAD,
+    ranges; with the headers the page needs (cross-origin isolated; which server sent it);
+    and the API's own routes and errors unchanged around it."""
+    status, headers, body = fetch(api.url + "/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert b"<title>SpecECD playground</title>" in body
+    assert headers["x-spececd-serves"] == "api"
+    assert headers["cross-origin-opener-policy"] == "same-origin"
+    assert headers["cross-origin-embedder-policy"] == "require-corp"
+    assert fetch(api.url + "/", **{"If-None-Match": headers["etag"]})[0] == 304
+
+    status, headers, body = fetch(api.url + "/app.js", "HEAD")
+    assert status == 200 and body == b"" and int(headers["content-length"]) > 1000
+    assert headers["content-type"].startswith("text/javascript")
+    wasm = next(BUILT.glob("*.wasm")).name
+    status, headers, body = fetch(f"{api.url}/{wasm}", Range="bytes=0-7")
+    assert status == 206 and body == b"\0asm\1\0\0\0"  # WebAssembly's magic and version
+
+    assert json.loads(fetch(api.url + "/healthz")[2]) == {"status": "ok"}
+    assert json.loads(fetch(api.url + "/v1/models")[2])["data"][0]["id"] == "spececd"
+    for path in ("/no-such-file.js", "/.hidden", "/v1/no-such-route"):
+        status, _, body = fetch(api.url + path)
+        assert status == 404 and "error" in json.loads(body), path
+
+
 def test_page_loads_with_nothing_from_outside(page: Page) -> None:
     assert page.tab.title() == "SpecECD playground"
     assert page.tab.is_hidden("#error")
     assert page.console_errors == []
     assert page.hosts == {"127.0.0.1"}
+
+
+def test_the_page_starts_as_the_api_and_offers_the_browser_edge(page: Page) -> None:
+    """One app: served by `spececd api` it asks the API; switched to the browser edge it
+    asks for a `spececd serve` to draft against (none named: the usual port)."""
+    assert page.tab.evaluate("document.body.dataset.mode") == "api"
+    assert page.tab.is_visible("#api-key") and page.tab.is_hidden("#server")
+    page.tab.click("label:has(input[name=where][value=edge])")
+    assert page.tab.evaluate("document.body.dataset.mode") == "edge"
+    assert page.tab.is_hidden("#api-key") and page.tab.is_hidden("#constraint")
+    assert page.tab.input_value("#server") == "ws://127.0.0.1:8765"
+    page.tab.click("label:has(input[name=where][value=api])")
+    assert page.tab.is_visible("#json-schema") or page.tab.is_visible("#constraint")
+    assert page.console_errors == []
 
 
 def test_stream_is_coloured_by_source_and_is_the_whole_completion(

@@ -93,6 +93,9 @@ def test_a_link_to_the_page_naming_another_server_is_not_followed(
         page.wait_for_function("window.spececd !== undefined")
         own = f"ws://127.0.0.1:{server.port}"
         assert page.evaluate("spececd.defaultServer()") == own
+        # The one app starts as the browser edge where `spececd serve` served it.
+        page.wait_for_function("document.body.dataset.mode === 'edge'")
+        assert page.is_hidden("#api-key") and page.is_visible("#token")
         page.wait_for_function("document.getElementById('server').value !== ''")
         assert page.input_value("#server") == own
     finally:

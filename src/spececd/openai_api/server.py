@@ -16,7 +16,7 @@ in this process or on a server) behind FastAPI:
   from (``draft``: drafted and accepted, ``prediction``: drafted from the prediction and
   accepted, ``target``: the verifier's own, ``fallback``: the draft alone, unverified)
   and the statistics so far;
-- ``GET /`` the playground (``playground.html``), ``GET /healthz``;
+- ``GET /`` the playground (the page built from ``web/``, in its API mode), ``GET /healthz``;
 - tool calls (:mod:`spececd.openai_api.tools`): ``tools`` rendered by the chat template,
   calls parsed out of the output in the format of ``tool_parser`` (by default the one the
   chat template writes calls in) into
@@ -60,14 +60,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Literal, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.staticfiles import StaticFiles
 
 from spececd.core.logprobs import TokenLogprob
 from spececd.core.params import Constraint
@@ -97,6 +97,7 @@ from spececd.protocol.errors import (
     ServerBusy,
     Unsupported,
 )
+from spececd.transports import web
 from spececd.transports.http.common import BodyLimit, without_422
 
 log = logging.getLogger(__name__)
@@ -668,11 +669,6 @@ def create_app(api: Api) -> FastAPI:
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return on_validation(exc)
 
-    @app.get("/", response_class=HTMLResponse)
-    async def playground() -> HTMLResponse:
-        page = resources.files("spececd.openai_api").joinpath("playground.html")
-        return HTMLResponse(page.read_text(encoding="utf-8"))
-
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -713,6 +709,23 @@ def create_app(api: Api) -> FastAPI:
                                  request)
 
     without_422(app)
+    # Last: the playground's files answer any one-segment path no route above took.
+    page = StaticFiles(directory=web.BUILT, html=True, check_dir=False)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/{name}", methods=["GET", "HEAD"], include_in_schema=False)
+    async def playground(request: Request, name: str = "") -> Response:
+        """The playground (web/, built) and its files, as Starlette's StaticFiles serves
+        them (read in a worker thread; ETag, HEAD and ranges), with the headers the page
+        needs (:data:`spececd.transports.web.HEADERS`)."""
+        if not name and not (web.BUILT / "index.html").is_file():
+            return PlainTextResponse(web.NOT_BUILT, 404)
+        if name.startswith("."):
+            raise HTTPException(404)
+        response = await page.get_response(name or ".", request.scope)
+        response.headers.update({**dict(web.HEADERS), web.SERVES: "api"})
+        return response
+
     return app
 
 

@@ -1,8 +1,9 @@
-"""The browser edge's files, served by ``spececd serve`` on its WebSocket port.
+"""The playground's files, served by ``spececd serve`` on its WebSocket port.
 
 The page (``web/`` in the repository, built by ``npm ci && npm run build`` into
-``web/dist``) drafts in the browser and verifies against this server over the same port's
-WebSocket, in SpecECD's own protocol (docs/guide/browser.md). Plain ``GET``\\ s on that
+``web/dist``; ``spececd api`` serves it too, in its API mode) drafts in the browser here
+and verifies against this server over the same port's WebSocket, in SpecECD's own protocol
+(docs/guide/browser.md). Plain ``GET``\\ s on that
 port answer, before the upgrade: ``/`` the page, ``/<file>`` its built files, and
 ``/draft/<file>`` the files of the ONNX draft model offered to pages (``--web-draft``), if
 any. The page also reads the target's tokenizer there (:mod:`spececd.transports.ops`).
@@ -44,7 +45,7 @@ CHECKOUT = Path(__file__).resolve().parents[3] / "web" / "dist"
 PACKAGED = Path(__file__).resolve().parents[1] / "webpage"
 BUILT = PACKAGED if (PACKAGED / "index.html").is_file() \
     and not (CHECKOUT / "index.html").is_file() else CHECKOUT
-NOT_BUILT = ("the browser edge is not built here: run `npm ci && npm run build` in the "
+NOT_BUILT = ("the playground page is not built here: run `npm ci && npm run build` in the "
              "repository's web/ folder (Node.js 18 or newer), then restart the server (a "
              "wheel built with npm on the machine carries the page)\n")
 DRAFT_PREFIX = "/draft/"
@@ -57,6 +58,9 @@ _TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "applica
 HEADERS = (("Cache-Control", "no-cache"), ("Cross-Origin-Opener-Policy", "same-origin"),
            ("Cross-Origin-Embedder-Policy", "require-corp"),
            ("Cross-Origin-Resource-Policy", "cross-origin"))
+# Sent with the page's files: which SpecECD server sent them ("edge" here, "api" from
+# `spececd api`), so that the page starts in that mode (web/src/browser-edge.js).
+SERVES = "X-SpecECD-Serves"
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,14 @@ class WebEdge:
             return None
         if not (self.page / "index.html").is_file():
             return Reply(404, TEXT, NOT_BUILT.encode())
-        return await _file(self.page, name, if_none_match)
+        return await _file(self.page, name, if_none_match, ((SERVES, "edge"),))
 
 
-async def _file(folder: Path, name: str, if_none_match: str | None) -> Reply:
+async def _file(folder: Path, name: str, if_none_match: str | None,
+                more: tuple[tuple[str, str], ...] = ()) -> Reply:
     """``folder``'s file ``name`` (one plain name: no folders, nothing hidden), 304 where
-    the browser holds it (``if_none_match`` names its ETag), or 404."""
+    the browser holds it (``if_none_match`` names its ETag), or 404; ``more``: headers
+    beside :data:`HEADERS` and the ETag."""
     target = folder / name
     if "/" in name or "\\" in name or name.startswith(".") or not target.is_file():
         return Reply(404, TEXT, f"no file {name!r}\n".encode())
@@ -119,7 +125,7 @@ async def _file(folder: Path, name: str, if_none_match: str | None) -> Reply:
         or "application/octet-stream"
     stat = target.stat()
     tag = f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"'
-    headers = (*HEADERS, ("ETag", tag))
+    headers = (*HEADERS, *more, ("ETag", tag))
     if if_none_match is not None and (if_none_match.strip() == "*" or tag in (
             t.strip().removeprefix("W/") for t in if_none_match.split(","))):
         return Reply(304, kind, b"", headers)
