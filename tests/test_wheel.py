@@ -1,7 +1,7 @@
-"""A wheel of SpecECD carries the browser edge's page (setup.py builds it with npm and ships
+"""A wheel of SpecECD carries the playground's page (setup.py builds it with npm and ships
 web/dist as ``spececd/webpage``): built from the sdist of the sources here, installed in an
-environment of its own, its ``spececd serve`` serves the page with no npm or Node.js on the
-PATH."""
+environment of its own, its ``spececd serve`` (the browser edge) and its ``spececd api``
+serve the page with no npm or Node.js on the PATH."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 
-def test_a_wheel_serves_the_browser_page_without_npm(tmp_path: Path) -> None:
+def test_a_wheel_serves_the_page_from_both_servers_without_npm(tmp_path: Path) -> None:
     # The sdist (MANIFEST.in: web/'s sources, not its packages or its build), and a wheel
     # built from it, as pip builds one from PyPI's sdist; npm's packages are this checkout's.
     # (its file list made anew, in a folder of its own: not the checkout's egg-info's)
@@ -73,14 +73,22 @@ def test_a_wheel_serves_the_browser_page_without_npm(tmp_path: Path) -> None:
                            capture_output=True, text=True, env=env, check=True)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
 
-    server = ServerProcess(MODELS / "target", python=python, env=env)
+    # Both servers serve the one page: `spececd serve` (the browser edge) and `spececd api`
+    # (the page asks its API), each saying which it is.
+    servers = [ServerProcess(MODELS / "target", python=python, env=env),
+               ServerProcess(MODELS / "target", "--draft-model", str(MODELS / "draft"),
+                             command="api", scheme="http", python=python, env=env)]
     try:
-        http = server.url.replace("ws://", "http://")
-        with urllib.request.urlopen(f"{http}/") as reply:
-            assert reply.status == 200 and b'src="app.js"' in reply.read()
-        for name in ("app.js", "draft-worker.js"):
-            with urllib.request.urlopen(f"{http}/{name}") as reply:
-                assert reply.status == 200
-                assert reply.read() == zipfile.ZipFile(wheel).read(f"spececd/webpage/{name}")
+        for server, serves in zip(servers, ("edge", "api"), strict=True):
+            http = server.url.replace("ws://", "http://")
+            with urllib.request.urlopen(f"{http}/") as reply:
+                assert reply.status == 200 and b'src="app.js"' in reply.read()
+                assert reply.headers["X-SpecECD-Serves"] == serves
+            for name in ("app.js", "draft-worker.js"):
+                with urllib.request.urlopen(f"{http}/{name}") as reply:
+                    assert reply.status == 200
+                    assert reply.read() == zipfile.ZipFile(wheel).read(
+                        f"spececd/webpage/{name}")
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
