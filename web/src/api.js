@@ -63,13 +63,15 @@ export async function* events(body) {
 }
 
 /**
- * A streamed request's body from the form's fields: {model, maxTokens, temperature, seed,
- * k ("auto" or a number), schema (JSON text, or ""), prediction (text, or "")}. The schema
+ * A streamed request's body from the form's fields: {model, maxTokens, temperature, seed
+ * (undefined: the server's), k ("auto", a number, or undefined: the server's), schema (JSON
+ * text, or ""), prediction (text, or "")}. The schema
  * goes as text: the server checks it, and a bad one comes back as a 400 that says why.
  */
 export function requestBody(fields) {
   const body = { model: fields.model, stream: true, stream_options: { include_usage: true },
-    max_tokens: fields.maxTokens, temperature: fields.temperature, k: fields.k };
+    max_tokens: fields.maxTokens, temperature: fields.temperature };
+  if (fields.k !== undefined) body.k = fields.k;
   if (Number.isFinite(fields.seed)) body.seed = fields.seed;
   if (fields.schema.trim()) body.structured_outputs = { json: fields.schema.trim() };
   if (fields.prediction.trim()) body.prediction = { type: "content", content: fields.prediction };

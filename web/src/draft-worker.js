@@ -4,9 +4,11 @@
 // - {id, op: "load", base, runtime, wasmPaths, threads} loads the draft and answers
 //   {runtime, threads (those it runs on), isolated, kept: the files read from Cache Storage};
 // - {id, op: "draft", history, k, settings} answers the model's block (model.js's draft);
-// - {op: "cancel", of: id} stops that draft after its current step, and {op: "expect", of:
-//   id, token} after its first unless that is `token`;
-// - {id, op: "warm", history} brings the model's cache up to the history (model.js's warm).
+// - {op: "cancel", of: id} stops that draft after its current step (a warm after its
+//   current forward), and {op: "expect", of: id, token} a draft after its first unless that
+//   is `token`;
+// - {id, op: "warm", history} brings the model's cache up to the history (model.js's warm)
+//   and answers how many tokens the cache holds.
 // Each answer is {id, ok, result} or {id, ok: false, error}.
 
 import { ModelDrafter, pickRuntime } from "./model.js";
@@ -34,7 +36,14 @@ async function answer({ id, op, ...args }) {
   }
   if (op === "warm") {
     if (!drafter) throw new Error("the draft worker has no model loaded");
-    return drafter.warm(args.history);
+    try {
+      return await drafter.warm(args.history, async () => {
+        await nextTask(); // a cancel waiting is taken first
+        return cancelled.has(id);
+      });
+    } finally {
+      cancelled.delete(id);
+    }
   }
   throw new Error(`the draft worker has no operation ${op}`);
 }
@@ -56,7 +65,7 @@ function nextTask() {
 // taken at once, between the steps of the draft in flight.
 const cancelled = new Set();
 const expected = new Map();
-const running = new Set(); // the drafts asked for and not yet answered
+const running = new Set(); // the drafts and warms asked for and not yet answered
 
 // One message at a time, in order: a draft is answered after the one before it.
 let queue = Promise.resolve();
@@ -67,7 +76,7 @@ self.onmessage = ({ data }) => {
     else expected.set(data.of, data.token);
     return;
   }
-  if (data.op === "draft") running.add(data.id);
+  if (data.op === "draft" || data.op === "warm") running.add(data.id);
   queue = queue.then(() => answer(data)).then(
     (result) => self.postMessage({ id: data.id, ok: true, result }),
     (exc) => self.postMessage({ id: data.id, ok: false, error: String(exc?.message || exc) }))

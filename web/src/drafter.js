@@ -2,6 +2,15 @@
 // Runtime Web, and this proxy gives the draft sources the contract a drafter has
 // (`await drafter.draft(history, k, settings)`, sources.js). The main thread never runs the
 // model: it stays free to paint and to read the socket while a block is drafted ahead.
+// It also keeps what the model's cache will hold once the calls sent are answered, so that
+// a source can tell how far the model is behind a history (`behind`) without asking it.
+
+/** How many of `a`'s first tokens `b` shares. */
+function sharedPrefix(a, b) {
+  let n = 0;
+  while (n < a.length && n < b.length && a[n] === b[n]) n++;
+  return n;
+}
 
 export class WorkerDrafter {
   /** Start a worker and load the draft at `base` on `runtimeAsked` ("auto", "wasm" or
@@ -30,13 +39,17 @@ export class WorkerDrafter {
     this.isolated = false; // whether the worker is cross-origin isolated
     this.kept = []; // the files its load read from Cache Storage
     this.drafts = new Set(); // the ids of drafts not yet answered
+    this.warms = new Set(); // and of warms
     this.next = 0;
     this.pending = new Map(); // id -> {resolve, reject}
+    this.mirror = []; // the ids the model's cache will hold once the calls sent are answered
+    this.feeding = 0; // the tokens the calls in flight feed the model
     worker.onmessage = ({ data }) => {
       const call = this.pending.get(data.id);
       if (!call) return; // failed or closed meanwhile
       this.pending.delete(data.id);
       this.drafts.delete(data.id);
+      this.warms.delete(data.id);
       if (data.ok) call.resolve(data.result);
       else call.reject(new Error(data.error));
     };
@@ -49,6 +62,7 @@ export class WorkerDrafter {
   call(message) {
     const id = this.next++;
     if (message.op === "draft") this.drafts.add(id);
+    if (message.op === "warm") this.warms.add(id);
     return new Promise((resolve, reject) => {
       this.pending.set(id, { resolve, reject });
       this.worker.postMessage({ id, ...message });
@@ -59,6 +73,7 @@ export class WorkerDrafter {
     for (const call of this.pending.values()) call.reject(error);
     this.pending.clear();
     this.drafts.clear();
+    this.warms.clear();
   }
 
   /** Stop the drafts in flight after their current step (they answer with the tokens
@@ -67,23 +82,55 @@ export class WorkerDrafter {
     for (const id of this.drafts) this.worker.postMessage({ op: "cancel", of: id });
   }
 
+  /** Stop everything in flight: the drafts, and the warms after their current forward (a
+   * run ended: nobody needs them). */
+  stop() {
+    this.cancel();
+    for (const id of this.warms) this.worker.postMessage({ op: "cancel", of: id });
+  }
+
   /** The drafts in flight stop after their first token unless it is `token` (a block
    * drafted ahead whose guess the verdict has ruled on). */
   expect(token) {
     for (const id of this.drafts) this.worker.postMessage({ op: "expect", of: id, token });
   }
 
-  /** Bring the model's cache up to `history` in the worker (model.js's warm); a failure
-   * shows at the next draft. */
+  /** The tokens the model feeds before a draft after `history` could start: what the calls
+   * in flight feed, and what its cache would then lack of `history`. */
+  behind(history) {
+    return this.feeding + history.length - sharedPrefix(this.mirror, history);
+  }
+
+  /** Bring the model's cache up to `history` in the worker (model.js's warm), unless the
+   * calls sent already do; a failure shows at the next draft. */
   warm(history) {
-    this.call({ op: "warm", history: Array.from(history) }).catch(() => {});
+    const feed = history.length - sharedPrefix(this.mirror, history);
+    if (feed <= 0) return;
+    const sent = Array.from(history);
+    this.mirror = sent;
+    this.feeding += feed;
+    this.call({ op: "warm", history: sent }).then(
+      // Stopped before the end (cancelled): its cache holds only the start.
+      (held) => { if (this.mirror === sent) this.mirror = sent.slice(0, held); },
+      () => {}).finally(() => { this.feeding -= feed; });
   }
 
   /** Up to `k` tokens drafted after `history` (model.js's draft, in the worker). */
   async draft(history, k, settings) {
-    const { tokens, dists } = await this.call({ op: "draft", history: Array.from(history), k,
-      settings });
-    return { tokens, dists, lookedUp: 0 };
+    const sent = Array.from(history);
+    // The model feeds at least the history's last token (its logits are the first draft's).
+    const feed = Math.max(1, sent.length - sharedPrefix(this.mirror, sent));
+    this.mirror = sent;
+    this.feeding += feed;
+    try {
+      const { tokens, dists } = await this.call({ op: "draft", history: sent, k, settings });
+      // Its cache holds the history and every drafted token but the last (unless a later
+      // call has been sent: that one's history is what it will hold).
+      if (this.mirror === sent) this.mirror = sent.concat(tokens.slice(0, -1));
+      return { tokens, dists, lookedUp: 0 };
+    } finally {
+      this.feeding -= feed;
+    }
   }
 
   close() {

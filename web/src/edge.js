@@ -6,6 +6,13 @@
 
 import { EdgeSession } from "./protocol.js";
 
+// The most tokens a model draft waits for its model to feed first (what its cache lacks of
+// the history, and what the calls in flight feed), with k auto. Further behind (a prompt's
+// prefill, a long run of looked-up tokens), a round goes without the model's drafts while
+// the model catches up in its worker: a prefill in WebAssembly takes longer than many
+// rounds. (A fixed k drafts every round, waiting where it must.)
+export const CATCH_UP = 8;
+
 /** The tokens to emit (at most `remaining`, up to and including the first stop token) and
  * whether the generation is finished. */
 export function clipEmitted(tokens, stopIds, remaining) {
@@ -136,7 +143,7 @@ export class Ahead {
     const cut = (count) => Math.max(0, Math.min((count || 0) - 1, n));
     return { tokens: drafted.tokens.slice(1, 1 + n),
       dists: drafted.dists && drafted.dists.slice(1, 1 + n), lookedUp: cut(drafted.lookedUp),
-      predicted: cut(drafted.predicted), matchLen: drafted.matchLen };
+      predicted: cut(drafted.predicted) };
   }
 }
 
@@ -205,11 +212,15 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
   // as the Python edge does.
   const reports = options.mode === "exact" && params.temperature > 0;
   const blocks = !auto && reports;
-  // The draft length under `policy` with `limit` positions left: never past the server's
-  // budget (it would cut the rest), except in whole blocks (the Python edge's Rounds.choose).
-  const choose = (policy, limit) => {
+  // The draft length under `policy` with `limit` positions left, after `context`: never past
+  // the server's budget (it would cut the rest), except in whole blocks (the Python edge's
+  // Rounds.choose); with k auto, none with the model where it is more than CATCH_UP tokens
+  // behind the context (the round goes without it while it catches up).
+  const choose = (policy, limit, context = history) => {
     const room = blocks || session.budget === null ? limit : Math.min(limit, session.budget);
-    return auto ? policy.choose(room) : Math.min(length.kMax, room);
+    if (!auto) return Math.min(length.kMax, room);
+    if (policy === length && source.behind && source.behind(context) > CATCH_UP) return 0;
+    return policy.choose(room);
   };
   let finished = false;
 
@@ -257,20 +268,29 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - 1);
         const t0 = performance.now();
-        let block = ahead && (await ahead.block(history, limit));
-        let free = block ? ahead.free : false;
-        ahead = null;
-        if (block) {
-          stats.aheadHits += 1;
-        } else {
-          // A draft that costs nothing to draft has its own length policy (with k auto).
-          block = auto ? await source.free(history, choose(freeLength, limit), settings) : null;
+        // A draft that costs nothing (a lookup's match, a prediction) has its own length
+        // policy (with k auto), and goes before a block the model drafted ahead: it may run
+        // far, where the model's is a few tokens.
+        const freeBlock = () => (auto ? source.free(history, choose(freeLength, limit), settings)
+          : null);
+        const modelAhead = ahead !== null && !ahead.free;
+        let block = modelAhead ? await freeBlock() : null;
+        if (block && source.cancel) source.cancel();
+        let free = block !== null;
+        if (!block && ahead) {
+          block = await ahead.block(history, limit);
+          free = block ? ahead.free : false;
+          if (block) stats.aheadHits += 1;
+        }
+        if (!block && !modelAhead) {
+          block = await freeBlock();
           free = block !== null;
-          if (!block) {
-            const k = choose(length, limit);
-            block = k > 0 ? await source.draft(history, k, settings)
-              : { tokens: [], dists: reports ? [] : null, lookedUp: 0 };
-          }
+        }
+        ahead = null;
+        if (!block) {
+          const k = choose(length, limit);
+          block = k > 0 ? await source.draft(history, k, settings)
+            : { tokens: [], dists: reports ? [] : null, lookedUp: 0 };
         }
         const policy = free ? freeLength : length;
         const t1 = performance.now();
@@ -280,9 +300,10 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // token and its own is the draft's next: used only where that is so.
         const next = Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - block.tokens.length - 2;
-        const aheadK = options.ahead && next > 0 ? choose(policy, next) : 0;
+        const context = [...history, ...block.tokens];
+        const aheadK = options.ahead && next > 0 ? choose(policy, next, context) : 0;
         if (aheadK > 0) {
-          ahead = new Ahead(source, [...history, ...block.tokens], aheadK, free, settings);
+          ahead = new Ahead(source, context, aheadK, free, settings);
           stats.aheadRounds += 1;
         }
         // A round that leaves the model idle (a free draft or none, nothing drafted ahead
@@ -304,14 +325,13 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         // it (what drafting adds to a round's time).
         policy.observe(judged, n, block.lookedUp === block.tokens.length ? null
           : draftSeconds, roundSeconds);
-        if (source.observe) source.observe(block, n + 1, draftSeconds + roundSeconds);
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           Math.min(block.predicted || 0, n), judged, false);
       }
-      if (ahead) { // stopped, and waited for: the drafter is free for the next run
-        if (source.cancel) source.cancel();
-        await ahead.drafted.catch(() => {});
-      }
+      // The drafter's work for this run (a block ahead, a warm) serves nobody now: it stops,
+      // and a block ahead is waited for, so that the drafter is free for the next run.
+      if (source.stop) source.stop();
+      if (ahead) await ahead.drafted.catch(() => {});
     }
   } finally {
     stats.wallSeconds = (performance.now() - started) / 1000;

@@ -27,23 +27,25 @@ const cloud = new Panel({ output: "out-cloud", details: "details-cloud", tps: "s
 const checked = (name) => document.querySelector(`input[name=${name}]:checked`).value;
 const chatMode = () => checked("mode") === "chat";
 
-/** The form's k: "auto" (also when empty) or a whole number of at least 1. */
+/** The form's k: "auto" or a whole number of at least 1. */
 function draftLength(text) {
   const value = text.trim().toLowerCase();
-  if (value === "auto" || value === "") return "auto";
+  if (value === "auto") return "auto";
   if (!/^[0-9]+$/.test(value) || Number(value) < 1) {
     throw new Error(`k must be auto or a whole number of at least 1, got "${text}"`);
   }
   return Number(value);
 }
 
-/** The fields both modes read. */
+/** The fields both modes read; an empty seed or k is undefined (the API: the server's
+ * choice; the browser edge: a random seed, k auto). */
 function fields() {
   const seed = $("seed").value.trim();
   return {
     prompt: $("prompt").value, maxTokens: Number($("max-tokens").value),
     temperature: Number($("temperature").value), seed: seed === "" ? undefined : Number(seed),
-    k: draftLength($("k").value), prediction: $("prediction").value,
+    k: $("k").value.trim() === "" ? undefined : draftLength($("k").value),
+    prediction: $("prediction").value,
   };
 }
 
@@ -131,7 +133,8 @@ async function generateApi(form, compare, signal) {
 
 async function generateEdge(form, compare) {
   const options = { ...form, server: $("server").value.trim(), token: $("token").value,
-    runtime: $("runtime-choice").value, source: checked("source") };
+    runtime: $("runtime-choice").value, source: checked("source"),
+    seed: form.seed ?? Math.floor(Math.random() * 2 ** 31) };
   const dropped = await droppedText(options);
   const result = await run(options, renderer(spec, dropped));
   const s = result.stats;

@@ -13,6 +13,9 @@ import * as ort from "onnxruntime-web";
 import { argmax, positionRng, processLogits, sample, sparse } from "./sampling.js";
 
 const DRAFTER_STREAM = 1; // the draws' stream, apart from any other the page may add
+// The most tokens a warm feeds in one forward: a prompt's prefill stops within one such
+// forward once nobody needs it (the run ended; the verdict left the history behind).
+const WARM_CHUNK = 32;
 // ONNX Runtime Web's WebAssembly, the build with WebGPU (JSEP) that web/build.mjs copies
 // beside the page.
 const WASM = "ort-wasm-simd-threaded.jsep.wasm";
@@ -170,13 +173,19 @@ export class ModelDrafter {
 
   /** Bring the cache up to `history` (what it shares with it kept), so that the next draft
    * after it feeds only what came since: run while a verdict travels on rounds that draft
-   * without the model (a lookup, a prediction), whose tokens it would otherwise feed all at
-   * once at its next draft. */
-  async warm(history) {
+   * without the model (a lookup, a prediction, a round while the model catches up), whose
+   * tokens it would otherwise feed all at once at its next draft. Fed WARM_CHUNK tokens at
+   * a time, stopping between them where `await stop()` says so; answers how many tokens the
+   * cache holds. */
+  async warm(history, stop = async () => false) {
     const kept = this.shared(history);
-    if (kept === history.length) return; // it holds the history already (and maybe more)
+    if (kept === history.length) return this.tokens.length; // it holds it (and maybe more)
     this.truncate(kept);
-    await this.extend(history.slice(kept));
+    for (let at = kept; at < history.length; at += WARM_CHUNK) {
+      if (at > kept && (await stop())) break;
+      await this.extend(history.slice(at, at + WARM_CHUNK));
+    }
+    return this.tokens.length;
   }
 
   /** How many of `history`'s first tokens the cache holds. */

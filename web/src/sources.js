@@ -2,20 +2,20 @@
 // {tokens, dists, lookedUp}: up to `k` tokens after `history`, in exact sampling mode the
 // distribution each was drawn from (else null), and how many of the first were looked up.
 // As src/spececd/edge/sources.py: lookup alone, the draft model alone, or the hybrid, which
-// proposes the lookup where it matches a suffix of at least HYBRID_MIN_MATCH tokens and asks
-// the model elsewhere (and shorter matches where they paid more than the model in this
-// generation). PredictedSource puts a prediction of the output first (Predicted
+// proposes the lookup where it matches and asks the model elsewhere. PredictedSource puts a prediction of the output first (Predicted
 // Outputs), as PredictedDraft does: its blocks also say how many of their first tokens came
 // from the prediction (`predicted`). `await source.free(history, k, settings)` gives the
 // block where the source drafts without a model step (a lookup's match, a prediction the
 // output follows), else null (DraftSource.free): such drafts go as far as the server's pass
 // width. Where a source has them, `source.cancel()` stops a draft in flight that is no longer
-// needed, `source.expect(token)` one whose first token is not `token` after that token, and
-// `source.warm(history)` brings a model's cache up to the history.
+// needed, `source.expect(token)` one whose first token is not `token` after that token,
+// `source.warm(history)` brings a model's cache up to the history, `source.behind(history)`
+// says how many tokens the model feeds before it could draft after it (edge.js drafts with
+// the model only where that is at most its CATCH_UP, with k auto), and `source.stop()` ends all
+// its work for a run that ended.
 
 import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 
-export const HYBRID_MIN_MATCH = 6;
 // The output tokens that must have followed a prediction since it was picked up for it to
 // draft before the page's own source (at the start of the output, none): the Python edge's
 // PREDICTION_MIN_RUN.
@@ -53,6 +53,11 @@ export class ModelSource {
     return this.drafter.draft(history, k, settings);
   }
 
+  /** How many tokens the model feeds before it could draft after `history`. */
+  behind(history) {
+    return this.drafter.behind(history);
+  }
+
   async free() {
     return null; // every token is a model step
   }
@@ -60,6 +65,11 @@ export class ModelSource {
   /** Stop the draft in flight, where it can (a block drafted ahead that is not needed). */
   cancel() {
     this.drafter.cancel();
+  }
+
+  /** Stop everything the model does for this run (a draft, a warm): the run ended. */
+  stop() {
+    this.drafter.stop();
   }
 
   /** Stop the draft in flight after its first token unless that is `token`. */
@@ -75,50 +85,27 @@ export class ModelSource {
 }
 
 /**
- * The lookup where it pays, the model elsewhere. A lookup matching a suffix of at least
- * `minMatch` tokens is taken, as the Python edge's hybrid takes it; a shorter match is taken
- * where lookups of that match length have given more tokens a second than the model's
- * drafts in this generation (`observe`: each round's tokens over its time, drafting
- * included, moving sums), tried twice first once the model has been. On text that copies
- * itself that is nearly every match; on text that does not, the model. Its drafter is the
- * model source's (cancel, expect, warm).
+ * The lookup where it matches, the model elsewhere. Any match the lookup takes (a suffix of
+ * MIN_NGRAM tokens or more) goes first, where the Python edge's hybrid takes matches of 6
+ * tokens or more (HYBRID_MIN_MATCH): in the page a model step costs far more than natively, and
+ * short matches paid more than the model's drafts there (scripts/bench-browser.py;
+ * docs/guide/browser.md). Its drafter is the model source's (cancel, expect, warm, stop).
  */
 export class HybridSource extends ModelSource {
-  constructor(drafter, minMatch = HYBRID_MIN_MATCH) {
+  constructor(drafter) {
     super(drafter);
-    this.lookup = new NgramLookup(minMatch);
-    this.minMatch = minMatch;
+    this.lookup = new NgramLookup();
     this.name = "hybrid";
-    this.rates = new Map(); // "model" or a match length -> {rounds, tokens, seconds}
   }
 
   async draft(history, k, settings) {
-    return (await this.free(history, k, settings)) || this.drafter.draft(history, k, settings);
+    return (await this.free(history, k, settings)) || super.draft(history, k, settings);
   }
 
   async free(history, k, settings) {
     const tokens = this.lookup.propose(history, k);
-    const matchLen = this.lookup.matchLen;
-    if (!tokens.length || (matchLen < this.minMatch && !this.pays(matchLen))) return null;
-    return { tokens, dists: reported(tokens, settings), lookedUp: tokens.length, matchLen };
-  }
-
-  /** Whether lookups matching `matchLen` tokens have paid more than the model's drafts. */
-  pays(matchLen) {
-    const model = this.rates.get("model"), lookup = this.rates.get(matchLen);
-    if (!model || model.rounds < 2) return false;
-    if (!lookup || lookup.rounds < 2) return true;
-    return lookup.tokens / lookup.seconds >= model.tokens / model.seconds;
-  }
-
-  /** A round of this source's `block` gave `tokens` (its accepted drafts and the verifier's
-   * own) in `seconds` (drafting, the round trip). */
-  observe(block, tokens, seconds) {
-    if (!block.tokens.length) return; // no draft: neither the model's nor a lookup's
-    const key = block.matchLen === undefined ? "model" : block.matchLen;
-    const rate = this.rates.get(key) || { rounds: 0, tokens: 0, seconds: 0 };
-    this.rates.set(key, { rounds: rate.rounds + 1, tokens: 0.9 * rate.tokens + tokens,
-      seconds: 0.9 * rate.seconds + seconds });
+    return tokens.length ? { tokens, dists: reported(tokens, settings), lookedUp: tokens.length }
+      : null;
   }
 }
 
@@ -150,6 +137,10 @@ export class PredictedSource {
     if (this.own.cancel) this.own.cancel();
   }
 
+  stop() {
+    if (this.own.stop) this.own.stop();
+  }
+
   expect(token) {
     if (this.own.expect) this.own.expect(token);
   }
@@ -158,9 +149,8 @@ export class PredictedSource {
     if (this.own.warm) this.own.warm(history);
   }
 
-  /** A round of `block` (src.observe): the page's own source's where it drafted it. */
-  observe(block, tokens, seconds) {
-    if (!block.predicted && this.own.observe) this.own.observe(block, tokens, seconds);
+  behind(history) {
+    return this.own.behind ? this.own.behind(history) : 0;
   }
 
   /** The prediction's block where it drafts first, else the page's own source's free one. */

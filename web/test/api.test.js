@@ -44,10 +44,11 @@ test("an error event and a stream without [DONE] are thrown", async () => {
 });
 
 test("the request body takes what the form gives and leaves out what it leaves empty", () => {
-  const fields = { model: "m", maxTokens: 8, temperature: 0, seed: undefined, k: "auto",
+  const fields = { model: "m", maxTokens: 8, temperature: 0, seed: undefined, k: undefined,
     schema: "  ", prediction: " " };
   assert.deepEqual(requestBody(fields), { model: "m", stream: true,
-    stream_options: { include_usage: true }, max_tokens: 8, temperature: 0, k: "auto" });
+    stream_options: { include_usage: true }, max_tokens: 8, temperature: 0 });
+  assert.equal(requestBody({ ...fields, k: "auto" }).k, "auto");
   const full = requestBody({ ...fields, seed: 3, k: 4, schema: ' {"type": "object"} ',
     prediction: "x = 1\n" });
   assert.equal(full.seed, 3);
