@@ -25,7 +25,7 @@ export async function failure(response) {
 /** The id of the first model the server lists. */
 export async function modelName(apiKey) {
   const response = await fetch("/v1/models", { headers: headers(apiKey) });
-  if (response.status === 404) {
+  if (response.status === 404 || response.status === 426) {  // 426: `spececd serve`'s port
     throw new ApiError("this server has no OpenAI API at /v1: start `spececd api`, or " +
       "choose the browser edge");
   }
@@ -70,7 +70,8 @@ export async function* events(body) {
  */
 export function requestBody(fields) {
   const body = { model: fields.model, stream: true, stream_options: { include_usage: true },
-    max_tokens: fields.maxTokens, temperature: fields.temperature };
+    temperature: fields.temperature };
+  if (fields.maxTokens !== undefined) body.max_tokens = fields.maxTokens;
   if (fields.k !== undefined) body.k = fields.k;
   if (Number.isFinite(fields.seed)) body.seed = fields.seed;
   if (fields.schema.trim()) body.structured_outputs = { json: fields.schema.trim() };

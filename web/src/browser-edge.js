@@ -12,6 +12,7 @@ import { Alignment } from "./lookup.js";
 const MAX_SUPPORT = 64; // exact mode: the draft distribution is cut to this many tokens
 
 const SERVED = location.protocol === "http:" || location.protocol === "https:";
+const LOCAL = "ws://127.0.0.1:8765"; // `spececd serve`'s default address
 
 /**
  * What served this page: "edge" (`spececd serve`, on its WebSocket port), "api" (`spececd
@@ -23,20 +24,19 @@ export const servedBy = SERVED
   : Promise.resolve("");
 
 /**
- * The server's WebSocket address: the `spececd serve` that served this page; ?server=...
- * only where none did (`spececd api`, a static host, a file opened from disk), so that a
- * crafted link to a served page cannot send the token typed into it to another host.
+ * The server's WebSocket address: this page's own origin where `spececd serve` (or a static
+ * host) served it, else the usual local port. ?server=... only where no SpecECD server
+ * served the page (a static host, a file opened from disk), so that a crafted link to a
+ * served page (`spececd serve`'s or `spececd api`'s) cannot send the token typed into it, or
+ * the prompts, to another host.
  */
 export async function defaultServer() {
   const serves = await servedBy;
-  const own = SERVED && serves !== "api"
-    ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}` : null;
   const asked = new URLSearchParams(location.search).get("server");
-  if (asked && own && serves === "edge") {
-    console.warn(`?server=${asked} ignored: this page talks to the server that served it`);
-    return own;
-  }
-  return asked || own || "ws://127.0.0.1:8765";
+  if (asked && !serves) return asked;
+  if (asked) console.warn(`?server=${asked} ignored: a SpecECD server served this page`);
+  return SERVED && serves !== "api"
+    ? `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}` : LOCAL;
 }
 
 /** The plain-HTTP address of a ws:// or wss:// server (its tokenizer and draft are there). */

@@ -5,8 +5,8 @@
 //   {runtime, threads (those it runs on), isolated, kept: the files read from Cache Storage};
 // - {id, op: "draft", history, k, settings} answers the model's block (model.js's draft);
 // - {op: "cancel", of: id} stops that draft after its current step (a warm after its
-//   current forward), and {op: "expect", of: id, token} a draft after its first unless that
-//   is `token`;
+//   current forward; either, still waiting its turn, does nothing), and {op: "expect", of:
+//   id, token} a draft after its first unless that is `token`;
 // - {id, op: "warm", history} brings the model's cache up to the history (model.js's warm)
 //   and answers how many tokens the cache holds.
 // Each answer is {id, ok, result} or {id, ok: false, error}.
@@ -25,6 +25,11 @@ async function answer({ id, op, ...args }) {
   if (op === "draft") {
     if (!drafter) throw new Error("the draft worker has no model loaded");
     try {
+      await nextTask(); // a cancel sent while it waited its turn is taken first
+      if (cancelled.has(id)) {
+        const { mode, params } = args.settings;
+        return { tokens: [], dists: mode === "exact" && params.temperature > 0 ? [] : null };
+      }
       return await drafter.draft(args.history, args.k, args.settings, async (tokens) => {
         await nextTask(); // a cancel or an expect waiting is taken first
         return cancelled.has(id) || (expected.has(id) && tokens[0] !== expected.get(id));

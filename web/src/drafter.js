@@ -5,12 +5,7 @@
 // It also keeps what the model's cache will hold once the calls sent are answered, so that
 // a source can tell how far the model is behind a history (`behind`) without asking it.
 
-/** How many of `a`'s first tokens `b` shares. */
-function sharedPrefix(a, b) {
-  let n = 0;
-  while (n < a.length && n < b.length && a[n] === b[n]) n++;
-  return n;
-}
+import { sharedPrefix } from "./lookup.js";
 
 export class WorkerDrafter {
   /** Start a worker and load the draft at `base` on `runtimeAsked` ("auto", "wasm" or
@@ -44,6 +39,8 @@ export class WorkerDrafter {
     this.pending = new Map(); // id -> {resolve, reject}
     this.mirror = []; // the ids the model's cache will hold once the calls sent are answered
     this.feeding = 0; // the tokens the calls in flight feed the model
+    this.warming = false; // whether a warm is in flight (one at a time)
+    this.wanted = null; // the history the next warm brings the cache to, sent after it
     worker.onmessage = ({ data }) => {
       const call = this.pending.get(data.id);
       if (!call) return; // failed or closed meanwhile
@@ -86,6 +83,7 @@ export class WorkerDrafter {
    * run ended: nobody needs them). */
   stop() {
     this.cancel();
+    this.wanted = null;
     for (const id of this.warms) this.worker.postMessage({ op: "cancel", of: id });
   }
 
@@ -102,17 +100,29 @@ export class WorkerDrafter {
   }
 
   /** Bring the model's cache up to `history` in the worker (model.js's warm), unless the
-   * calls sent already do; a failure shows at the next draft. */
+   * calls sent already do; one warm at a time: asked while one is in flight, the newest
+   * history asked is warmed when it answers. A failure shows at the next draft. */
   warm(history) {
-    const feed = history.length - sharedPrefix(this.mirror, history);
-    if (feed <= 0) return;
+    if (history.length - sharedPrefix(this.mirror, history) <= 0) return;
+    if (this.warming) {
+      this.wanted = Array.from(history);
+      return;
+    }
     const sent = Array.from(history);
+    const feed = sent.length - sharedPrefix(this.mirror, sent);
     this.mirror = sent;
     this.feeding += feed;
+    this.warming = true;
     this.call({ op: "warm", history: sent }).then(
       // Stopped before the end (cancelled): its cache holds only the start.
       (held) => { if (this.mirror === sent) this.mirror = sent.slice(0, held); },
-      () => {}).finally(() => { this.feeding -= feed; });
+      () => {}).finally(() => {
+      this.feeding -= feed;
+      this.warming = false;
+      const wanted = this.wanted;
+      this.wanted = null;
+      if (wanted) this.warm(wanted);
+    });
   }
 
   /** Up to `k` tokens drafted after `history` (model.js's draft, in the worker). */

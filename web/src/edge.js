@@ -243,6 +243,8 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
       predicted: Math.min(predicted, kept) });
   };
 
+  // A block drafted while the last verdict travelled (options.ahead), or null.
+  let ahead = null;
   try {
     if (cloudOnly) {
       let requested = false, done = false;
@@ -261,8 +263,6 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
       // generation, so this connection ends.
       if (!done) link.drop();
     } else {
-      // A block drafted while the last verdict travelled (options.ahead), or null.
-      let ahead = null;
       while (!finished) {
         // The verifier adds one token of its own.
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
@@ -328,12 +328,13 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
         emit([...block.tokens.slice(0, n), verdict.nextToken], n, Math.min(block.lookedUp, n),
           Math.min(block.predicted || 0, n), judged, false);
       }
-      // The drafter's work for this run (a block ahead, a warm) serves nobody now: it stops,
-      // and a block ahead is waited for, so that the drafter is free for the next run.
-      if (source.stop) source.stop();
-      if (ahead) await ahead.drafted.catch(() => {});
     }
   } finally {
+    // The drafter's work for this run (a block ahead, a warm) serves nobody now, whether the
+    // run ended or failed: it stops, and the last block ahead is waited for (stopped, it
+    // answers after its current step), so that the drafter is free for the next run.
+    if (source && source.stop) source.stop();
+    if (ahead) await ahead.drafted.catch(() => {});
     stats.wallSeconds = (performance.now() - started) / 1000;
   }
   return { tokens: history.slice(promptIds.length, promptIds.length + stats.generated), stats,

@@ -60,6 +60,13 @@ export class NgramLookup {
   }
 }
 
+/** How many first tokens `a` and `b` share. */
+export function sharedPrefix(a, b) {
+  let n = 0;
+  while (n < a.length && n < b.length && a[n] === b[n]) n++;
+  return n;
+}
+
 /** The one-hot distribution a deterministic draft of `token` was drawn from. */
 export function oneHot(token) {
   return { ids: [token], probs: [1] };

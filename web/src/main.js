@@ -37,12 +37,13 @@ function draftLength(text) {
   return Number(value);
 }
 
-/** The fields both modes read; an empty seed or k is undefined (the API: the server's
- * choice; the browser edge: a random seed, k auto). */
+/** The fields both modes read; an empty max tokens, seed or k is undefined (the API: the
+ * server's choice; the browser edge: 96 tokens, a random seed, k auto). */
 function fields() {
   const seed = $("seed").value.trim();
+  const maxTokens = $("max-tokens").value.trim();
   return {
-    prompt: $("prompt").value, maxTokens: Number($("max-tokens").value),
+    prompt: $("prompt").value, maxTokens: maxTokens === "" ? undefined : Number(maxTokens),
     temperature: Number($("temperature").value), seed: seed === "" ? undefined : Number(seed),
     k: $("k").value.trim() === "" ? undefined : draftLength($("k").value),
     prediction: $("prediction").value,
@@ -61,6 +62,10 @@ function setState(name) {
   $("generate").disabled = running;
   $("stop").disabled = !running;
   $("clear").disabled = running;
+  // A run keeps its mode to its end (the browser edge's has no Stop: it ends by itself).
+  for (const radio of document.querySelectorAll("input[name=where], input[name=mode]")) {
+    radio.disabled = running;
+  }
 }
 
 async function loadModel() {
@@ -123,7 +128,9 @@ async function generateApi(form, compare, signal) {
     const text = await streamed(path, body, spec, into, signal, predicted);
     if (chat) state.messages.push({ role: "assistant", content: text });
   } catch (exc) {
-    if (chat) $("prompt").value = state.messages.pop().content;  // unanswered: give it back
+    if (chat && state.messages.at(-1)?.role === "user") {
+      $("prompt").value = state.messages.pop().content;  // unanswered: give it back
+    }
     throw exc;
   }
   if (compare) {

@@ -10,6 +10,7 @@
 // processed distribution; at temperature 0 it takes the argmax and reports nothing.
 
 import * as ort from "onnxruntime-web";
+import { sharedPrefix } from "./lookup.js";
 import { argmax, positionRng, processLogits, sample, sparse } from "./sampling.js";
 
 const DRAFTER_STREAM = 1; // the draws' stream, apart from any other the page may add
@@ -175,14 +176,14 @@ export class ModelDrafter {
    * after it feeds only what came since: run while a verdict travels on rounds that draft
    * without the model (a lookup, a prediction, a round while the model catches up), whose
    * tokens it would otherwise feed all at once at its next draft. Fed WARM_CHUNK tokens at
-   * a time, stopping between them where `await stop()` says so; answers how many tokens the
+   * a time, each only where `await stop()` says not to stop; answers how many tokens the
    * cache holds. */
   async warm(history, stop = async () => false) {
     const kept = this.shared(history);
     if (kept === history.length) return this.tokens.length; // it holds it (and maybe more)
     this.truncate(kept);
     for (let at = kept; at < history.length; at += WARM_CHUNK) {
-      if (at > kept && (await stop())) break;
+      if (await stop()) break;
       await this.extend(history.slice(at, at + WARM_CHUNK));
     }
     return this.tokens.length;
@@ -190,10 +191,7 @@ export class ModelDrafter {
 
   /** How many of `history`'s first tokens the cache holds. */
   shared(history) {
-    let kept = 0;
-    const held = this.tokens;
-    while (kept < held.length && kept < history.length && held[kept] === history[kept]) kept++;
-    return kept;
+    return sharedPrefix(this.tokens, history);
   }
 
   /** Up to `k` tokens drafted after `history` and, in exact sampling mode, the distribution

@@ -42,6 +42,26 @@ test("the proxy knows how far the model is behind a history, calls in flight inc
   assert.equal(drafter.behind([...prompt, 7, 99]), 1); // a rejection: from where it differs
 });
 
+test("one warm at a time: those asked meanwhile become one, of the newest history", async () => {
+  const worker = fakeWorker();
+  const drafter = new WorkerDrafter(worker);
+  const history = Array.from({ length: 50 }, (_, i) => i);
+  drafter.warm(history.slice(0, 40));
+  drafter.warm(history.slice(0, 45));
+  drafter.warm(history);
+  assert.equal(worker.sent.length, 1);
+  await worker.reply(worker.sent[0].id, 40);
+  assert.deepEqual(worker.sent.slice(1).map((m) => [m.op, m.history.length]), [["warm", 50]]);
+  await worker.reply(worker.sent[1].id, 50);
+  assert.equal(drafter.behind(history), 0);
+  // Stopped, a run's warm asked meanwhile is not sent.
+  drafter.warm([...history, 1, 2]);
+  drafter.warm([...history, 1, 2, 3]);
+  drafter.stop();
+  await worker.reply(worker.sent[2].id, 52);
+  assert.deepEqual(worker.sent.slice(3).map((m) => m.op), ["cancel"]);
+});
+
 test("a warm stopped early leaves the proxy knowing the cache holds only its start", async () => {
   const worker = fakeWorker();
   const drafter = new WorkerDrafter(worker);

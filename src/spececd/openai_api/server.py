@@ -716,15 +716,23 @@ def create_app(api: Api) -> FastAPI:
     @app.api_route("/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def playground(request: Request, name: str = "") -> Response:
         """The playground (web/, built) and its files, as Starlette's StaticFiles serves
-        them (read in a worker thread; ETag, HEAD and ranges), with the headers the page
-        needs (:data:`spececd.transports.web.HEADERS`)."""
+        them (read in a worker thread; ETag, HEAD and ranges), with the headers and the
+        content types the page needs (:mod:`spececd.transports.web`'s)."""
         if not name and not (web.BUILT / "index.html").is_file():
             return PlainTextResponse(web.NOT_BUILT, 404)
         if name.startswith("."):
             raise HTTPException(404)
         response = await page.get_response(name or ".", request.scope)
         response.headers.update({**dict(web.HEADERS), web.SERVES: "api"})
+        kind = web.content_type(name or "index.html")
+        if response.status_code in (200, 206) and kind:
+            response.headers["content-type"] = kind
         return response
+
+    @app.api_route("/{name}", methods=["POST", "PUT", "PATCH", "DELETE"],
+                   include_in_schema=False)
+    async def nothing_here(name: str) -> Response:
+        raise HTTPException(404)  # as routing answers a path it has no route for
 
     return app
 

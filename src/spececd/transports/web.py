@@ -113,6 +113,12 @@ class WebEdge:
         return await _file(self.page, name, if_none_match, ((SERVES, "edge"),))
 
 
+def content_type(name: str) -> str | None:
+    """A page file's content type: fixed for the page's own kinds (a platform's MIME table
+    may call a module script text/plain, which browsers refuse), else the usual guess."""
+    return _TYPES.get(Path(name).suffix) or mimetypes.guess_type(name)[0]
+
+
 async def _file(folder: Path, name: str, if_none_match: str | None,
                 more: tuple[tuple[str, str], ...] = ()) -> Reply:
     """``folder``'s file ``name`` (one plain name: no folders, nothing hidden), 304 where
@@ -121,8 +127,7 @@ async def _file(folder: Path, name: str, if_none_match: str | None,
     target = folder / name
     if "/" in name or "\\" in name or name.startswith(".") or not target.is_file():
         return Reply(404, TEXT, f"no file {name!r}\n".encode())
-    kind = _TYPES.get(target.suffix) or mimetypes.guess_type(name)[0] \
-        or "application/octet-stream"
+    kind = content_type(name) or "application/octet-stream"
     stat = target.stat()
     tag = f'"{stat.st_size:x}-{stat.st_mtime_ns:x}"'
     headers = (*HEADERS, *more, ("ETag", tag))
