@@ -1,9 +1,9 @@
 """The build's one step beyond setuptools' own (the metadata is pyproject.toml's): the
-browser edge's page, built by npm from web/, ships in the wheel as ``spececd/webpage``, so
-that ``pip install spececd`` serves it (``spececd serve``, docs/guide/browser.md) with no
-npm on the machine. An editable install serves the checkout's ``web/dist`` instead. Where
-the page cannot be built (no npm, nothing built before), building fails unless
-``SPECECD_ALLOW_NO_PAGE=1``."""
+playground's page (the browser edge's too), built by npm from web/, ships in the wheel as
+``spececd/webpage``, so that ``pip install spececd`` serves it (``spececd api`` and
+``spececd serve``, docs/guide/browser.md) with no npm on the machine. An editable install
+serves the checkout's ``web/dist`` instead. Where the page cannot be built (no npm, nothing
+built before), building fails unless ``SPECECD_ALLOW_NO_PAGE=1``."""
 
 from __future__ import annotations
 

@@ -2,17 +2,18 @@
 // {tokens, dists, lookedUp}: up to `k` tokens after `history`, in exact sampling mode the
 // distribution each was drawn from (else null), and how many of the first were looked up.
 // As src/spececd/edge/sources.py: lookup alone, the draft model alone, or the hybrid, which
-// proposes the lookup where it matches and asks the model elsewhere. PredictedSource puts a prediction of the output first (Predicted
-// Outputs), as PredictedDraft does: its blocks also say how many of their first tokens came
-// from the prediction (`predicted`). `await source.free(history, k, settings)` gives the
-// block where the source drafts without a model step (a lookup's match, a prediction the
-// output follows), else null (DraftSource.free): such drafts go as far as the server's pass
-// width. Where a source has them, `source.cancel()` stops a draft in flight that is no longer
-// needed, `source.expect(token)` one whose first token is not `token` after that token,
+// proposes the lookup where it matches and asks the model elsewhere. PredictedSource puts
+// a prediction of the output first (Predicted Outputs), as PredictedDraft does: its blocks
+// also say how many of their first tokens came from the prediction (`predicted`).
+// `await source.free(history, k, settings)` gives the block where the source drafts without
+// a model step (a lookup's match, a prediction the output follows), else null
+// (DraftSource.free): such drafts go as far as the server's pass width. Where a source has
+// them, `source.cancel()` stops a draft in flight that is no longer needed,
+// `source.expect(token)` one whose first token is not `token` after that token,
 // `source.warm(history)` brings a model's cache up to the history, `source.behind(history)`
 // says how many tokens the model feeds before it could draft after it (edge.js drafts with
-// the model only where that is at most its CATCH_UP, with k auto), and `source.stop()` ends all
-// its work for a run that ended.
+// the model only where that is at most its CATCH_UP, with k auto), and `source.stop()`
+// ends all its work for a run that ended.
 
 import { NgramLookup, PredictionLookup, oneHot } from "./lookup.js";
 

@@ -17,7 +17,9 @@ file's size and modification time) with ``Cache-Control: no-cache``, so a page l
 revalidates its 28 MB of WebAssembly and its draft and gets ``304 Not Modified``. The page
 is cross-origin isolated (``Cross-Origin-Opener-Policy: same-origin``,
 ``Cross-Origin-Embedder-Policy: require-corp``), which gives ONNX Runtime Web the shared
-memory it needs to draft on several WebAssembly threads.
+memory it needs to draft on several WebAssembly threads. (``spececd api`` serves the same
+files with Starlette's ``StaticFiles``, which also answers ``HEAD`` and ranges; websockets'
+handshake takes ``GET`` alone, so this port sends whole files.)
 """
 
 from __future__ import annotations
