@@ -96,20 +96,25 @@ export class WorkerDrafter {
   /** The tokens the model feeds before a draft after `history` could start: what the calls
    * in flight feed, and what its cache would then lack of `history`. */
   behind(history) {
-    return this.feeding + history.length - sharedPrefix(this.mirror, history);
+    return this.feeding + this.lacks(history);
+  }
+
+  /** The tokens of `history` the model's cache will lack once the calls sent are answered. */
+  lacks(history) {
+    return history.length - sharedPrefix(this.mirror, history);
   }
 
   /** Bring the model's cache up to `history` in the worker (model.js's warm), unless the
    * calls sent already do; one warm at a time: asked while one is in flight, the newest
    * history asked is warmed when it answers. A failure shows at the next draft. */
   warm(history) {
-    if (history.length - sharedPrefix(this.mirror, history) <= 0) return;
+    const feed = this.lacks(history);
+    if (feed <= 0) return;
     if (this.warming) {
       this.wanted = Array.from(history);
       return;
     }
     const sent = Array.from(history);
-    const feed = sent.length - sharedPrefix(this.mirror, sent);
     this.mirror = sent;
     this.feeding += feed;
     this.warming = true;
@@ -129,7 +134,7 @@ export class WorkerDrafter {
   async draft(history, k, settings) {
     const sent = Array.from(history);
     // The model feeds at least the history's last token (its logits are the first draft's).
-    const feed = Math.max(1, sent.length - sharedPrefix(this.mirror, sent));
+    const feed = Math.max(1, this.lacks(sent));
     this.mirror = sent;
     this.feeding += feed;
     try {

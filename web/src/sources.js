@@ -95,7 +95,7 @@ export class ModelSource {
 export class HybridSource extends ModelSource {
   constructor(drafter) {
     super(drafter);
-    this.lookup = new NgramLookup();
+    this.lookup = new LookupSource();
     this.name = "hybrid";
   }
 
@@ -104,9 +104,7 @@ export class HybridSource extends ModelSource {
   }
 
   async free(history, k, settings) {
-    const tokens = this.lookup.propose(history, k);
-    return tokens.length ? { tokens, dists: reported(tokens, settings), lookedUp: tokens.length }
-      : null;
+    return this.lookup.free(history, k, settings);
   }
 }
 
