@@ -50,9 +50,12 @@ class Worker:
 
     COMMAND = (sys.executable, "-m", "spececd.bench.worker")
 
-    def __init__(self, job: dict[str, Any], what: str, stall_s: float = STALL_S) -> None:
+    def __init__(self, job: dict[str, Any], what: str, stall_s: float = STALL_S,
+                 wait: bool = True) -> None:
+        """Start the worker on ``job``; with ``wait``, return once it has loaded (else
+        :meth:`loaded` waits, so that several workers load at once)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         self.what = what
         self.proc = subprocess.Popen(bound(self.COMMAND),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -60,13 +63,18 @@ class Worker:
         assert self.proc.stdout is not None
         self.lines = ChildLines(self.proc, self.proc.stdout, what, stall_s)
         log.info("%s: loading", what)
+        self._send(job)
+        if wait:
+            self.loaded()
+
+    def loaded(self) -> None:
+        """Wait until the worker has loaded its models (stopping it if it fails to)."""
         try:
-            self._send(job)
             assert self._read("loading").get("ready")
         except BaseException:
             self.close()
             raise
-        log.info("%s: loaded in %.1f s", what, time.perf_counter() - started)
+        log.info("%s: loaded in %.1f s", self.what, time.perf_counter() - self.started)
 
     def _send(self, obj: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -125,32 +133,46 @@ def server_command(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",
             *engine]
 
 
+class Server:
+    """``spececd serve`` (:func:`server_command`), started on construction; :meth:`ports`
+    waits until it serves, so that the bench's workers load meanwhile."""
+
+    def __init__(self, cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
+                 ) -> None:
+        self.what = f"the verifier server ({label(cfg.target)}, {cfg.engine} engine" + (
+            f", token budget {cfg.token_budget})" if cfg.token_budget is not None else ")")
+        log.info("%s: starting on %s%s", self.what, cfg.device,
+                 f" in {resolved_dtype(cfg.dtype, cfg.device, cfg.target)}"
+                 if model_format(cfg.target) == "hf" else "")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(bound(server_command(cfg, transports)),
+                                     stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **SERVER_ENV}, start_new_session=True)
+        assert self.proc.stderr is not None
+        self.lines = ChildLines(self.proc, self.proc.stderr, self.what, cfg.stall_s)
+
+    def ports(self) -> dict[str, int]:
+        """Each transport's port, once the server says it is serving (it is stopped if it
+        fails to). Its stderr is read and dropped from then on."""
+        try:
+            while "serving" not in (line := self.lines.next("starting")):
+                pass
+        except BaseException:
+            kill(self.proc)
+            raise
+        self.lines.discard()
+        log.info("%s: serving after %.1f s", self.what, time.perf_counter() - self.started)
+        schemes = {"ws": "websocket", "grpc": "grpc", "http": "http"}
+        return {schemes[scheme]: int(port) for scheme, port
+                in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
+
+
 def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)
                  ) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    """``spececd serve`` (:func:`server_command`); the process and each transport's port,
-    once it says it is serving. Its stderr is read and dropped from then on."""
-    what = f"the verifier server ({label(cfg.target)}, {cfg.engine} engine" + (
-        f", token budget {cfg.token_budget})" if cfg.token_budget is not None else ")")
-    log.info("%s: starting on %s%s", what, cfg.device,
-             f" in {resolved_dtype(cfg.dtype, cfg.device, cfg.target)}"
-             if model_format(cfg.target) == "hf" else "")
-    started = time.perf_counter()
-    proc = subprocess.Popen(bound(server_command(cfg, transports)), stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **SERVER_ENV},
-                            start_new_session=True)
-    assert proc.stderr is not None
-    lines = ChildLines(proc, proc.stderr, what, cfg.stall_s)
-    try:
-        while "serving" not in (line := lines.next("starting")):
-            pass
-    except BaseException:
-        kill(proc)
-        raise
-    lines.discard()
-    log.info("%s: serving after %.1f s", what, time.perf_counter() - started)
-    schemes = {"ws": "websocket", "grpc": "grpc", "http": "http"}
-    return proc, {schemes[scheme]: int(port) for scheme, port
-                  in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
+    """``spececd serve`` (:class:`Server`); the process and each transport's port, once it
+    says it is serving."""
+    server = Server(cfg, transports)
+    return server.proc, server.ports()
 
 
 def start_openai_server(target: str, draft: str, k: int, max_batch: int,
