@@ -259,12 +259,12 @@ def test_thread_defaults_leave_the_other_side_a_core(tmp_path: Path) -> None:
     assert edge_threads(EdgeConfig(target_model=gguf), hf) == 0
 
 
-def test_a_servers_process_loads_its_model_without_scikit_learn() -> None:
+def test_the_command_lines_process_loads_a_model_without_scikit_learn() -> None:
     """transformers before 5.21 imports scikit-learn (SciPy, pandas) with its generation
-    utilities, for a feature no server uses: 1.8 s of every server's start. Where the
-    environment has scikit-learn, the servers' processes load a model without it."""
+    utilities, for a feature no command uses in its own process: 1.8 s of every command's
+    start. Where the environment has scikit-learn, a command loads a model without it."""
     pytest.importorskip("sklearn")
-    code = ("import sys; from spececd.cli.options import skip_unused_imports; "
+    code = ("import sys; from spececd.backends.registry import skip_unused_imports; "
             "skip_unused_imports(); from spececd.backends import hf; "
             "print('sklearn' in sys.modules, 'transformers.generation.utils' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

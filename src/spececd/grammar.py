@@ -221,7 +221,10 @@ def warm(tokenizer: Any, vocab_size: int) -> threading.Thread:
     does not wait for them (about 0.3 s for the default pair, most of it xgrammar's
     tokenizer info), nor its start for xgrammar's import (0.5 s). Where xgrammar is not
     installed, or the tokenizer has no end-of-sequence token, the thread does nothing:
-    constraints are refused with the reason when asked for."""
+    constraints are refused with the reason when asked for. Whoever starts it joins it
+    before the process ends: a thread still in xgrammar's C++ code as the interpreter ends
+    aborts the process ("exception not rethrown", exit -6: a server stopped as it began
+    serving, 2 times in 8 on a busy CPU)."""
 
     def build() -> None:
         try:

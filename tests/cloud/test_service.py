@@ -417,3 +417,28 @@ def test_a_runner_gone_for_good_fails_every_session_with_the_cause(
     assert killer_seen[-1].seq == 1  # type: ignore[union-attr]
     assert engine.failed.is_set() and not engine.ready() and not engine.alive()
     assert not engine.links
+
+
+def test_closing_the_service_waits_for_the_grammars_warm_up(
+        target: ToyBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammars' warm-up runs in xgrammar's C++ code on a thread of its own; a process
+    that ends while it does aborts (a server stopped as it began serving exited -6), so
+    closing the service waits for it."""
+    import threading
+    import time
+
+    from spececd import grammar
+
+    began, finished = threading.Event(), threading.Event()
+
+    def slow_grammars(tokenizer: Any, vocab_size: int) -> Any:
+        began.set()
+        time.sleep(0.5)
+        finished.set()
+        raise grammar.InputError("no grammars here")
+
+    monkeypatch.setattr(grammar, "grammars_for", slow_grammars)
+    service = CloudService(BuiltinRunner(target, Metrics()), metrics=Metrics())
+    assert began.wait(5)
+    service.close()
+    assert finished.is_set()

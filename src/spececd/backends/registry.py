@@ -16,8 +16,10 @@ runs on no NPU (transformers, GGUF), or the config turns the NPU off
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,28 @@ from spececd.backends.devices import has_npu
 from spececd.errors import InputError
 
 log = logging.getLogger(__name__)
+
+
+def skip_unused_imports() -> None:
+    """For a process of SpecECD's own (the command line's, a bench worker's), before any
+    model loads: transformers before 5.21 imports scikit-learn, and with it SciPy and
+    pandas, as its generation utilities load, for the confidence threshold of its own
+    assisted generation (run only by the bench's assisted baseline, whose worker does not
+    call this): 1.8 s of every command's start on a 2-core CPU. There it is told
+    scikit-learn is absent, as 5.21 and later import it only where used. A process that
+    imported transformers already (the Python API's) is left as it is."""
+    if "transformers" in sys.modules:
+        return
+    try:
+        from packaging.version import Version
+
+        if Version(importlib.metadata.version("transformers")) >= Version("5.21"):
+            return
+        import transformers.utils
+    except ImportError:  # no transformers (a model-free or GGUF process), or no packaging
+        return
+    if hasattr(transformers.utils, "is_sklearn_available"):
+        transformers.utils.is_sklearn_available = lambda: False
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from spececd.backends.registry import skip_unused_imports
 from spececd.bench.api import ApiRunner
 from spececd.processes import bound
 
@@ -339,6 +340,8 @@ class SpecRunner:
 
 def main() -> None:
     job = json.loads(sys.stdin.readline())
+    if job["kind"] != "assisted":  # transformers' assisted generation may use scikit-learn
+        skip_unused_imports()
     import torch
 
     torch.set_num_threads(int(job.get("threads", 1)))

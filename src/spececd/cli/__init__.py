@@ -25,6 +25,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from spececd.backends.registry import skip_unused_imports
 from spececd.cli import api, bench, chat, convert, demo, devices, generate, serve
 from spececd.cli.output import JsonLines
 from spececd.errors import InputError, SpecECDError
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:  # the hub client retries loudly when it cannot connect
         for name in ("huggingface_hub", "httpx", "transformers", "websockets"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    skip_unused_imports()
     try:
         return int(args.run(args))
     except USER_ERRORS as exc:

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from spececd import config
-from spececd.cli.options import add_edge_options, edge_config, load_generator, skip_unused_imports
+from spececd.cli.options import add_edge_options, edge_config, load_generator
 from spececd.errors import InputError
 from spececd.openai_api.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT
 from spececd.openai_api.tool_parsers import PARSERS, parser
@@ -64,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = edge_config(args)
     if cfg.tool_call_parser:
         parser(cfg.tool_call_parser)  # a name config.toml misspells is refused before loading
-    skip_unused_imports()
     with load_generator(cfg) as gen:
         api = Api(gen, args.model_name, api_key, args.cloud_only, args.max_concurrency,
                   tool_parser=cfg.tool_call_parser or None, token_healing=cfg.token_healing,
@@ -86,5 +85,5 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}; "
                              f"pick another --port") from None
         finally:
-            api.executor.shutdown(wait=False, cancel_futures=True)
+            api.close()
     return 0

@@ -12,7 +12,6 @@ backend the chosen model needs is imported when it loads.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
@@ -289,27 +288,6 @@ def needs_model(options: EdgeOptions) -> bool:
     """Whether drafting as ``options`` say needs a draft model loaded: not for lookup
     drafts alone."""
     return options.draft_source not in (DraftKind.LOOKUP, DraftKind.SUFFIX)
-
-
-def skip_unused_imports() -> None:
-    """For a server's own process, before any model loads: transformers before 5.21 imports
-    scikit-learn, and with it SciPy and pandas, as its generation utilities load (for the
-    confidence threshold of its own assisted generation, which no SpecECD server runs):
-    1.8 s of a ``spececd serve`` start on a 2-core CPU. There it is told scikit-learn is
-    absent, as 5.21 and later import it only where used. A process that imported
-    transformers already is left as it is."""
-    if "transformers" in sys.modules:
-        return
-    try:
-        from packaging.version import Version
-
-        if Version(importlib.metadata.version("transformers")) >= Version("5.21"):
-            return
-        import transformers.utils
-    except ImportError:  # no transformers (a model-free or GGUF server), or no packaging
-        return
-    if hasattr(transformers.utils, "is_sklearn_available"):
-        transformers.utils.is_sklearn_available = lambda: False
 
 
 def spare_cores() -> int:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from spececd import config, processes
-from spececd.cli.options import add_model_options, default_model, skip_unused_imports, spare_cores
+from spececd.cli.options import add_model_options, default_model, spare_cores
 from spececd.config import ServerConfig
 from spececd.errors import InputError
 from spececd.protocol.errors import EngineFailed
@@ -117,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise InputError("TLS needs both --tls-cert and --tls-key")
     cfg.runner().budget()  # a bad --token-budget says so before any model loads
-    skip_unused_imports()
     # vLLM's engine processes, and any other, end with the server at every stage
     with processes.ended_with_this_one():
         return serve(cfg, config.auth_token(cfg.auth_token_file))

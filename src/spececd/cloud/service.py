@@ -192,7 +192,8 @@ class CloudService:
         self.metrics.active_sessions.set_function(lambda: len(self.links))
         self.metrics.kv_bytes.set_function(
             lambda: self.kv_tokens() * self.target.kv_bytes_per_token)
-        warm(self.target.tokenizer, self.target.vocab_size)  # the first constraint: no set-up
+        # the first constraint: no set-up
+        self._grammar_warm = warm(self.target.tokenizer, self.target.vocab_size)
 
     @property
     def name(self) -> str:
@@ -628,6 +629,7 @@ class CloudService:
         for link in list(self.links):
             self.release(link)
         self.runner.close()
+        self._grammar_warm.join()
 
 
 def _tasks() -> int | None:

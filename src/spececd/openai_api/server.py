@@ -296,10 +296,16 @@ class Api:
         self.token_healing = token_healing
         self.max_request_bytes = max_request_bytes
         self.executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="spececd-api")
-        warm(gen.tokenizer, gen.vocab_size)  # the first constrained request: no set-up
+        # the first constrained request: no set-up (joined by close)
+        self._grammar_warm = warm(gen.tokenizer, gen.vocab_size)
         self.agen = AsyncGenerator(gen, self.executor)
         self._token_texts: dict[int, str] = {}
         self._vocab: list[str] | None = None  # the tokenizer's token strings, when needed
+
+    def close(self) -> None:
+        """Cancel the requests still queued and wait for the grammars' warm-up to end."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self._grammar_warm.join()
 
     def check(self, request: Request, body: Sampling) -> None:
         guard(self, request)
