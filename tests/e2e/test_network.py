@@ -40,7 +40,8 @@ from tests.reference import FIXED_K, PROMPTS, hf_greedy  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_models["llama"])
+    """The tiny Llama's server, logging JSON lines (test_json_logs_carry_session_ids)."""
+    proc = ServerProcess(tiny_models["llama"], "--log-format", "json")
     yield proc
     proc.stop()
 
@@ -469,19 +470,18 @@ def test_metrics_health_and_readiness(tiny_models: dict[str, Path]) -> None:
         proc.stop()
 
 
-def test_json_logs_carry_session_ids(tiny_models: dict[str, Path]) -> None:
-    proc = ServerProcess(tiny_models["llama"], "--log-format", "json")
-    try:
-        ws, _ = raw_session(proc.url, tiny_models["draft"])
-        ws.send(b"\xc1")  # type: ignore[attr-defined]
-        assert m.decode(ws.recv(timeout=10)).code == "malformed_frame"  # type: ignore[attr-defined, union-attr]
-        ws.close()  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
-        while not any("rejected" in line for line in proc.log) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        proc.stop()
-    records = [json.loads(line) for line in proc.log if line.startswith("{")]
+def test_json_logs_carry_session_ids(server: ServerProcess,
+                                     tiny_models: dict[str, Path]) -> None:
+    began = len(server.log)  # this test's lines only: the module's tests share the server
+    ws, _ = raw_session(server.url, tiny_models["draft"])
+    ws.send(b"\xc1")  # type: ignore[attr-defined]
+    assert m.decode(ws.recv(timeout=10)).code == "malformed_frame"  # type: ignore[attr-defined, union-attr]
+    ws.close()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while (not any("rejected" in line for line in server.log[began:])
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    records = [json.loads(line) for line in server.log[began:] if line.startswith("{")]
     rejected = [r for r in records if r["msg"].startswith("rejected")]
     assert rejected and rejected[0]["code"] == "malformed_frame" and rejected[0]["session"]
     assert "request" in rejected[0]
