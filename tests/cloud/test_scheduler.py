@@ -585,3 +585,41 @@ def test_a_scheduler_closed_before_its_worker_ran_still_verifies(
         return [*req2.tokens, done.result.next_token]
 
     assert asyncio.run(main()) == expected2
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+def test_sessions_the_server_steps_rejoin_the_next_pass_whole(
+        executor: ThreadPoolExecutor, stepped: bool) -> None:
+    """Sessions whose generation the server runs queue their next step a few turns of the
+    loop after their verdict. Two of four queue first and the other two during their pass:
+    the passes after it hold all four (a scheduler that took the queue at once alternated
+    halves: 16 cloud-only clients ran at a mean batch of 8). An edge's round is not waited
+    for: its next draft crosses the network."""
+    backend = Recording()
+    scheduler = BatchScheduler(backend, executor, Metrics(), max_batch=32)
+
+    async def session(prompt: list[int], delay: int) -> None:
+        sequence = backend.new_sequence()
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        for _ in range(6):
+            step = dataclasses.replace(request(prompt, greedy(backend, prompt, 1)),
+                                       stepped=stepped)
+            await scheduler.verify(sequence, step)
+            for _ in range(3):  # the verdict's frame sent, the next step asked for
+                await asyncio.sleep(0)
+
+    async def main() -> None:
+        try:
+            await asyncio.gather(*(session(prompt, 0 if i < 2 else 1)
+                                   for i, prompt in enumerate(PROMPTS[:4])))
+        finally:
+            scheduler.close()
+
+    asyncio.run(main())
+    sizes = [len(batch) for batch in backend.batches]
+    assert sizes[0] == 2 and sum(sizes) == 24
+    if stepped:
+        assert sizes[1:] == [4] * 5 + [2], sizes  # the last two sessions' sixth steps
+    else:
+        assert 4 not in sizes[1:], sizes  # halves, as before

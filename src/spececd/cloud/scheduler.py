@@ -85,6 +85,7 @@ PROMPT_BLOCK = 256  # rows of a prompt's logits turned into log-probabilities at
 INLINE_BELOW_S = 0.025  # a lone session's pass this short runs on the loop's thread
 LEVEL_WEIGHT = 0.3  # of the newest pass, in the level the sessions' budgets follow
 MOST_BUDGET = 64  # positions a session's budget names at most (its limit cuts it further)
+REJOIN_TURNS = 8  # turns of the loop a pass waits for the steps its server-run sessions queue
 
 
 class VerificationError(RunnerError):
@@ -334,8 +335,24 @@ class BatchScheduler:
                                 f"{type(exc).__name__}: {exc}"))
                     waiting = []
                 self._queue[:0] = waiting  # prompts not all in: first in the next pass
+                await self._rejoin(batch)
         finally:
             self._task = None
+
+    async def _rejoin(self, batch: list[_Job]) -> None:
+        """Let the sessions whose generation the server runs (``stepped``) and that
+        ``batch`` just answered queue their next step, a few turns of the loop away, before
+        the next pass is taken, unless the queue already fills one: otherwise, at 16
+        cloud-only clients, the sessions split into two halves that took turns (a mean
+        batch of 8). No wait for edges' rounds, whose next draft crosses the network."""
+        expected = {id(job.sequence) for job in batch if job.request.stepped
+                    and job.future.done() and not job.future.cancelled()
+                    and job.future.exception() is None}
+        for _ in range(REJOIN_TURNS if expected else 0):
+            if (len(self._queue) >= self.max_batch
+                    or expected <= {id(job.sequence) for job in self._queue}):
+                return
+            await asyncio.sleep(0)
 
     def _take(self) -> list[_Job]:
         """The next batch, taken off the queue: sessions decoding or verifying first (in

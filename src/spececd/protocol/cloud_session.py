@@ -91,6 +91,9 @@ class VerifyRequest:
     # A chain the scheduler's budget cut before its last token, which is decided at the row
     # before it with no row after (:func:`~spececd.core.verify.verify`, ``cut``).
     cut: bool = False
+    # A step of a generation the server runs itself (cloud-only, or stream drafting): its
+    # next step follows its verdict with no round trip to the edge.
+    stepped: bool = False
 
     @property
     def scored(self) -> tuple[int, ...]:
@@ -444,7 +447,7 @@ class CloudSession:
         return VerifyRequest(stream.request.seq, self.context, tuple(tokens), None, mode,
                              stream.request.params,
                              parents=tuple(parents) if parents is not None else None,
-                             prompt_logprobs=self._prompt_pending)
+                             prompt_logprobs=self._prompt_pending, stepped=True)
 
     # -- output -----------------------------------------------------------------------
     def tokens(self, request: VerifyRequest, num_accepted: int, next_token: int,
