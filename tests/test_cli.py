@@ -263,6 +263,7 @@ def test_the_command_lines_process_loads_a_model_without_scikit_learn() -> None:
     """transformers before 5.21 imports scikit-learn (SciPy, pandas) with its generation
     utilities, for a feature no command uses in its own process: 1.8 s of every command's
     start. Where the environment has scikit-learn, a command loads a model without it."""
+    pytest.importorskip("transformers")
     pytest.importorskip("sklearn")
     code = ("import sys; from spececd.backends.registry import skip_unused_imports; "
             "skip_unused_imports(); from spececd.backends import hf; "

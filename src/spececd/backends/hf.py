@@ -30,11 +30,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-# Imported here, at import time: transformers' lazy attributes are not thread-safe on first
-# use (models load on the torch thread only, see torch_thread).
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.utils import logging as hf_logging
-
 from spececd.backends.base import (
     Backend,
     CachedSequence,
@@ -48,7 +43,14 @@ from spececd.backends.base import (
 )
 from spececd.backends.dtypes import CPU_BF16_FLAGS, auto_dtype, cpu_flags, stored_dtype
 from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
+from spececd.backends.registry import lean_transformers
 from spececd.errors import InputError
+
+lean_transformers()  # before transformers loads: in SpecECD's own processes, without scikit-learn
+# Imported here, at import time: transformers' lazy attributes are not thread-safe on first
+# use (models load on the torch thread only, see torch_thread).
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 log = logging.getLogger(__name__)
 _THREAD_LOCK = threading.Lock()

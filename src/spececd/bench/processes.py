@@ -62,8 +62,13 @@ class Worker:
                                      env=env, start_new_session=True)
         assert self.proc.stdout is not None
         self.lines = ChildLines(self.proc, self.proc.stdout, what, stall_s)
+        self.ready = False
         log.info("%s: loading", what)
-        self._send(job)
+        try:
+            self._send(job)
+        except BaseException:
+            self.close()
+            raise
         if wait:
             self.loaded()
 
@@ -74,6 +79,7 @@ class Worker:
         except BaseException:
             self.close()
             raise
+        self.ready = True
         log.info("%s: loaded in %.1f s", self.what, time.perf_counter() - self.started)
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -101,6 +107,12 @@ class Worker:
         return self._read(doing)["results"]  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        """End the worker: one that has loaded ends when its input closes; one still
+        loading (another process failed first) reads nothing until it has, so it is
+        stopped at once."""
+        if not self.ready:
+            kill(self.proc)
+            return
         if self.proc.stdin:
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
@@ -150,10 +162,13 @@ class Server:
                                      env={**os.environ, **SERVER_ENV}, start_new_session=True)
         assert self.proc.stderr is not None
         self.lines = ChildLines(self.proc, self.proc.stderr, self.what, cfg.stall_s)
+        self._ports: dict[str, int] | None = None
 
     def ports(self) -> dict[str, int]:
         """Each transport's port, once the server says it is serving (it is stopped if it
         fails to). Its stderr is read and dropped from then on."""
+        if self._ports is not None:
+            return self._ports
         try:
             while "serving" not in (line := self.lines.next("starting")):
                 pass
@@ -163,8 +178,9 @@ class Server:
         self.lines.discard()
         log.info("%s: serving after %.1f s", self.what, time.perf_counter() - self.started)
         schemes = {"ws": "websocket", "grpc": "grpc", "http": "http"}
-        return {schemes[scheme]: int(port) for scheme, port
-                in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
+        self._ports = {schemes[scheme]: int(port) for scheme, port
+                       in re.findall(r"(\w+)://[\w.]+:(\d+)", line)}
+        return self._ports
 
 
 def start_server(cfg: BenchConfig, transports: tuple[str, ...] = ("websocket",)

@@ -20,6 +20,7 @@ run with an error that names it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from typing import Any
 
 from spececd.backends.registry import model_format
 from spececd.bench import api
-from spececd.bench.child import STALL_S
+from spececd.bench.child import STALL_S, kill
 from spececd.bench.load import metrics
 from spececd.bench.netem import DelayProxy
 from spececd.bench.processes import Server, Worker, label, resolved_dtype
@@ -160,6 +161,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for target in targets:
             launched.append(Server(replace(cfg, target=target), tuple(cfg.transports)))
             servers.append(launched[-1].proc)
+        if cfg.engine == "vllm" or cfg.device != "cpu":  # the device's memory: servers first
+            for server in launched:
+                server.ports()
         plan: list[dict[str, Any]] = []
         # The target's bare forward over as many positions as a pass can verify (the longest
         # draft, auto's longest for k=auto, times the tree width, and the bonus position),
@@ -322,14 +326,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                          "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
                          "duration_s": round(time.time() - started, 1)},
                 "configs": results}
-    finally:
+    finally:  # everything ends, whatever fails on the way (kill waits for the process)
         for worker in workers.values():
-            worker.close()
+            with contextlib.suppress(Exception):
+                worker.close()
         for proxy in proxies.values():
-            proxy.stop()
+            with contextlib.suppress(Exception):
+                proxy.stop()
         for server in servers:
             server.terminate()
-            server.wait(10)
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                kill(server)
 
 
 def api_plan() -> list[dict[str, Any]]:

@@ -628,8 +628,10 @@ class CloudService:
     def close(self) -> None:
         for link in list(self.links):
             self.release(link)
-        self.runner.close()
-        self._grammar_warm.join()
+        try:
+            self.runner.close()
+        finally:
+            self._grammar_warm.join()
 
 
 def _tasks() -> int | None:
