@@ -4,10 +4,11 @@ Sessions submit verification work (a draft to verify, or one step of a cloud-onl
 generation, which is a verification of an empty draft). One worker takes *everything*
 queued, up to ``max_batch``, and runs it as one batched target forward pass on the model
 thread (a lone session's short pass, on a backend without a thread of its own, on the
-loop's: :class:`BatchScheduler`); whatever arrives meanwhile forms the next batch. So the
-batching window is the duration of the pass before it: a lone client never waits for a
-timer, and under load the batch grows by itself. Each session keeps its own KV cache; a
-batch pads them together for the pass and hands each its own back
+loop's: :class:`BatchScheduler`); whatever arrives meanwhile forms the next batch, with
+the sessions the server steps itself that the pass answered, which queue their next step
+a few turns of the loop later (``_rejoin``). So the batching window is the duration of the
+pass before it: a lone client never waits for a timer, and under load the batch grows by
+itself. Each session keeps its own KV cache, in pages of one pool that the pass reads
 (``Backend.extend_batch``).
 
 A job with a constraint carries its session's
