@@ -265,7 +265,7 @@ def test_the_command_lines_process_loads_a_model_without_scikit_learn() -> None:
     start. Where the environment has scikit-learn, a command loads a model without it."""
     pytest.importorskip("transformers")
     pytest.importorskip("sklearn")
-    code = ("import sys; from spececd.backends.registry import skip_unused_imports; "
+    code = ("import sys; from spececd.backends.startup import skip_unused_imports; "
             "skip_unused_imports(); from spececd.backends import hf; "
             "print('sklearn' in sys.modules, 'transformers.generation.utils' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -43,7 +43,7 @@ from spececd.backends.base import (
 )
 from spececd.backends.dtypes import CPU_BF16_FLAGS, auto_dtype, cpu_flags, stored_dtype
 from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
-from spececd.backends.registry import lean_transformers
+from spececd.backends.startup import lean_transformers
 from spececd.errors import InputError
 
 lean_transformers()  # before transformers loads: in SpecECD's own processes, without scikit-learn

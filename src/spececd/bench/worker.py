@@ -47,7 +47,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from spececd.backends.registry import skip_unused_imports
+from spececd.backends.startup import skip_unused_imports
 from spececd.bench.api import ApiRunner
 from spececd.processes import bound
 

@@ -25,7 +25,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from spececd.backends.registry import skip_unused_imports
+from spececd.backends.startup import skip_unused_imports
 from spececd.cli import api, bench, chat, convert, demo, devices, generate, serve
 from spececd.cli.output import JsonLines
 from spececd.errors import InputError, SpecECDError
