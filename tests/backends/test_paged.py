@@ -101,7 +101,7 @@ def test_fixed_shapes_pad_rows_and_widths_and_read_whole_contexts(hf: HFBackend)
     than any fixed size and a prefill wider than any fixed width (eager, their own
     shapes, packed). Each row's logits are a fresh forward's."""
     fixed = PagedBackend(hf, max_context=160, fixed=True)
-    assert fixed.fixed and fixed.padded and fixed.graphs is None  # no CUDA: shapes only
+    assert fixed.fixed and fixed.graphs is None  # no CUDA: shapes only
     assert fixed._shape([30, 5, 12], [3, 1, 3]) == (4, 8, 10, True)
     assert fixed._shape([0], [100]) == (1, 100, 7, False)  # a long prefill: packed, eager
     assert fixed._shape([0] * 9, [1] * 9) == (9, 1, 1, False)  # more rows than BATCHES

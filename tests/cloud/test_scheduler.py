@@ -25,7 +25,7 @@ from spececd.cloud.scheduler import (
     _Job,
     run_verifications,
 )
-from spececd.core.budget import DepthAcceptance, cells
+from spececd.core.budget import DepthAcceptance
 from spececd.core.params import Mode, SamplingParams
 from spececd.core.sampling import SparseProbs
 from spececd.protocol.cloud_session import VerifyRequest
@@ -46,7 +46,7 @@ class Recording(ToyBackend):
     def extend_batch(self, items: Sequence[Extend]) -> list[np.ndarray]:
         assert items, "a pass of nothing (transformers' extend_batch refuses one)"
         self.batches.append([item.sequence for item in items])
-        self.extended.append(cells([len(item.ids) for item in items], self.padded))
+        self.extended.append(sum(len(item.ids) for item in items))
         if any(POISON in item.ids for item in items):
             raise RuntimeError("scripted: the pass failed")
         return super().extend_batch(items)
@@ -306,14 +306,12 @@ def test_a_budget_prefills_a_joining_prompt_in_chunks_beside_decoding_sessions(
     assert isinstance(results[3], Pass) and results[3].batch == 1
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
 def test_prompts_past_the_cap_go_in_chunks_with_no_budget(
-        executor: ThreadPoolExecutor, padded: bool) -> None:
+        executor: ThreadPoolExecutor) -> None:
     """No budget (``off``), and a cap of 64 positions a pass (``max_batched_tokens``): a
     lone 200-token prompt, and three joining at once, are prefilled in chunks of at most 64
     in forwards of their own, and answered once all in with what a whole prefill gives."""
     backend = Recording()
-    backend.padded = padded
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, POISON, n)] for n in (200, 150, 90)]
     for group in (prompts[:1], prompts):
@@ -331,15 +329,12 @@ def test_prompts_past_the_cap_go_in_chunks_with_no_budget(
         assert len(backend.batches) > sum(len(p) for p in group) // 64
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
 def test_greedy_output_is_identical_with_drafts_cut_by_the_budget(
-        executor: ThreadPoolExecutor, padded: bool) -> None:
+        executor: ThreadPoolExecutor) -> None:
     """Six sessions decode 40 tokens each, drafting 5 a round (a wrong token now and then),
-    under a budget of 10 positions a pass (planned as for a runtime that pads its rows, or
-    not): the budget cuts drafts (and tells each session its budget), and every session's
-    output is the target's own greedy output."""
+    under a budget of 10 positions a pass: the budget cuts drafts (and tells each session
+    its budget), and every session's output is the target's own greedy output."""
     backend = ToyBackend(ToyModel(seed=0))
-    backend.padded = padded
     scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=10)
     rng = np.random.default_rng(2)
     cuts, budgets = [], []
@@ -433,10 +428,10 @@ def test_a_pass_that_fails_outside_the_forward_fails_its_jobs_and_the_worker_liv
     planted = [True]
     update = scheduler.cost.update
 
-    def failing(rows: int, positions: int, seconds: float) -> None:
+    def failing(rows: int, positions: int, seconds: float, context: int = 0) -> None:
         if planted.pop() if planted else False:
             raise RuntimeError("planted")
-        update(rows, positions, seconds)
+        update(rows, positions, seconds, context)
 
     scheduler.cost.update = failing  # type: ignore[method-assign]
     work = jobs(backend)
@@ -482,49 +477,53 @@ def test_sessions_decoding_are_not_held_out_of_the_batch_by_prompts_coming_in(
     assert all(len(batch) <= 2 for batch in backend.batches)
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
-def test_what_a_pass_computed_is_counted_as_its_runtime_computes_it(padded: bool) -> None:
-    """The cost fit is fed the positions each forward computed: every row's new tokens
-    (a prompt's, a draft's), padded to the widest row where the runtime pads, and a tree's
-    new context, prefilled in a forward of its own, on top."""
+def test_what_a_pass_computed_and_read_is_counted() -> None:
+    """The cost fit is fed the positions each forward computed (every row's new tokens, a
+    prompt's, a draft's, and a tree's new context, prefilled in a forward of its own, on
+    top) and the cached tokens its rows read; the planner is offered each session's cached
+    context."""
     backend = ToyBackend(ToyModel(seed=0))
-    backend.padded = padded
     chain = request(PROMPTS[1], [1, 2])  # a new sequence: 10 context tokens, 2 drafted
     tree = VerifyRequest(seq=1, context=tuple(PROMPTS[0]), tokens=(1, 2, 3), draft_probs=None,
                          mode=Mode.GREEDY, params=SamplingParams(temperature=0.0, seed=0),
                          parents=(-1, -1, 0))  # 5 context tokens: 4 first, then 1 + 3
-    done = run_verifications(backend, [(backend.new_sequence(), chain),
-                                       (backend.new_sequence(), tree)])
+    sequences = [backend.new_sequence(), backend.new_sequence()]
+    done = run_verifications(backend, [(sequences[0], chain), (sequences[1], tree)])
     assert done.positions == 12 + 8
-    assert done.cells == (2 * 12 if padded else 12 + 4) + 4
+    assert done.verify_positions == 12 + 4 + 4
+    assert done.verify_context == 0 + 4  # the chain's sequence was new; the tree's held 4
+    accepted = done.results[0].num_accepted
+    context = (*PROMPTS[1], *chain.tokens[:accepted], done.results[0].next_token)
+    again = request(list(context), [3])
+    loop = asyncio.new_event_loop()
+    try:
+        offer = _Job(sequences[0], again, loop.create_future(), 0.0).offer()
+    finally:
+        loop.close()
+    assert (offer.context, offer.prefill) == (len(context) - 1, 0)  # after the rollback
+    done = run_verifications(backend, [(sequences[0], again)])
+    assert done.verify_positions == 2 and done.verify_context == len(context) - 1
 
 
-def test_a_padded_runtime_gets_a_prompt_in_chunks_where_an_unpadded_one_takes_it_whole(
+def test_a_prompt_that_fits_goes_whole_into_the_verifications_forward(
         executor: ThreadPoolExecutor) -> None:
-    """The scheduler plans by its backend's layout: beside sessions decoding, a prompt
-    that fits the budget goes whole into the verifications' forward on a runtime that
-    does not pad, and in a chunk of its own forward on one that does (whole, it would pad
-    every decoding row to its length), its token verified after it in the same pass;
-    either way every answer is the target's."""
-    for padded, chunked in ((False, False), (True, True)):
-        backend = Recording()
-        backend.padded = padded
-        decoding = []
-        for prompt in PROMPTS[:3]:
-            expected = greedy(backend, prompt, 2)
-            sequence = backend.new_sequence()
-            sequence.extend(prompt[:-1], keep=0)
-            decoding.append((sequence, request(prompt, expected[:1])))
-        prompt = [int(t) for t in np.random.default_rng(5).integers(0, POISON, 40)]
-        joining = (backend.new_sequence(), request(prompt, greedy(backend, prompt, 2)[:1]))
-        scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=60)
-        results = run(scheduler, [*decoding, joining])
-        assert all(isinstance(result, Pass) and result.result.num_accepted == 1
-                   for result in results)
-        alone = [batch for batch in backend.batches if batch == [joining[0]]]
-        assert bool(alone) == chunked, (padded, backend.batches)
-        # One pass either way: the prompt's chunk is all of it, so its token rides after.
-        assert len(backend.batches) == 1 + chunked and len(backend.batches[-1]) == 4
+    """Beside sessions decoding, a prompt that fits the budget goes whole into the
+    verifications' forward (one pass, no forward of its own), and every answer is the
+    target's."""
+    backend = Recording()
+    decoding = []
+    for prompt in PROMPTS[:3]:
+        expected = greedy(backend, prompt, 2)
+        sequence = backend.new_sequence()
+        sequence.extend(prompt[:-1], keep=0)
+        decoding.append((sequence, request(prompt, expected[:1])))
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, POISON, 40)]
+    joining = (backend.new_sequence(), request(prompt, greedy(backend, prompt, 2)[:1]))
+    scheduler = BatchScheduler(backend, executor, Metrics(), token_budget=60)
+    results = run(scheduler, [*decoding, joining])
+    assert all(isinstance(result, Pass) and result.result.num_accepted == 1
+               for result in results)
+    assert len(backend.batches) == 1 and len(backend.batches[0]) == 4
 
 
 def test_an_exact_mode_sampled_tree_is_offered_to_the_budget_at_a_position_a_level() -> None:

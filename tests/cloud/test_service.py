@@ -117,7 +117,7 @@ class FailingBackend:
         self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
         self.description, self.kv_bytes_per_token = "failing", backend.kv_bytes_per_token
         self.thread = backend.thread
-        self.tree_attention, self.padded = backend.tree_attention, backend.padded
+        self.tree_attention = backend.tree_attention
         self.kv_block = backend.kv_block
 
     def new_sequence(self) -> CachedSequence:

@@ -220,7 +220,7 @@ class CountingBackend:
         self.name, self.vocab_size = backend.name, backend.vocab_size
         self.max_context, self.tokenizer = backend.max_context, backend.tokenizer
         self.description, self.kv_bytes_per_token = "counting", backend.kv_bytes_per_token
-        self.tree_attention, self.padded = backend.tree_attention, backend.padded
+        self.tree_attention = backend.tree_attention
         self.kv_block = backend.kv_block
         self.fed: list[int] = []
         self.thread = backend.thread

@@ -172,9 +172,6 @@ class Backend(Protocol):
     kv_block: int = 1  # a sequence's cache is held in blocks of this many tokens
     tokenizer: Tokenizer
     tree_attention: bool = False  # extend takes trees (see the module docstring)
-    # extend_batch pads every row to the longest: a pass costs rows x the longest row,
-    # whatever the others' lengths (the token budget plans by it: core/budget.py)
-    padded: bool = False
     # The thread this backend's model work runs on (its calls move there themselves), so
     # that a runner can run its passes there without a second hop; None: the caller's.
     thread: ModelThread | None = None

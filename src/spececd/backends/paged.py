@@ -35,7 +35,8 @@ Only attention is padded: its matmuls cost rows x widest row x the longest row's
 against the MLPs' tokens x hidden x intermediate. Small beside the MLPs while rows are
 alike; a wide row (a prompt chunk) beside long contexts pads every row's attention to its
 width (measured: docs/deploy/many-clients.md). The budget counts a pass as the sum of its
-rows' positions (``padded`` is False; the fixed shapes pad, and are ``padded``).
+rows' positions and of their contexts (:class:`~spececd.core.budget.PassCost`), the fixed
+shapes too.
 """
 
 from __future__ import annotations
@@ -392,7 +393,7 @@ class PagedBackend(Backend):
         cuda = self.device.type == "cuda"
         # Fixed shapes: on CUDA, for graphs; a test may ask for them elsewhere, to run their
         # logic on a CPU. A pass of fixed shapes computes rows x its widest row.
-        self.fixed = self.padded = cuda if fixed is None else fixed
+        self.fixed = cuda if fixed is None else fixed
         self.graphs = Graphs(self.device) if graphs and cuda and self.fixed else None
         self.whole = pages_for(self.max_context)  # pages a row reads on fixed shapes
         self._scratch = torch.empty(0, dtype=self.model.dtype, device=self.device)

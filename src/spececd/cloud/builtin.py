@@ -227,9 +227,9 @@ class BuiltinRunner:
         return {"kv_evictions": self.kv_evictions,
                 # The budget's view of a pass: its fitted cost, and the budget of one row.
                 "pass_cost_ms": {"base": round(cost.predict(0, 0) * 1e3, 3),
-                                 "per_row": round((cost.predict(1, 0) - cost.predict(0, 0))
-                                                  * 1e3, 3),
+                                 "per_row": round(cost.per_row * 1e3, 3),
                                  "per_position": round(cost.per_position * 1e3, 3),
+                                 "per_context_token": round(cost.per_context * 1e3, 6),
                                  "passes": cost.passes, "fit_error": round(cost.error, 3)},
                 "token_budget": budget}
 

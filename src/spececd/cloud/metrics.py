@@ -34,8 +34,8 @@ Names follow Prometheus conventions (``spececd_`` prefix, ``_total`` counters, b
 - ``spececd_abandoned_passes_total``: rounds dropped because their client left before
   their pass ran (a vanished client's queued prefill costs the others nothing);
 - ``spececd_pass_cost_fit_error``: how far the token budget's fit of a pass's cost from its
-  rows and positions was off, ``|actual - predicted| / actual``, weighted toward recent
-  passes (0 until it is fitted; the built-in runner).
+  rows, positions and the cached tokens they read was off, ``|actual - predicted| /
+  actual``, weighted toward recent passes (0 until it is fitted; the built-in runner).
 - ``spececd_kv_pages_used``, ``spececd_kv_pages_free``: the built-in runner's KV page pool
   (:mod:`spececd.backends.paged`; both 0 on a runtime without one).
 """

@@ -67,7 +67,6 @@ from spececd.core.budget import (
     DepthAcceptance,
     Offer,
     PassCost,
-    cells,
     cut_draft,
     pass_budget,
     plan,
@@ -108,8 +107,10 @@ class Verified:
     positions: int = 0  # positions the pass computed (new context and drafts, chunks too)
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
     chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
-    cells: int = 0  # positions the verifications' forwards computed, padding too
-    chunk_cells: int = 0  # and the chunks' (core.budget.cells)
+    verify_positions: int = 0  # positions the verifications' forwards computed
+    chunk_positions: int = 0  # and the chunks'
+    verify_context: int = 0  # cached tokens the verifications' rows read (their contexts)
+    chunk_context: int = 0  # and the chunks' rows
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
@@ -122,18 +123,20 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     job's constraint matcher (None, or none given: unconstrained), moved to its context.
     ``chunks``: ``(sequence, context, n)``, prefill the next ``n`` tokens of ``context``
     that ``sequence`` lacks, in a forward pass of their own (so that no row of the
-    verifications is padded to a chunk's width); nothing is returned for them."""
+    verifications' attention is padded to a chunk's width); nothing is returned for them."""
     began = time.perf_counter()
-    forward, positions, prompt_tokens, chunk_s = 0.0, 0, 0, 0.0
+    forward, positions, prompt_tokens, chunk_s, chunk_context = 0.0, 0, 0, 0.0, 0
     if chunks:
         prefills = []
         for sequence, context, n in chunks:
             prefills.append(Extend(sequence, sync(sequence, context)[:n], 0))
+            chunk_context += len(sequence.tokens)
         t = time.perf_counter()
         backend.extend_batch(prefills)
         forward = chunk_s = time.perf_counter() - t
         positions = prompt_tokens = sum(len(item.ids) for item in prefills)
     prefixes = 0  # trees' new contexts, each in a forward of its own
+    read = 0  # cached tokens the verifications' rows read
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
     for sequence, request in work:
@@ -155,6 +158,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         elif request.prompt_logprobs:
             keep += len(feed) - 1
         items.append(Extend(sequence, [*feed, *scored], keep, parents))
+        read += len(sequence.tokens)
         prompt_rows.append(prompt)
     t = time.perf_counter()
     all_logits = backend.extend_batch(items) if items else []  # a pass of chunks alone
@@ -179,9 +183,8 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
-                    prompt_tokens, chunk_s,
-                    cells([len(item.ids) for item in items], backend.padded) + prefixes,
-                    cells([n for _, _, n in chunks], backend.padded))
+                    prompt_tokens, chunk_s, sum(len(item.ids) for item in items) + prefixes,
+                    sum(n for _, _, n in chunks), read, chunk_context)
 
 
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
@@ -262,7 +265,7 @@ class _Job:
                            drawn=request.draft_probs is not None)
         acceptance = self.acceptance or DepthAcceptance()
         return Offer(len(context) - 1 - held, tuple(acceptance.worth(len(nodes))), nodes,
-                     chunkable=not request.prompt_logprobs)
+                     chunkable=not request.prompt_logprobs, context=held)
 
 
 class BatchScheduler:
@@ -313,9 +316,10 @@ class BatchScheduler:
             self._task = loop.create_task(self._run())
         return await future
 
-    def budget(self, rows: int) -> int | None:
-        """Positions a pass of ``rows`` sessions may compute (None: no budget)."""
-        return pass_budget(self.token_budget, self.cost, rows, self.pass_latency_s)
+    def budget(self, rows: int, context: int = 0) -> int | None:
+        """Positions a pass of ``rows`` sessions over ``context`` cached tokens may compute
+        (None: no budget)."""
+        return pass_budget(self.token_budget, self.cost, rows, self.pass_latency_s, context)
 
     async def _run(self) -> None:
         """The worker: passes while jobs are queued, then it ends (the next job starts
@@ -376,8 +380,8 @@ class BatchScheduler:
         of (or, prompts it had no room for, nothing), to run again. If the forward fails,
         each job alone, so that one bad request fails only itself."""
         offers = [job.offer() for job in batch]
-        chosen = plan(offers, self.budget(len(batch)), self.cost, self.backend.padded,
-                      self.cap)
+        context = sum(offer.context for offer in offers)
+        chosen = plan(offers, self.budget(len(batch), context), self.cost, self.cap)
         if not any(chosen.chunks) and all(depth is None for depth in chosen.depths):
             chosen = plan(offers, None)  # nothing would run (not expected): all of it, whole
         work, matchers, chunks, verified, waiting = [], [], [], [], []
@@ -424,9 +428,10 @@ class BatchScheduler:
         # verifications': one or two rows, many positions), so that the fit tells rows'
         # cost from positions'.
         if work:
-            self.cost.update(len(work), done.cells, done.work_s - done.chunk_s)
+            self.cost.update(len(work), done.verify_positions, done.work_s - done.chunk_s,
+                             done.verify_context)
         if chunks:
-            self.cost.update(len(chunks), done.chunk_cells, done.chunk_s)
+            self.cost.update(len(chunks), done.chunk_positions, done.chunk_s, done.chunk_context)
         self.level += LEVEL_WEIGHT * (chosen.level - self.level)
         self.metrics.record_batch(len(work), done.forward_s, done.work_s, seconds,
                                   [start - job.queued for job, _, _ in verified])
@@ -434,7 +439,7 @@ class BatchScheduler:
             done.prompt, sum(offered for _, _, offered in verified),
             sum(len(request.scored) for _, request in work),
             sum(result.num_accepted for result in done.results), len(done.results),
-            done.work_s, self.budget(len(batch)))
+            done.work_s, self.budget(len(batch), context))
         for (job, depth, _), result, logprobs, index in zip(
                 verified, done.results, done.logprobs, kept, strict=True):
             if index is not None and result.path is not None:  # the cut tree's numbering:

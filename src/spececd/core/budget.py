@@ -9,11 +9,17 @@ every session in the pass waits for it. So the server holds each pass to a budge
 positions:
 
 - :class:`PassCost` fits what a pass costs on this runner, as it runs: ``seconds ~ base +
-  per_row * rows + per_position * positions``, least squares over exponentially weighted
-  passes. With a latency aim, the budget is the most positions a pass of the rows queued
-  may compute within it, or within :data:`HEADROOM` times what the sessions' tokens alone
-  cost where those already take longer (a device full of rows still speculates where it
-  pays): :meth:`PassCost.budget`.
+  per_row * rows + per_position * positions + per_context * context``, least squares over
+  exponentially weighted passes. ``context`` is the cached tokens the rows read, the sum of
+  their contexts: attention and the reads of keys and values grow with it (on the
+  built-in runner in float32 here, a pass of 32 rows of one position each cost 47 ms over
+  contexts of 8 tokens and 110 ms over contexts of 500), which a fit of rows and positions
+  alone misprices as the sessions' contexts grow. A runtime that pads (the fixed shapes of
+  CUDA graphs) is fitted the same way, by what its rows hold: it pads to at most 8 rows of
+  64 positions, a pass a GPU computes for about the cost of one. With a latency aim, the
+  budget is the most positions a pass of the rows queued may compute within it, or within
+  :data:`HEADROOM` times what the sessions' tokens alone cost where those already take
+  longer (a device full of rows still speculates where it pays): :meth:`PassCost.budget`.
 - :func:`plan` then decides, before the pass, what each queued session gets. Every session
   that is decoding gets its token (the position after its context); a session still
   prefilling gets a chunk of its prompt, and no result until its prompt is in. Positions of
@@ -34,15 +40,6 @@ positions:
 - The budget bites only when the batch fills it: a pass whose whole work fits, or that
   holds one session, runs whole, within a cap from memory apart from the budget
   (``plan``'s ``cap``, ``max_batched_tokens``: prompts past it go in chunks).
-- A runtime that pads every row of a forward to the longest (transformers' batched pass,
-  the static path: ``Backend.padded``) computes rows x the longest row, whatever the
-  others' lengths: positions are counted so (:func:`cells`) in the fit and the budget,
-  drafts are cut to one depth for every session (a depth pays when its positions' worth
-  together does), and a prompt goes whole beside sessions decoding only within the
-  pass's width. Counted as a sum there, a prompt riding in a pass of 32 rows looked like
-  200 positions while it cost 6,400, and the fit charged a position 2 ms where one costs
-  0.5 (bench load, 64 replay clients): the budget cut drafts that paid, and cut them row
-  by row, which saves nothing on such a runtime.
 
 :func:`plan` also returns the *level*: the least worth a verified position had to have. A
 session's budget, told to its edge (the verdict's ``budget``), is the number of leading
@@ -83,41 +80,49 @@ OUTLIER = 4.0
 
 @dataclass
 class PassCost:
-    """A pass's seconds against its rows and positions, ``base + per_row * rows +
-    per_position * positions``, by least squares over passes weighted by ``decay`` per
-    pass (the newest weighs most). Coefficients are never negative: one that fits negative
-    is left out and the rest refitted. ``error``: how far off its predictions were."""
+    """A pass's seconds against its rows, positions and context, ``base + per_row * rows +
+    per_position * positions + per_context * context`` (``context``: the cached tokens the
+    pass's rows read, the sum of their contexts), by least squares over passes weighted by
+    ``decay`` per pass (the newest weighs most). Coefficients are never negative: one that
+    fits negative is left out and the rest refitted. ``error``: how far off its predictions
+    were."""
 
     decay: float = 0.97
     passes: int = 0
-    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    _coef: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    _coef: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _errors: np.ndarray = field(default_factory=lambda: np.zeros(2))  # sum, weight
 
-    def update(self, rows: int, positions: int, seconds: float) -> None:
-        """Fold in one pass of ``rows`` sessions computing ``positions`` positions (at most
-        :data:`OUTLIER` times what the fit predicts, once fitted)."""
-        if self.fitted and (predicted := self.predict(rows, positions)) > 0:
+    def update(self, rows: int, positions: int, seconds: float, context: int = 0) -> None:
+        """Fold in one pass of ``rows`` sessions computing ``positions`` positions over
+        ``context`` cached tokens (at most :data:`OUTLIER` times what the fit predicts, once
+        fitted)."""
+        if self.fitted and (predicted := self.predict(rows, positions, context)) > 0:
             if seconds > 0:
                 self._errors = self.decay * self._errors + (abs(seconds - predicted) / seconds,
                                                             1.0)
             seconds = min(seconds, OUTLIER * predicted)
-        x = np.array([1.0, rows, positions])
+        x = np.array([1.0, rows, positions, context])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         self.passes += 1
         self._coef = self._solve()
 
     def _solve(self) -> np.ndarray:
-        active = [0, 1, 2]
+        # Scaled to like magnitudes first (a context runs to thousands of tokens), so that
+        # the ridge that keeps an unseen term at 0 never bends a seen one.
+        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-12))
+        active = [0, 1, 2, 3]
         while True:
-            xx = self._xx[np.ix_(active, active)] + 1e-9 * np.eye(len(active))
-            solved = np.linalg.lstsq(xx, self._xy[active], rcond=None)[0]
+            ix = np.ix_(active, active)
+            xx = self._xx[ix] / np.outer(scale[active], scale[active]) + 1e-12 * np.eye(len(active))
+            solved = np.linalg.lstsq(xx, self._xy[active] / scale[active], rcond=None)[0]
+            solved = solved / scale[active]
             if solved.min() >= 0 or len(active) == 1:
-                coef = np.zeros(3)
+                coef = np.zeros(4)
                 coef[active] = np.maximum(solved, 0.0)
-                coef[coef < 1e-9] = 0.0  # under a nanosecond: rounding, not a cost
+                coef[coef * scale / max(scale[0], 1e-12) < 1e-9] = 0.0  # rounding, not a cost
                 return coef
             active.pop(int(np.argmin(solved)))
 
@@ -131,8 +136,8 @@ class PassCost:
         if self.passes < FIT_PASSES:
             return False
         weight = self._xx[0, 0]
-        mean = self._xx[0, 1:] / weight
-        cov = self._xx[1:, 1:] / weight - np.outer(mean, mean)
+        mean = self._xx[0, 1:3] / weight
+        cov = self._xx[1:3, 1:3] / weight - np.outer(mean, mean)
         rows_var, positions_var, both = cov[0, 0], cov[1, 1], cov[0, 1]
         apart = positions_var - (both * both / rows_var if rows_var > 1e-9 else 0.0)
         return bool(apart >= MIN_SPREAD)
@@ -155,34 +160,45 @@ class PassCost:
         """Seconds one more position adds to a pass."""
         return float(self._coef[2])
 
-    def predict(self, rows: int, positions: int) -> float:
-        """Seconds a pass of ``rows`` sessions computing ``positions`` positions costs."""
-        return float(self._coef @ np.array([1.0, rows, positions]))
+    @property
+    def per_context(self) -> float:
+        """Seconds one more cached token read (attention over it, its keys and values
+        read) adds to a pass."""
+        return float(self._coef[3])
 
-    def budget(self, rows: int, aim_s: float) -> int | None:
-        """Positions a pass of ``rows`` sessions may compute: within ``aim_s`` seconds, or
-        :data:`HEADROOM` times the pass of their tokens alone if that is longer (None:
-        positions cost nothing)."""
-        return self.positions_within(rows, max(aim_s, HEADROOM * self.predict(rows, rows)))
+    def predict(self, rows: int, positions: int, context: int = 0) -> float:
+        """Seconds a pass of ``rows`` sessions computing ``positions`` positions over
+        ``context`` cached tokens costs."""
+        return float(self._coef @ np.array([1.0, rows, positions, context]))
 
-    def positions_within(self, rows: int, seconds: float) -> int | None:
-        """The most positions a pass of ``rows`` sessions may compute within ``seconds``
-        (at least ``rows``: every session's token); None when positions cost nothing."""
+    def budget(self, rows: int, aim_s: float, context: int = 0) -> int | None:
+        """Positions a pass of ``rows`` sessions over ``context`` cached tokens may compute:
+        within ``aim_s`` seconds, or :data:`HEADROOM` times the pass of their tokens alone
+        if that is longer (None: positions cost nothing)."""
+        alone = self.predict(rows, rows, context)
+        return self.positions_within(rows, max(aim_s, HEADROOM * alone), context)
+
+    def positions_within(self, rows: int, seconds: float, context: int = 0) -> int | None:
+        """The most positions a pass of ``rows`` sessions over ``context`` cached tokens
+        may compute within ``seconds`` (at least ``rows``: every session's token); None
+        when positions cost nothing."""
         if self.per_position <= 0:
             return None
-        spare = seconds - float(self._coef[0] + self._coef[1] * rows)
+        spare = seconds - self.predict(rows, 0, context)
         return max(rows, int(spare / self.per_position))
 
 
-def pass_budget(token_budget: int | None, cost: PassCost, rows: int, aim_s: float) -> int | None:
-    """Positions a pass of ``rows`` sessions may compute (None: no budget), for a
-    ``token_budget`` of that many positions (0: none) or None (``auto``: from ``cost``
-    within ``aim_s``, :data:`START_BUDGET` until it is fitted)."""
+def pass_budget(token_budget: int | None, cost: PassCost, rows: int, aim_s: float,
+                context: int = 0) -> int | None:
+    """Positions a pass of ``rows`` sessions over ``context`` cached tokens may compute
+    (None: no budget), for a ``token_budget`` of that many positions (0: none) or None
+    (``auto``: from ``cost`` within ``aim_s``, :data:`START_BUDGET` until it is
+    fitted)."""
     if token_budget is not None:
         return token_budget or None
     if not cost.fitted:
         return START_BUDGET
-    return cost.budget(rows, aim_s)
+    return cost.budget(rows, aim_s, context)
 
 
 @dataclass
@@ -251,7 +267,8 @@ class Offer:
     server's cache lacks before the last one (0 for a session decoding), whether they may
     be split into chunks (``chunkable``), and its draft: ``worth[j]`` of depth ``j + 1``
     and ``nodes[j]`` the positions verifying it as deep as ``j + 1`` computes (``j + 1``
-    for a chain; a tree's nodes of at most that depth), as charged (:func:`tree_nodes`).
+    for a chain; a tree's nodes of at most that depth), as charged (:func:`tree_nodes`);
+    ``context``: the tokens of its context the server's cache holds, which the pass reads.
 
     A draft's length, and every ``nodes`` that decides a cut, must be fixed before the
     draft's tokens are sampled: a cut that depends on a token drawn at the depth it keeps
@@ -261,6 +278,7 @@ class Offer:
     worth: tuple[float, ...]
     nodes: tuple[int, ...]
     chunkable: bool = True
+    context: int = 0
 
     @property
     def whole(self) -> int:
@@ -271,9 +289,7 @@ class Offer:
 @dataclass(frozen=True)
 class Plan:
     """What a pass does with each offer: ``depths[i]`` leading draft positions verified, or
-    None when it only prefills ``chunks[i]`` context tokens (and answers nothing yet); both
-    when a chunk brings in the rest of its prompt, in the chunks' forward, before the
-    verifications' forward verifies the rest (a padded runtime's prompts);
+    None when it only prefills ``chunks[i]`` context tokens (and answers nothing yet);
     ``level``: the least worth a verified position had to have (0: the budget did not
     bind)."""
 
@@ -293,16 +309,8 @@ def _nodes(offer: Offer, depth: int) -> int:
     return offer.nodes[depth - 1] if depth > 0 else 0
 
 
-def cells(counts: Sequence[int], padded: bool) -> int:
-    """Positions one forward over rows of ``counts`` new tokens computes: their sum, or on
-    a runtime that pads every row to the longest (``padded``), rows x the longest."""
-    if not counts:
-        return 0
-    return len(counts) * max(counts) if padded else sum(counts)
-
-
 def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = None,
-         padded: bool = False, cap: int | None = None) -> Plan:
+         cap: int | None = None) -> Plan:
     """Within ``budget`` positions (None: no budget), what each of ``offers`` gets (see the
     module docstring); ``cost``, when fitted, stops drafts' positions where they no longer
     pay. Every offer not prefilling gets its token, whatever the budget.
@@ -312,16 +320,9 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     Where the pass would run whole past it (one prompt, or prompts with nobody decoding)
     prompts go in chunks within it, first come first served; elsewhere the budget is held
     to it (drafts cut by worth, losslessly, as the budget cuts them). Every session
-    decoding still gets its token, and a prompt that may not be split goes whole.
-
-    ``padded``: the runtime pads every row of a forward to the longest (:func:`cells`), so
-    a position costs nothing below the pass's width and a whole row of them above it.
-    Drafts are then taken depth by depth across every session (a depth pays when the worth
-    of all its positions does), and a prompt goes whole beside sessions decoding only
-    within the pass's width (wider, it would pad each of their rows to its length): else
-    it is prefilled in chunks, in a forward of their own."""
+    decoding still gets its token, and a prompt that may not be split goes whole."""
     whole = Plan(tuple(len(o.nodes) for o in offers), (0,) * len(offers), 0.0)
-    total = cells([o.whole for o in offers], padded)
+    total = sum(o.whole for o in offers)
     over = cap is not None and total > cap
     if not over and (budget is None or len(offers) <= 1 or total <= budget):
         return whole
@@ -331,86 +332,65 @@ def plan(offers: Sequence[Offer], budget: int | None, cost: PassCost | None = No
     joining = [i for i, o in enumerate(offers) if o.prefill > 0 and o.chunkable]
     deciding = [i for i in range(len(offers)) if i not in joining]
     if not deciding:  # nobody decoding waits on the prompts: chunks would only cost more,
-        return _prompts(offers, budget, padded) if over else whole  # past a cap
+        return _prompts(offers, budget) if over else whole  # past a cap
     fitted = cost is not None and cost.fitted and cost.per_position > 0
     least_chunk = MIN_CHUNK
     if fitted:  # a chunk long enough that its forward's fixed cost is a small part of it
         assert cost is not None
         least_chunk = max(least_chunk, int(AMORTISE * cost.per_row / cost.per_position))
-    used = cells([offers[i].prefill + 1 for i in deciding], padded)  # every session's token
+    used = sum(offers[i].prefill + 1 for i in deciding)  # every session's token
     waiting = sum(offers[i].prefill + 1 for i in joining)
     spare = max(0, budget - used)
     kept = min(waiting, max(least_chunk, int(PREFILL_SHARE * spare))) if joining else 0
     drafts = max(0, spare - kept)
-    pays = (functools.partial(_pays, cost, len(deciding)) if cost is not None and fitted
-            else None)
-    chosen = (_by_depth if padded else _by_worth)(offers, deciding, drafts, used, pays)
-    depths, positions, least, passed = chosen
+    context = sum(offers[i].context for i in deciding)
+    pays = (functools.partial(_pays, cost, len(deciding), context)
+            if cost is not None and fitted else None)
+    depths, positions, least, passed = _by_worth(offers, deciding, drafts, used, pays)
     # The level: the least worth verified (a session's positions of at least that worth are
     # what the planner takes first); nothing verified, just above the most worth left out.
     level = (float(least) if least < np.inf
              else float(np.nextafter(passed, np.inf)) if passed else 0.0)
-    # Prompts: whole where they fit (padded: only within the pass's width, where a row
-    # costs the width and pads nobody), else a chunk, first come first served (padded: no
-    # chunk longer than the first, all in one forward).
+    # Prompts: whole where they fit, else a chunk, first come first served.
     room = max(budget - positions, kept) if joining else 0
     if cap is not None:
         room = min(room, max(0, cap - positions))
-    width = positions // len(deciding) if padded else 0
     out_depths: list[int | None] = [depths.get(i) for i in range(len(offers))]
     chunks = [0] * len(offers)
-    longest, count = 0, 0  # padded: the chunks' forward's width and rows
     for i in joining:
         offer = offers[i]
-        if not padded:
-            if offer.whole <= room:
-                out_depths[i] = len(offer.nodes)
-                room -= offer.whole
-            elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay
-                chunks[i] = min(offer.prefill, room)
-                room -= chunks[i]
-        elif offer.whole <= width <= room:
+        if offer.whole <= room:
             out_depths[i] = len(offer.nodes)
-            room -= width
-        else:
-            size = min(offer.prefill, longest or room)
-            if size < min(least_chunk, offer.prefill) or (count + 1) * max(longest, size) > room:
-                continue  # too short a chunk to pay its row, or no room for another
-            chunks[i], longest, count = size, max(longest, size), count + 1
-            if size == offer.prefill and offer.whole - size <= width:
-                out_depths[i] = len(offer.nodes)  # all in: its token and draft ride too
+            room -= offer.whole
+        elif room >= min(least_chunk, offer.prefill):  # no chunk too short to pay
+            chunks[i] = min(offer.prefill, room)
+            room -= chunks[i]
     return Plan(tuple(out_depths), tuple(chunks), level)
 
 
-def _prompts(offers: Sequence[Offer], cap: int, padded: bool) -> Plan:
+def _prompts(offers: Sequence[Offer], cap: int) -> Plan:
     """:func:`plan` for prompts alone (every offer a prompt that may be split) past a
     ``cap``: each whole while it fits, else a chunk of what is left, first come first
-    served (``padded``: chunks no longer than the first, in one forward of rows x the
-    longest)."""
+    served."""
     depths: list[int | None] = [len(o.nodes) for o in offers]
     chunks = [0] * len(offers)
-    room, longest, count = cap, 0, 0
+    room = cap
     for i, offer in enumerate(offers):
-        if not padded and offer.whole <= room:
+        if offer.whole <= room:
             room -= offer.whole
             continue
-        size = min(offer.prefill, room if not padded else longest or room)
-        if size <= 0 or (padded and (count + 1) * max(longest, size) > room):
-            depths[i] = None  # no room: the next pass
-            continue
-        depths[i], chunks[i] = None, size
-        if padded:
-            longest, count = max(longest, size), count + 1
-        else:
-            room -= size
+        depths[i] = None  # a chunk, or no room: the next pass
+        chunks[i] = max(0, min(offer.prefill, room))
+        room -= chunks[i]
     return Plan(tuple(depths), tuple(chunks), 0.0)
 
 
-def _pays(cost: PassCost, rows: int, worth: float, step: int, tokens: float,
+def _pays(cost: PassCost, rows: int, context: int, worth: float, step: int, tokens: float,
           positions: int) -> bool:
     """Whether ``worth`` tokens for ``step`` more positions raise the tokens per second
-    of a pass of ``rows`` sessions (``tokens`` so far, in ``positions``)."""
-    rate = tokens / max(cost.predict(rows, positions), 1e-9)
+    of a pass of ``rows`` sessions reading ``context`` cached tokens (``tokens`` so far, in
+    ``positions``)."""
+    rate = tokens / max(cost.predict(rows, positions, context), 1e-9)
     return worth >= rate * cost.per_position * step
 
 
@@ -445,35 +425,6 @@ def _by_worth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: i
             heapq.heappush(heap, (-offer.worth[depth + 1] / (offer.nodes[depth + 1]
                                                               - offer.nodes[depth]), i))
     return depths, positions, float(least), passed
-
-
-def _by_depth(offers: Sequence[Offer], deciding: list[int], drafts: int, used: int,
-              pays: Callable[[float, int, float, int], bool] | None
-              ) -> tuple[dict[int, int], int, float, float]:
-    """:func:`_by_worth` for a padded runtime: one depth for every session (its draft's
-    own where shorter), as deep as each further depth fits and its positions' worth
-    together pays for the row of positions it adds to every session's."""
-    def width(depth: int) -> int:
-        return max(offers[i].prefill + 1 + _nodes(offers[i], min(depth, len(offers[i].nodes)))
-                   for i in deciding)
-
-    rows, deepest = len(deciding), max(len(offers[i].nodes) for i in deciding)
-    depth, tokens, positions = 0, float(rows), used
-    least, passed = np.inf, 0.0
-    while depth < deepest:
-        worths = [offers[i].worth[depth] for i in deciding if len(offers[i].nodes) > depth]
-        step = rows * width(depth + 1) - positions  # positions: rows x the width so far
-        if step > drafts or (pays is not None and step
-                             and not pays(sum(worths), step, tokens, positions)):
-            passed = max(worths)
-            break
-        depth += 1
-        least = min(least, *worths)
-        drafts -= step
-        positions += step
-        tokens += sum(worths)
-    return ({i: min(depth, len(offers[i].nodes)) for i in deciding}, positions,
-            float(least), passed)
 
 
 def cut_draft(tokens: Sequence[int], draft_probs: Sequence[SparseProbs] | None,
