@@ -115,6 +115,7 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     lines = dict.fromkeys((engine_label(r), kind_label(r), arrival_label(r)) for r in rows)
     named = [len({line[i] for line in lines}) > 1 for i in range(3)]
+    logged: set[Any] = set()
     for line in lines:
         points = sorted((r["clients"], r) for r in rows
                         if (engine_label(r), kind_label(r), arrival_label(r)) == line)
@@ -125,8 +126,10 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
                              label=name)
         for ax, figure in zip(axes[1:], ("round_latency_ms", "ttft_ms"), strict=True):
             for p, style in (("p50", "-"), ("p99", "--")):
-                ax.plot(x, [(r.get(figure) or {}).get(p, math.nan) for _, r in points],
-                        style, marker="o", color=drawn[0].get_color())
+                values = [(r.get(figure) or {}).get(p, math.nan) for _, r in points]
+                ax.plot(x, values, style, marker="o", color=drawn[0].get_color())
+                if any(v > 0 for v in values):  # NaN > 0 is False
+                    logged.add(ax)
     for ax, label in zip(axes, ("server tokens/s", "round ms of sessions decoding "
                                 "(p50 solid, p99 dashed)",
                                 "time to first token ms (p50 solid, p99 dashed)"),
@@ -135,8 +138,8 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    for ax in logged:  # an axis with nothing to show (no first token in any window) stays
+        ax.set_yscale("log")  # linear: matplotlib cannot log-scale it
     axes[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
