@@ -462,6 +462,27 @@ def test_tls(target: Any, draft: Any, tmp_path: Path) -> None:
         running.stop()
 
 
+def test_a_link_closed_as_it_opens_leaves_no_grpc_poller_behind(server: ThreadServer) -> None:
+    """grpcio's connectivity poller, which a link's wait for its connection starts, outlives
+    the unsubscribe by up to a poll (0.2 s); one still polling when the channel closes
+    raises in its thread ("Cannot monitor channel state: Channel closed!", a warning in
+    CI's log after test_tls). A link closed at once waits it out before closing the
+    channel."""
+    polling = []
+    for _ in range(5):
+        link = GrpcTransport(server.url)
+        channel = link._channel
+        close = channel.close
+
+        def closing(channel: Any = channel, close: Any = close) -> None:
+            polling.append(channel._connectivity_state.polling)  # grpcio's own
+            close()
+
+        channel.close = closing
+        link.close()
+    assert polling == [False] * 5
+
+
 def test_oversize_frames_get_a_typed_error_and_oversize_messages_end_the_call(
         target: Any) -> None:
     from spececd.protocol import messages as m

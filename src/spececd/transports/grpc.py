@@ -36,6 +36,7 @@ import hmac
 import queue
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -56,6 +57,7 @@ from spececd.transports.unary import UnaryParams, UnarySessions
 
 GRPC_OVERHEAD = 64 * 1024  # room above the session's message limit before gRPC refuses
 CLOSE_WAIT = 1.0  # seconds close() lets the server end the stream before cancelling it
+POLLER_EXIT_S = 0.5  # seconds close() waits for grpcio's connectivity poller (it polls 0.2 s)
 
 # The seed's strategy names for our verification modes.
 STRATEGIES = {"deterministic": Mode.MATCH, "probabilistic": Mode.EXACT,
@@ -263,6 +265,18 @@ def _target(url: str) -> tuple[bool, str, str, int]:
         host, port
 
 
+def _await_poller(channel: grpc.Channel) -> None:
+    """Wait for the thread grpcio started for the channel's ``subscribe`` to end. It outlives
+    an ``unsubscribe`` by up to one poll (0.2 s), and one still polling when the channel
+    closes raises in its thread, "Cannot monitor channel state: Channel closed!"
+    (grpc/grpc#18995), which CI showed after a link closed as soon as it opened. The poller's
+    state is grpcio's own attribute: where a version lacks it, nothing is waited for."""
+    state = getattr(channel, "_connectivity_state", None)
+    deadline = time.monotonic() + POLLER_EXIT_S
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class GrpcTransport:
     """A blocking client link to a verifier over one ``Session`` stream.
 
@@ -378,4 +392,5 @@ class GrpcTransport:
             self._outbox.put(None)
             self._ended.wait(CLOSE_WAIT)
             self._call.cancel()
+            _await_poller(self._channel)
             self._channel.close()
