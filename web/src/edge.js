@@ -306,10 +306,13 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
           ahead = new Ahead(source, context, aheadK, free, settings);
           stats.aheadRounds += 1;
         }
-        // A round that leaves the model idle (a free draft or none, nothing drafted ahead
-        // with the model) brings its cache up meanwhile (else its next draft feeds every
-        // token since its last at once).
-        if ((free || !block.tokens.length) && (!ahead || ahead.free) && source.warm) {
+        // A round that drafted nothing (the model catching up, nothing drafted ahead with
+        // it) brings the model's cache up meanwhile. Rounds of free drafts leave it be: on
+        // text that copies itself the lookup keeps matching, and the model's reading along
+        // would take the device from the rest (the server, on one machine) for drafts
+        // seldom asked for; at the next miss it catches up, while those rounds go empty as
+        // lookup's would.
+        if (!block.tokens.length && (!ahead || ahead.free) && source.warm) {
           source.warm(history);
         }
         const verdict = await pending;

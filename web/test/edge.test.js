@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Ahead, DraftLength } from "../src/edge.js";
+import { Ahead, DraftLength, generate } from "../src/edge.js";
 
 /** A source that drafts 100 + position for each position after `history`, one-hot
  * distributions, and counts its calls; `free` drafts only where `freeBlocks`. */
@@ -103,4 +103,57 @@ test("no draft is never chosen because the round-time line reaches zero at k = 0
     length.observe(k, k === 8 ? 7 : 1, 0.002 * k, k === 8 ? 0.1 : 0.01);
   }
   assert.ok(length.choose(100) > 0);
+});
+
+/** A source like the hybrid: its free drafts (a lookup's, up to 4 tokens) follow `target`
+ * after the prompt where `matches`, its model is far behind (rounds go without it while it
+ * catches up, CATCH_UP); it records the warms asked of it and its last block. */
+function hybrid(promptLen, target, matches) {
+  const self = {
+    warms: [],
+    last: null,
+    behind: () => 100,
+    async draft(history, k) { return (self.last = { tokens: Array(k).fill(7), dists: null, lookedUp: 0 }); },
+    async free(history, k) {
+      const at = history.length - promptLen;
+      const tokens = matches ? target.slice(at, at + Math.min(k, 4)) : [];
+      return tokens.length ? (self.last = { tokens, dists: null, lookedUp: tokens.length }) : null;
+    },
+    warm(history) { self.warms.push(history.length); },
+  };
+  return self;
+}
+
+/** A verifier that plays `target` after `prompt`: each round keeps the drafted tokens that
+ * follow it and adds its next one. */
+function verifier(prompt, target, source) {
+  let at = 0; // tokens of target emitted
+  return {
+    async exchange(session, make) {
+      if (make === null) return { maxContext: 4096, maxDraft: 64, width: 32 };
+      make();
+      const tokens = session.pending.k ? source.last.tokens : [];
+      let n = 0;
+      while (n < tokens.length && tokens[n] === target[at + n]) n += 1;
+      const verdict = { numAccepted: n, nextToken: target[at + n], verified: tokens.length,
+        verifyS: 0 };
+      at += n + 1;
+      return verdict;
+    },
+  };
+}
+
+test("the model reads along only in rounds that drafted nothing, not in a lookup's", async () => {
+  const prompt = [1, 2, 3];
+  const target = Array.from({ length: 40 }, (_, i) => 10 + i);
+  const options = { params: { maxTokens: 30, temperature: 0, topK: 0, topP: 1, seed: 0,
+    stopIds: [] }, mode: "match", k: "auto", maxSupport: 8, ahead: false };
+  for (const matches of [true, false]) {
+    const source = hybrid(prompt.length, target, matches);
+    const out = await generate(verifier(prompt, target, source), prompt,
+      { ...options, fingerprint: {}, source });
+    assert.deepEqual(out.tokens, target.slice(0, 30));
+    if (matches) assert.deepEqual(source.warms, []); // every round a lookup's: never read
+    else assert.ok(source.warms.length > 0); // rounds without drafts: it catches up
+  }
 });
