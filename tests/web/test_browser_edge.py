@@ -626,6 +626,32 @@ def test_the_form_says_what_is_wrong_with_k(tab: Any) -> None:
 
 
 
+def test_stop_ends_a_run_in_the_page_and_the_next_runs_whole(tab: Any, reference: Any) -> None:
+    """Stop in the browser edge's mode (its runs had none): a run of 400 tokens (the prompt
+    runs that far greedily) stopped at its first tokens shows "stopped" and what it had;
+    the next run, on a new link, writes the target's own text."""
+    alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
+                               temperature=0, token_healing=True)
+    tab.fill("#token", TOKEN)
+    tab.fill("#prompt", HELDOUT[1])
+    tab.fill("#max-tokens", "400")
+    tab.click("label:has(input[name=source][value=lookup])")
+    tab.uncheck("#compare")
+    tab.click("#generate")
+    tab.wait_for_function("document.querySelectorAll('#out-spec .tok').length > 0",
+                          timeout=30_000)
+    tab.click("#stop")
+    tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=30_000)
+    assert tab.evaluate("document.body.dataset.state") == "stopped", tab.text_content("#error")
+    assert 0 < tab.locator("#out-spec .tok").count() < 400
+    tab.fill("#max-tokens", str(MAX_TOKENS))
+    tab.click("#generate")
+    tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=60_000)
+    assert tab.evaluate("document.body.dataset.state") == "done", tab.text_content("#error")
+    assert "".join(tab.eval_on_selector_all(
+        "#out-spec .tok", "els => els.map(e => e.textContent)")) == alone.text
+    assert tab.errors == []
+
 def test_a_run_that_failed_mid_stream_leaves_no_frame_for_the_next(tab: Any,
                                                                     reference: Any) -> None:
     """A cloud-only run (the server streams its tokens) that fails in the page after its

@@ -91,7 +91,8 @@ async function drafter(server, runtimeAsked, threadsAsked) {
  * threads (the draft's WebAssembly threads; default: ONNX Runtime Web's choice), ahead
  * (false: plain rounds; default: blocks drafted ahead, edge.js),
  * prediction (optional: the text the output is expected to be, mostly, drafted first;
- * `predictionIds`: its ids)}, `onPiece` as edge.generate's. Returns {text, promptIds,
+ * `predictionIds`: its ids), signal (an AbortSignal: Stop; the run then throws an
+ * AbortError, and its link is dropped)}, `onPiece` as edge.generate's. Returns {text, promptIds,
  * tokens, stats, runtime, threads, prediction}: `prediction` (null without one) counts the
  * prediction's tokens that appeared in the output (`accepted`, aligned as a diff would,
  * as the OpenAI API's accepted_prediction_tokens) and the others (`rejected`).
@@ -131,7 +132,7 @@ export async function run(options, onPiece = () => {}) {
         topP: options.topP ?? 1, seed: options.seed ?? 0, stopIds: tokenizer.eosIds },
       mode: options.mode || "exact", k: options.k ?? "auto", maxSupport: MAX_SUPPORT, source,
       ahead: options.ahead ?? true,
-      healIds: healing ? healing.allowed : null,
+      healIds: healing ? healing.allowed : null, signal: options.signal,
     }, onPiece);
   } catch (exc) {
     // A run that failed may leave frames of its own on the socket (the rest of a stream, a

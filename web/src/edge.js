@@ -182,13 +182,14 @@ export class Stats {
  * `options`: {fingerprint, authToken, params: {maxTokens, temperature, topK, topP, seed,
  * stopIds}, mode ("exact" or "match"), k (a number, or "auto"), maxSupport, source (null:
  * cloud-only), healIds
- * (token healing's mask for the first position, or null)};
+ * (token healing's mask for the first position, or null), signal (an AbortSignal, or none:
+ * aborted, the run throws its reason, an AbortError, before its next exchange)};
  * `onPiece({tokens, fromDraft, lookedUp, predicted})` gets what each exchange emitted (of
  * its first `fromDraft` tokens, drafted and accepted, the first `lookedUp` looked up and the
  * first `predicted` from a prediction of the output).
  */
 export async function generate(link, promptIds, options, onPiece = () => {}) {
-  const { params, source } = options;
+  const { params, source, signal } = options;
   const cloudOnly = source === null;
   const stats = new Stats();
   const started = performance.now();
@@ -249,6 +250,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
     if (cloudOnly) {
       let requested = false, done = false;
       while (!finished) {
+        if (signal) signal.throwIfAborted();
         const reply = await link.exchange(session, (greetedNow) => {
           if (requested && !greetedNow) return null; // the stream is under way: only read
           requested = true;
@@ -264,6 +266,7 @@ export async function generate(link, promptIds, options, onPiece = () => {}) {
       if (!done) link.drop();
     } else {
       while (!finished) {
+        if (signal) signal.throwIfAborted();
         // The verifier adds one token of its own.
         const limit = Math.max(0, Math.min(params.maxTokens - stats.generated,
           maxContext - history.length) - 1);

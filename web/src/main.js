@@ -62,7 +62,7 @@ function setState(name) {
   $("generate").disabled = running;
   $("stop").disabled = !running;
   $("clear").disabled = running;
-  // A run keeps its mode to its end (the browser edge's has no Stop: it ends by itself).
+  // A run keeps its mode to its end, or to Stop.
   for (const radio of document.querySelectorAll("input[name=where], input[name=mode]")) {
     radio.disabled = running;
   }
@@ -138,10 +138,10 @@ async function generateApi(form, compare, signal) {
   }
 }
 
-async function generateEdge(form, compare) {
+async function generateEdge(form, compare, signal) {
   const options = { ...form, server: $("server").value.trim(), token: $("token").value,
     runtime: $("runtime-choice").value, source: checked("source"),
-    seed: form.seed ?? Math.floor(Math.random() * 2 ** 31) };
+    seed: form.seed ?? Math.floor(Math.random() * 2 ** 31), signal };
   const dropped = await droppedText(options);
   const result = await run(options, renderer(spec, dropped));
   const s = result.stats;
@@ -192,7 +192,7 @@ async function generate() {
   $("speedup").textContent = "–";
   let outcome = "done";
   try {
-    if (edge) await generateEdge(form, compare);
+    if (edge) await generateEdge(form, compare, controller.signal);
     else await generateApi(form, compare, controller.signal);
     if (compare) $("speedup").textContent = fixed(spec.tps / cloud.tps, 2);
   } catch (exc) {

@@ -157,3 +157,30 @@ test("the model reads along only in rounds that drafted nothing, not in a lookup
     else assert.ok(source.warms.length > 0); // rounds without drafts: it catches up
   }
 });
+
+test("a run stops at its next exchange once its signal is aborted (Stop)", async () => {
+  const prompt = [1, 2, 3];
+  const target = Array.from({ length: 40 }, (_, i) => 10 + i);
+  for (const cloudOnly of [false, true]) {
+    const source = cloudOnly ? null : hybrid(prompt.length, target, true);
+    const played = verifier(prompt, target, source);
+    const link = cloudOnly ? { // the server generates: a token a frame
+      at: 0,
+      async exchange(session, make) {
+        if (make === null) return { maxContext: 4096, maxDraft: 64, width: 32 };
+        make(true);
+        return { tokenIds: [target[this.at++]], done: false, computeS: 0 };
+      },
+      drop() {},
+    } : played;
+    const controller = new AbortController();
+    let pieces = 0;
+    const options = { params: { maxTokens: 30, temperature: 0, topK: 0, topP: 1, seed: 0,
+      stopIds: [] }, mode: "match", k: "auto", maxSupport: 8, ahead: false,
+    fingerprint: {}, source, signal: controller.signal };
+    await assert.rejects(generate(link, prompt, options, () => {
+      if (++pieces === 2) controller.abort();
+    }), { name: "AbortError" });
+    assert.equal(pieces, 2); // nothing exchanged after the abort
+  }
+});
