@@ -491,7 +491,7 @@ def test_what_a_pass_computed_and_read_is_counted() -> None:
     done = run_verifications(backend, [(sequences[0], chain), (sequences[1], tree)])
     assert done.positions == 12 + 8
     assert done.verify_positions == 12 + 4 + 4
-    assert done.verify_context == 0 + 4  # the chain's sequence was new; the tree's held 4
+    assert done.verify_context == 0  # both sequences were new (the tree's 4: positions)
     accepted = done.results[0].num_accepted
     context = (*PROMPTS[1], *chain.tokens[:accepted], done.results[0].next_token)
     again = request(list(context), [3])

@@ -124,6 +124,8 @@ export async function run(options, onPiece = () => {}) {
     : tokenizer.encode(options.prompt));
   const temperature = options.temperature ?? 0;
   const reconnects = link.reconnects;
+  // Stopped while the tokenizer or the draft loaded: no session is opened.
+  if (options.signal) options.signal.throwIfAborted();
   let result;
   try {
     result = await generate(link, promptIds, {

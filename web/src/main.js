@@ -160,6 +160,7 @@ async function generateEdge(form, compare, signal) {
   spec.show({ tps: s.tokensPerSecond, acceptance: s.acceptance, mal: s.meanAcceptedLength,
     tokens: s.generated, prediction: result.prediction, details });
   if (compare) {
+    signal.throwIfAborted(); // stopped in the drafting run's last round: no cloud-only run
     const alone = await run({ ...options, source: "cloud" }, renderer(cloud, dropped));
     cloud.tps = alone.stats.tokensPerSecond;
     cloud.show({ tps: cloud.tps, tokens: alone.stats.generated,

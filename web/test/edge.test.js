@@ -6,7 +6,10 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
+import { decode as unpack } from "@msgpack/msgpack";
+
 import { Ahead, DraftLength, generate } from "../src/edge.js";
+import { unpackIds } from "../src/protocol.js";
 
 /** A source that drafts 100 + position for each position after `history`, one-hot
  * distributions, and counts its calls; `free` drafts only where `freeBlocks`. */
@@ -106,33 +109,34 @@ test("no draft is never chosen because the round-time line reaches zero at k = 0
 });
 
 /** A source like the hybrid: its free drafts (a lookup's, up to 4 tokens) follow `target`
- * after the prompt where `matches`, its model is far behind (rounds go without it while it
- * catches up, CATCH_UP); it records the warms asked of it and its last block. */
-function hybrid(promptLen, target, matches) {
+ * after the prompt where `matches`, its model's never do; the model is `behind` tokens
+ * behind (far: rounds go without it while it catches up, CATCH_UP). It records the warms
+ * asked of it and its stops. */
+function hybrid(promptLen, target, matches, behind = 100) {
   const self = {
     warms: [],
-    last: null,
-    behind: () => 100,
-    async draft(history, k) { return (self.last = { tokens: Array(k).fill(7), dists: null, lookedUp: 0 }); },
+    stops: 0,
+    behind: () => behind,
+    async draft(history, k) { return { tokens: Array(k).fill(7), dists: null, lookedUp: 0 }; },
     async free(history, k) {
       const at = history.length - promptLen;
       const tokens = matches ? target.slice(at, at + Math.min(k, 4)) : [];
-      return tokens.length ? (self.last = { tokens, dists: null, lookedUp: tokens.length }) : null;
+      return tokens.length ? { tokens, dists: null, lookedUp: tokens.length } : null;
     },
     warm(history) { self.warms.push(history.length); },
+    stop() { self.stops += 1; },
   };
   return self;
 }
 
 /** A verifier that plays `target` after `prompt`: each round keeps the drafted tokens that
  * follow it and adds its next one. */
-function verifier(prompt, target, source) {
+function verifier(prompt, target) {
   let at = 0; // tokens of target emitted
   return {
     async exchange(session, make) {
       if (make === null) return { maxContext: 4096, maxDraft: 64, width: 32 };
-      make();
-      const tokens = session.pending.k ? source.last.tokens : [];
+      const tokens = unpackIds(unpack(make())[4]); // [DRAFT, seq, at, prefix, tokens, ...]
       let n = 0;
       while (n < tokens.length && tokens[n] === target[at + n]) n += 1;
       const verdict = { numAccepted: n, nextToken: target[at + n], verified: tokens.length,
@@ -150,7 +154,7 @@ test("the model reads along only in rounds that drafted nothing, not in a lookup
     stopIds: [] }, mode: "match", k: "auto", maxSupport: 8, ahead: false };
   for (const matches of [true, false]) {
     const source = hybrid(prompt.length, target, matches);
-    const out = await generate(verifier(prompt, target, source), prompt,
+    const out = await generate(verifier(prompt, target), prompt,
       { ...options, fingerprint: {}, source });
     assert.deepEqual(out.tokens, target.slice(0, 30));
     if (matches) assert.deepEqual(source.warms, []); // every round a lookup's: never read
@@ -161,9 +165,11 @@ test("the model reads along only in rounds that drafted nothing, not in a lookup
 test("a run stops at its next exchange once its signal is aborted (Stop)", async () => {
   const prompt = [1, 2, 3];
   const target = Array.from({ length: 40 }, (_, i) => 10 + i);
-  for (const cloudOnly of [false, true]) {
-    const source = cloudOnly ? null : hybrid(prompt.length, target, true);
-    const played = verifier(prompt, target, source);
+  // Lookup rounds; model rounds with blocks drafted ahead; the server generating.
+  for (const [cloudOnly, matches, ahead] of [[false, true, false], [false, false, true],
+    [true, false, false]]) {
+    const source = cloudOnly ? null : hybrid(prompt.length, target, matches, 0);
+    const played = verifier(prompt, target);
     const link = cloudOnly ? { // the server generates: a token a frame
       at: 0,
       async exchange(session, make) {
@@ -176,11 +182,12 @@ test("a run stops at its next exchange once its signal is aborted (Stop)", async
     const controller = new AbortController();
     let pieces = 0;
     const options = { params: { maxTokens: 30, temperature: 0, topK: 0, topP: 1, seed: 0,
-      stopIds: [] }, mode: "match", k: "auto", maxSupport: 8, ahead: false,
+      stopIds: [] }, mode: "match", k: "auto", maxSupport: 8, ahead,
     fingerprint: {}, source, signal: controller.signal };
     await assert.rejects(generate(link, prompt, options, () => {
       if (++pieces === 2) controller.abort();
     }), { name: "AbortError" });
     assert.equal(pieces, 2); // nothing exchanged after the abort
+    if (source) assert.equal(source.stops, 1); // the drafter's work for the run stopped
   }
 });

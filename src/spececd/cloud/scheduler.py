@@ -143,6 +143,9 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         if request.prompt_logprobs:
             sequence.truncate(0)  # every context position's logits, the cached ones too
         feed = sync(sequence, request.context)
+        # Read as the planner's offer counts it (a tree's new context, prefilled first in a
+        # forward of its own, counts as positions).
+        read += len(sequence.tokens)
         scored = request.scored
         positions += len(feed) + len(scored)
         prompt_tokens += len(feed) - 1
@@ -158,7 +161,6 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         elif request.prompt_logprobs:
             keep += len(feed) - 1
         items.append(Extend(sequence, [*feed, *scored], keep, parents))
-        read += len(sequence.tokens)
         prompt_rows.append(prompt)
     t = time.perf_counter()
     all_logits = backend.extend_batch(items) if items else []  # a pass of chunks alone
@@ -293,7 +295,7 @@ class BatchScheduler:
         self.token_budget = token_budget
         self.pass_latency_s = pass_latency_s
         self.cap = max_batched_tokens or None
-        self.cost = PassCost()  # what a pass costs here, by rows and positions
+        self.cost = PassCost()  # what a pass costs here, by rows, positions and context
         self.level = 0.0  # the least worth verified, smoothed over passes (sessions' budgets)
         self._short = False  # the last pass took under INLINE_BELOW_S
         self._queue: list[_Job] = []

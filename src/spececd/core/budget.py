@@ -11,7 +11,9 @@ positions:
 - :class:`PassCost` fits what a pass costs on this runner, as it runs: ``seconds ~ base +
   per_row * rows + per_position * positions + per_context * context``, least squares over
   exponentially weighted passes. ``context`` is the cached tokens the rows read, the sum of
-  their contexts: attention and the reads of keys and values grow with it (on the
+  their contexts (per row, not per query: a row of many positions, a prompt's chunk, does
+  more attention over it than a row of one, which the fit averages over): attention and
+  the reads of keys and values grow with it (on the
   built-in runner in float32 here, a pass of 32 rows of one position each cost 47 ms over
   contexts of 8 tokens and 110 ms over contexts of 500), which a fit of rows and positions
   alone misprices as the sessions' contexts grow. A runtime that pads (the fixed shapes of
@@ -117,14 +119,15 @@ class PassCost:
         while True:
             ix = np.ix_(active, active)
             xx = self._xx[ix] / np.outer(scale[active], scale[active]) + 1e-12 * np.eye(len(active))
-            solved = np.linalg.lstsq(xx, self._xy[active] / scale[active], rcond=None)[0]
-            solved = solved / scale[active]
-            if solved.min() >= 0 or len(active) == 1:
+            scaled = np.linalg.lstsq(xx, self._xy[active] / scale[active], rcond=None)[0]
+            if scaled.min() >= 0 or len(active) == 1:
                 coef = np.zeros(4)
-                coef[active] = np.maximum(solved, 0.0)
+                coef[active] = np.maximum(scaled / scale[active], 0.0)
                 coef[coef * scale / max(scale[0], 1e-12) < 1e-9] = 0.0  # rounding, not a cost
                 return coef
-            active.pop(int(np.argmin(solved)))
+            # The most negative in seconds at its term's typical size, not per unit: a
+            # context token's cost is a thousandth of a position's.
+            active.pop(int(np.argmin(scaled)))
 
     @property
     def fitted(self) -> bool:
