@@ -544,12 +544,20 @@ def test_a_wrong_token_is_refused(tab: Any) -> None:
     assert refused == "auth_failed"
 
 
-def test_the_page_shows_both_runs_side_by_side(tab: Any, tmp_path: Path) -> None:
+def fill_form(tab: Any, prompt: str, max_tokens: int, source: str, compare: bool) -> None:
+    """The page's form, in its browser edge mode, with the test server's token."""
     tab.fill("#token", TOKEN)
-    tab.fill("#prompt", COPY[7])
-    tab.fill("#max-tokens", "64")
-    tab.click("label:has(input[name=source][value=hybrid])")
-    tab.check("#compare")
+    tab.fill("#prompt", prompt)
+    tab.fill("#max-tokens", str(max_tokens))
+    tab.click(f"label:has(input[name=source][value={source}])")
+    if compare:
+        tab.check("#compare")
+    else:
+        tab.uncheck("#compare")
+
+
+def test_the_page_shows_both_runs_side_by_side(tab: Any, tmp_path: Path) -> None:
+    fill_form(tab, COPY[7], 64, "hybrid", compare=True)
     tab.click("#generate")
     tab.wait_for_function("document.body.dataset.state !== 'running'", timeout=60_000)
     assert tab.evaluate("document.body.dataset.state") == "done", tab.text_content("#error")
@@ -582,11 +590,7 @@ def test_the_page_drafts_from_the_predicted_output_box(tab: Any, reference: Any)
     tokens counted as accepted / rejected; emptied, the page drafts and counts without."""
     alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
                                temperature=0, token_healing=True)
-    tab.fill("#token", TOKEN)
-    tab.fill("#prompt", HELDOUT[1])
-    tab.fill("#max-tokens", str(MAX_TOKENS))
-    tab.click("label:has(input[name=source][value=lookup])")
-    tab.uncheck("#compare")
+    fill_form(tab, HELDOUT[1], MAX_TOKENS, "lookup", compare=False)
     tab.click("#prediction-box summary")
     for prediction in (alone.text, ""):
         tab.fill("#prediction", prediction)
@@ -632,11 +636,7 @@ def test_stop_ends_a_run_in_the_page_and_the_next_runs_whole(tab: Any, reference
     the next run, on a new link, writes the target's own text."""
     alone = reference.generate(HELDOUT[1], cloud_only=True, max_tokens=MAX_TOKENS,
                                temperature=0, token_healing=True)
-    tab.fill("#token", TOKEN)
-    tab.fill("#prompt", HELDOUT[1])
-    tab.fill("#max-tokens", "400")
-    tab.click("label:has(input[name=source][value=lookup])")
-    tab.uncheck("#compare")
+    fill_form(tab, HELDOUT[1], 400, "lookup", compare=False)
     tab.click("#generate")
     tab.wait_for_function("document.querySelectorAll('#out-spec .tok').length > 0",
                           timeout=30_000)
