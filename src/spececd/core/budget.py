@@ -12,11 +12,11 @@ positions:
   per_row * rows + per_position * positions + per_context * context``, least squares over
   exponentially weighted passes. ``context`` is the cached tokens the rows read, the sum of
   their contexts (per row, not per query: a row of many positions, a prompt's chunk, does
-  more attention over it than a row of one, which the fit averages over): attention and
-  the reads of keys and values grow with it (on the
-  built-in runner in float32 here, a pass of 32 rows of one position each cost 47 ms over
-  contexts of 8 tokens and 110 ms over contexts of 500), which a fit of rows and positions
-  alone misprices as the sessions' contexts grow. A runtime that pads (the fixed shapes of
+  more attention over it than a row of one, which the fit averages over). Attention and
+  the reads of keys and values grow with it: on the built-in runner in float32 here, a
+  pass of 32 rows of one position each cost 47 ms over contexts of 8 tokens and 110 ms
+  over contexts of 500, which a fit of rows and positions alone misprices as the
+  sessions' contexts grow. A runtime that pads (the fixed shapes of
   CUDA graphs) is fitted the same way, by what its rows hold: it pads to at most 8 rows of
   64 positions, a pass a GPU computes for about the cost of one. With a latency aim, the
   budget is the most positions a pass of the rows queued may compute within it, or within
