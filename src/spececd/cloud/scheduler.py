@@ -107,10 +107,15 @@ class Verified:
     positions: int = 0  # positions the pass computed (new context and drafts, chunks too)
     prompt: int = 0  # of them, context tokens before each job's last (prompts, chunks)
     chunk_s: float = 0.0  # that forward's seconds (within forward_s and work_s)
-    verify_positions: int = 0  # positions the verifications' forwards computed
-    chunk_positions: int = 0  # and the chunks'
+    chunk_positions: int = 0  # of them, the chunks' forward's
     verify_context: int = 0  # cached tokens the verifications' rows read (their contexts)
     chunk_context: int = 0  # and the chunks' rows
+
+    @property
+    def verify_positions(self) -> int:
+        """Positions the verifications' forwards computed (a tree's new context, in a
+        forward of its own, too)."""
+        return self.positions - self.chunk_positions
 
 
 def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, VerifyRequest]],
@@ -126,6 +131,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
     verifications' attention is padded to a chunk's width); nothing is returned for them."""
     began = time.perf_counter()
     forward, positions, prompt_tokens, chunk_s, chunk_context = 0.0, 0, 0, 0.0, 0
+    chunked = 0  # of the positions, the chunks'
     if chunks:
         prefills = []
         for sequence, context, n in chunks:
@@ -134,8 +140,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         t = time.perf_counter()
         backend.extend_batch(prefills)
         forward = chunk_s = time.perf_counter() - t
-        positions = prompt_tokens = sum(len(item.ids) for item in prefills)
-    prefixes = 0  # trees' new contexts, each in a forward of its own
+        positions = prompt_tokens = chunked = sum(len(item.ids) for item in prefills)
     read = 0  # cached tokens the verifications' rows read
     items = []
     prompt_rows: list[np.ndarray | None] = []  # [len(context) - 1, vocab] where asked
@@ -155,7 +160,6 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
                 t = time.perf_counter()  # the tree's mask spans its nodes only
                 prompt = sequence.extend(feed[:-1], keep=None if request.prompt_logprobs else 0)
                 forward += time.perf_counter() - t
-                prefixes += len(feed) - 1
                 feed = feed[-1:]
             parents = [-1, *(p + 1 for p in request.parents)]  # under the context's last token
         elif request.prompt_logprobs:
@@ -185,8 +189,7 @@ def run_verifications(backend: Backend, work: Sequence[tuple[CachedSequence, Ver
         results.append(result)
         logprobs.append(_logprobs(logits, request, result, prompt))
     return Verified(results, forward, time.perf_counter() - began, logprobs, positions,
-                    prompt_tokens, chunk_s, sum(len(item.ids) for item in items) + prefixes,
-                    sum(n for _, _, n in chunks), read, chunk_context)
+                    prompt_tokens, chunk_s, chunked, read, chunk_context)
 
 
 def _logprobs(logits: np.ndarray, request: VerifyRequest, result: VerifyResult,
