@@ -259,15 +259,20 @@ def test_thread_defaults_leave_the_other_side_a_core(tmp_path: Path) -> None:
     assert edge_threads(EdgeConfig(target_model=gguf), hf) == 0
 
 
-def test_the_command_lines_process_loads_a_model_without_scikit_learn() -> None:
-    """transformers before 5.21 imports scikit-learn (SciPy, pandas) with its generation
-    utilities, for a feature no command uses in its own process: 1.8 s of every command's
-    start. Where the environment has scikit-learn, a command loads a model without it."""
+def test_the_command_lines_process_loads_a_model_without_scikit_learn_or_scipy() -> None:
+    """transformers imports SciPy with its modeling utilities (for its object-detection
+    losses), and before 5.21 scikit-learn (SciPy, pandas) with its generation utilities:
+    features no command uses in its own process, 0.7 s and 1.8 s of every command's start.
+    Where the environment has them, a command loads a model without them."""
     pytest.importorskip("transformers")
     pytest.importorskip("sklearn")
+    pytest.importorskip("scipy")
     code = ("import sys; from spececd.backends.startup import skip_unused_imports; "
             "skip_unused_imports(); from spececd.backends import hf; "
-            "print('sklearn' in sys.modules, 'transformers.generation.utils' in sys.modules)")
+            "from transformers import LlamaForCausalLM; "
+            "print(*(name in sys.modules for name in ('sklearn', 'scipy', "
+            "'transformers.generation.utils', 'transformers.modeling_utils')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["False", "True"]  # the generation utilities loaded, scikit-learn did not
+    # the generation and modeling utilities loaded, scikit-learn and SciPy did not
+    assert out == ["False", "False", "True", "True"]
