@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from tests.builders import build_model, train_tokenizer, vocab_pair
+from tests.schedule import Recorder, longest_first
+from tests.schedule import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
 from tests.toy import ToyBackend, toy_pair
 
 # The default suite keeps each promise once per mechanism. These variants repeat one on a
@@ -123,15 +125,19 @@ SLOW_VARIANTS = frozenset({
 })
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--static-path", action="store_true",
                      help="serve every transformers target in the built-in runner's fixed "
                      "shapes (spececd.backends.paged), as on CUDA, to check that its output "
                      "is the target's: in process and in `spececd serve` subprocesses")
+    parser.addoption("--store-durations", action="store_true",
+                     help="record each test file's seconds in tests/durations.json, the "
+                     "order in which xdist's workers take the files (tests/schedule.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--store-durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Recorder(), "store-durations")
     if config.getoption("--static-path"):
         from spececd.cloud import builtin
 
@@ -147,7 +153,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[STATIC_ENV] = "1"  # servers started as subprocesses (ServerProcess)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    longest_first(items)
     for item in items:
         if item.nodeid in SLOW_VARIANTS:
             item.add_marker(pytest.mark.slow)
