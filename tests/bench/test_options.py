@@ -63,6 +63,35 @@ def test_the_target_alone_loads_in_the_jobs_dtype(tiny_models: dict[str, Path]) 
     assert HFRunner({**job, "dtype": "auto"}).model.dtype == torch.float32
 
 
+def test_kinds_that_load_the_same_target_share_one_copy_of_it(
+        tiny_models: dict[str, Path], other_tokenizer_model: Path) -> None:
+    """One worker per copy of the target: the target alone and assisted generation by each
+    draft (another tokenizer's through transformers' universal assisted generation) on
+    transformers' model; the bare forward and the target alone under a schema on the
+    server's backend."""
+    pytest.importorskip("torch")
+    from spececd.bench.worker import AloneRunner, BareRunner, HFRunner, runners
+
+    drafts = [str(tiny_models["draft"]), str(other_tokenizer_model)]
+    job = {"kinds": ["target", "assisted"], "target": str(tiny_models["llama"]),
+           "drafts": drafts, "device": "cpu", "dtype": "float32", "temperature": 0.0,
+           "max_tokens": 3}
+    made = runners(job)
+    hf = made["target"]
+    assert isinstance(hf, HFRunner) and made["assisted"] is hf
+    assert [hf.assistants[d][1] == {} for d in drafts] == [True, False]  # the same vocabulary
+    for request, assistant in (({"kind": "assisted", "draft": drafts[1]}, drafts[1]),
+                               ({"kind": "target"}, None),
+                               ({"kind": "assisted", "draft": drafts[0]}, drafts[0])):
+        hf.configure(request)
+        assert hf.assistant is (hf.assistants[assistant] if assistant else None)
+        assert hf.run("def f(x):", 0)["tokens"] == 3
+    both = runners({**job, "kinds": ["bare", "alone"], "positions": 2, "repeat": 1,
+                    "json_schema": {"type": "object"}})
+    assert isinstance(both["bare"], BareRunner) and isinstance(both["alone"], AloneRunner)
+    assert both["bare"].backend is both["alone"].backend
+
+
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "load"]])
 def test_both_commands_take_the_device_flags(argv: list[str]) -> None:
     args = build_parser().parse_args([*argv, "--device", "cuda", "--dtype", "bfloat16",

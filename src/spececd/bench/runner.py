@@ -172,29 +172,29 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         positions = longest * max(cfg.trees) + 1
         for t, target in enumerate(targets):
             tag = f" [{label(target)}]" if pairs else ""
+            # One worker per copy of the target: the bare forward and the target alone
+            # under the schema on the server's backend; the target alone and assisted
+            # generation (each draft its assistant) on transformers'.
             if cfg.engine == "builtin":
-                start(f"bare{t}", f"the bare forward worker ({label(target)})", kind="bare",
-                      target=target, positions=positions, repeat=5)
-                plan.append({"kind": "bare", "worker": f"bare{t}", "tag": tag,
+                schema = ["alone"] if cfg.json_schema else []  # the server's backend, masked
+                start(f"backend{t}", f"the bare forward worker ({label(target)})",
+                      kinds=["bare", *schema], target=target, positions=positions, repeat=5)
+                plan.append({"kind": "bare", "worker": f"backend{t}", "tag": tag,
                              "target": label(target)})
             if cfg.baselines and model_format(target) == "hf":
-                start(f"target{t}", f"the target alone ({label(target)}, transformers)",
-                      kind="target", target=target)
-                plan.append({"kind": "target", "worker": f"target{t}", "tag": tag,
-                             "target": label(target)})
                 assisted = ([d for d in drafts if model_format(d) == "hf"]
                             or [d for d in [cfg.assisted_draft] if d])
-                for d, draft in enumerate(assisted):
-                    key = f"assisted{d}.{t}"
-                    start(key, f"transformers' assisted generation ({label(draft)} → "
-                          f"{label(target)})", kind="assisted", target=target, draft=draft)
-                    plan.append({"kind": "assisted", "worker": key,
-                                 "tag": f" [{label(draft)} → {label(target)}]" if pairs
-                                 else ""})
-            if cfg.json_schema and cfg.engine == "builtin":  # the server's backend, masked
-                start(f"alone{t}", f"the target alone under the schema ({label(target)})",
-                      kind="alone", target=target)
-                plan.append({"kind": "alone", "worker": f"alone{t}", "target": label(target),
+                start(f"hf{t}", f"the target alone ({label(target)}, transformers)"
+                      + "".join(f", assisted by {label(d)}" for d in assisted),
+                      kinds=["target"] + (["assisted"] if assisted else []), target=target,
+                      drafts=assisted)
+                plan.append({"kind": "target", "worker": f"hf{t}", "tag": tag,
+                             "target": label(target)})
+                plan += [{"kind": "assisted", "worker": f"hf{t}", "draft": draft,
+                          "tag": f" [{label(draft)} → {label(target)}]" if pairs else ""}
+                         for draft in assisted]
+            if cfg.json_schema and cfg.engine == "builtin":
+                plan.append({"kind": "alone", "worker": f"backend{t}", "target": label(target),
                              "constraint": "json_schema", "tag": tag + SCHEMA_TAG})
             if cfg.baselines and model_format(target) == "llama.cpp":
                 for kind in ("llama_alone", "llama_lookup"):

@@ -5,6 +5,11 @@ loads everything, answers ``{"ready": true}``, then answers each ``{"pass": i}``
 the results of one pass over all prompts. Keeping the process alive across passes lets the
 runner alternate configurations without reloading models.
 
+A job names its ``kind``, or several ``kinds`` that share what they load, each pass the
+kind it runs: ``target`` and ``assisted`` (transformers' target, and each of the job's
+``drafts`` as its assistant, the pass's ``draft``), ``bare`` and ``alone`` (the target on
+SpecECD's backend). A worker then holds one copy of the target for each of them.
+
 Kinds:
 
 - ``target``: the target alone, in-process: transformers' ``generate``;
@@ -73,7 +78,15 @@ class FirstTokenTimer:
         pass
 
 
+def job_kinds(job: dict[str, Any]) -> list[str]:
+    """The kinds a job's worker runs: its ``kinds``, or its one ``kind``."""
+    return list(job.get("kinds") or [job["kind"]])
+
+
 class HFRunner:
+    """``target`` and ``assisted``: transformers' ``generate``, with no assistant, or with
+    the pass's draft (one of the job's ``drafts``, or its ``draft``)."""
+
     def __init__(self, job: dict[str, Any]) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,22 +99,29 @@ class HFRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(job["target"])
         self.model = AutoModelForCausalLM.from_pretrained(
             job["target"], dtype=dtype).to(self.device).eval()
-        self.assistant = None
-        self.universal: dict[str, Any] = {}
-        if job["kind"] == "assisted":  # the draft beside the target, as transformers has it
-            self.assistant = AutoModelForCausalLM.from_pretrained(
-                job["draft"], dtype=dtype).to(self.device).eval()
-            theirs, ours = AutoTokenizer.from_pretrained(job["draft"]).get_vocab(), \
-                self.tokenizer.get_vocab()
-            if theirs.keys() == ours.keys() and theirs != ours:
-                raise SystemExit("transformers' assisted generation takes these two "
-                                 "tokenizers (the same tokens under other ids) for one: "
-                                 "run this pair with --no-baselines")
-            if theirs != ours:  # transformers' universal assisted generation
-                self.universal = dict(tokenizer=self.tokenizer,
-                                      assistant_tokenizer=AutoTokenizer.from_pretrained(
-                                          job["draft"]))
+        # each draft beside the target, as transformers has it: the model, and for another
+        # tokenizer, transformers' universal assisted generation's arguments
+        self.assistants: dict[str, tuple[Any, dict[str, Any]]] = {}
+        drafts = ((job.get("drafts") or [job["draft"]]) if "assisted" in job_kinds(job)
+                  else [])
+        for draft in drafts:
+            theirs = AutoTokenizer.from_pretrained(draft)
+            vocab, ours = theirs.get_vocab(), self.tokenizer.get_vocab()
+            if vocab.keys() == ours.keys() and vocab != ours:
+                raise SystemExit(f"transformers' assisted generation takes the tokenizers of "
+                                 f"{draft} and {job['target']} (the same tokens under other "
+                                 "ids) for one: run this pair with --no-baselines")
+            universal = (dict(tokenizer=self.tokenizer, assistant_tokenizer=theirs)
+                         if vocab != ours else {})
+            self.assistants[draft] = (AutoModelForCausalLM.from_pretrained(
+                draft, dtype=dtype).to(self.device).eval(), universal)
+        self.assistant: tuple[Any, dict[str, Any]] | None = (
+            None if "target" in job_kinds(job) or not drafts else self.assistants[drafts[0]])
         self.job = job
+
+    def configure(self, request: dict[str, Any]) -> None:
+        self.assistant = (self.assistants[request.get("draft") or next(iter(self.assistants))]
+                          if request.get("kind") == "assisted" else None)
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
         job = self.job
@@ -112,10 +132,11 @@ class HFRunner:
         self.torch.manual_seed(seed)
         timer = FirstTokenTimer()
         start = time.perf_counter()
+        assistant, universal = self.assistant or (None, {})
         out = self.model.generate(
             ids, max_new_tokens=job["max_tokens"], min_new_tokens=job["max_tokens"],
-            assistant_model=self.assistant, streamer=timer, pad_token_id=0, **sampling,
-            **self.universal)
+            assistant_model=assistant, streamer=timer, pad_token_id=0, **sampling,
+            **universal)
         wall = time.perf_counter() - start
         tokens = out.shape[1] - ids.shape[1]
         ttft = (timer.first or time.perf_counter()) - start
@@ -135,7 +156,7 @@ class LlamaRunner:
 
         _quiet_llama_logs()
         draft = (LlamaPromptLookupDecoding(num_pred_tokens=10)
-                 if job["kind"] == "llama_lookup" else None)
+                 if job_kinds(job) == ["llama_lookup"] else None)
         threads = int(job.get("threads", 1))  # prompts too: llama-cpp-python would
         # evaluate several tokens on every core, where SpecECD's server has these threads
         self.llm = Llama(model_path=job["target"], n_ctx=0, n_threads=threads,
@@ -223,8 +244,8 @@ class BareRunner:
     tokens and ``max_tokens / 2`` more, then ``extend`` of 1, 2, ... ``positions`` tokens,
     each rolled back, ``repeat`` times interleaved; the median seconds for each count."""
 
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.backend = target_backend(job)
+    def __init__(self, job: dict[str, Any], backend: Backend | None = None) -> None:
+        self.backend = backend or target_backend(job)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
@@ -252,8 +273,8 @@ class BareRunner:
 class AloneRunner:
     """The target alone, through SpecECD's backend, under the job's JSON schema."""
 
-    def __init__(self, job: dict[str, Any]) -> None:
-        self.backend = target_backend(job)
+    def __init__(self, job: dict[str, Any], backend: Backend | None = None) -> None:
+        self.backend = backend or target_backend(job)
         self.job = job
 
     def run(self, prompt: str, seed: int) -> dict[str, Any]:
@@ -338,10 +359,33 @@ class SpecRunner:
                 "stats": stats.as_dict()}
 
 
+Runner = (HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | AloneRunner
+          | SpecRunner | ApiRunner)
+
+
+def runners(job: dict[str, Any]) -> dict[str, Runner]:
+    """A runner for each of the job's kinds, those that share what they load sharing it."""
+    kinds = job_kinds(job)
+    made: dict[str, Runner] = {}
+    if {"target", "assisted"} & set(kinds):
+        made.update(dict.fromkeys({"target", "assisted"} & set(kinds), HFRunner(job)))
+    if {"bare", "alone"} & set(kinds):
+        backend = target_backend(job)
+        made.update({kind: (BareRunner if kind == "bare" else AloneRunner)(job, backend)
+                     for kind in {"bare", "alone"} & set(kinds)})
+    for kind in kinds:
+        if kind not in made:
+            made[kind] = (ApiRunner(job) if kind == "api"
+                          else LlamaRunner(job) if kind in ("llama_alone", "llama_lookup")
+                          else SpeculativeBinaryRunner(job) if kind == "llama_speculative"
+                          else SpecRunner(job))
+    return made
+
+
 def main() -> None:
     job = json.loads(sys.stdin.readline())
-    if job["kind"] != "assisted":  # transformers' assisted generation may use scikit-learn
-        skip_unused_imports()
+    if "assisted" not in job_kinds(job):  # transformers' assisted generation may use
+        skip_unused_imports()             # scikit-learn
     import torch
 
     torch.set_num_threads(int(job.get("threads", 1)))
@@ -349,22 +393,8 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    runner: (HFRunner | LlamaRunner | SpeculativeBinaryRunner | BareRunner | AloneRunner
-             | SpecRunner | ApiRunner)
-    if job["kind"] == "api":
-        runner = ApiRunner(job)
-    elif job["kind"] in ("target", "assisted"):
-        runner = HFRunner(job)
-    elif job["kind"] == "alone":
-        runner = AloneRunner(job)
-    elif job["kind"] == "bare":
-        runner = BareRunner(job)
-    elif job["kind"] in ("llama_alone", "llama_lookup"):
-        runner = LlamaRunner(job)
-    elif job["kind"] == "llama_speculative":
-        runner = SpeculativeBinaryRunner(job)
-    else:
-        runner = SpecRunner(job)
+    made = runners(job)
+    first = made[job_kinds(job)[0]]  # runs a pass of a kind not named (cloud, an API row)
     print(json.dumps({"ready": True}), flush=True)
     done = 0
 
@@ -376,10 +406,11 @@ def main() -> None:
     try:
         for line in sys.stdin:
             request = json.loads(line)
+            runner = made.get(request.get("kind"), first)
             if isinstance(runner, ApiRunner):
                 results = runner.run_pass(request, progress)
             else:
-                if isinstance(runner, SpecRunner):
+                if isinstance(runner, SpecRunner | HFRunner):
                     runner.configure(request)
                 results = []
                 for i, prompt in enumerate(job["prompts"][:request.get("limit")]):
@@ -387,8 +418,9 @@ def main() -> None:
                     progress()
             print(json.dumps({"pass": request["pass"], "results": results}), flush=True)
     finally:
-        if isinstance(runner, ApiRunner):
-            runner.close()
+        for runner in made.values():
+            if isinstance(runner, ApiRunner):
+                runner.close()
 
 
 if __name__ == "__main__":
