@@ -9,6 +9,7 @@ like any hub model.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.builders import build_model, train_tokenizer, vocab_pair
+from tests.e2e.server import ALL_LISTENERS, ServerProcess
 from tests.schedule import Recorder, longest_first
 from tests.schedule import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
 from tests.toy import ToyBackend, toy_pair
@@ -173,6 +175,24 @@ def needs_hf() -> None:
     installed (the toy pair needs neither)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[Callable[[Path], ServerProcess]]:
+    """``shared_server(target)``: ``spececd serve`` for ``target`` with a listener for every
+    transport, one for all the test files this worker runs that ask for ``target``: started
+    at the first ask, stopped as the session ends (a start costs 6-8 s here). For tests
+    that neither stop nor reconfigure it, and read its counters as differences."""
+    running: dict[Path, ServerProcess] = {}
+
+    def get(target: Path) -> ServerProcess:
+        if target not in running:
+            running[target] = ServerProcess(target, *ALL_LISTENERS)
+        return running[target]
+
+    yield get
+    for proc in running.values():
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.builders import MODELS, REPO, requires_default_pair
+from tests.e2e.server import ServerProcess
 
 pytest.importorskip("torch")  # the server side needs the full environment
 
@@ -53,19 +55,15 @@ def test_the_light_install_has_no_torch_or_transformers(light_venv: Path) -> Non
 
 @requires_default_pair
 @pytest.mark.skipif(not GGUF_DRAFT.is_file(), reason="models/draft.gguf is not there")
-def test_gguf_draft_against_a_server_without_torch(light_venv: Path, tmp_path: Path) -> None:
-    from tests.e2e.server import ServerProcess
-
-    server = ServerProcess(MODELS / "target")
-    try:
-        result = subprocess.run(
-            [str(light_venv / "bin" / "spececd"), "generate", "--draft-model", str(GGUF_DRAFT),
-             "--server", server.url, "--prompt", "def f(", "--max-tokens", "8",
-             "--temperature", "0", "--json"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env(),
-            check=False)
-    finally:
-        server.stop()
+def test_gguf_draft_against_a_server_without_torch(
+        light_venv: Path, tmp_path: Path, shared_server: Callable[[Path], ServerProcess]) -> None:
+    server = shared_server(MODELS / "target")
+    result = subprocess.run(
+        [str(light_venv / "bin" / "spececd"), "generate", "--draft-model", str(GGUF_DRAFT),
+         "--server", server.url, "--prompt", "def f(", "--max-tokens", "8",
+         "--temperature", "0", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env(),
+        check=False)
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     (completion,) = output["completions"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.builders import MODELS, REPO, requires_default_pair
+from tests.e2e.server import ServerProcess
 from tests.test_light_install import clean_env
 
 pytest.importorskip("torch")  # the server side and the reference need the full environment
@@ -39,22 +41,18 @@ def test_the_bare_install_has_no_torch_transformers_or_model_runtime(bare_venv: 
 
 @requires_default_pair
 def test_a_lookup_edge_without_torch_gives_the_targets_greedy_output(
-        bare_venv: Path, tmp_path: Path) -> None:
+        bare_venv: Path, tmp_path: Path, shared_server: Callable[[Path], ServerProcess]) -> None:
     from spececd.backends.registry import load_tokenizer
-    from tests.e2e.server import ServerProcess
     from tests.reference import hf_greedy
 
     prompt = json.loads((MODELS / "copy_prompts.json").read_text())[7]  # copies itself
-    server = ServerProcess(MODELS / "target")
-    try:
-        result = subprocess.run(
-            [str(bare_venv / "bin" / "spececd"), "generate", "--server", server.url,
-             "--draft", "lookup", "--prompt", prompt, "--max-tokens", "24",
-             "--temperature", "0", "--no-token-healing", "--json"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path,
-            env={**clean_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}, check=False)
-    finally:
-        server.stop()
+    server = shared_server(MODELS / "target")
+    result = subprocess.run(
+        [str(bare_venv / "bin" / "spececd"), "generate", "--server", server.url,
+         "--draft", "lookup", "--prompt", prompt, "--max-tokens", "24",
+         "--temperature", "0", "--no-token-healing", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**clean_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}, check=False)
     assert result.returncode == 0, result.stderr
     assert "draft lookup (no draft model)" in result.stderr
     output = json.loads(result.stdout)

@@ -35,6 +35,8 @@ def free_ports(n: int) -> list[int]:
 
 
 STATIC_ENV = "SPECECD_TESTS_STATIC_PATH"  # set by pytest --static-path (tests/conftest.py)
+# A listener for every transport beside WebSocket's (each on a port of the system's choice)
+ALL_LISTENERS = ("--grpc-port", "0", "--http-port", "0")
 
 
 class ServerProcess:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,44 +265,42 @@ def test_proactive_drafting_hits_when_the_draft_is_the_target(
 
 
 @requires_default_pair
-def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts() -> None:
+def test_stream_drafting_is_the_targets_own_output_and_uses_the_drafts(
+        shared_server: Callable[[Path], ServerProcess]) -> None:
     # The default pair: the draft steps several times faster than the target, so hints
     # arrive ahead of the server and are verified (with tiny models of equal speed they
     # are stale, which is correct but shows nothing). Token trees: the hints carry other
     # candidates where the draft is unsure.
     prompts = json.loads((MODELS / "heldout_prompts.json").read_text())[:4]
-    proc = ServerProcess(MODELS / "target")
-    try:
-        with remote(MODELS / "draft", proc.url, k="auto", proactive="stream",
-                    tree_width=3, threads=1) as gen:
-            gen.generate(prompts[0], max_tokens=8)  # warm-up: first passes are slow
-            total = GenerationStats()
-            for prompt in prompts:
-                ids = gen.prompt_ids(prompt)
-                out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
-                assert out.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
-                total.merge(out.stats)
-            assert total.tree_siblings > 0
-            # How many hints arrive in time is the benchmark's business (timing); that a
-            # hint arriving in time is verified and used is tests/cloud/test_service.py's.
-            # Sampled (match verification, randomness per position): for a seed, exactly
-            # the tokens the target generates alone, whatever the drafts were and however
-            # they arrived.
-            ids = gen.prompt_ids(prompts[0])
-            siblings = 0
-            for seed in (1, 2, 3):
-                streamed = gen.generate(ids, max_tokens=40, temperature=1.0, top_p=0.9,
-                                        seed=seed, stop_token_ids=[])
-                alone = gen.generate(ids, cloud_only=True, max_tokens=40, temperature=1.0,
-                                     top_p=0.9, seed=seed, stop_token_ids=[])
-                assert streamed.token_ids == alone.token_ids
-                siblings += streamed.stats.tree_siblings
-            # Hints were out (the first generation's at least: where the server keeps none
-            # of them for a while, the edge stops sending them, and a later one may send
-            # none).
-            assert siblings > 0
-    finally:
-        proc.stop()
+    proc = shared_server(MODELS / "target")
+    with remote(MODELS / "draft", proc.url, k="auto", proactive="stream",
+                tree_width=3, threads=1) as gen:
+        gen.generate(prompts[0], max_tokens=8)  # warm-up: first passes are slow
+        total = GenerationStats()
+        for prompt in prompts:
+            ids = gen.prompt_ids(prompt)
+            out = gen.generate(ids, max_tokens=48, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(MODELS / "target", ids, 48), prompt
+            total.merge(out.stats)
+        assert total.tree_siblings > 0
+        # How many hints arrive in time is the benchmark's business (timing); that a
+        # hint arriving in time is verified and used is tests/cloud/test_service.py's.
+        # Sampled (match verification, randomness per position): for a seed, exactly
+        # the tokens the target generates alone, whatever the drafts were and however
+        # they arrived.
+        ids = gen.prompt_ids(prompts[0])
+        siblings = 0
+        for seed in (1, 2, 3):
+            streamed = gen.generate(ids, max_tokens=40, temperature=1.0, top_p=0.9,
+                                    seed=seed, stop_token_ids=[])
+            alone = gen.generate(ids, cloud_only=True, max_tokens=40, temperature=1.0,
+                                 top_p=0.9, seed=seed, stop_token_ids=[])
+            assert streamed.token_ids == alone.token_ids
+            siblings += streamed.stats.tree_siblings
+        # Hints were out (the first generation's at least: where the server keeps none
+        # of them for a while, the edge stops sending them, and a later one may send
+        # none).
+        assert siblings > 0
 
 
 def test_stream_drafting_through_a_slow_link_and_a_dropped_connection(

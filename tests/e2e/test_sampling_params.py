@@ -6,7 +6,7 @@ greedy output with a repetition penalty is transformers' own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def vocab_server(tiny_vocab_pair: dict[str, Path]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_vocab_pair["target"])
-    yield proc
-    proc.stop()
+def vocab_server(shared_server: Callable[[Path], ServerProcess],
+                 tiny_vocab_pair: dict[str, Path]) -> ServerProcess:
+    return shared_server(tiny_vocab_pair["target"])
 
 
 @pytest.mark.parametrize("mode", ["exact", "match"])

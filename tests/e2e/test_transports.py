@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +43,12 @@ from spececd.transports.memory import LocalServer
 from spececd.transports.registry import connector
 from tests.builders import MODELS, requires_default_pair
 from tests.chisq import chi_square_p
-from tests.e2e.server import ServerProcess, free_port
+from tests.e2e.server import ALL_LISTENERS, ServerProcess, free_port
 from tests.fuzz import bad_frames, mutate, structured_junk
 from tests.reference import FIXED_K, PROMPTS, exact_pair_distribution, hf_greedy
 
 TRANSPORTS = ["memory", "websocket", "grpc", "http"]
 SCHEMES = {"websocket": "ws", "grpc": "grpc", "http": "http"}
-ALL_LISTENERS = ("--grpc-port", "0", "--http-port", "0")
-
-
 class Cloud:
     """A verifier for ``target`` reached over ``transport``: in this process (memory) or
     through ``proc``'s listener for it."""
@@ -197,10 +194,8 @@ def test_a_tiny_qwen2_target_is_identical_too(transport: str, qwen_server: Serve
 
 
 @pytest.fixture(scope="module")
-def default_server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(MODELS / "target", *ALL_LISTENERS)
-    yield proc
-    proc.stop()
+def default_server(shared_server: Callable[[Path], ServerProcess]) -> ServerProcess:
+    return shared_server(MODELS / "target")
 
 
 _DEFAULT_REFERENCE: dict[tuple[int, ...], list[int]] = {}
@@ -224,10 +219,9 @@ def test_the_default_pair_is_identical_to_its_target_alone(
 
 
 @pytest.fixture(scope="module")
-def vocab_server(tiny_vocab_pair: dict[str, Path]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_vocab_pair["target"], *ALL_LISTENERS)
-    yield proc
-    proc.stop()
+def vocab_server(shared_server: Callable[[Path], ServerProcess],
+                 tiny_vocab_pair: dict[str, Path]) -> ServerProcess:
+    return shared_server(tiny_vocab_pair["target"])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -9,7 +9,8 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,10 +36,8 @@ def api_process(*extra: str, env: dict[str, str] | None = None) -> ServerProcess
 
 
 @pytest.fixture(scope="module")
-def verifier() -> Iterator[ServerProcess]:
-    proc = ServerProcess(MODELS / "target")
-    yield proc
-    proc.stop()
+def verifier(shared_server: Callable[[Path], ServerProcess]) -> ServerProcess:
+    return shared_server(MODELS / "target")
 
 
 @pytest.fixture(scope="module")
