@@ -19,6 +19,7 @@ import pytest
 from tests.builders import build_model, train_tokenizer, vocab_pair
 from tests.e2e.server import ALL_LISTENERS, ServerProcess
 from tests.schedule import Recorder, longest_first
+from tests.schedule import pytest_configure_node as pytest_configure_node
 from tests.schedule import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
 from tests.toy import ToyBackend, toy_pair
 
@@ -156,8 +157,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    longest_first(items)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_first(config, items)
     for item in items:
         if item.nodeid in SLOW_VARIANTS:
             item.add_marker(pytest.mark.slow)
@@ -186,7 +187,7 @@ def shared_server() -> Iterator[Callable[[Path], ServerProcess]]:
     running: dict[Path, ServerProcess] = {}
 
     def get(target: Path) -> ServerProcess:
-        if target not in running:
+        if target not in running or not running[target].alive():  # (one that failed: anew)
             running[target] = ServerProcess(target, *ALL_LISTENERS)
         return running[target]
 

@@ -4,15 +4,17 @@
 - **Units.** A file is a unit, run whole by one worker, so its module-scoped servers start
   once. The files that share a session fixture costly to make (the converted models of
   ``tests/backends/conftest.py``) are one unit, so that one worker makes them.
-- **Longest first.** The units run in order of their time in the last recorded run
-  (``tests/durations.json``), longest first, so that the workers end together instead of
-  one waiting while the other runs a long file it took last. A unit without a record goes
-  last. ``python -m pytest -n 2 --dist loadfile --store-durations`` records a run.
+- **Longest first.** Under ``--dist loadfile``, the units run in order of their time in
+  the last recorded run (``tests/durations.json``), longest first, so that the workers end
+  together instead of one waiting while the other runs a long file it took last. A unit
+  without a record goes last. ``python -m pytest -n 2 --dist loadfile --store-durations``
+  records a run (a whole one: a file's record is what the run spent on it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,13 +39,24 @@ def recorded() -> dict[str, float]:
         return {}
 
 
-def longest_first(items: list[pytest.Item]) -> None:
-    """Order ``items`` by their unit's recorded time, longest first, keeping the order of
-    the files within a unit and of the tests within a file."""
+def longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under ``--dist loadfile``, order ``items`` by their unit's recorded
+    time, longest first, keeping the order of the files within a unit and of the tests
+    within a file (every worker alike: the controller takes the order of their
+    collections). Elsewhere the order stays the command line's."""
+    if not getattr(config, "workerinput", {}).get("longest_first"):
+        return
     seconds: defaultdict[str, float] = defaultdict(float)
     for file, spent in recorded().items():
         seconds[unit(file)] += spent
     items.sort(key=lambda item: -seconds[unit(item.nodeid)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tell each worker to order its collection longest first (a worker's own ``dist`` is
+    ``no``)."""
+    node.workerinput["longest_first"] = node.config.getvalue("dist") == "loadfile"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -76,6 +89,8 @@ class Recorder:
             return
         root = DURATIONS.parents[1]
         merged = {**recorded(), **{file: round(spent, 1) for file, spent in self.seconds.items()}}
-        DURATIONS.write_text(json.dumps(
+        written = DURATIONS.with_suffix(".json.new")  # then moved in whole: a worker of
+        written.write_text(json.dumps(                # another run reads it whole or not
             {file: spent for file, spent in sorted(merged.items()) if (root / file).is_file()},
             indent=0) + "\n")
+        os.replace(written, DURATIONS)

@@ -87,7 +87,7 @@ def test_kinds_that_load_the_same_target_share_one_copy_of_it(
         assert hf.assistant is (hf.assistants[assistant] if assistant else None)
         assert hf.run("def f(x):", 0)["tokens"] == 3
     both = runners({**job, "kinds": ["bare", "alone"], "positions": 2, "repeat": 1,
-                    "json_schema": {"type": "object"}})
+                    "json_schema": '{"type": "object"}'})
     assert isinstance(both["bare"], BareRunner) and isinstance(both["alone"], AloneRunner)
     assert both["bare"].backend is both["alone"].backend
 

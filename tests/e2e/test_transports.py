@@ -49,6 +49,8 @@ from tests.reference import FIXED_K, PROMPTS, exact_pair_distribution, hf_greedy
 
 TRANSPORTS = ["memory", "websocket", "grpc", "http"]
 SCHEMES = {"websocket": "ws", "grpc": "grpc", "http": "http"}
+
+
 class Cloud:
     """A verifier for ``target`` reached over ``transport``: in this process (memory) or
     through ``proc``'s listener for it."""

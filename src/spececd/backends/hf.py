@@ -46,7 +46,7 @@ from spececd.backends.hf_tokenizer import HFTokenizer, eos_token_ids
 from spececd.backends.startup import lean_transformers
 from spececd.errors import InputError
 
-lean_transformers()  # before transformers loads: in SpecECD's own processes, without scikit-learn
+lean_transformers()  # before transformers loads: in SpecECD's own processes, no SciPy, scikit-learn
 # Imported here, at import time: transformers' lazy attributes are not thread-safe on first
 # use (models load on the torch thread only, see torch_thread).
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402

@@ -24,7 +24,8 @@ def skip_unused_imports() -> None:
 
 def lean_transformers() -> None:
     """In a process of SpecECD's own, before transformers loads, two imports that no
-    causal LM's code uses are left out, where the modules that make them have not loaded:
+    causal LM's code uses are left out, where neither they nor the modules that make them
+    have loaded:
     - SciPy, which transformers' modeling utilities import wherever it is installed, for
       the matching in its object-detection losses: 0.7 s of every command's start on a
       2-core CPU;
@@ -44,9 +45,13 @@ def lean_transformers() -> None:
         import transformers.utils
     except Exception:  # no transformers, no packaging, a broken install: the import says
         return
-    absent = {"transformers.modeling_utils": "is_scipy_available",
-              "transformers.generation.candidate_generator": "is_sklearn_available"}
-    for importer, check in absent.items():
-        if (importer not in sys.modules and hasattr(transformers.utils, check)
-                and (check == "is_scipy_available" or old)):
+    # (the package, transformers' check for it, the module that imports it when loaded,
+    # whether that import applies to this version)
+    for package, check, importer, applies in (
+            ("scipy", "is_scipy_available", "transformers.loss.loss_for_object_detection",
+             True),
+            ("sklearn", "is_sklearn_available", "transformers.generation.candidate_generator",
+             old)):
+        if (applies and package not in sys.modules and importer not in sys.modules
+                and hasattr(transformers.utils, check)):
             setattr(transformers.utils, check, lambda: False)

@@ -2,12 +2,13 @@
 
 Processes: the verifier server (``spececd serve``, one torch thread), one delay proxy per
 RTT in front of it (:mod:`spececd.bench.netem`, run in this process), and three workers
-(:mod:`spececd.bench.worker`, one torch thread each): the target alone, transformers'
-assisted generation, and the SpecECD edge (which also runs the cloud-only passes); with
-``api_rows``, two more that each start ``spececd api`` as a user does
-(:mod:`spececd.bench.api`). The target runs on ``device`` in ``dtype`` everywhere (the
-server, the target alone, the bare forward, assisted generation); the edge's draft on
-``draft_device``.
+(:mod:`spececd.bench.worker`, one torch thread each): the target on transformers (the
+target alone, and transformers' assisted generation), the target on the server's backend
+(the bare forward, and the target alone under a JSON schema), and the SpecECD edge (which
+also runs the cloud-only passes); with ``api_rows``, two more that each start ``spececd
+api`` as a user does (:mod:`spececd.bench.api`). The target runs on ``device`` in
+``dtype`` everywhere (the server, the target alone, the bare forward, assisted
+generation); the edge's draft on ``draft_device``.
 Each pass runs one configuration over all prompts; passes alternate their order
 (forward, then reversed) so that drift on the machine hits every configuration alike.
 The first pass of each configuration is a warm-up on two prompts and is not counted.
@@ -177,20 +178,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
             # generation (each draft its assistant) on transformers'.
             if cfg.engine == "builtin":
                 schema = ["alone"] if cfg.json_schema else []  # the server's backend, masked
-                start(f"backend{t}", f"the bare forward worker ({label(target)})",
+                start(f"backend{t}", f"the bare forward worker ({label(target)})" + (
+                    ", and the target alone under the schema" if schema else ""),
                       kinds=["bare", *schema], target=target, positions=positions, repeat=5)
                 plan.append({"kind": "bare", "worker": f"backend{t}", "tag": tag,
                              "target": label(target)})
             if cfg.baselines and model_format(target) == "hf":
                 assisted = ([d for d in drafts if model_format(d) == "hf"]
                             or [d for d in [cfg.assisted_draft] if d])
-                start(f"hf{t}", f"the target alone ({label(target)}, transformers)"
-                      + "".join(f", assisted by {label(d)}" for d in assisted),
+                start(f"hf{t}", f"the target alone ({label(target)}, transformers)" + (
+                    f", and assisted by {', '.join(map(label, assisted))}" if assisted else ""),
                       kinds=["target"] + (["assisted"] if assisted else []), target=target,
                       drafts=assisted)
                 plan.append({"kind": "target", "worker": f"hf{t}", "tag": tag,
                              "target": label(target)})
                 plan += [{"kind": "assisted", "worker": f"hf{t}", "draft": draft,
+                          "target": label(target),
                           "tag": f" [{label(draft)} → {label(target)}]" if pairs else ""}
                          for draft in assisted]
             if cfg.json_schema and cfg.engine == "builtin":

@@ -8,7 +8,7 @@ runner alternate configurations without reloading models.
 A job names its ``kind``, or several ``kinds`` that share what they load, each pass the
 kind it runs: ``target`` and ``assisted`` (transformers' target, and each of the job's
 ``drafts`` as its assistant, the pass's ``draft``), ``bare`` and ``alone`` (the target on
-SpecECD's backend). A worker then holds one copy of the target for each of them.
+SpecECD's backend), one copy of the target serving both.
 
 Kinds:
 
@@ -382,6 +382,12 @@ def runners(job: dict[str, Any]) -> dict[str, Runner]:
     return made
 
 
+def runs(kind: str) -> str:
+    """The kind of the runner that runs a pass of ``kind``: the edge's runs cloud-only passes
+    too, the ``api`` runner every row of the API's."""
+    return "spececd" if kind == "cloud" else "api" if kind.startswith("api_") else kind
+
+
 def main() -> None:
     job = json.loads(sys.stdin.readline())
     if "assisted" not in job_kinds(job):  # transformers' assisted generation may use
@@ -394,7 +400,6 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     made = runners(job)
-    first = made[job_kinds(job)[0]]  # runs a pass of a kind not named (cloud, an API row)
     print(json.dumps({"ready": True}), flush=True)
     done = 0
 
@@ -406,7 +411,7 @@ def main() -> None:
     try:
         for line in sys.stdin:
             request = json.loads(line)
-            runner = made.get(request.get("kind"), first)
+            runner = made[runs(request["kind"])]
             if isinstance(runner, ApiRunner):
                 results = runner.run_pass(request, progress)
             else:
