@@ -8,6 +8,16 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+# Draws of an end-to-end chi-square test over a 10-word pair (tests/builders.py's
+# vocab_pair): its first two tokens, 100 cells. What they catch was measured with a planted
+# bug, the wire's draft probabilities shifted by one against their ids
+# (tests/e2e/test_transports.py's test_a_draft_distribution_shifted_on_the_wire_is_caught):
+# p = 3e-5 at 1,000 draws, 3e-12 at 1,500, 1e-28 at 3,000. A drafter that reports its
+# distribution before top-p (5% of the mass moved on this pair) went unseen at 3,000 as at
+# 1,500: subtle errors are the in-process tests' to catch, with their 20,000 draws
+# (tests/core). 3,000 was the figure before (2026-11-30); 1,500 halves these tests.
+PAIR_DRAWS = 1500
+
 
 def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
     """p-value of ``observed`` counts against ``expected`` counts (same total). Cells

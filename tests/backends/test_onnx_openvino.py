@@ -13,6 +13,7 @@ No NPU is reachable here: the NPU paths themselves (QNN, OpenVINO's NPU plugin) 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from spececd.generator import Generator  # noqa: E402
 from tests.backends.conftest import Converted  # noqa: E402
 from tests.builders import MODELS, requires_default_pair  # noqa: E402
 from tests.chisq import first_token_p_value  # noqa: E402
+from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.reference import PROMPTS, hf_greedy  # noqa: E402
 from tests.support.conformance import transformers_fresh, worst_difference  # noqa: E402
 
@@ -120,21 +122,17 @@ def test_exact_mode_keeps_the_targets_distribution(
 
 
 def test_lossless_against_a_server(exported: dict[tuple[str, str], Path],
-                                   tiny_models: dict[str, Path]) -> None:
-    from tests.e2e.server import ServerProcess
-
-    proc = ServerProcess(tiny_models["llama"])
+                                   tiny_models: dict[str, Path],
+                                   shared_server: Callable[[Path], ServerProcess]) -> None:
+    proc = shared_server(tiny_models["llama"])
     p_values = {}
-    try:
-        for fmt in FORMATS:
-            with Generator.load(str(exported[(fmt, "qwen2")]), server=proc.url, device="cpu",
-                                mode="exact", k=3, proactive="off") as gen:
-                ids = gen.prompt_ids(PROMPTS[2])
-                out = gen.generate(ids, max_tokens=20, temperature=0, stop_token_ids=[])
-                assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 20), fmt
-                p_values[fmt] = first_token_p_value(gen, tiny_models["llama"], 1500)
-    finally:
-        proc.stop()
+    for fmt in FORMATS:
+        with Generator.load(str(exported[(fmt, "qwen2")]), server=proc.url, device="cpu",
+                            mode="exact", k=3, proactive="off") as gen:
+            ids = gen.prompt_ids(PROMPTS[2])
+            out = gen.generate(ids, max_tokens=20, temperature=0, stop_token_ids=[])
+            assert out.token_ids == hf_greedy(tiny_models["llama"], ids, 20), fmt
+            p_values[fmt] = first_token_p_value(gen, tiny_models["llama"], 1500)
     print(f"drafters over the network, exact mode: chi-square p={p_values}")
     assert min(p_values.values()) > 0.001
 

@@ -71,7 +71,7 @@ def test_greedy_in_bfloat16_is_the_target_alones_up_to_ties(bf16_gen: Generator)
 def test_sampling_in_bfloat16_keeps_the_targets_bfloat16_distribution(
         mode: str, tiny_vocab_pair: dict[str, Path]) -> None:
     """Every sampling parameter at once, both sides in bfloat16: the first two tokens'
-    distribution is the bfloat16 target's (chi-square over 3,000 draws)."""
+    distribution is the bfloat16 target's (chi-square over tests/chisq.py's PAIR_DRAWS)."""
     from tests.e2e.test_sampling_params import SETTINGS, assert_distribution
 
     with Generator.load(str(tiny_vocab_pair["draft"]), str(tiny_vocab_pair["target"]),

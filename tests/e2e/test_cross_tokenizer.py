@@ -7,7 +7,7 @@ every drafted token accepted under greedy decoding."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from spececd.healing import heal  # noqa: E402
 from spececd.protocol.errors import IncompatibleModels  # noqa: E402
 from spececd.protocol.messages import Fingerprint  # noqa: E402
 from tests.builders import MODELS, requires_default_pair, word_tokenizer  # noqa: E402
-from tests.chisq import chi_square_p  # noqa: E402
+from tests.chisq import PAIR_DRAWS, chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.reference import (  # noqa: E402
     PROMPTS,
@@ -36,13 +36,12 @@ WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_models: dict[str, Path], permuted: dict[str, Path]
+def servers(tiny_models: dict[str, Path], permuted: dict[str, Path],
+            shared_server: Callable[[Path], ServerProcess]
             ) -> Iterator[dict[str, ServerProcess]]:
-    procs = {"bpe": ServerProcess(tiny_models["llama"], "--grpc-port", "0"),
-             "words": ServerProcess(permuted["target"])}
-    yield procs
-    for proc in procs.values():
-        proc.stop()
+    words = ServerProcess(permuted["target"])
+    yield {"bpe": shared_server(tiny_models["llama"]), "words": words}
+    words.stop()
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +142,7 @@ def test_a_draft_that_predicts_like_the_target_is_accepted_throughout(
 def test_sampling_keeps_the_target_distribution(
         where: str, permuted: dict[str, Path], servers: dict[str, ServerProcess]) -> None:
     server = servers["words"] if where == "websocket" else None
-    draws, prompt, vocab = 3000, [1, 2, 3], 10
+    draws, prompt, vocab = PAIR_DRAWS, [1, 2, 3], 10
     with generator(permuted["draft"], permuted["target"], server, k=3,
                    proactive="on") as gen:
         completions = gen.generate_n(prompt, draws, max_tokens=2, temperature=1.0, seed=77,

@@ -21,7 +21,7 @@ from spececd.backends.registry import load_backend  # noqa: E402
 from spececd.core.params import SamplingParams  # noqa: E402
 from spececd.generator import Generator  # noqa: E402
 from tests.builders import build_model, vocab_pair  # noqa: E402
-from tests.chisq import chi_square_p  # noqa: E402
+from tests.chisq import PAIR_DRAWS, chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.reference import exact_pair_distribution  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_sampling_keeps_the_target_distribution(
     # 10 words, and the end-of-text token transformers' Qwen2 tokenizer adds: 11 tokens.
     vocab = load_backend(str(pair["target"]), device="cpu", dtype="float32").vocab_size
     assert vocab == 11
-    draws, prompt = 3000, [1, 2, 3]
+    draws, prompt = PAIR_DRAWS, [1, 2, 3]
     with generator(pair, servers.url_for(pair["target"], where), k=3, mode=mode,
                    proactive="on") as gen:
         pairs = [c.token_ids for c in gen.generate_n(

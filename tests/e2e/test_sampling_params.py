@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from spececd.core.params import SamplingParams  # noqa: E402
 from spececd.generator import Generator  # noqa: E402
-from tests.chisq import chi_square_p  # noqa: E402
+from tests.chisq import PAIR_DRAWS, chi_square_p  # noqa: E402
 from tests.e2e.server import ServerProcess  # noqa: E402
 from tests.reference import PROMPTS, exact_pair_distribution  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_combined_parameters_over_the_network(vocab_server: ServerProcess,
 
 def assert_distribution(gen: Generator, target: Path, setting: dict[str, Any],
                         dtype: str = "float32") -> None:
-    draws, prompt, vocab = 3000, [1, 2, 2, 3], 10
+    draws, prompt, vocab = PAIR_DRAWS, [1, 2, 2, 3], 10
     completions = gen.generate_n(prompt, draws, max_tokens=2, temperature=1.0, seed=4321,
                                  stop_token_ids=[], **setting)
     pairs = [c.token_ids for c in completions]

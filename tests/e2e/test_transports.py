@@ -42,7 +42,7 @@ from spececd.protocol.errors import AuthFailed, ProtocolError
 from spececd.transports.memory import LocalServer
 from spececd.transports.registry import connector
 from tests.builders import MODELS, requires_default_pair
-from tests.chisq import chi_square_p
+from tests.chisq import PAIR_DRAWS, chi_square_p
 from tests.e2e.server import ALL_LISTENERS, ServerProcess, free_port
 from tests.fuzz import bad_frames, mutate, structured_junk
 from tests.reference import FIXED_K, PROMPTS, exact_pair_distribution, hf_greedy
@@ -103,10 +103,9 @@ def networked(transport: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_models: dict[str, Path]) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_models["llama"], *ALL_LISTENERS)
-    yield proc
-    proc.stop()
+def tiny_server(shared_server: Callable[[Path], ServerProcess],
+                tiny_models: dict[str, Path]) -> ServerProcess:
+    return shared_server(tiny_models["llama"])
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -231,18 +230,50 @@ def vocab_server(shared_server: Callable[[Path], ServerProcess],
 def test_sampling_keeps_the_target_distribution(
         transport: str, mode: str, temperature: float, top_p: float,
         vocab_server: ServerProcess, tiny_vocab_pair: dict[str, Path]) -> None:
-    draws, prompt, vocab = 3000, [1, 2, 3], 10
     cloud = Cloud(transport, tiny_vocab_pair["target"],
                   None if transport == "memory" else vocab_server)
-    with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="on") as gen:
+    assert sampled_pairs_p(cloud, tiny_vocab_pair, mode, temperature, top_p) > 0.001
+
+
+@pytest.mark.slow  # a check of the test above (of its draws), not of SpecECD: 20 s
+def test_a_draft_distribution_shifted_on_the_wire_is_caught(
+        tiny_vocab_pair: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the edge draws from its distribution but its frame carries the
+    probabilities shifted by one against their ids. The test above, at the same draws, must
+    fail it (p = 3e-12 measured: what ``PAIR_DRAWS`` buys). The verifier's own planted bugs
+    are tests/core's, in the default suite."""
+    from spececd.core.sampling import SparseProbs
+    from spececd.protocol.edge_session import EdgeSession
+
+    framed = EdgeSession.draft
+
+    def shifted(self: EdgeSession, history: Any, tokens: tuple[int, ...],
+                draft_probs: tuple[SparseProbs, ...] | None, parents: Any = None) -> bytes:
+        if draft_probs is not None:
+            draft_probs = tuple(SparseProbs(d.ids, np.roll(d.probs, 1)) for d in draft_probs)
+        return framed(self, history, tokens, draft_probs, parents)
+
+    monkeypatch.setattr(EdgeSession, "draft", shifted)
+    cloud = Cloud("memory", tiny_vocab_pair["target"], None)
+    p_value = sampled_pairs_p(cloud, tiny_vocab_pair, "exact", 1.0, 0.9)
+    assert p_value < 0.001, p_value
+
+
+def sampled_pairs_p(cloud: Cloud, pair: dict[str, Path], mode: str, temperature: float,
+                    top_p: float) -> float:
+    """The chi-square p-value of ``PAIR_DRAWS`` first two tokens drafted by ``pair``'s
+    draft (3 a round, ahead of the verdicts) and verified by ``cloud``, against its
+    target's own distribution."""
+    draws, prompt, vocab = PAIR_DRAWS, [1, 2, 3], 10
+    with cloud.generator(pair["draft"], k=3, mode=mode, proactive="on") as gen:
         pairs = [c.token_ids for c in gen.generate_n(
             prompt, draws, max_tokens=2, temperature=temperature, top_p=top_p, seed=1234,
             stop_token_ids=[])]
     assert all(len(p) == 2 for p in pairs)
     observed = np.bincount([a * vocab + b for a, b in pairs], minlength=vocab * vocab)
-    expected = exact_pair_distribution(tiny_vocab_pair["target"], prompt, SamplingParams(
+    expected = exact_pair_distribution(pair["target"], prompt, SamplingParams(
         temperature=temperature, top_p=top_p)) * draws
-    assert chi_square_p(observed, expected) > 0.001
+    return chi_square_p(observed, expected)
 
 
 @pytest.mark.parametrize("transport,draft,mode", [
@@ -252,7 +283,7 @@ def test_looked_up_drafts_keep_the_target_distribution(
         transport: str, draft: str, mode: str, vocab_server: ServerProcess,
         tiny_vocab_pair: dict[str, Path]) -> None:
     """A prompt that repeats itself, so that every round has a lookup to propose."""
-    draws, prompt, vocab = 3000, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6], 10
+    draws, prompt, vocab = PAIR_DRAWS, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6], 10
     cloud = Cloud(transport, tiny_vocab_pair["target"],
                   None if transport == "memory" else vocab_server)
     with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="off",
@@ -275,7 +306,7 @@ def test_sampled_token_trees_keep_the_target_distribution(
         vocab_server: ServerProcess, tiny_vocab_pair: dict[str, Path]) -> None:
     """Trees of up to 3 candidates per position: siblings drawn without replacement in
     exact mode, the next most likely tokens in match mode."""
-    draws, prompt, vocab = 3000, [1, 2, 3], 10
+    draws, prompt, vocab = PAIR_DRAWS, [1, 2, 3], 10
     cloud = Cloud(transport, tiny_vocab_pair["target"],
                   None if transport == "memory" else vocab_server)
     with cloud.generator(tiny_vocab_pair["draft"], k=3, mode=mode, proactive="off",
