@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,28 @@ def test_the_command_lines_process_loads_a_model_without_scikit_learn_or_scipy()
                          check=True).stdout.split()
     # the generation and modeling utilities loaded, scikit-learn and SciPy did not
     assert out == ["False"] * len(installed) + ["True", "True"]
+
+
+def test_the_command_ends_its_process_without_the_interpreters_teardown() -> None:
+    """``spececd`` (and ``python -m spececd``) exits through ``processes.exit_now``: the
+    exit handlers run and what was printed is flushed, with the command's exit code, but the
+    teardown of the loaded modules (about a second with torch and transformers) is skipped:
+    an object left in a module is never finalized. Without it, ``python -m spececd`` runs
+    the teardown, and the object says so."""
+    script = textwrap.dedent("""
+        import atexit, sys
+        class Left:
+            def __del__(self):
+                print("torn down", flush=True)
+        left = Left()
+        atexit.register(lambda: print("exit handler", end=" "))
+        sys.argv = ["spececd", "convert", "/nowhere", "out.gguf"]  # exit code 2, and why
+        from spececd.cli import command
+        print("from the command:", end=" ")
+        command()
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "from the command: exit handler "  # flushed, and no teardown
+    assert "/nowhere is not a transformers model folder" in done.stderr

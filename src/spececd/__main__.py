@@ -1,3 +1,3 @@
-from spececd.cli import main
+from spececd.cli import command
 
-raise SystemExit(main())
+command()

@@ -24,11 +24,13 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from spececd.backends.startup import skip_unused_imports
 from spececd.cli import api, bench, chat, convert, demo, devices, generate, serve
 from spececd.cli.output import JsonLines
 from spececd.errors import InputError, SpecECDError
+from spececd.processes import exit_now
 from spececd.protocol.errors import AuthFailed, IncompatibleModels, Unsupported, VersionMismatch
 
 USER_ERRORS = (InputError, IncompatibleModels, AuthFailed, VersionMismatch, Unsupported)
@@ -47,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
+
+
+def command() -> NoReturn:
+    """The ``spececd`` command (and ``python -m spececd``): :func:`main` on the process's
+    arguments, then an exit that skips the interpreter's teardown
+    (:func:`spececd.processes.exit_now`). An error :func:`main` does not answer still
+    ends the process the usual way, with its traceback."""
+    exit_now(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
