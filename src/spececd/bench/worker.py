@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from spececd.backends.startup import skip_unused_imports
 from spececd.bench.api import ApiRunner
-from spececd.processes import bound
+from spececd.processes import bound, exit_now
 
 if TYPE_CHECKING:
     from spececd.backends.base import Backend
@@ -430,3 +430,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # without the teardown of torch and transformers (a second)
