@@ -282,25 +282,44 @@ def test_the_command_lines_process_loads_a_model_without_scikit_learn_or_scipy()
 
 
 def test_the_command_ends_its_process_without_the_interpreters_teardown() -> None:
-    """``spececd`` (and ``python -m spececd``) exits through ``processes.exit_now``: the
-    exit handlers run and what was printed is flushed, with the command's exit code, but the
+    """``spececd`` and ``python -m spececd`` exit through ``processes.exit_now``: the exit
+    handlers run and what was printed is flushed, with the command's exit code, but the
     teardown of the loaded modules (about a second with torch and transformers) is skipped:
-    an object left in a module is never finalized. Without it, ``python -m spececd`` runs
-    the teardown, and the object says so."""
-    script = textwrap.dedent("""
-        import atexit, sys
+    an object left in a module is never finalized. Without it, the teardown runs, and the
+    object says so. Output that cannot be written (stdout on a full disk) makes a command
+    that succeeded exit with 120, as an ordinary exit does, and says so."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "spececd"]
+    assert script.value == "spececd.cli:command"
+    program = textwrap.dedent("""
+        import atexit, runpy, sys
         class Left:
             def __del__(self):
                 print("torn down", flush=True)
         left = Left()
         atexit.register(lambda: print("exit handler", end=" "))
-        sys.argv = ["spececd", "convert", "/nowhere", "out.gguf"]  # exit code 2, and why
-        from spececd.cli import command
+        sys.argv = ["spececd", *sys.argv[1:]]
         print("from the command:", end=" ")
-        command()
+        runpy.run_module("spececd", run_name="__main__")  # python -m spececd
         """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == "from the command: exit handler "  # flushed, and no teardown
-    assert "/nowhere is not a transformers model folder" in done.stderr
+
+    def command(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", program, *argv], capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    failed = command("convert", "/nowhere", "out.gguf")  # the command's own exit code: 2
+    assert failed.returncode == 2, failed.stderr
+    assert failed.stdout == "from the command: exit handler "  # flushed, and no teardown
+    assert "/nowhere is not a transformers model folder" in failed.stderr
+    listed = command("devices")
+    assert listed.returncode == 0 and listed.stdout.startswith("from the command: device")
+    assert "torn down" not in listed.stdout
+    if Path("/dev/full").exists():  # Linux: every write fails with ENOSPC
+        buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        with open("/dev/full", "w") as full:
+            lost = subprocess.run([sys.executable, "-m", "spececd", "devices"], stdout=full,
+                                  stderr=subprocess.PIPE, text=True, timeout=120,
+                                  env=buffered, check=False)
+        assert lost.returncode == 120, lost.stderr
+        assert "could not write its output" in lost.stderr

@@ -39,8 +39,9 @@ WORDS = ["<unk>", "a", "b", "c", "d", "e", "f", "g", "h", "i"]
 def servers(tiny_models: dict[str, Path], permuted: dict[str, Path],
             shared_server: Callable[[Path], ServerProcess]
             ) -> Iterator[dict[str, ServerProcess]]:
+    bpe = shared_server(tiny_models["llama"])
     words = ServerProcess(permuted["target"])
-    yield {"bpe": shared_server(tiny_models["llama"]), "words": words}
+    yield {"bpe": bpe, "words": words}
     words.stop()
 
 

@@ -530,6 +530,7 @@ def test_fuzzing_leaves_legitimate_sessions_unchanged(
             link = None
     if link is not None:
         counts["errors"] += late_errors(link)
+        link.close()  # (the server outlives this module: test files share it)
     fuzzing.clear()
     for thread in threads:
         thread.join(timeout=180)
